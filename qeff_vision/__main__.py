@@ -1,0 +1,3 @@
+from qeff_vision.cli import entry
+
+entry()

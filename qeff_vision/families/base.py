@@ -1,0 +1,273 @@
+"""Declarative description of a vision-language model family.
+
+A family is data plus a little token math: which Hugging Face architectures it accepts, how its
+config names map to normalized dimensions, the symbolic axes of its two programs, how many
+vision tokens an image of a given resolution becomes, and which features it supports. Nothing in
+this module imports torch; the torch side of a family lives in its ``export`` module and is
+imported only when a graph is built (see :attr:`Family.export_module`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a feature is supported, and why not when it is not."""
+
+    supported: bool
+    note: str = ""
+
+    def cell(self) -> str:
+        """Short table cell: ``yes``, or ``no (reason)``."""
+        if self.supported:
+            return "yes" + (f" ({self.note})" if self.note else "")
+        return f"no ({self.note})"
+
+
+def yes(note: str = "") -> Support:
+    """A supported feature, with an optional remark."""
+    return Support(True, note)
+
+
+def no(reason: str) -> Support:
+    """An unsupported feature; the reason is mandatory and shown to users."""
+    return Support(False, reason)
+
+
+@dataclass(frozen=True)
+class Features:
+    """Feature matrix shown by ``qeff-vision families``.
+
+    Attributes:
+        export: Both programs export to ONNX.
+        dynamic_vision_size: The decoder's ``vision_embeds`` has a symbolic ``vision_size`` axis.
+        multi_resolution: One vision graph serves several image resolutions.
+        chunk_split: An image's placeholder tokens may be split across prefill chunks. False for
+            families whose image tokens attend to each other bidirectionally.
+        video: Video inputs are exported and specialized.
+    """
+
+    export: Support
+    dynamic_vision_size: Support
+    multi_resolution: Support
+    chunk_split: Support
+    video: Support
+
+    def rows(self) -> list[tuple[str, Support]]:
+        """Feature name and support, in table order."""
+        return [
+            ("export", self.export),
+            ("dynamic vision_size", self.dynamic_vision_size),
+            ("multi-resolution", self.multi_resolution),
+            ("chunk split allowed", self.chunk_split),
+            ("video", self.video),
+        ]
+
+
+@dataclass(frozen=True)
+class ImageSize:
+    """An image resolution the user wants compiled (height and width in pixels, before resizing)."""
+
+    height: int
+    width: int
+    frames: int = 1
+
+
+@dataclass(frozen=True)
+class TextDims:
+    """Normalized language-model dimensions (the only names family-agnostic code reads)."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """A checkpoint as read from disk without torch: config.json plus the image-processor config.
+
+    Attributes:
+        config: The raw ``config.json`` dictionary.
+        processor: The raw ``preprocessor_config.json`` dictionary, empty when absent (a pinned
+            config snapshot); families then fall back to their documented processor defaults.
+        source: Where it was read from, for messages.
+    """
+
+    config: Mapping[str, Any]
+    processor: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """The ``architectures`` list of the config."""
+        return tuple(self.config.get("architectures") or ())
+
+    @property
+    def model_type(self) -> str:
+        """The ``model_type`` of the config."""
+        return str(self.config.get("model_type", ""))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object, turning I/O and syntax errors into one-line user errors."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise UserError(f"{path}: file not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = None) -> ModelDescription:
+    """Read a checkpoint directory (or a pinned config snapshot) into a :class:`ModelDescription`."""
+    model_dir = Path(model_dir)
+    if config_path is not None:
+        config_file = Path(config_path)
+    elif model_dir.is_dir():
+        config_file = model_dir / "config.json"
+    else:
+        raise UserError(f"{model_dir}: not a checkpoint directory (expected config.json inside)")
+    processor_file = (model_dir / "preprocessor_config.json") if model_dir.is_dir() else None
+    processor = read_json(processor_file) if processor_file and processor_file.exists() else {}
+    return ModelDescription(read_json(config_file), processor, str(config_file))
+
+
+class Family:
+    """Base class of a model family description. Subclasses set the class attributes and token math.
+
+    Class attributes:
+        name: Registry key and CLI value (``qwen2_5_vl``).
+        title: Human name for tables.
+        architectures: ``config.architectures`` values this family accepts.
+        model_types: ``config.model_type`` values this family accepts.
+        features: The feature matrix.
+        export_module: Dotted module with the torch side (loading, export patches, tiny checkpoint).
+        position_id_rows: ``None`` for ``position_ids`` of shape [batch, seq]; an integer R for
+            [R, batch, seq] (Qwen-VL's M-RoPE: row 0 text position, rows 1-3 t/h/w).
+        vision_input_axes: Vision-program inputs and their symbolic axes.
+        vision_output_axes: Vision-program outputs and their symbolic axes.
+        text_config_key: Key of the language sub-config in ``config.json`` (top-level fields are
+            used when absent, as in older Qwen2.5-VL checkpoints).
+        image_token_key: Config key holding the image placeholder token id.
+    """
+
+    name: str = ""
+    title: str = ""
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    features: Features
+    export_module: str = ""
+    position_id_rows: int | None = None
+    vision_input_axes: Mapping[str, Mapping[int, str]] = {}
+    vision_output_axes: Mapping[str, Mapping[int, str]] = {
+        symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}
+    }
+    text_config_key: str = "text_config"
+    image_token_key: str = "image_token_id"
+
+    # ---- config normalization (one place; family code never chains getattr fallbacks) ----
+
+    def text_config(self, model: ModelDescription) -> dict[str, Any]:
+        """The language sub-config, with top-level fields as fallback for flat configs."""
+        merged = {k: v for k, v in model.config.items() if not isinstance(v, dict)}
+        merged.update(model.config.get(self.text_config_key) or {})
+        return merged
+
+    def text_dims(self, model: ModelDescription) -> TextDims:
+        """Normalized language dimensions of ``model``."""
+        text = self.text_config(model)
+        try:
+            heads = int(text["num_attention_heads"])
+            hidden = int(text["hidden_size"])
+            return TextDims(
+                hidden_size=hidden,
+                num_layers=int(text["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_kv_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or hidden // heads),
+                vocab_size=int(text["vocab_size"]),
+                max_position_embeddings=int(text.get("max_position_embeddings") or 0),
+            )
+        except KeyError as exc:
+            raise UserError(f"{model.source}: language config lacks {exc.args[0]!r}") from exc
+
+    def image_token_id(self, model: ModelDescription) -> int:
+        """Token id of the image placeholder."""
+        value = model.config.get(self.image_token_key)
+        if value is None:
+            raise UserError(f"{model.source}: config lacks {self.image_token_key!r}")
+        return int(value)
+
+    # ---- token math (subclasses) ----
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """Values of every symbolic vision-program dimension for one image (batch excluded).
+
+        Must include ``vision_size``: the vision tokens of one image including frames.
+        """
+        raise NotImplementedError
+
+    def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """Placeholder tokens (= vision_embeds rows) one image of this size becomes."""
+        return self.vision_symbols(model, image)[symbols.VISION_SIZE]
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Problems with compiling ``image`` for this family (empty when fine)."""
+        return []
+
+    # ---- language IO (generic; position_ids rank comes from position_id_rows) ----
+
+    def language_input_axes(self, num_layers: int) -> dict[str, dict[int, str]]:
+        """Symbolic axes of every language-program input, in graph input order."""
+        if self.position_id_rows is None:
+            position_axes = {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}
+        else:
+            position_axes = {1: symbols.BATCH_SIZE, 2: symbols.SEQ_LEN}
+        axes: dict[str, dict[int, str]] = {
+            symbols.INPUT_IDS: {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN},
+            symbols.POSITION_IDS: position_axes,
+            symbols.VISION_EMBEDS: {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
+            symbols.IMAGE_IDX: {},
+        }
+        for layer in range(num_layers):
+            kv_axes = {0: symbols.BATCH_SIZE, 2: symbols.CTX_LEN}
+            axes[symbols.past_key(layer)] = dict(kv_axes)
+            axes[symbols.past_value(layer)] = dict(kv_axes)
+        return axes
+
+    def language_output_axes(self, num_layers: int) -> dict[str, dict[int, str]]:
+        """Symbolic axes of every language-program output, in graph output order."""
+        axes: dict[str, dict[int, str]] = {
+            symbols.LOGITS: {0: symbols.BATCH_SIZE},
+            symbols.retained(symbols.VISION_EMBEDS): {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
+            symbols.IMAGE_IDX_OUTPUT: {},
+        }
+        for layer in range(num_layers):
+            kv_axes = {0: symbols.BATCH_SIZE, 2: symbols.CTX_LEN}
+            axes[symbols.retained(symbols.past_key(layer))] = dict(kv_axes)
+            axes[symbols.retained(symbols.past_value(layer))] = dict(kv_axes)
+        return axes
+
+    def vision_graph_symbols(self) -> set[str]:
+        """Every symbol that appears on a vision-program input or output."""
+        return {
+            sym
+            for axes in (*self.vision_input_axes.values(), *self.vision_output_axes.values())
+            for sym in axes.values()
+        }

@@ -1,0 +1,108 @@
+"""Qwen2.5-VL: dynamic-resolution ViT with window attention and 2-D rotary positions, M-RoPE decoder.
+
+Token math follows the Qwen2-VL image processor's ``smart_resize``
+(ref: transformers v5 models/qwen2_vl/image_processing_qwen2_vl.py, ``smart_resize``): both sides
+are rounded to a multiple of ``patch_size * merge_size`` (28), the pixel count is clamped to
+[min_pixels, max_pixels], and every 2x2 group of 14-pixel patches becomes one vision token.
+"""
+
+from __future__ import annotations
+
+import math
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+GRID_H = "grid_h"
+GRID_W = "grid_w"
+GRID_HEIGHT = "grid_height"
+GRID_WIDTH = "grid_width"
+IMAGE_GRID_THW = "image_grid_thw"
+
+# The published checkpoints' preprocessor_config.json (used when only a config snapshot is given).
+DEFAULT_MIN_PIXELS = 4 * 28 * 28
+DEFAULT_MAX_PIXELS = 16384 * 28 * 28
+MAX_ASPECT_RATIO = 200
+CHANNELS = 3
+
+
+@register
+class Qwen2_5_VL(Family):
+    """Qwen2.5-VL (3B/7B/32B/72B Instruct)."""
+
+    name = "qwen2_5_vl"
+    title = "Qwen2.5-VL"
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    model_types = ("qwen2_5_vl",)
+    export_module = "qeff_vision.families.qwen2_5_vl.export"
+    position_id_rows = 4
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=yes("one vision graph, a specialization per resolution"),
+        chunk_split=yes("causal attention over image tokens"),
+        video=no("video frames are not exported yet; images only"),
+    )
+    # The grid dims ride on the *shape* of image_grid_thw [batch, 1, grid_h, grid_w], so one graph
+    # serves every resolution and the compiler sees them as specialization symbols (QEfficient's
+    # layout, which vLLM's qaic backend feeds).
+    vision_input_axes = {
+        symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
+        IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 2: GRID_H, 3: GRID_W},
+    }
+    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
+
+    def _vision(self, model: ModelDescription) -> dict:
+        return dict(model.config.get("vision_config") or {})
+
+    def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) from the processor config, or the published defaults."""
+        processor = model.processor
+        size = processor.get("size") or {}
+        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
+        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
+        return int(min_pixels), int(max_pixels)
+
+    def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
+        """Height and width after the processor's smart resize."""
+        vision = self._vision(model)
+        factor = int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))
+        min_pixels, max_pixels = self.pixel_limits(model)
+        height, width = image.height, image.width
+        h_bar = max(factor, round(height / factor) * factor)
+        w_bar = max(factor, round(width / factor) * factor)
+        if h_bar * w_bar > max_pixels:
+            beta = math.sqrt((height * width) / max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Qwen's processor rejects extreme aspect ratios; video is not exported yet."""
+        problems = []
+        if max(image.height, image.width) / min(image.height, image.width) > MAX_ASPECT_RATIO:
+            problems.append(f"aspect ratio of {image.height}x{image.width} exceeds {MAX_ASPECT_RATIO}")
+        if image.frames != 1:
+            problems.append("frames must be 1: Qwen2.5-VL video export is not supported yet")
+        return problems
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """grid_h, grid_w (patches), grid_height (patch rows), grid_width (patch features), vision_size."""
+        vision = self._vision(model)
+        patch = int(vision.get("patch_size", 14))
+        merge = int(vision.get("spatial_merge_size", 2))
+        temporal = int(vision.get("temporal_patch_size", 2))
+        height, width = self.resized(model, image)
+        grid_h, grid_w = height // patch, width // patch
+        return {
+            GRID_H: grid_h,
+            GRID_W: grid_w,
+            GRID_HEIGHT: grid_h * grid_w * image.frames,
+            GRID_WIDTH: CHANNELS * temporal * patch * patch,
+            symbols.VISION_SIZE: grid_h * grid_w * image.frames // (merge * merge),
+        }

@@ -1,0 +1,69 @@
+"""Atomic file and directory writes: nothing half-written is ever left under a final name."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, data: object) -> None:
+    """Write ``data`` as indented, key-sorted JSON, atomically."""
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def staged_directory(final: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling directory that replaces ``final`` only when the block succeeds.
+
+    On any exception the staging directory is removed and ``final`` is left as it was, so an
+    interrupted export or compile never leaves a directory that looks complete.
+
+    Args:
+        final: The directory the finished content should live in.
+        force: Replace an existing non-empty ``final``; without it the caller must have checked.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging.", dir=final.parent))
+    try:
+        yield staging
+        if final.exists():
+            if not force and any(final.iterdir()):
+                raise FileExistsError(f"{final} appeared while writing; refusing to replace it")
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
+            os.replace(final, trash / final.name)
+            os.replace(staging, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def is_nonempty_dir(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory with at least one entry."""
+    path = Path(path)
+    return path.is_dir() and any(path.iterdir())

@@ -1,0 +1,37 @@
+"""Names of the symbolic ONNX dimensions shared by exporters, specializations and runtimes.
+
+They are the contract between the exported graphs and the compiler's specialization files: a
+specialization must bind exactly the symbols that appear in the graph, so every module refers to
+these constants instead of repeating string literals.
+"""
+
+BATCH_SIZE = "batch_size"
+SEQ_LEN = "seq_len"
+CTX_LEN = "ctx_len"
+VISION_BATCH_SIZE = "vision_batch_size"
+VISION_SIZE = "vision_size"
+
+# Language-program IO names (QEfficient-compatible, so vLLM's qaic backend can load our QPCs).
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+VISION_EMBEDS = "vision_embeds"
+IMAGE_IDX = "image_idx"
+LOGITS = "logits"
+IMAGE_IDX_OUTPUT = "image_idx_output"
+RETAINED_SUFFIX = "_RetainedState"
+PIXEL_VALUES = "pixel_values"
+
+
+def past_key(layer: int) -> str:
+    """Name of the key-cache input of decoder layer ``layer``."""
+    return f"past_key.{layer}"
+
+
+def past_value(layer: int) -> str:
+    """Name of the value-cache input of decoder layer ``layer``."""
+    return f"past_value.{layer}"
+
+
+def retained(name: str) -> str:
+    """Output name the compiler pairs with input ``name`` to keep it resident on the device."""
+    return f"{name}{RETAINED_SUFFIX}"
