@@ -1,0 +1,232 @@
+"""Typed, validated compiler options for the two programs of a dual QPC.
+
+The ``compile:`` section of a spec sets options once for both programs and overrides them per
+program; the vision encoder and the language decoder may differ in cores, devices and precision::
+
+    compile:
+      num_cores: 16            # shared default for both programs
+      vision:
+        mxfp6_matmul: false    # the vision encoder is small; keep its matmuls in fp16
+      language:
+        num_devices: 4         # one language program spread over four devices (MDP)
+        kv_cache_dtype: mxint8
+
+Every option maps to one compiler flag (see :mod:`qeff_vision.compile.argv`); there is no untyped
+pass-through of unknown flags. :func:`parse_compile_options` reports every problem at once, each
+prefixed by its YAML path, so the spec loader can merge them into one :class:`SpecError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+VISION = "vision"
+LANGUAGE = "language"
+# YAML section name -> directory name of the program under the output directory.
+PROGRAM_DIRS: dict[str, str] = {VISION: "vision", LANGUAGE: "lang"}
+
+KV_CACHE_DTYPES = ("float16", "mxint8")
+# "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass.
+AIC_HW_VERSIONS = ("ai100", "2.0")
+# One AI 100 SoC has up to 16 neural signal processors (cores).
+MAX_CORES_PER_DEVICE = 16
+# Keys that only make sense for the language program (it owns the KV cache).
+LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype"})
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """Compiler options of one program (vision encoder or language decoder).
+
+    Attributes:
+        num_cores: Cores per device (``-aic-num-cores``), 1..16.
+        num_devices: Devices the program is partitioned over. Above 1 the argv builder writes an
+            MDP partition file and passes ``-mdp-load-partition-config``.
+        mxfp6_matmul: Compress matmul weights to MXFP6 (``-mxfp6-matmul``). On by default for the
+            language program, off for the vision encoder.
+        convert_to_fp16: Run fp32 graphs in fp16 (``-convert-to-fp16``).
+        mos: Maximum output channel split (``-mos``); ``None`` leaves the compiler default.
+        ols: Overlap split factor (``-ols``); ``None`` leaves the compiler default.
+        depth_first: Depth-first scheduling (``-aic-enable-depth-first``).
+        aic_hw_version: Target hardware (``-aic-hw-version``).
+        kv_cache_dtype: Element type of the KV cache held on the device, ``float16`` or ``mxint8``
+            (language program only; it decides the custom IO of ``past_key.*``/``past_value.*``).
+        timeout: Seconds the compiler may run before it is stopped; ``None`` waits forever.
+    """
+
+    num_cores: int = MAX_CORES_PER_DEVICE
+    num_devices: int = 1
+    mxfp6_matmul: bool = False
+    convert_to_fp16: bool = True
+    mos: int | None = None
+    ols: int | None = None
+    depth_first: bool = False
+    aic_hw_version: str = AIC_HW_VERSIONS[0]
+    kv_cache_dtype: str = KV_CACHE_DTYPES[0]
+    timeout: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dictionary (for manifests and cache keys)."""
+        return asdict(self)
+
+
+def _default_language() -> ProgramOptions:
+    return ProgramOptions(mxfp6_matmul=True)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Options of both programs. ``language`` defaults to MXFP6 matmuls, ``vision`` does not."""
+
+    vision: ProgramOptions = field(default_factory=ProgramOptions)
+    language: ProgramOptions = field(default_factory=_default_language)
+
+    def program(self, name: str) -> ProgramOptions:
+        """Options of ``name`` (``vision``/``language``, or the directory names ``vision``/``lang``)."""
+        if name == VISION:
+            return self.vision
+        if name in (LANGUAGE, PROGRAM_DIRS[LANGUAGE]):
+            return self.language
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dictionary, keyed by YAML section name."""
+        return {VISION: self.vision.to_dict(), LANGUAGE: self.language.to_dict()}
+
+
+# ---- validation ----
+
+
+def _positive_int(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return "must be a positive integer"
+    return None
+
+
+def _cores(value: Any) -> str | None:
+    problem = _positive_int(value)
+    if problem is None and value > MAX_CORES_PER_DEVICE:
+        return f"must be at most {MAX_CORES_PER_DEVICE} (cores of one device)"
+    return problem
+
+
+def _optional_positive_int(value: Any) -> str | None:
+    return None if value is None else _positive_int(value)
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(value: Any) -> str | None:
+        if isinstance(value, str) and value in choices:
+            return None
+        return "must be one of " + ", ".join(choices) + f" (got {value!r})"
+
+    return check
+
+
+def _timeout(value: Any) -> str | None:
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        return "must be a positive number of seconds"
+    return None
+
+
+_CHECKS = {
+    "num_cores": _cores,
+    "num_devices": _positive_int,
+    "mxfp6_matmul": _boolean,
+    "convert_to_fp16": _boolean,
+    "mos": _optional_positive_int,
+    "ols": _optional_positive_int,
+    "depth_first": _boolean,
+    "aic_hw_version": _choice(AIC_HW_VERSIONS),
+    "kv_cache_dtype": _choice(KV_CACHE_DTYPES),
+    "timeout": _timeout,
+}
+assert set(_CHECKS) == {f.name for f in fields(ProgramOptions)}, "every option needs a check"
+PROGRAM_KEYS = tuple(_CHECKS)
+
+
+def _normalize(value: Any, key: str) -> Any:
+    # YAML may spell "2.0" as a float; accept it rather than make users quote a version.
+    if key == "aic_hw_version" and isinstance(value, float) and not isinstance(value, bool):
+        return f"{value:.1f}"
+    if key == "timeout" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _read_program(data: Mapping[str, Any], path: str, allowed: tuple[str, ...]) -> tuple[dict, list[str]]:
+    """Checked option values of one mapping; unknown keys and bad values become problems."""
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        if key not in allowed:
+            if key in LANGUAGE_ONLY_KEYS:
+                problems.append(f"{path}.{key}: applies to the language program only")
+            else:
+                problems.append(f"{path}.{key}: unknown key; allowed: " + ", ".join(allowed))
+            continue
+        value = _normalize(value, key)
+        problem = _CHECKS[key](value)
+        if problem:
+            problems.append(f"{path}.{key}: {problem}")
+        else:
+            values[key] = value
+    return values, problems
+
+
+def parse_compile_options(
+    data: Mapping[str, Any] | None, path: str = "compile"
+) -> tuple[CompileOptions, list[str]]:
+    """Validate a spec's ``compile:`` section.
+
+    Keys at the top level are defaults for both programs (language-only keys such as
+    ``kv_cache_dtype`` apply to the language program); ``vision:`` and ``language:`` override them.
+
+    Args:
+        data: The parsed section; ``None`` (section absent) gives the defaults.
+        path: YAML path of the section, used as the prefix of every problem.
+
+    Returns:
+        The options (defaults where a value was missing or invalid) and every problem found, each
+        as ``"<yaml path>: <what is wrong>"``. An empty list means the section is valid.
+    """
+    if data is None:
+        return CompileOptions(), []
+    if not isinstance(data, Mapping):
+        return CompileOptions(), [f"{path}: must be a mapping of compiler options"]
+    problems: list[str] = []
+    shared_data = {k: v for k, v in data.items() if k not in (VISION, LANGUAGE)}
+    shared, found = _read_program(shared_data, path, PROGRAM_KEYS + (VISION, LANGUAGE))
+    problems += found
+    vision_keys = tuple(k for k in PROGRAM_KEYS if k not in LANGUAGE_ONLY_KEYS)
+    programs: dict[str, ProgramOptions] = {}
+    for name, default, allowed in (
+        (VISION, ProgramOptions(), vision_keys),
+        (LANGUAGE, _default_language(), PROGRAM_KEYS),
+    ):
+        section = data.get(name)
+        if section is None:
+            section = {}
+        elif not isinstance(section, Mapping):
+            problems.append(f"{path}.{name}: must be a mapping of compiler options")
+            section = {}
+        own, found = _read_program(section, f"{path}.{name}", allowed)
+        problems += found
+        merged = {k: v for k, v in shared.items() if k in allowed}
+        merged.update(own)
+        programs[name] = replace(default, **merged)
+    return CompileOptions(vision=programs[VISION], language=programs[LANGUAGE]), problems
