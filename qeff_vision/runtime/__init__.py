@@ -1,0 +1,33 @@
+"""Chunk-aware runtime: the chunk planner, the per-image embedding cache, sessions, generation.
+
+The planner and the cache are pure (numpy only); sessions import onnxruntime or the QAIC SDK in
+their own modules, so importing this package stays cheap.
+"""
+
+from qeff_vision.runtime.planner import (
+    Chunk,
+    ChunkEnd,
+    ChunkPlan,
+    ImagePiece,
+    ImageSpan,
+    PlanError,
+    PrefillBucket,
+    VisionProtocol,
+    assemble_vision_embeds,
+    find_image_spans,
+    plan_chunks,
+)
+
+__all__ = [
+    "Chunk",
+    "ChunkEnd",
+    "ChunkPlan",
+    "ImagePiece",
+    "ImageSpan",
+    "PlanError",
+    "PrefillBucket",
+    "VisionProtocol",
+    "assemble_vision_embeds",
+    "find_image_spans",
+    "plan_chunks",
+]

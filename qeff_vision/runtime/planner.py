@@ -1,0 +1,519 @@
+"""Chunk planner: which tokens, vision rows and ``image_idx`` each prefill call of a prompt carries.
+
+Pure and torch-free. Inputs are a prompt length L, the image placeholder spans in prompt order,
+and the compiled prefill buckets (``seq_len`` S, ``vision_size`` V). ``P[x]`` is the number of
+placeholder tokens before token x; a chunk [a, b) uses rows ``P[a]..P[b]`` of G, the per-image
+embeddings concatenated in prompt order (see docs/design.md, "Host protocol per prefill chunk").
+
+Protocols (:class:`VisionProtocol`):
+    ``chunk`` (chunk-local, the default): a chunk sends exactly rows ``P[a]..P[b]``, zero-padded
+    to its bucket's V, with ``image_idx`` 0. Every row crosses to the device once.
+    ``full`` (legacy, kept for comparison): every chunk sends all of G padded to V and
+    ``image_idx = P[a]``, the running count the previous chunk's ``image_idx_output`` returns.
+    Only buckets with V >= len(G) can carry it.
+
+Bucket choice. Chunk boundaries are chosen greedily: each chunk ends as far as any bucket can
+reach, and then takes the smallest bucket (by S, then V) that holds it. A bucket reaches from a
+to the first of: a + S, the end of the prompt, and (``chunk`` protocol) the token whose row would
+exceed V. When images must not be split, an end inside an image moves back to that image's
+start. Hence every chunk but the last fills the largest bucket, and the final remainder gets
+the smallest bucket that holds it (least padding). Why: a prefill call costs a fixed overhead
+(one pass over the weights, a host round trip) plus work proportional to its padded S, so the
+fewest calls come first and then the least padding. The greedy reach is optimal for the call
+count because whether [a, b) fits a bucket only gets easier as a grows or b shrinks. A chunk
+ends short of its bucket's S only at the end of the prompt, or when it was shrunk because the
+next placeholder would exceed every bucket's V (an integer ``vision_size`` policy) or an image
+that must not be split would not fit (:class:`ChunkEnd` says which).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import numpy as np
+
+from qeff_vision.errors import UserError
+
+
+class PlanError(UserError, ValueError):
+    """The prompt, its image spans and the compiled buckets admit no valid chunk plan."""
+
+
+class VisionProtocol(str, Enum):
+    """How vision rows travel with prefill chunks."""
+
+    CHUNK = "chunk"
+    FULL = "full"
+
+
+class ChunkEnd(str, Enum):
+    """Why a chunk ends where it does."""
+
+    PROMPT_END = "prompt_end"
+    SEQ_LEN = "seq_len"
+    VISION_SIZE = "vision_size"
+    IMAGE_BOUNDARY = "image_boundary"
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """The placeholder tokens of one image: ``rows`` tokens from ``start``, one per embedding row."""
+
+    start: int
+    rows: int
+
+    @property
+    def stop(self) -> int:
+        """One past the image's last placeholder token."""
+        return self.start + self.rows
+
+
+@dataclass(frozen=True)
+class PrefillBucket:
+    """A compiled prefill specialization: ``seq_len`` tokens and ``vision_size`` rows per call."""
+
+    seq_len: int
+    vision_size: int
+
+
+@dataclass(frozen=True)
+class ImagePiece:
+    """Rows [start, stop) of image ``image``'s own embedding, sent by one chunk."""
+
+    image: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One prefill call.
+
+    Attributes:
+        index: Position of the chunk in the plan.
+        start: First prompt token of the chunk (positions are sliced the same way).
+        stop: One past the last prompt token.
+        seq_len: The bucket's S; the token tail is padded up to it.
+        vision_size: The bucket's V; the sent rows are zero-padded up to it.
+        row_start: First row of G sent (0 for the ``full`` protocol).
+        row_stop: One past the last row of G sent (len(G) for the ``full`` protocol).
+        placeholders: Placeholder tokens inside the chunk (``P[stop] - P[start]``).
+        image_idx: Value of the ``image_idx`` input.
+        images: Images with placeholder tokens inside the chunk, in prompt order.
+        pieces: The rows sent, image by image, in the order they are concatenated.
+        first_use: Images whose rows are sent for the first time here: encode before this call.
+        last_use: Images whose rows are sent for the last time here: release after this call.
+        end: Why the chunk ends at ``stop``.
+    """
+
+    index: int
+    start: int
+    stop: int
+    seq_len: int
+    vision_size: int
+    row_start: int
+    row_stop: int
+    placeholders: int
+    image_idx: int
+    images: tuple[int, ...]
+    pieces: tuple[ImagePiece, ...]
+    first_use: tuple[int, ...]
+    last_use: tuple[int, ...]
+    end: ChunkEnd
+
+    @property
+    def tokens(self) -> int:
+        """Real (unpadded) tokens in the chunk."""
+        return self.stop - self.start
+
+    @property
+    def padding(self) -> int:
+        """Padding tokens appended to fill the bucket (position id -1)."""
+        return self.seq_len - self.tokens
+
+    @property
+    def rows(self) -> int:
+        """Real rows of G sent (before zero padding to ``vision_size``)."""
+        return self.row_stop - self.row_start
+
+    @property
+    def row_padding(self) -> int:
+        """Zero rows appended to fill ``vision_size``."""
+        return self.vision_size - self.rows
+
+    @property
+    def token_slice(self) -> slice:
+        """The chunk's tokens (and position ids) in the prompt."""
+        return slice(self.start, self.stop)
+
+    @property
+    def row_slice(self) -> slice:
+        """The rows of G the chunk sends."""
+        return slice(self.row_start, self.row_stop)
+
+    @property
+    def image_idx_output(self) -> int:
+        """What the device returns as ``image_idx_output``: ``image_idx`` plus the placeholders."""
+        return self.image_idx + self.placeholders
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The chunks of one prompt and what they send.
+
+    Attributes:
+        prompt_len: L, the prompt's token count.
+        protocol: The vision protocol the chunks follow.
+        image_spans: The images' placeholder spans, in prompt order.
+        chunks: The prefill calls, in order; they cover [0, L) contiguously.
+        first_chunk_of_image: Per image, the first chunk that sends its rows.
+        last_chunk_of_image: Per image, the last chunk that sends its rows (free it after that).
+    """
+
+    prompt_len: int
+    protocol: VisionProtocol
+    image_spans: tuple[ImageSpan, ...]
+    chunks: tuple[Chunk, ...]
+    first_chunk_of_image: tuple[int, ...]
+    last_chunk_of_image: tuple[int, ...]
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def total_rows(self) -> int:
+        """len(G): every image's embedding rows."""
+        return sum(span.rows for span in self.image_spans)
+
+    @property
+    def rows_sent(self) -> int:
+        """Rows transferred over all chunks, zero padding included (what crosses to the device)."""
+        return sum(chunk.vision_size for chunk in self.chunks)
+
+    @property
+    def real_rows_sent(self) -> int:
+        """Rows of G transferred over all chunks, zero padding excluded."""
+        return sum(chunk.rows for chunk in self.chunks)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Padding tokens over all chunks."""
+        return sum(chunk.padding for chunk in self.chunks)
+
+    def vision_bytes(self, hidden_size: int, dtype_size: int) -> int:
+        """Bytes of ``vision_embeds`` sent over all chunks for a given hidden size and element size."""
+        return self.rows_sent * hidden_size * dtype_size
+
+
+def _as_span(value: ImageSpan | tuple[int, int]) -> ImageSpan:
+    return value if isinstance(value, ImageSpan) else ImageSpan(*value)
+
+
+def _as_bucket(value: PrefillBucket | tuple[int, int]) -> PrefillBucket:
+    return value if isinstance(value, PrefillBucket) else PrefillBucket(*value)
+
+
+def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket]) -> None:
+    if prompt_len < 1:
+        raise PlanError(f"prompt length must be at least 1 token, got {prompt_len}")
+    if not buckets:
+        raise PlanError("no prefill buckets: compile at least one prefill specialization")
+    seen: dict[int, int] = {}
+    for bucket in buckets:
+        if bucket.seq_len < 1 or bucket.vision_size < 1:
+            raise PlanError(f"bucket {bucket}: seq_len and vision_size must be positive")
+        if seen.setdefault(bucket.seq_len, bucket.vision_size) != bucket.vision_size:
+            raise PlanError(f"two prefill buckets with seq_len {bucket.seq_len} and different vision_size")
+    previous_stop = 0
+    for number, span in enumerate(spans):
+        if span.start < 0 or span.rows < 1:
+            raise PlanError(f"image {number}: span {span} needs start >= 0 and at least one row")
+        if span.stop > prompt_len:
+            raise PlanError(
+                f"image {number}: span [{span.start}, {span.stop}) ends beyond the prompt ({prompt_len})"
+            )
+        if span.start < previous_stop:
+            raise PlanError(
+                f"image {number}: span [{span.start}, {span.stop}) overlaps or precedes the previous image "
+                f"(ends at {previous_stop}); spans must be disjoint and in prompt order"
+            )
+        previous_stop = span.stop
+
+
+class _Placeholders:
+    """P[x] and its inverse over the image spans."""
+
+    def __init__(self, spans: Sequence[ImageSpan], prompt_len: int):
+        self.spans = spans
+        self.prompt_len = prompt_len
+        self.starts = [span.start for span in spans]
+        self.stops = [span.stop for span in spans]
+        self.offsets = [0]
+        for span in spans:
+            self.offsets.append(self.offsets[-1] + span.rows)
+
+    def before(self, position: int) -> int:
+        """P[position]: placeholder tokens in [0, position)."""
+        count = bisect.bisect_left(self.starts, position)
+        if count == 0:
+            return 0
+        span = self.spans[count - 1]
+        return self.offsets[count - 1] + min(span.rows, position - span.start)
+
+    def position_of_row(self, row: int) -> int:
+        """Token of row ``row`` of G: the largest x with P[x] <= row (L past the last row)."""
+        if row >= self.offsets[-1]:
+            return self.prompt_len
+        image = bisect.bisect_right(self.offsets, row) - 1
+        return self.spans[image].start + row - self.offsets[image]
+
+    def image_containing(self, position: int) -> ImageSpan | None:
+        """The span with start < position < stop (a cut there would split the image), if any."""
+        image = bisect.bisect_left(self.starts, position) - 1
+        if image >= 0 and self.spans[image].stop > position:
+            return self.spans[image]
+        return None
+
+    def overlapping(self, start: int, stop: int) -> range:
+        """Indices of the images with a placeholder in [start, stop)."""
+        first = bisect.bisect_right(self.stops, start)
+        return range(first, bisect.bisect_left(self.starts, stop))
+
+
+def _reach(
+    start: int, bucket: PrefillBucket, placeholders: _Placeholders, per_chunk_rows: bool, allow_split: bool
+) -> tuple[int, ChunkEnd]:
+    """How far one chunk from ``start`` can go in ``bucket``, and what stops it."""
+    by_tokens = min(start + bucket.seq_len, placeholders.prompt_len)
+    stop, end = by_tokens, ChunkEnd.SEQ_LEN
+    if per_chunk_rows:
+        by_rows = placeholders.position_of_row(placeholders.before(start) + bucket.vision_size)
+        if by_rows < stop:
+            stop, end = by_rows, ChunkEnd.VISION_SIZE
+    if not allow_split:
+        image = placeholders.image_containing(stop)
+        if image is not None:
+            stop, end = image.start, ChunkEnd.IMAGE_BOUNDARY
+    if stop == placeholders.prompt_len:
+        end = ChunkEnd.PROMPT_END
+    return stop, end
+
+
+def _check_images_fit(
+    spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket], per_chunk_rows: bool
+) -> None:
+    """Without splitting, each image needs one bucket that holds all its tokens (and rows)."""
+    for number, span in enumerate(spans):
+        if not any(
+            bucket.seq_len >= span.rows and (not per_chunk_rows or bucket.vision_size >= span.rows)
+            for bucket in buckets
+        ):
+            need = "seq_len and vision_size" if per_chunk_rows else "seq_len"
+            compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+            raise PlanError(
+                f"image {number} has {span.rows} placeholder tokens, more than any prefill bucket holds "
+                f"(seq_len/vision_size: {compiled}); this family cannot split an image across chunks: "
+                f"compile a bucket with {need} >= {span.rows}"
+            )
+
+
+def plan_chunks(
+    prompt_len: int,
+    image_spans: Sequence[ImageSpan | tuple[int, int]],
+    buckets: Sequence[PrefillBucket | tuple[int, int]],
+    *,
+    allow_image_split: bool = True,
+    protocol: VisionProtocol | str = VisionProtocol.CHUNK,
+) -> ChunkPlan:
+    """Split a prompt into prefill chunks, choosing a bucket for each (rule in the module docstring).
+
+    Args:
+        prompt_len: L, tokens in the prompt.
+        image_spans: Per image in prompt order, an :class:`ImageSpan` or ``(start, rows)``.
+        buckets: The compiled prefill buckets, as :class:`PrefillBucket` or ``(seq_len, vision_size)``.
+        allow_image_split: The family's ``chunk_split`` feature; False keeps each image in one chunk.
+        protocol: ``chunk`` (chunk-local rows, ``image_idx`` 0) or ``full`` (all rows every chunk).
+
+    Returns:
+        The plan; its chunks cover [0, L) contiguously.
+
+    Raises:
+        PlanError: Invalid inputs, or an image that no bucket can carry whole when splitting is off.
+    """
+    try:
+        protocol = VisionProtocol(protocol)
+    except ValueError as exc:
+        choices = ", ".join(p.value for p in VisionProtocol)
+        raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
+    spans = tuple(_as_span(span) for span in image_spans)
+    all_buckets = sorted({_as_bucket(bucket) for bucket in buckets}, key=lambda b: (b.seq_len, b.vision_size))
+    _validate(prompt_len, spans, all_buckets)
+    placeholders = _Placeholders(spans, prompt_len)
+    total_rows = placeholders.offsets[-1]
+    per_chunk_rows = protocol is VisionProtocol.CHUNK
+    usable = all_buckets if per_chunk_rows else [b for b in all_buckets if b.vision_size >= total_rows]
+    if not usable:
+        largest = max(b.vision_size for b in all_buckets)
+        raise PlanError(
+            f"the full protocol sends all {total_rows} image rows with every chunk, but the largest "
+            f"compiled vision_size is {largest}; use the chunk protocol or compile vision_size 'max'"
+        )
+    if not allow_image_split:
+        _check_images_fit(spans, usable, per_chunk_rows)
+
+    chunks: list[Chunk] = []
+    start = 0
+    while start < prompt_len:
+        reaches = [
+            _reach(start, bucket, placeholders, per_chunk_rows, allow_image_split) for bucket in usable
+        ]
+        stop = max(reach for reach, _ in reaches)
+        end = _why_chunk_ends({end for reach, end in reaches if reach == stop})
+        placeholder_count = placeholders.before(stop) - placeholders.before(start)
+        bucket = next(
+            b
+            for b in usable
+            if b.seq_len >= stop - start and (not per_chunk_rows or b.vision_size >= placeholder_count)
+        )
+        images = tuple(placeholders.overlapping(start, stop))
+        if per_chunk_rows:
+            row_start, row_stop, image_idx = placeholders.before(start), placeholders.before(stop), 0
+            pieces = tuple(_piece(i, spans[i], start, stop) for i in images)
+        else:
+            row_start, row_stop, image_idx = 0, total_rows, placeholders.before(start)
+            pieces = tuple(ImagePiece(i, 0, span.rows) for i, span in enumerate(spans))
+        chunks.append(
+            Chunk(
+                index=len(chunks),
+                start=start,
+                stop=stop,
+                seq_len=bucket.seq_len,
+                vision_size=bucket.vision_size,
+                row_start=row_start,
+                row_stop=row_stop,
+                placeholders=placeholder_count,
+                image_idx=image_idx,
+                images=images,
+                pieces=pieces,
+                first_use=(),
+                last_use=(),
+                end=end,
+            )
+        )
+        start = stop
+    return _with_lifetimes(prompt_len, protocol, spans, chunks)
+
+
+def _why_chunk_ends(ends: set[ChunkEnd]) -> ChunkEnd:
+    """One reason among the buckets that reach furthest; a full bucket outranks a shrink."""
+    for end in (ChunkEnd.PROMPT_END, ChunkEnd.SEQ_LEN, ChunkEnd.IMAGE_BOUNDARY):
+        if end in ends:
+            return end
+    return ChunkEnd.VISION_SIZE
+
+
+def _piece(image: int, span: ImageSpan, start: int, stop: int) -> ImagePiece:
+    """The rows of ``image`` whose placeholder tokens lie in [start, stop)."""
+    return ImagePiece(image, max(start, span.start) - span.start, min(stop, span.stop) - span.start)
+
+
+def _with_lifetimes(
+    prompt_len: int, protocol: VisionProtocol, spans: tuple[ImageSpan, ...], chunks: list[Chunk]
+) -> ChunkPlan:
+    """Fill each chunk's ``first_use``/``last_use`` and the plan's per-image first and last chunk."""
+    first_chunk = [-1] * len(spans)
+    last_chunk = [-1] * len(spans)
+    for chunk in chunks:
+        for piece in chunk.pieces:
+            if first_chunk[piece.image] < 0:
+                first_chunk[piece.image] = chunk.index
+            last_chunk[piece.image] = chunk.index
+    final = tuple(
+        replace(
+            chunk,
+            first_use=tuple(p.image for p in chunk.pieces if first_chunk[p.image] == chunk.index),
+            last_use=tuple(p.image for p in chunk.pieces if last_chunk[p.image] == chunk.index),
+        )
+        for chunk in chunks
+    )
+    return ChunkPlan(prompt_len, protocol, spans, final, tuple(first_chunk), tuple(last_chunk))
+
+
+def find_image_spans(
+    token_ids: Sequence[int] | np.ndarray, image_token_id: int, rows_per_image: Sequence[int] | None = None
+) -> list[ImageSpan]:
+    """Image placeholder spans of a tokenized prompt.
+
+    Two images' placeholder runs can be adjacent (nothing between them), so one run of the
+    placeholder id may hold several images. With ``rows_per_image`` (per image in prompt order,
+    e.g. from the family's token math) each run is cut into consecutive images of those sizes;
+    without it every maximal run is taken as one image.
+
+    Args:
+        token_ids: The prompt's token ids, 1-D.
+        image_token_id: The family's image placeholder id.
+        rows_per_image: Embedding rows of each image, in prompt order, when known.
+
+    Returns:
+        One :class:`ImageSpan` per image, in prompt order.
+
+    Raises:
+        PlanError: The runs cannot be cut into images of the given sizes.
+    """
+    ids = np.asarray(token_ids).reshape(-1)
+    is_placeholder = np.concatenate(([False], ids == image_token_id, [False]))
+    edges = np.flatnonzero(np.diff(is_placeholder.astype(np.int8)))
+    runs = [(int(start), int(stop)) for start, stop in zip(edges[0::2], edges[1::2])]
+    if rows_per_image is None:
+        return [ImageSpan(start, stop - start) for start, stop in runs]
+    spans: list[ImageSpan] = []
+    images = iter(enumerate(rows_per_image))
+    for run_start, run_stop in runs:
+        position = run_start
+        while position < run_stop:
+            number, rows = next(images, (len(spans), None))
+            if rows is None or rows < 1 or position + rows > run_stop:
+                raise PlanError(
+                    f"placeholder runs {runs} of token {image_token_id} cannot be cut into images of "
+                    f"{list(rows_per_image)} rows (image {number} does not fit the run at {run_start})"
+                )
+            spans.append(ImageSpan(position, rows))
+            position += rows
+    if len(spans) != len(rows_per_image):
+        raise PlanError(
+            f"the prompt has {sum(stop - start for start, stop in runs)} placeholder tokens of id "
+            f"{image_token_id} but {len(rows_per_image)} images of {list(rows_per_image)} rows were given"
+        )
+    return spans
+
+
+def assemble_vision_embeds(
+    chunk: Chunk, image_rows: Sequence[np.ndarray | None], hidden_size: int, dtype: np.dtype | str
+) -> np.ndarray:
+    """The ``vision_embeds`` input of one chunk: its pieces concatenated, zero-padded to V.
+
+    Args:
+        chunk: A chunk of a plan.
+        image_rows: Per image of the plan, its embedding [rows, hidden]; images the chunk does not
+            send may be None (already released).
+        hidden_size: The decoder's hidden size (needed when the chunk sends no rows).
+        dtype: Element type of ``vision_embeds``.
+
+    Returns:
+        Array of shape [1, vision_size, hidden_size] (``vision_batch_size`` 1).
+    """
+    embeds = np.zeros((1, chunk.vision_size, hidden_size), dtype=dtype)
+    row = 0
+    for piece in chunk.pieces:
+        rows = image_rows[piece.image]
+        if rows is None:
+            raise ValueError(f"chunk {chunk.index} sends rows of image {piece.image}, but none were given")
+        embeds[0, row : row + piece.stop - piece.start] = rows[piece.start : piece.stop]
+        row += piece.stop - piece.start
+    return embeds
