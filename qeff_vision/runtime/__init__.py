@@ -4,6 +4,15 @@ The planner and the cache are pure (numpy only); sessions import onnxruntime or 
 their own modules, so importing this package stays cheap.
 """
 
+from qeff_vision.runtime.embedding_cache import (
+    CacheStats,
+    EmbeddingCache,
+    Encoder,
+    PreparedImage,
+    content_key,
+    feed_chunks,
+    fetch_embeddings,
+)
 from qeff_vision.runtime.planner import (
     Chunk,
     ChunkEnd,
@@ -19,6 +28,13 @@ from qeff_vision.runtime.planner import (
 )
 
 __all__ = [
+    "CacheStats",
+    "EmbeddingCache",
+    "Encoder",
+    "PreparedImage",
+    "content_key",
+    "feed_chunks",
+    "fetch_embeddings",
     "Chunk",
     "ChunkEnd",
     "ChunkPlan",
