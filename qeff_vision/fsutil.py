@@ -17,6 +17,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; outputs are ordinary files
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
@@ -47,6 +48,7 @@ def staged_directory(final: str | os.PathLike, *, force: bool = False) -> Iterat
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging.", dir=final.parent))
+    os.chmod(staging, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
     try:
         yield staging
         if final.exists():

@@ -143,8 +143,15 @@ def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = 
         config_file = model_dir / "config.json"
     else:
         raise UserError(f"{model_dir}: not a checkpoint directory (expected config.json inside)")
-    processor_file = (model_dir / "preprocessor_config.json") if model_dir.is_dir() else None
-    processor = read_json(processor_file) if processor_file and processor_file.exists() else {}
+    processor: dict[str, Any] = {}
+    if model_dir.is_dir():
+        # Older checkpoints keep the image processor in preprocessor_config.json; transformers v5
+        # saves it as the "image_processor" entry of processor_config.json.
+        legacy, combined = model_dir / "preprocessor_config.json", model_dir / "processor_config.json"
+        if legacy.exists():
+            processor = read_json(legacy)
+        elif combined.exists():
+            processor = dict(read_json(combined).get("image_processor") or {})
     return ModelDescription(read_json(config_file), processor, str(config_file))
 
 

@@ -1,0 +1,76 @@
+"""The torch side of a family: what the generic exporter and runtime ask of each family module.
+
+A family's ``export_module`` defines a subclass of :class:`ExportAdapter` named ``Adapter``. The
+generic code never branches on a family name; it calls these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.families.base import Family
+
+
+class ExportAdapter:
+    """Base class of a family's torch-side adapter. Subclasses override the marked methods."""
+
+    family: Family
+
+    # ---- loading ----
+
+    def load(self, model_dir: str | Path) -> nn.Module:
+        """Load the checkpoint in float32 with eager attention (what the exporter traces)."""
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="eager"
+        )
+        return model.eval()
+
+    def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:
+        """Write a tiny random-weight checkpoint (override)."""
+        raise NotImplementedError
+
+    # ---- vision program ----
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """Module whose forward takes the vision inputs (in ``family.vision_input_axes`` order)."""
+        raise NotImplementedError
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Small example inputs to trace with: export memory must not depend on image resolution."""
+        raise NotImplementedError
+
+    def hf_image_features(self, model: nn.Module, processed: Mapping[str, Any]) -> list[torch.Tensor]:
+        """transformers' own per-image features [tokens, hidden] for the processor outputs (parity)."""
+        raise NotImplementedError
+
+    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """Split processor outputs into one vision-program input dict per image."""
+        raise NotImplementedError
+
+    # ---- language program ----
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """The pieces of the HF model the generic :class:`LanguageDecoder` needs."""
+        raise NotImplementedError
+
+    def prompt_positions(self, model_config: Any, processed: Mapping[str, Any]) -> np.ndarray:
+        """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""
+        input_ids = np.asarray(processed["input_ids"])
+        return np.arange(input_ids.shape[1], dtype=np.int64).reshape(1, -1)
+
+    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
+        """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
+        return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
+
+    def image_token_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
+        """Placeholder tokens per image, in prompt order."""
+        raise NotImplementedError

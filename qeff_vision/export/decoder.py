@@ -1,0 +1,188 @@
+"""Family-agnostic language decoder wrapper: the language program of the IO contract.
+
+It reuses the Hugging Face text model's own layers and replaces only what export needs:
+  * the KV cache is a pair of retained-state tensors per layer, updated with ``CtxScatter`` at the
+    token positions and read with ``CtxGather`` (see :mod:`qeff_vision.export.kv_ops`);
+  * the attention mask is built from positions, so padding tokens (position -1) attend to nothing
+    and write a slot nobody reads before a real token overwrites it;
+  * image rows are merged by the rule of the IO contract: the t-th placeholder of the chunk takes
+    row ``image_idx + t`` of the flattened ``vision_embeds``; ``image_idx_output`` adds the chunk's
+    placeholder count, so it never goes backwards;
+  * logits come from the last valid position only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qeff_vision.export.kv_ops import CtxGatherFunction, CtxScatterFunction
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass
+class DecoderParts:
+    """What a family hands the generic decoder.
+
+    Attributes:
+        embed_tokens: Token embedding module (including any family scaling).
+        text_model: The HF text model; called with ``inputs_embeds``, a per-layer-type mask dict,
+            ``position_ids`` and a cache object with ``update``.
+        lm_head: Output projection.
+        image_token_id: Placeholder token id.
+        layer_types: Attention type per layer (``full_attention`` / ``sliding_attention``).
+        sliding_window: Window of sliding layers (keys with position > query - window are seen).
+        position_rows: None for [batch, seq] positions; R for [R, batch, seq] (row 0 = text position).
+        bidirectional_images: Placeholders of the same image attend to each other both ways.
+        final_logit_softcapping: Optional tanh soft-capping of logits (Gemma).
+    """
+
+    embed_tokens: nn.Module
+    text_model: nn.Module
+    lm_head: nn.Module
+    image_token_id: int
+    layer_types: Sequence[str]
+    sliding_window: int | None = None
+    position_rows: int | None = None
+    bidirectional_images: bool = False
+    final_logit_softcapping: float | None = None
+
+
+class RetainedKVCache:
+    """Duck-typed HF cache: scatters each layer's new keys/values into the retained tensors."""
+
+    def __init__(self, past: Sequence[torch.Tensor], write_slots: torch.Tensor, read_slots: torch.Tensor):
+        self.keys = list(past[0::2])
+        self.values = list(past[1::2])
+        self.write_slots = write_slots
+        self.read_slots = read_slots
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        """Write this chunk's keys/values and return the whole (masked) cache for attention."""
+        self.keys[layer_idx] = CtxScatterFunction.apply(self.keys[layer_idx], self.write_slots, key_states)
+        self.values[layer_idx] = CtxScatterFunction.apply(self.values[layer_idx], self.write_slots, value_states)
+        return (
+            CtxGatherFunction.apply(self.keys[layer_idx], self.read_slots),
+            CtxGatherFunction.apply(self.values[layer_idx], self.read_slots),
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Unused by our calls (positions are always given); present for HF's interface."""
+        return 0
+
+    def retained(self) -> list[torch.Tensor]:
+        """Updated caches in IO order: key.0, value.0, key.1, ..."""
+        return [t for pair in zip(self.keys, self.values) for t in pair]
+
+
+def attention_masks(
+    positions: torch.Tensor,
+    ctx_len: int | torch.Tensor,
+    layer_types: Sequence[str],
+    sliding_window: int | None,
+    same_image: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Additive masks [batch, 1, seq, ctx] per layer type from token positions.
+
+    A query at position p sees slots j <= p (and j > p - window on sliding layers). Padding
+    queries (p = -1) see nothing; their rows stay finite (no NaN) because the mask adds the
+    dtype's minimum instead of -inf. ``same_image`` [batch, seq, seq] adds bidirectional links
+    between placeholders of one image.
+    """
+    slots = torch.arange(ctx_len).view(1, 1, -1)
+    query = positions.unsqueeze(-1)
+    causal = (slots <= query) & (query >= 0)
+    if same_image is not None:
+        # Scatter the chunk-local [seq, seq] links into slot space at the keys' positions.
+        key_slots = torch.where(positions >= 0, positions, torch.zeros_like(positions))
+        onehot = key_slots.unsqueeze(-1) == slots  # [batch, seq_k, ctx]
+        linked = torch.matmul(same_image.to(dtype), onehot.to(dtype)) > 0
+        causal = causal | linked
+    minimum = torch.finfo(dtype).min
+    masks = {}
+    for layer_type in set(layer_types):
+        allowed = causal
+        if layer_type == SLIDING_ATTENTION and sliding_window:
+            allowed = allowed & (slots > query - sliding_window)
+        masks[layer_type] = torch.where(allowed, 0.0, minimum).to(dtype).unsqueeze(1)
+    return masks
+
+
+def same_image_links(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[batch, seq, seq] True where both tokens are placeholders of the same contiguous image run."""
+    is_image = input_ids == image_token_id
+    starts = is_image & ~torch.nn.functional.pad(is_image, (1, 0), value=False)[:, :-1]
+    run_id = torch.cumsum(starts.to(torch.int64), dim=1)
+    same_run = run_id.unsqueeze(-1) == run_id.unsqueeze(-2)
+    return same_run & is_image.unsqueeze(-1) & is_image.unsqueeze(-2)
+
+
+def merge_vision_rows(
+    input_ids: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    vision_embeds: torch.Tensor,
+    image_idx: torch.Tensor,
+    image_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace placeholder embeddings with vision rows; return (embeds, image_idx_output)."""
+    hidden = inputs_embeds.shape[-1]
+    rows = vision_embeds.reshape(-1, hidden)
+    is_image = input_ids == image_token_id
+    ordinal = torch.cumsum(is_image.to(torch.int64), dim=1) - 1
+    # Every gather index stays in range (no sentinel): non-placeholders are masked afterwards.
+    row_index = torch.clamp(ordinal + image_idx.reshape(1, 1), min=0, max=rows.shape[0] - 1)
+    gathered = rows[row_index]
+    merged = torch.where(is_image.unsqueeze(-1), gathered.to(inputs_embeds.dtype), inputs_embeds)
+    placeholders = is_image.to(torch.int64).sum(dim=1).max().reshape(1, 1)
+    return merged, image_idx.reshape(1, 1) + placeholders
+
+
+class LanguageDecoder(nn.Module):
+    """The language program: input_ids, position_ids, vision_embeds, image_idx, past_* -> logits, ..."""
+
+    def __init__(self, parts: DecoderParts):
+        super().__init__()
+        self.parts = parts
+        self.embed_tokens = parts.embed_tokens
+        self.text_model = parts.text_model
+        self.lm_head = parts.lm_head
+
+    def forward(self, input_ids, position_ids, vision_embeds, image_idx, *past):
+        """Run one chunk (prefill) or one token (decode); see the module docstring for the contract."""
+        parts = self.parts
+        text_positions = position_ids if parts.position_rows is None else position_ids[0]
+        inputs_embeds = self.embed_tokens(input_ids)
+        inputs_embeds, image_idx_output = merge_vision_rows(
+            input_ids, inputs_embeds, vision_embeds, image_idx, parts.image_token_id
+        )
+        ctx_len = past[0].shape[2]
+        # Padding (position -1) writes the last slot: only a query at position ctx_len-1 reads it,
+        # and that query's own token overwrites it first.
+        write_slots = torch.where(text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1))
+        read_slots = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
+        cache = RetainedKVCache(past, write_slots, read_slots)
+        same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
+        masks = attention_masks(
+            text_positions, ctx_len, parts.layer_types, parts.sliding_window, same_image, inputs_embeds.dtype
+        )
+        outputs = self.text_model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=masks,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        hidden = outputs.last_hidden_state
+        last = text_positions.argmax(dim=1, keepdim=True)  # the last valid (largest) position
+        batch = torch.arange(hidden.shape[0]).view(-1, 1)
+        logits = self.lm_head(hidden[batch, last])
+        if parts.final_logit_softcapping:
+            cap = parts.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, vision_embeds, image_idx_output, *cache.retained())

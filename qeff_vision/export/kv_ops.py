@@ -1,0 +1,130 @@
+"""KV-cache update and read as ONNX functions ``CtxScatter`` / ``CtxGather`` in domain ``com.qualcomm.cloud``.
+
+The AI 100 compiler maps these function names to native kernels; any other runtime (onnxruntime)
+inlines their bodies, which use only standard ops. Indices are int64 and always in range — padding
+tokens are redirected by the caller, never encoded as an out-of-range sentinel — so onnxruntime
+runs the exported graph unpatched.
+
+Torch side: :class:`CtxScatterFunction` and :class:`CtxGatherFunction` are autograd functions whose
+eager ``forward`` computes the same result and whose ``symbolic`` emits the custom-domain node;
+:func:`attach_functions` adds the function definitions to the exported model.
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+DOMAIN = "com.qualcomm.cloud"
+DOMAIN_VERSION = 1
+SCATTER = "CtxScatter"
+GATHER = "CtxGather"
+
+
+class CtxScatterFunction(torch.autograd.Function):
+    """Write ``updates`` [B, H, S, D] into ``cache`` [B, H, C, D] at slots ``positions`` [B, S]."""
+
+    @staticmethod
+    def forward(cache: torch.Tensor, positions: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        batch = torch.arange(cache.shape[0]).view(-1, 1, 1)
+        heads = torch.arange(cache.shape[1]).view(1, -1, 1)
+        result = cache.clone()
+        result[batch, heads, positions.unsqueeze(1)] = updates
+        return result
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102 - inference only
+        pass
+
+    @staticmethod
+    def symbolic(g, cache, positions, updates):  # noqa: D102 - ONNX emission
+        return g.op(f"{DOMAIN}::{SCATTER}", cache, positions, updates).setType(cache.type())
+
+
+class CtxGatherFunction(torch.autograd.Function):
+    """Read ``cache`` [B, H, C, D] at slots ``indices`` [B, K] -> [B, H, K, D]."""
+
+    @staticmethod
+    def forward(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        batch = torch.arange(cache.shape[0]).view(-1, 1, 1)
+        heads = torch.arange(cache.shape[1]).view(1, -1, 1)
+        return cache[batch, heads, indices.unsqueeze(1)]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102 - inference only
+        pass
+
+    @staticmethod
+    def symbolic(g, cache, indices):  # noqa: D102 - ONNX emission
+        return g.op(f"{DOMAIN}::{GATHER}", cache, indices).setType(cache.type())
+
+
+def _scatter_function(opset: int) -> onnx.FunctionProto:
+    # indices[b, h, s] = (b, h, positions[b, s]) -> ScatterND(cache, indices, updates)
+    nodes = [
+        helper.make_node("Shape", ["cache"], ["cache_shape"]),
+        helper.make_node("Shape", ["positions"], ["pos_shape"]),
+        helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.INT64, [], [0])),
+        helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", TensorProto.INT64, [], [1])),
+        helper.make_node("Constant", [], ["ax0"], value=helper.make_tensor("a0", TensorProto.INT64, [1], [0])),
+        helper.make_node("Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])),
+        helper.make_node("Constant", [], ["one_1d"], value=helper.make_tensor("o1", TensorProto.INT64, [1], [1])),
+        helper.make_node("Constant", [], ["ax_123"], value=helper.make_tensor("a", TensorProto.INT64, [3], [1, 2, 3])),
+        helper.make_node("Constant", [], ["ax_023"], value=helper.make_tensor("b", TensorProto.INT64, [3], [0, 2, 3])),
+        helper.make_node("Constant", [], ["ax_13"], value=helper.make_tensor("c", TensorProto.INT64, [2], [1, 3])),
+        helper.make_node("Gather", ["cache_shape", "zero"], ["batch"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "one"], ["heads"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "ax0"], ["batch_1d"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "ax1"], ["heads_1d"], axis=0),
+        helper.make_node("Gather", ["pos_shape", "ax1"], ["seq_1d"], axis=0),
+        helper.make_node("Concat", ["batch_1d", "heads_1d", "seq_1d", "one_1d"], ["index_shape"], axis=0),
+        helper.make_node("Range", ["zero", "batch", "one"], ["batch_range"]),
+        helper.make_node("Range", ["zero", "heads", "one"], ["head_range"]),
+        helper.make_node("Unsqueeze", ["batch_range", "ax_123"], ["batch_col"]),
+        helper.make_node("Unsqueeze", ["head_range", "ax_023"], ["head_col"]),
+        helper.make_node("Unsqueeze", ["positions", "ax_13"], ["pos_col"]),
+        helper.make_node("Expand", ["batch_col", "index_shape"], ["batch_idx"]),
+        helper.make_node("Expand", ["head_col", "index_shape"], ["head_idx"]),
+        helper.make_node("Expand", ["pos_col", "index_shape"], ["pos_idx"]),
+        helper.make_node("Concat", ["batch_idx", "head_idx", "pos_idx"], ["indices"], axis=3),
+        helper.make_node("ScatterND", ["cache", "indices", "updates"], ["output"]),
+    ]
+    return helper.make_function(
+        DOMAIN, SCATTER, ["cache", "positions", "updates"], ["output"], nodes, [helper.make_opsetid("", opset)]
+    )
+
+
+def _gather_function(opset: int) -> onnx.FunctionProto:
+    # GatherND over the slot axis with batch_dims=2: indices [B, H, K, 1] from indices [B, K].
+    nodes = [
+        helper.make_node("Shape", ["cache"], ["cache_shape"]),
+        helper.make_node("Shape", ["indices"], ["index_shape"]),
+        helper.make_node("Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])),
+        helper.make_node("Constant", [], ["ax_last"], value=helper.make_tensor("al", TensorProto.INT64, [1], [-1])),
+        helper.make_node("Constant", [], ["s0"], value=helper.make_tensor("s0", TensorProto.INT64, [1], [0])),
+        helper.make_node("Constant", [], ["s2"], value=helper.make_tensor("s2", TensorProto.INT64, [1], [2])),
+        helper.make_node("Slice", ["cache_shape", "s0", "s2"], ["batch_heads"]),
+        helper.make_node("Gather", ["index_shape", "ax1"], ["slots"], axis=0),
+        helper.make_node("Concat", ["batch_heads", "slots"], ["target"], axis=0),
+        helper.make_node("Unsqueeze", ["indices", "ax1"], ["with_heads"]),
+        helper.make_node("Expand", ["with_heads", "target"], ["expanded"]),
+        helper.make_node("Unsqueeze", ["expanded", "ax_last"], ["nd_indices"]),
+        helper.make_node("GatherND", ["cache", "nd_indices"], ["output"], batch_dims=2),
+    ]
+    return helper.make_function(
+        DOMAIN, GATHER, ["cache", "indices"], ["output"], nodes, [helper.make_opsetid("", opset)]
+    )
+
+
+def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add the CtxScatter/CtxGather definitions (and the domain import) when the graph uses them."""
+    opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))
+    used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
+    defined = {(f.domain, f.name) for f in model.functions}
+    for name, build in ((SCATTER, _scatter_function), (GATHER, _gather_function)):
+        if name in used and (DOMAIN, name) not in defined:
+            model.functions.append(build(opset))
+    if used and not any(op.domain == DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return model

@@ -1,0 +1,208 @@
+"""Qwen2.5-VL export: a vision tower whose grid, windows and rotary positions follow symbolic shapes.
+
+transformers computes the window order, the rotary positions and the attention segments with
+Python loops over ``grid_thw.tolist()`` (ref: transformers v5 vision_utils.py,
+``get_vision_window_index`` / ``get_vision_position_ids``), which tracing freezes into constants of
+the example image. Here every index comes from tensor arithmetic on the *shape* of
+``image_grid_thw`` [batch, 1, grid_h, grid_w], so one graph serves every resolution.
+
+Window attention is expressed as a mask instead of a permutation: tokens keep the processor's
+order, and a patch attends to patches with the same window id. Attention is permutation-
+equivariant, so this equals transformers' "reorder, attend per window, reorder back".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
+from qeff_vision.families import get_family
+from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
+
+
+def _segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [1, N, N] mask letting token i attend token j iff segment[i] == segment[j]."""
+    same = segment.unsqueeze(0) == segment.unsqueeze(1)
+    return torch.where(same, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(0)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionEncoder(nn.Module):
+    """pixel_values [B*gh*gw, C*T*P*P], image_grid_thw [B, 1, gh, gw] -> vision_embeds [B, tokens, hidden]."""
+
+    def __init__(self, visual: nn.Module):
+        super().__init__()
+        self.visual = visual
+        config = visual.config
+        self.merge = config.spatial_merge_size
+        # Window side in merged tokens (112 px / 14 px / 2 = 4 in the published checkpoints).
+        self.window = config.window_size // config.spatial_merge_size // config.patch_size
+        self.full_attention_blocks = set(config.fullatt_block_indexes)
+        self.out_hidden = config.out_hidden_size
+
+    def _grid_indices(self, image_grid_thw: torch.Tensor):
+        """Per-patch (image, row, column, window) ids in the processor's block-major patch order."""
+        batch, grid_h, grid_w = image_grid_thw.shape[0], image_grid_thw.shape[2], image_grid_thw.shape[3]
+        merge = self.merge
+        merged_w = grid_w // merge
+        patches_per_image = grid_h * grid_w
+        patch = torch.arange(batch * patches_per_image)
+        image = patch // patches_per_image
+        local = patch % patches_per_image
+        token, inner = local // (merge * merge), local % (merge * merge)
+        token_row, token_col = token // merged_w, token % merged_w
+        row = token_row * merge + inner // merge
+        col = token_col * merge + inner % merge
+        windows_w = (merged_w + self.window - 1) // self.window
+        windows_h = (grid_h // merge + self.window - 1) // self.window
+        window = (token_row // self.window) * windows_w + token_col // self.window
+        window = window + image * (windows_h * windows_w)
+        return image, row, col, window
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Encode a batch of same-resolution images."""
+        visual = self.visual
+        image, row, col, window = self._grid_indices(image_grid_thw)
+        hidden = visual.patch_embed(pixel_values)
+        cos, sin = visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
+        cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+        full_mask = _segment_mask(image, hidden.dtype)
+        window_mask = _segment_mask(window, hidden.dtype)
+        for index, block in enumerate(visual.blocks):
+            mask = full_mask if index in self.full_attention_blocks else window_mask
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, mask)
+            hidden = hidden + block.mlp(block.norm2(hidden))
+        merged = visual.merger(hidden)
+        return merged.reshape(image_grid_thw.shape[0], -1, self.out_hidden)
+
+    @staticmethod
+    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+        length = hidden.shape[0]
+        qkv = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 2, 0, 3)
+        query, key, value = qkv[0], qkv[1], qkv[2]  # [heads, N, head_dim]
+        cos_h, sin_h = cos.transpose(0, 1), sin.transpose(0, 1)
+        query = query * cos_h + _rotate_half(query) * sin_h
+        key = key * cos_h + _rotate_half(key) * sin_h
+        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
+        return attn.proj(output)
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the Qwen2.5-VL family."""
+
+    family = get_family("qwen2_5_vl")
+
+    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
+        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.qwen2_5_vl.tiny`)."""
+        from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, seed)
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """The symbolic-grid vision tower."""
+        return VisionEncoder(model.model.visual).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One 8x12-patch image: two windows wide so window math is exercised, tiny in memory."""
+        config = model.config.vision_config
+        grid_h, grid_w = 2 * config.spatial_merge_size * 2, 3 * config.spatial_merge_size * 2
+        features = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        generator = torch.Generator().manual_seed(0)
+        return {
+            symbols.PIXEL_VALUES: torch.randn(grid_h * grid_w, features, generator=generator),
+            IMAGE_GRID_THW: torch.zeros(1, 1, grid_h, grid_w, dtype=torch.int64),
+        }
+
+    def hf_image_features(self, model, processed):
+        """transformers' vision tower on the processor outputs, split per image."""
+        grid = torch.as_tensor(processed["image_grid_thw"])
+        with torch.no_grad():
+            output = model.model.visual(torch.as_tensor(processed["pixel_values"]), grid_thw=grid)
+        merged = output.pooler_output
+        counts = (grid.prod(dim=-1) // model.config.vision_config.spatial_merge_size**2).tolist()
+        return list(torch.split(merged, counts))
+
+    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """Slice pixel_values by each image's patch count; encode the grid in image_grid_thw's shape."""
+        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
+        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+        inputs, start = [], 0
+        for grid_t, grid_h, grid_w in grids.tolist():
+            count = grid_t * grid_h * grid_w
+            inputs.append({
+                symbols.PIXEL_VALUES: pixels[start:start + count],
+                IMAGE_GRID_THW: np.zeros((1, grid_t, grid_h, grid_w), dtype=np.int64),
+            })
+            start += count
+        return inputs
+
+    def image_token_counts(self, processed: Mapping[str, Any]) -> list[int]:
+        """grid_t * grid_h * grid_w / merge^2 per image."""
+        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
+        return [int(t * h * w) // 4 for t, h, w in grids.tolist()]
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """Qwen2.5-VL text model with M-RoPE positions [4, batch, seq]."""
+        text_config = model.config.text_config
+        return DecoderParts(
+            embed_tokens=model.get_input_embeddings(),
+            text_model=model.model.language_model,
+            lm_head=model.lm_head,
+            image_token_id=model.config.image_token_id,
+            layer_types=list(text_config.layer_types or [FULL_ATTENTION] * text_config.num_hidden_layers),
+            sliding_window=text_config.sliding_window,
+            position_rows=4,
+        )
+
+    def prompt_positions(self, model_config, processed) -> np.ndarray:
+        """Row 0: text position (the KV slot); rows 1-3: M-RoPE t/h/w (ref: Qwen2_5_VLModel.get_rope_index).
+
+        Text tokens advance all three rows together; an image of merged grid (h, w) starting at
+        offset s takes t = s, h = s + row, w = s + column, and the next text token starts at
+        max(those) + 1.
+        """
+        input_ids = np.asarray(processed["input_ids"], dtype=np.int64)[0]
+        grids = np.asarray(processed.get("image_grid_thw", np.zeros((0, 3))), dtype=np.int64).tolist()
+        merge = model_config["vision_config"]["spatial_merge_size"]
+        image_token = model_config["image_token_id"]
+        length = input_ids.shape[0]
+        rope = np.zeros((3, length), dtype=np.int64)
+        index, next_position, image = 0, 0, 0
+        while index < length:
+            if input_ids[index] == image_token:
+                grid_t, grid_h, grid_w = grids[image]
+                merged_h, merged_w = grid_h // merge, grid_w // merge
+                count = grid_t * merged_h * merged_w
+                t, h, w = np.meshgrid(np.arange(grid_t), np.arange(merged_h), np.arange(merged_w), indexing="ij")
+                rope[:, index:index + count] = np.stack([t.ravel(), h.ravel(), w.ravel()]) + next_position
+                next_position = int(rope[:, index:index + count].max()) + 1
+                index += count
+                image += 1
+            else:
+                rope[:, index] = next_position
+                next_position += 1
+                index += 1
+        text = np.arange(length, dtype=np.int64).reshape(1, length)
+        return np.concatenate([text, rope], axis=0).reshape(4, 1, length)
+
+    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
+        """Row 0 continues the text slots; M-RoPE rows continue from the prompt's largest position.
+
+        (A prompt that ends inside an image has its largest M-RoPE value before the last token.)
+        """
+        text = prompt_positions[0, :, -1:] + 1 + step
+        rope = np.broadcast_to(prompt_positions[1:].max() + 1 + step, (3, 1, 1))
+        return np.concatenate([text[None], rope], axis=0).astype(np.int64)
