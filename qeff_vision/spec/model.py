@@ -1,0 +1,91 @@
+"""The validated spec: what one YAML file asks for, as frozen data (see ``load_spec``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qeff_vision.compile.options import CompileOptions
+from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.spec.policy import VisionSizePolicy
+
+DTYPES = ("float32", "float16")
+FLAT = "flat"
+NAMED = "named"
+AUTO = "auto"
+LAYOUTS = (FLAT, NAMED, AUTO)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """The ``prefill:`` section.
+
+    Attributes:
+        seq_lens: Prefill chunk buckets, ascending; one language specialization each.
+    """
+
+    seq_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The ``vision:`` section.
+
+    Attributes:
+        images: Image resolutions to compile; one vision specialization each (resolutions the
+            family resizes to the same grid share one).
+        max_images: Images one request may carry.
+        vision_size: The vision-size policy of the language specializations.
+        vision_size_given: ``vision.vision_size`` was written in the spec (not defaulted).
+    """
+
+    images: tuple[ImageSize, ...]
+    max_images: int = 1
+    vision_size: VisionSizePolicy = field(default_factory=VisionSizePolicy)
+    vision_size_given: bool = False
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A checked spec. Build one with :func:`qeff_vision.spec.load_spec`.
+
+    Attributes:
+        name: Spec name (the golden directory name); the file stem when not given.
+        model: ``model:`` as written: a Hugging Face id or a directory.
+        family: Registered family name, given or inferred from the config.
+        dtype: Floating dtype of the exported graphs (``float32`` or ``float16``).
+        batch_size: Sequences per program run.
+        ctx_len: KV-cache length in tokens.
+        prefill: Prefill chunk buckets.
+        vision: Images, images per request and the vision-size policy.
+        layout: Specialization file layout: ``flat``, ``named`` or ``auto`` (follow the SDK).
+        compile: Typed compiler options of both programs.
+        source: The spec file.
+        model_dir: ``model`` resolved to a local checkpoint directory; ``None`` for a hub id.
+        config_path: The config.json the spec was checked against (pinned snapshot or checkpoint).
+        model_description: That config (and image-processor config) as read, without torch.
+        warnings: Things worth knowing that are not errors (e.g. an image needs more rows than a
+            fixed vision size, so its placeholders must be chunked).
+    """
+
+    name: str
+    model: str
+    family: str
+    dtype: str
+    batch_size: int
+    ctx_len: int
+    prefill: PrefillSpec
+    vision: VisionSpec
+    layout: str
+    compile: CompileOptions
+    source: Path
+    model_dir: Path | None
+    config_path: Path
+    model_description: ModelDescription = field(repr=False, compare=False)
+    warnings: tuple[str, ...] = ()
+
+    def compute_dtype(self, program: str) -> str:
+        """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""
+        if self.dtype == "float16" or self.compile.program(program).convert_to_fp16:
+            return "float16"
+        return self.dtype

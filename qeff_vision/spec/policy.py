@@ -1,0 +1,74 @@
+"""The vision-size policy: how many ``vision_embeds`` rows each language specialization takes.
+
+Pure integer arithmetic, shared by the spec loader (validation), the specialization builder and
+the table. See docs/design.md, "Specializations and the vision-size policy".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+CHUNK = "chunk"
+MAX = "max"
+FIXED = "fixed"
+POLICY_NAMES = (CHUNK, MAX)
+
+
+@dataclass(frozen=True)
+class VisionSizePolicy:
+    """Value of ``vision.vision_size`` in a spec.
+
+    Attributes:
+        kind: ``chunk`` (V(S) = min(S, M)), ``max`` (V = M everywhere, QEfficient's behaviour) or
+            ``fixed`` (an integer from the spec, QEfficient PR #996's ``user_vision_size``), where
+            S is a prefill bucket and M the most image tokens one request can carry.
+        size: The integer of a ``fixed`` policy; ``None`` otherwise.
+    """
+
+    kind: str = CHUNK
+    size: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.size) if self.kind == FIXED else self.kind
+
+    def for_bucket(self, seq_len: int, request_image_tokens: int) -> int:
+        """Rows of ``vision_embeds`` a prefill chunk of ``seq_len`` tokens is compiled for.
+
+        A chunk of S tokens holds at most S image placeholders, so ``chunk`` never makes a chunk
+        smaller than its bucket while sending no row it cannot use.
+        """
+        if self.kind == FIXED:
+            assert self.size is not None
+            return self.size
+        if self.kind == MAX:
+            return request_image_tokens
+        return min(seq_len, request_image_tokens)
+
+
+def prefill_vision_sizes(
+    policy: VisionSizePolicy, seq_lens: tuple[int, ...], request_image_tokens: int
+) -> dict[int, int]:
+    """Vision size of every prefill bucket (decode takes the largest: :func:`decode_vision_size`)."""
+    return {seq_len: policy.for_bucket(seq_len, request_image_tokens) for seq_len in seq_lens}
+
+
+def decode_vision_size(prefill_sizes: dict[int, int]) -> int:
+    """Decode carries the largest prefill vision size: one size for the retained ``vision_embeds`` buffer."""
+    return max(prefill_sizes.values())
+
+
+def chunk_span(tokens: int, capacity: int) -> tuple[int, int]:
+    """Fewest and most prefill chunks an image's ``tokens`` placeholders can span.
+
+    Args:
+        tokens: Placeholder tokens of the image.
+        capacity: Placeholders one chunk can carry: min(bucket, its vision size).
+
+    Returns:
+        ``(ceil(tokens / capacity), ceil((tokens - 1) / capacity) + 1)``: the image starting on a
+        chunk boundary, and the worst unaligned start.
+    """
+    if tokens <= 0:
+        return 0, 0
+    return math.ceil(tokens / capacity), math.ceil((tokens - 1) / capacity) + 1

@@ -1,0 +1,287 @@
+"""Specializations and custom IO of both programs, generated from a checked spec. Pure; no torch.
+
+Every symbol comes from the family's declared graph axes, so a specialization binds exactly the
+symbols of its graph: the vision program gets the family's token math for each image plus
+``batch_size``; the language program gets ``batch_size``, ``seq_len``, ``ctx_len``,
+``vision_batch_size`` and ``vision_size`` (from the vision-size policy) for each prefill bucket and
+for decode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from qeff_vision import symbols
+from qeff_vision.compile.options import LANGUAGE, PROGRAM_DIRS, VISION
+from qeff_vision.families import get_family
+from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
+from qeff_vision.spec.policy import chunk_span, decode_vision_size, prefill_vision_sizes
+
+SPECIALIZATIONS_FILE = "specializations.json"
+CUSTOM_IO_FILE = "custom_io.yaml"
+DECODE = "Decode"
+
+
+def resolve_layout(layout: str, detected: str | None = None) -> str:
+    """The concrete file layout (``flat`` or ``named``) for a spec's ``specialization_layout``.
+
+    Args:
+        layout: ``flat``, ``named`` or ``auto``.
+        detected: The layout the installed SDK accepts, when the caller detected one. ``auto``
+            without a detected SDK means ``flat``, which every SDK accepts; golden files are
+            always generated that way so they do not depend on the machine.
+    """
+    # TODO(spec): ask qeff_vision.compile.sdk for the installed SDK's layout once it exists;
+    # until then callers pass ``detected`` themselves and `auto` falls back to flat.
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown specialization layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if layout == AUTO:
+        return detected if detected in (FLAT, NAMED) else FLAT
+    return layout
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One shape bucket of a program.
+
+    Attributes:
+        name: ``Vision-1080x1920``, ``Prefill-128`` or ``Decode`` (written in the named layout).
+        symbols: Symbol -> value (a decimal string), in graph order.
+    """
+
+    name: str
+    symbols: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ProgramFiles:
+    """The specializations and custom IO of one program.
+
+    Attributes:
+        program: ``vision`` or ``language`` (the ``compile:`` section names).
+        directory: Output sub-directory: ``vision`` or ``lang``.
+        layout: ``flat`` or ``named``.
+        specializations: The buckets, in file order.
+        custom_io: (IO name, precision) pairs, in graph order.
+    """
+
+    program: str
+    directory: str
+    layout: str
+    specializations: tuple[Specialization, ...]
+    custom_io: tuple[tuple[str, str], ...]
+
+    def specializations_json(self) -> str:
+        """``specializations.json`` text in this program's layout."""
+        if self.layout == NAMED:
+            entries: list = [{"name": s.name, "symbols": dict(s.symbols)} for s in self.specializations]
+        else:
+            entries = [dict(s.symbols) for s in self.specializations]
+        return json.dumps({"specializations": entries}, indent=2) + "\n"
+
+    def custom_io_yaml(self) -> str:
+        """``custom_io.yaml`` text in the SDK's layout (repeated ``- IOName`` / ``Precision`` entries)."""
+        return "\n".join(
+            f"- IOName: {name}\n  Precision: {precision}\n" for name, precision in self.custom_io
+        )
+
+
+@dataclass(frozen=True)
+class ImageChunks:
+    """How one spec image lands in the programs (a row of the ``specialize`` table).
+
+    Attributes:
+        image: The resolution from the spec.
+        tokens: Its placeholder tokens (vision_embeds rows).
+        vision_specialization: Name of the vision specialization that encodes it.
+        chunks: Prefill bucket -> (fewest, most) chunks its placeholders span.
+    """
+
+    image: ImageSize
+    tokens: int
+    vision_specialization: str
+    chunks: Mapping[int, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ProgramSpecializations:
+    """Everything ``qeff-vision specialize`` writes for one spec.
+
+    Attributes:
+        spec: The spec it was built from.
+        vision: Vision-program files.
+        language: Language-program files.
+        images: Per-image token and chunk counts.
+        request_image_tokens: The most image tokens one request can carry (max image x max_images).
+    """
+
+    spec: Spec
+    vision: ProgramFiles
+    language: ProgramFiles
+    images: tuple[ImageChunks, ...]
+    request_image_tokens: int
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The spec's warnings."""
+        return self.spec.warnings
+
+    def files(self) -> dict[str, str]:
+        """Relative POSIX path -> text of every generated file (the golden layout too)."""
+        out: dict[str, str] = {}
+        for program in (self.vision, self.language):
+            out[f"{program.directory}/{SPECIALIZATIONS_FILE}"] = program.specializations_json()
+            out[f"{program.directory}/{CUSTOM_IO_FILE}"] = program.custom_io_yaml()
+        return out
+
+
+def _image_name(image: ImageSize) -> str:
+    return f"Vision-{image.height}x{image.width}" + (f"x{image.frames}" if image.frames != 1 else "")
+
+
+def _graph_order(axes_maps: Iterable[Mapping[str, Mapping[int, str]]]) -> list[str]:
+    """Every symbol of a graph, in order of first appearance."""
+    order: list[str] = []
+    for axes in axes_maps:
+        for per_input in axes.values():
+            for symbol in per_input.values():
+                if symbol not in order:
+                    order.append(symbol)
+    return order
+
+
+def _bind(order: list[str], values: Mapping[str, int], where: str) -> dict[str, str]:
+    missing = [symbol for symbol in order if symbol not in values]
+    if missing:
+        raise ValueError(f"{where}: no value for graph symbol(s) {', '.join(missing)}")
+    return {symbol: str(values[symbol]) for symbol in order}
+
+
+def _custom_io(names: Iterable[str], precision_of: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple((name, precision_of[name]) for name in names if name in precision_of)
+
+
+def build_specializations(
+    spec: Spec, model: ModelDescription | None = None, layout: str | None = None
+) -> ProgramSpecializations:
+    """Vision and language specializations plus custom IO for ``spec``.
+
+    Args:
+        spec: A spec from :func:`qeff_vision.spec.load_spec` (already validated).
+        model: The checkpoint description; defaults to the one the spec was checked against.
+        layout: ``flat``/``named``/``auto`` to override the spec's ``specialization_layout``
+            (``auto`` resolves as in :func:`resolve_layout`).
+
+    Returns:
+        Both programs' files and the per-image chunk table.
+    """
+    family = get_family(spec.family)
+    model = model if model is not None else spec.model_description
+    resolved = resolve_layout(layout or spec.layout)
+    num_layers = family.text_dims(model).num_layers
+
+    vision_order = _graph_order([family.vision_input_axes, family.vision_output_axes])
+    if symbols.BATCH_SIZE in vision_order:  # batch first: easier to read, same meaning
+        vision_order.insert(0, vision_order.pop(vision_order.index(symbols.BATCH_SIZE)))
+    vision_specs: list[Specialization] = []
+    image_tokens: list[tuple[ImageSize, int, str]] = []
+    for image in spec.vision.images:
+        values = dict(family.vision_symbols(model, image), **{symbols.BATCH_SIZE: spec.batch_size})
+        bound = _bind(vision_order, values, f"family {family.name}, vision program")
+        match = next((s for s in vision_specs if s.symbols == bound), None)
+        if match is None:
+            match = Specialization(_image_name(image), bound)
+            vision_specs.append(match)
+        image_tokens.append((image, values[symbols.VISION_SIZE], match.name))
+
+    request_tokens = max(tokens for _, tokens, _ in image_tokens) * spec.vision.max_images
+    seq_lens = spec.prefill.seq_lens
+    prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens)
+    language_in = family.language_input_axes(num_layers)
+    language_out = family.language_output_axes(num_layers)
+    language_order = _graph_order([language_in, language_out])
+    common = {
+        symbols.BATCH_SIZE: spec.batch_size,
+        symbols.CTX_LEN: spec.ctx_len,
+        symbols.VISION_BATCH_SIZE: spec.batch_size,
+    }
+    where = f"family {family.name}, language program"
+    language_specs = [
+        Specialization(
+            f"Prefill-{seq_len}",
+            _bind(
+                language_order,
+                {**common, symbols.SEQ_LEN: seq_len, symbols.VISION_SIZE: prefill_sizes[seq_len]},
+                where,
+            ),
+        )
+        for seq_len in seq_lens
+    ]
+    language_specs.append(
+        Specialization(
+            DECODE,
+            _bind(
+                language_order,
+                {**common, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: decode_vision_size(prefill_sizes)},
+                where,
+            ),
+        )
+    )
+
+    vision_dtype, language_dtype = spec.compute_dtype(VISION), spec.compute_dtype(LANGUAGE)
+    kv_dtype = spec.compile.language.kv_cache_dtype
+    kv_names = [
+        name for layer in range(num_layers) for name in (symbols.past_key(layer), symbols.past_value(layer))
+    ]
+    language_precision = {name: kv_dtype for name in kv_names}
+    language_precision.update({symbols.retained(name): kv_dtype for name in kv_names})
+    language_precision[symbols.VISION_EMBEDS] = language_dtype
+    language_precision[symbols.retained(symbols.VISION_EMBEDS)] = language_dtype
+    vision_precision = {symbols.PIXEL_VALUES: vision_dtype, symbols.VISION_EMBEDS: vision_dtype}
+
+    vision = ProgramFiles(
+        VISION,
+        PROGRAM_DIRS[VISION],
+        resolved,
+        tuple(vision_specs),
+        _custom_io([*family.vision_input_axes, *family.vision_output_axes], vision_precision),
+    )
+    language = ProgramFiles(
+        LANGUAGE,
+        PROGRAM_DIRS[LANGUAGE],
+        resolved,
+        tuple(language_specs),
+        _custom_io([*language_in, *language_out], language_precision),
+    )
+    images = tuple(
+        ImageChunks(
+            image,
+            tokens,
+            name,
+            {seq_len: chunk_span(tokens, min(seq_len, prefill_sizes[seq_len])) for seq_len in seq_lens},
+        )
+        for image, tokens, name in image_tokens
+    )
+    return ProgramSpecializations(spec, vision, language, images, request_tokens)
+
+
+def write_specializations(result: ProgramSpecializations, out_dir: str | Path) -> list[Path]:
+    """Write ``vision/`` and ``lang/`` specializations and custom IO under ``out_dir``.
+
+    Each file goes through a temporary file and a rename, so no file is ever half-written; other
+    files in ``out_dir`` are left alone.
+
+    Returns:
+        The paths written.
+    """
+    out_dir = Path(out_dir)
+    written = []
+    for relative, text in result.files().items():
+        atomic_write_text(out_dir / relative, text)
+        written.append(out_dir / relative)
+    return written

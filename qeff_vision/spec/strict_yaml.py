@@ -1,0 +1,98 @@
+"""Strict YAML reading: one document, string keys, no duplicate keys, every problem with its YAML path.
+
+PyYAML's safe loader silently keeps the last of two equal keys (``ctx_len: 4096`` then
+``ctx_len: 8192`` gives 8192), which hides typos in hand-edited specs. Here the document is first
+composed into nodes, the node tree is walked once to find duplicate and non-string keys (reported
+by YAML path, like every other spec problem), and only then constructed into Python objects.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+
+def yaml_path(parent: str, key: str | int) -> str:
+    """Child path in the notation problems use: ``vision.images[1].height``."""
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _where(mark: yaml.Mark | None) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+
+
+def _scalar_key(node: yaml.Node) -> str | None:
+    """The key text of a plain string scalar, or None for any other kind of key."""
+    if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:str":
+        return node.value
+    return None
+
+
+def _key_problems(root: yaml.Node) -> list[str]:
+    """Duplicate and non-string mapping keys anywhere under ``root``, each once (aliases are shared)."""
+    problems: list[str] = []
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, yaml_path(path, index)) for index, child in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            keys: dict[str, yaml.Node] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = _scalar_key(key_node)
+                here = path or "<top level>"
+                if key is None:
+                    text = key_node.value if isinstance(key_node, yaml.ScalarNode) else "a collection"
+                    problems.append(f"{here}: key {text!r} must be a string ({_where(key_node.start_mark)})")
+                    continue
+                if key in keys:
+                    first = keys[key].start_mark.line + 1
+                    problems.append(
+                        f"{yaml_path(path, key)}: duplicate key (first at line {first}, "
+                        f"again at {_where(key_node.start_mark)})"
+                    )
+                    continue
+                keys[key] = key_node
+                stack.append((value_node, yaml_path(path, key)))
+    return sorted(problems)
+
+
+def load_strict_yaml(text: str) -> tuple[object, list[str]]:
+    """Parse one YAML document strictly.
+
+    Args:
+        text: The document.
+
+    Returns:
+        The constructed data (``None`` when there were problems or the document is empty) and the
+        problems found: syntax errors with their position, duplicate keys and non-string keys with
+        their YAML path. Never raises for bad input.
+    """
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        problems = _key_problems(node)
+        if problems:
+            return None, problems
+        return loader.construct_document(node), []
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        message = " ".join(part for part in (exc.context, exc.problem) if part)
+        return None, [f"YAML syntax: {message} ({_where(mark)})"]
+    except yaml.YAMLError as exc:
+        return None, [f"YAML syntax: {' '.join(str(exc).split())}"]
+    except RecursionError:
+        return None, ["YAML syntax: the document is nested too deeply"]
+    finally:
+        if loader is not None:
+            loader.dispose()

@@ -1,0 +1,48 @@
+"""The plain-text table ``qeff-vision specialize`` prints."""
+
+from __future__ import annotations
+
+from qeff_vision import symbols
+from qeff_vision.spec.specializations import ProgramSpecializations
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def specialization_table(result: ProgramSpecializations) -> str:
+    """One row per specialization, then one row per image with the chunks each bucket needs.
+
+    Vision rows show every symbol; language rows show ``seq_len`` and ``vision_size``. For each
+    image and prefill bucket S, ``a-b`` chunks means its placeholders span ``a`` chunks when the
+    image starts on a chunk boundary and ``b`` in the worst unaligned case.
+    """
+    spec = result.spec
+    policy = spec.vision.vision_size
+    header = (
+        f"{spec.name}: {spec.model} [{spec.family}], layout {result.vision.layout}, vision_size policy "
+        f"{policy}, up to {result.request_image_tokens} image tokens per request "
+        f"({spec.vision.max_images} image(s))"
+    )
+    rows: list[tuple[str, ...]] = [("program", "specialization", "symbols")]
+    for entry in result.vision.specializations:
+        rows.append(("vision", entry.name, " ".join(f"{k}={v}" for k, v in entry.symbols.items())))
+    for entry in result.language.specializations:
+        shown = [k for k in (symbols.SEQ_LEN, symbols.VISION_SIZE) if k in entry.symbols]
+        rows.append(("language", entry.name, " ".join(f"{k}={entry.symbols[k]}" for k in shown)))
+    seq_lens = spec.prefill.seq_lens
+    image_rows: list[tuple[str, ...]] = [
+        ("image", "tokens", "vision specialization", *(f"chunks@{s}" for s in seq_lens))
+    ]
+    for image in result.images:
+        label = f"{image.image.height}x{image.image.width}"
+        if image.image.frames != 1:
+            label += f"x{image.image.frames}f"
+        spans = [
+            f"{low}" if low == high else f"{low}-{high}" for low, high in (image.chunks[s] for s in seq_lens)
+        ]
+        image_rows.append((label, str(image.tokens), image.vision_specialization, *spans))
+    lines = [header, "", *_columns(rows), "", *_columns(image_rows)]
+    lines += [f"warning: {warning}" for warning in result.warnings]
+    return "\n".join(lines)
