@@ -75,7 +75,7 @@ class CacheStats:
         misses: Lookups that needed the encoder.
         evictions: Entries dropped to respect the byte bound.
         bytes: Bytes held now.
-        peak_bytes: Most bytes ever held at once.
+        peak_bytes: Most bytes held after any operation (above ``max_bytes`` only while pinned).
         entries: Entries held now.
     """
 
@@ -178,17 +178,16 @@ class EmbeddingCache:
         self._count(encoder_calls=1, images_encoded=images)
 
     def _evict(self) -> None:
-        """Drop least recently used unpinned entries until the unpinned bytes fit the bound."""
+        """Drop least recently used unpinned entries until the bytes fit the bound (or all are pinned)."""
         for key in [k for k in self._entries if k not in self._pins]:
             if self._stats.bytes <= self.max_bytes:
-                return
+                break
             self._count(bytes=-self._entries.pop(key).nbytes, evictions=1)
+        self._stats = replace(self._stats, peak_bytes=max(self._stats.peak_bytes, self._stats.bytes))
 
     def _count(self, **deltas: int) -> None:
         values = {name: getattr(self._stats, name) + delta for name, delta in deltas.items()}
         self._stats = replace(self._stats, **values)
-        if self._stats.bytes > self._stats.peak_bytes:
-            self._stats = replace(self._stats, peak_bytes=self._stats.bytes)
 
 
 Encoder = Callable[[list[PreparedImage]], Sequence[np.ndarray]]
