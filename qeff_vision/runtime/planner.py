@@ -16,14 +16,14 @@ Bucket choice. Chunk boundaries are chosen greedily: each chunk ends as far as a
 reach, and then takes the smallest bucket (by S, then V) that holds it. A bucket reaches from a
 to the first of: a + S, the end of the prompt, and (``chunk`` protocol) the token whose row would
 exceed V. When images must not be split, an end inside an image moves back to that image's
-start. Hence every chunk but the last fills the largest bucket, and the final remainder gets
-the smallest bucket that holds it (least padding). Why: a prefill call costs a fixed overhead
-(one pass over the weights, a host round trip) plus work proportional to its padded S, so the
-fewest calls come first and then the least padding. The greedy reach is optimal for the call
-count because whether [a, b) fits a bucket only gets easier as a grows or b shrinks. A chunk
-ends short of its bucket's S only at the end of the prompt, or when it was shrunk because the
-next placeholder would exceed every bucket's V (an integer ``vision_size`` policy) or an image
-that must not be split would not fit (:class:`ChunkEnd` says which).
+start. Hence every chunk but the last fills the largest bucket (unless shrunk, below), and the
+final remainder gets the smallest bucket that holds it (least padding). Why: a prefill call
+costs a fixed overhead (one pass over the weights, a host round trip) plus work proportional to
+its padded S, so the fewest calls come first and then the least padding. The greedy reach is
+optimal for the call count because whether [a, b) fits a bucket only gets easier as a grows or
+b shrinks. A chunk ends short of its bucket's S only at the end of the prompt, or when it was
+shrunk because the next placeholder would exceed every bucket's V (an integer ``vision_size``
+policy) or an image that must not be split would not fit (:class:`ChunkEnd` says which).
 """
 
 from __future__ import annotations
@@ -211,14 +211,6 @@ class ChunkPlan:
         return self.rows_sent * hidden_size * dtype_size
 
 
-def _as_span(value: ImageSpan | tuple[int, int]) -> ImageSpan:
-    return value if isinstance(value, ImageSpan) else ImageSpan(*value)
-
-
-def _as_bucket(value: PrefillBucket | tuple[int, int]) -> PrefillBucket:
-    return value if isinstance(value, PrefillBucket) else PrefillBucket(*value)
-
-
 def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket]) -> None:
     if prompt_len < 1:
         raise PlanError(f"prompt length must be at least 1 token, got {prompt_len}")
@@ -351,8 +343,9 @@ def plan_chunks(
     except ValueError as exc:
         choices = ", ".join(p.value for p in VisionProtocol)
         raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
-    spans = tuple(_as_span(span) for span in image_spans)
-    all_buckets = sorted({_as_bucket(bucket) for bucket in buckets}, key=lambda b: (b.seq_len, b.vision_size))
+    spans = tuple(ImageSpan(*span) if isinstance(span, tuple) else span for span in image_spans)
+    unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
+    all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
     _validate(prompt_len, spans, all_buckets)
     placeholders = _Placeholders(spans, prompt_len)
     total_rows = placeholders.offsets[-1]
