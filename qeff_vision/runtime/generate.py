@@ -1,0 +1,315 @@
+"""Chunk-aware generation over the two programs: plan, encode on first use, prefill chunk by chunk, decode.
+
+The host side of the protocol in docs/design.md: positions (M-RoPE included) are computed once
+for the whole prompt and sliced per chunk; each chunk receives only its rows of the per-image
+embeddings (``chunk`` protocol) or the whole embedding (``full``, kept for comparison); images are
+encoded when a chunk first needs them, through a per-conversation :class:`EmbeddingCache`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.families import Family, get_family
+from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
+from qeff_vision.runtime.planner import (
+    ChunkPlan,
+    PrefillBucket,
+    VisionProtocol,
+    find_image_spans,
+    plan_chunks,
+)
+from qeff_vision.runtime.session import OnnxProgram
+
+DEFAULT_CACHE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class LanguageShape:
+    """Compiled language-program shapes: prefill buckets, decode vision size and context length."""
+
+    buckets: tuple[PrefillBucket, ...]
+    decode_vision_size: int
+    ctx_len: int
+
+    @classmethod
+    def from_specializations(cls, specializations: Sequence[Mapping[str, object]]) -> LanguageShape:
+        """Read buckets from language specializations (seq_len 1 is the decode one)."""
+        prefill, decode = [], []
+        for spec in specializations:
+            seq_len, vision = int(spec[symbols.SEQ_LEN]), int(spec[symbols.VISION_SIZE])
+            (decode if seq_len == 1 else prefill).append(PrefillBucket(seq_len, vision))
+        ctx_lens = {int(spec[symbols.CTX_LEN]) for spec in specializations}
+        if not prefill or len(ctx_lens) != 1:
+            raise UserError("language specializations need prefill buckets and exactly one ctx_len")
+        decode_vision = max(b.vision_size for b in decode) if decode else max(b.vision_size for b in prefill)
+        return cls(tuple(prefill), decode_vision, ctx_lens.pop())
+
+
+@dataclass
+class ChunkRecord:
+    """What one prefill call carried and cost."""
+
+    tokens: int
+    seq_len: int
+    vision_size: int
+    rows: int
+    vision_bytes: int
+    seconds: float
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and the measurements ``qeff-vision run`` reports."""
+
+    prompt_tokens: int
+    tokens: list[int]
+    chunks: list[ChunkRecord]
+    ttft: float
+    decode_seconds: float
+    encoder_calls: int
+    cache_hits: int
+    text: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Generated tokens after the first, per second of decode."""
+        steps = max(len(self.tokens) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class Generator:
+    """Runs prompts through a vision program and a language program with the chunk protocol.
+
+    Args:
+        family: The model family.
+        adapter: The family's torch-side adapter (positions and vision-input preparation).
+        model_config: The checkpoint's config.json dictionary.
+        vision: The vision program.
+        language: The language program.
+        shape: Compiled language shapes.
+        eos_token_ids: Generation stops after emitting one of these.
+        cache: Per-image embedding cache (share one across a conversation's turns).
+    """
+
+    def __init__(
+        self,
+        family: Family,
+        adapter,
+        model_config: Mapping[str, Any],
+        vision: OnnxProgram,
+        language: OnnxProgram,
+        shape: LanguageShape,
+        eos_token_ids: Sequence[int],
+        cache: EmbeddingCache | None = None,
+    ):
+        self.family = family
+        self.adapter = adapter
+        self.model_config = model_config
+        self.vision = vision
+        self.language = language
+        self.shape = shape
+        self.eos_token_ids = set(eos_token_ids)
+        self.cache = cache if cache is not None else EmbeddingCache(DEFAULT_CACHE_BYTES)
+        dims = family.text_dims(_description(model_config))
+        self.dims = dims
+        self.image_token_id = family.image_token_id(_description(model_config))
+        self.position_rows = family.position_id_rows
+
+    # ---- vision ----
+
+    def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
+        per_image = self.adapter.vision_inputs_per_image(processed)
+        prepared, inputs_by_key = [], {}
+        for inputs in per_image:
+            arrays = list(inputs.values())
+            resolution = tuple(int(d) for array in arrays for d in array.shape)
+            key = content_key(arrays[0], resolution)
+            prepared.append(PreparedImage(arrays[0], resolution, key))
+            inputs_by_key[key] = inputs
+        return prepared, inputs_by_key
+
+    def _encoder(
+        self, inputs_by_key: Mapping[str, dict]
+    ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
+        def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
+            # Same resolution: every input concatenates along its batch axis (axis 0).
+            feeds = {
+                name: np.concatenate([inputs_by_key[image.key][name] for image in batch], axis=0)
+                for name in inputs_by_key[batch[0].key]
+            }
+            embeds = self.vision.run(feeds)[symbols.VISION_EMBEDS]
+            return [embeds[i] for i in range(len(batch))]
+
+        return encode
+
+    # ---- language ----
+
+    def _empty_cache(self) -> dict[str, np.ndarray]:
+        dims = self.dims
+        shape = (1, dims.num_kv_heads, self.shape.ctx_len, dims.head_dim)
+        past = {}
+        for layer in range(dims.num_layers):
+            past[symbols.past_key(layer)] = np.zeros(shape, np.float32)
+            past[symbols.past_value(layer)] = np.zeros(shape, np.float32)
+        return past
+
+    def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
+        window = positions[..., start:stop]
+        pad = seq_len - (stop - start)
+        if pad:
+            padding = np.full(window.shape[:-1] + (pad,), -1, dtype=np.int64)
+            window = np.concatenate([window, padding], axis=-1)
+        return np.ascontiguousarray(window, dtype=np.int64)
+
+    def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = self.language.run({**feeds, **past})
+        for name in past:
+            past[name] = outputs[symbols.retained(name)]
+        return outputs
+
+    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
+        """The chunk plan of a processed prompt."""
+        counts = self.adapter.image_token_counts(processed) if "pixel_values" in processed else []
+        spans = find_image_spans(input_ids, self.image_token_id, counts)
+        return plan_chunks(
+            len(input_ids),
+            spans,
+            self.shape.buckets,
+            allow_image_split=self.family.features.chunk_split.supported,
+            protocol=protocol,
+        )
+
+    def generate(
+        self,
+        processed: Mapping[str, Any],
+        max_new_tokens: int = 32,
+        protocol: str = VisionProtocol.CHUNK.value,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation for one processed prompt (batch 1).
+
+        Args:
+            processed: Processor outputs as numpy arrays (input_ids, pixel_values, ...).
+            max_new_tokens: Upper bound on generated tokens.
+            protocol: ``chunk`` or ``full``.
+            on_token: Called with each token id as soon as it is known (streaming).
+        """
+        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
+        length = len(input_ids)
+        if length + max_new_tokens > self.shape.ctx_len:
+            raise UserError(
+                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds ctx_len {self.shape.ctx_len}"
+            )
+        plan = self.plan(input_ids, processed, protocol)
+        positions = self.adapter.prompt_positions(self.model_config, processed)
+        images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
+        stats_before = self.cache.stats
+        past = self._empty_cache()
+        records: list[ChunkRecord] = []
+        hidden = self.dims.hidden_size
+        started = time.perf_counter()
+        outputs: dict[str, np.ndarray] = {}
+        for chunk, vision_embeds in feed_chunks(
+            plan, images, self.cache, self._encoder(inputs_by_key), hidden, np.float32
+        ):
+            chunk_start = time.perf_counter()
+            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+            token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+            feeds = {
+                symbols.INPUT_IDS: token_ids,
+                symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                symbols.VISION_EMBEDS: vision_embeds,
+                symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
+            }
+            outputs = self._step(feeds, past)
+            returned = int(outputs[symbols.IMAGE_IDX_OUTPUT].reshape(-1)[0])
+            if returned != chunk.image_idx_output:
+                raise RuntimeError(
+                    f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
+                )
+            records.append(
+                ChunkRecord(
+                    chunk.tokens,
+                    chunk.seq_len,
+                    chunk.vision_size,
+                    chunk.rows,
+                    vision_embeds.nbytes,
+                    time.perf_counter() - chunk_start,
+                )
+            )
+        token = int(outputs[symbols.LOGITS][0, -1].argmax())
+        ttft = time.perf_counter() - started
+        tokens = [token]
+        if on_token:
+            on_token(token)
+        decode_embeds = np.zeros((1, self.shape.decode_vision_size, hidden), dtype=np.float32)
+        image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
+        decode_start = time.perf_counter()
+        for step in range(max_new_tokens - 1):
+            if token in self.eos_token_ids:
+                break
+            feeds = {
+                symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
+                symbols.POSITION_IDS: self.adapter.decode_positions(positions, step),
+                symbols.VISION_EMBEDS: decode_embeds,
+                symbols.IMAGE_IDX: image_idx,
+            }
+            outputs = self._step(feeds, past)
+            image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
+            token = int(outputs[symbols.LOGITS][0, -1].argmax())
+            tokens.append(token)
+            if on_token:
+                on_token(token)
+        decode_seconds = time.perf_counter() - decode_start
+        stats_after = self.cache.stats
+        return GenerationResult(
+            prompt_tokens=length,
+            tokens=tokens,
+            chunks=records,
+            ttft=ttft,
+            decode_seconds=decode_seconds,
+            encoder_calls=stats_after.encoder_calls - stats_before.encoder_calls,
+            cache_hits=stats_after.hits - stats_before.hits,
+        )
+
+
+def _description(model_config: Mapping[str, Any]):
+    from qeff_vision.families.base import ModelDescription
+
+    return ModelDescription(model_config)
+
+
+def generator_for_export(
+    export_dir: str | Path,
+    shape: LanguageShape,
+    *,
+    vision_specializations: Sequence[Mapping[str, object]] | None = None,
+    language_specializations: Sequence[Mapping[str, object]] | None = None,
+    cache: EmbeddingCache | None = None,
+) -> Generator:
+    """A :class:`Generator` over an export directory's two graphs on onnxruntime."""
+    import json
+
+    from qeff_vision.export.exporter import load_adapter, read_export
+
+    export_dir = Path(export_dir)
+    manifest = read_export(export_dir)
+    family = get_family(manifest["family"])
+    model_dir = Path(manifest["model"])
+    model_config = json.loads((model_dir / "config.json").read_text())
+    generation = model_dir / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+    vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
+    language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
+    return Generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
