@@ -14,7 +14,7 @@ HELP = {
     "output": "Write vision/ and lang/ specializations.json and custom_io.yaml here.",
     "check": "Regenerate every spec under each directory in memory and diff against DIR/golden/.",
     "update_golden": "Rewrite DIR/golden/ from every spec under each directory.",
-    "layout": "Override the spec's specialization_layout.",
+    "layout": "Override the spec's specialization_layout (auto: what the installed SDK reads, else flat).",
 }
 
 
@@ -32,9 +32,11 @@ def specialize(
     Without -o the table is printed and nothing is written.
     """
     from qeff_vision.spec import (
+        AUTO,
         build_specializations,
         check_golden,
         load_spec,
+        resolve_layout,
         specialization_table,
         write_specializations,
     )
@@ -49,6 +51,12 @@ def specialize(
     if len(paths) != 1:
         raise UserError("specialize takes exactly one SPEC (or --check/--update-golden with directories)")
     spec = load_spec(paths[0])
+    layout = layout or spec.layout
+    if layout == AUTO:
+        from qeff_vision.compile.sdk import detect_sdk
+
+        sdk = detect_sdk()
+        layout = resolve_layout(layout, sdk.specialization_layout if sdk else None)
     result = build_specializations(spec, layout=layout)
     click.echo(specialization_table(result))
     if output is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from qeff_vision import families
 from qeff_vision.compile.options import parse_compile_options
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.families.base import Family, ImageSize, ModelDescription, read_json
+from qeff_vision.families.base import Family, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec, VisionSpec
 from qeff_vision.spec.policy import FIXED, POLICY_NAMES, VisionSizePolicy, chunk_span
 from qeff_vision.spec.strict_yaml import load_strict_yaml, yaml_path
@@ -134,10 +134,10 @@ def load_spec(path: str | Path) -> Spec:
 
 def spec_from_data(data: object, source: Path) -> Spec:
     """Validate already-parsed spec ``data`` as if read from ``source`` (see :func:`load_spec`)."""
+    if data is None:
+        raise SpecError(str(source), ["<top level>: the spec is empty"])
     reader = _Reader()
     top = reader.mapping(data, "", TOP_KEYS, required=("model", "ctx_len", "prefill", "vision"))
-    if not top and not reader.problems:
-        reader.add("<top level>", "the spec is empty")
     name = reader.text(top, "name", "", default=source.stem)
     if name is not None and not NAME_PATTERN.fullmatch(name):
         reader.add(
@@ -313,20 +313,14 @@ def _describe(
                 "pinned config.json snapshot so the spec works offline",
             )
             return None, None, None
-    processor_dirs = [model_dir] if model_dir is not None else []
-    if config is not None:
-        processor_dirs.append(config_path.parent)
+    # The image-processor config comes from the checkpoint directory, else from beside the pinned
+    # config (or the hub cache snapshot); families fall back to published defaults without one.
     try:
-        raw_config = read_json(config_path)
-        processor: dict = {}
-        for directory in processor_dirs:
-            if _exists(directory / "preprocessor_config.json", "file"):
-                processor = read_json(directory / "preprocessor_config.json")
-                break
+        description = describe_checkpoint(model_dir or config_path.parent, config_path)
     except UserError as exc:
         reader.add("config" if config else "model", str(exc))
         return None, model_dir, config_path
-    return ModelDescription(raw_config, processor, str(config_path)), model_dir, config_path
+    return description, model_dir, config_path
 
 
 def _cached_hub_config(repo_id: str) -> Path | None:

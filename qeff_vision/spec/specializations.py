@@ -32,12 +32,11 @@ def resolve_layout(layout: str, detected: str | None = None) -> str:
 
     Args:
         layout: ``flat``, ``named`` or ``auto``.
-        detected: The layout the installed SDK accepts, when the caller detected one. ``auto``
-            without a detected SDK means ``flat``, which every SDK accepts; golden files are
-            always generated that way so they do not depend on the machine.
+        detected: The layout the installed SDK accepts
+            (:attr:`qeff_vision.compile.sdk.SdkInfo.specialization_layout`), when known. ``auto``
+            without one means ``flat``, which every SDK reads; golden files are always generated
+            that way so they do not depend on the machine.
     """
-    # TODO(spec): ask qeff_vision.compile.sdk for the installed SDK's layout once it exists;
-    # until then callers pass ``detected`` themselves and `auto` falls back to flat.
     if layout not in LAYOUTS:
         raise ValueError(f"unknown specialization layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     if layout == AUTO:
@@ -174,8 +173,9 @@ def build_specializations(
     Args:
         spec: A spec from :func:`qeff_vision.spec.load_spec` (already validated).
         model: The checkpoint description; defaults to the one the spec was checked against.
-        layout: ``flat``/``named``/``auto`` to override the spec's ``specialization_layout``
-            (``auto`` resolves as in :func:`resolve_layout`).
+        layout: ``flat``/``named`` (or ``auto``, resolved as in :func:`resolve_layout` with no SDK)
+            to override the spec's ``specialization_layout``. A caller that knows the SDK passes
+            ``resolve_layout(spec.layout, sdk.specialization_layout)``.
 
     Returns:
         Both programs' files and the per-image chunk table.
