@@ -1,0 +1,75 @@
+"""``qeff-vision compile SPEC -o OUT``: dual QPC via the SDK compiler, or verification with onnxruntime."""
+
+from __future__ import annotations
+
+import click
+
+from qeff_vision.compile.manifest import BACKENDS, QAIC
+
+HELP = {
+    "out": "Output directory: export/, vision/, lang/ and manifest.json.",
+    "backend": "qaic: compile with the SDK compiler. onnxruntime: run every specialization on CPU instead.",
+    "compiler": "Compiler executable (default: $QAIC_COMPILER, then the SDK's qaic-exec or qaic-compile).",
+    "export": "Use this export directory instead of OUT/export (exported there if absent).",
+    "dry_run": "Write the compiler inputs and print both command lines; compile nothing.",
+    "force": "Recompile both programs even when the cache holds them.",
+    "timeout": "Seconds each compiler may run before it is killed (overrides compile.*.timeout).",
+    "print_serve": "Print the vLLM command lines for the compiled programs.",
+}
+
+
+@click.command(name="compile")
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help=HELP["out"])
+@click.option("--backend", type=click.Choice(BACKENDS), default=QAIC, show_default=True, help=HELP["backend"])
+@click.option("--compiler", type=click.Path(dir_okay=False), help=HELP["compiler"])
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), help=HELP["export"])
+@click.option("--dry-run", is_flag=True, help=HELP["dry_run"])
+@click.option("--force", is_flag=True, help=HELP["force"])
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help=HELP["timeout"])
+@click.option("--print-serve", is_flag=True, help=HELP["print_serve"])
+def compile_command(
+    spec, out_dir, backend, compiler, export_dir, dry_run, force, timeout, print_serve
+) -> None:
+    """Compile both programs (vision encoder and language decoder) of SPEC into OUT.
+
+    Exports the checkpoint if OUT has no export, writes specializations and custom IO, then runs
+    both compilers at once with logs in OUT/<program>/compile.log. Programs whose inputs did not
+    change are reused from OUT. OUT/manifest.json, written last, records both programs and the
+    vLLM hand-off.
+    """
+    from qeff_vision.compile.driver import CompileFailed, compile_spec
+    from qeff_vision.compile.manifest import serve_text
+
+    if print_serve and dry_run:
+        raise click.UsageError("--print-serve needs compiled programs; drop --dry-run")
+    try:
+        outcome = compile_spec(
+            spec,
+            out_dir,
+            backend=backend,
+            compiler=compiler,
+            export_dir=export_dir,
+            dry_run=dry_run,
+            force=force,
+            timeout=timeout,
+        )
+    except CompileFailed as failure:
+        click.echo(f"--- last {len(failure.tail)} lines of {failure.log_path} ---", err=True)
+        for line in failure.tail:
+            click.echo(line, err=True)
+        raise
+    for note in outcome.notes:
+        click.echo(f"note: {note}", err=True)
+    if dry_run:
+        for program, command in outcome.commands.items():
+            click.echo(f"# {program}")
+            click.echo(command)
+        return
+    manifest = outcome.manifest
+    for program, entry in manifest["programs"].items():
+        cached = " (cached)" if entry.get("cached") else ""
+        click.echo(f"{program}: {entry['path']}{cached}")
+    click.echo(f"manifest: {outcome.out_dir / 'manifest.json'}")
+    if print_serve:
+        click.echo(serve_text(manifest), nl=False)

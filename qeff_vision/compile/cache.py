@@ -1,0 +1,193 @@
+"""Content-hash cache of compiled programs, and the lock that serializes compiles into one OUT.
+
+A program directory is named by a hash of everything that decides the compiled binary: the ONNX
+content (graph and external data), the compiler argv without paths, the specializations, the
+custom IO, the partition file and the SDK version. It is reused only when its record
+(``qeff_program.json``, written last and atomically after the compiler succeeded) names the same
+key and the binary it describes is still there with the recorded size. Anything else is rebuilt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.fsutil import atomic_write_json
+
+RECORD_FILE = "qeff_program.json"
+QPC_FILE = "programqpc.bin"
+RECORD_FORMAT = 1
+HASH_MEMO_FILE = ".content-hashes.json"
+LOCK_FILE = ".compile.lock"
+KEY_LENGTH = 16  # hex digits in directory names; the record keeps the full key
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def external_data_files(onnx_path: Path) -> list[Path]:
+    """Every external-data file an ONNX model refers to (sorted, relative to the model's directory)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    locations: set[str] = set()
+
+    def visit_tensor(tensor: Any) -> None:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    locations.add(entry.value)
+
+    def visit_graph(graph: Any) -> None:
+        for tensor in graph.initializer:
+            visit_tensor(tensor)
+        for node in graph.node:
+            visit_nodes([node])
+
+    def visit_nodes(nodes: Any) -> None:
+        for node in nodes:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    visit_tensor(attribute.t)
+                for tensor in attribute.tensors:
+                    visit_tensor(tensor)
+                if attribute.HasField("g"):
+                    visit_graph(attribute.g)
+                for graph in attribute.graphs:
+                    visit_graph(graph)
+
+    visit_graph(model.graph)
+    for function in model.functions:
+        visit_nodes(function.node)
+    return sorted(onnx_path.parent / location for location in locations)
+
+
+class ContentHasher:
+    """SHA-256 of files, remembered by (size, mtime) in a small JSON memo so a 15 GB graph is read once."""
+
+    def __init__(self, memo_path: Path | None = None):
+        self.memo_path = memo_path
+        self.memo: dict[str, dict] = {}
+        if memo_path is not None:
+            with contextlib.suppress(OSError, ValueError):
+                loaded = json.loads(memo_path.read_text())
+                if isinstance(loaded, dict):
+                    self.memo = loaded
+
+    def file(self, path: Path) -> str:
+        """Hash of one file (memoized)."""
+        path = path.resolve()
+        stat = path.stat()
+        entry = self.memo.get(str(path))
+        if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+            return entry["sha256"]
+        digest = sha256_file(path)
+        self.memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        return digest
+
+    def onnx(self, onnx_path: Path) -> str:
+        """Hash of a graph and its external data, independent of where the files live."""
+        digest = hashlib.sha256()
+        digest.update(self.file(onnx_path).encode())
+        for data in external_data_files(onnx_path):
+            digest.update(data.name.encode() + b"\0" + self.file(data).encode())
+        return digest.hexdigest()
+
+    def save(self) -> None:
+        """Write the memo back (atomically); a failure to write only costs a re-hash next time."""
+        if self.memo_path is not None:
+            with contextlib.suppress(OSError):
+                atomic_write_json(self.memo_path, self.memo)
+
+
+def program_key(key_inputs: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of the canonical JSON of ``key_inputs``."""
+    canonical = json.dumps(key_inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def binary_dir_name(key: str) -> str:
+    """``qpc-<first 16 hex digits of the key>``."""
+    return f"qpc-{key[:KEY_LENGTH]}"
+
+
+def read_record(binary_dir: Path) -> dict | None:
+    """The record of a program directory, ``None`` when missing or unreadable."""
+    try:
+        record = json.loads((binary_dir / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def cached_program(binary_dir: Path, key: str) -> dict | None:
+    """The record when ``binary_dir`` holds a complete compile for ``key``; ``None`` otherwise."""
+    record = read_record(binary_dir)
+    if record is None or record.get("format") != RECORD_FORMAT or record.get("key") != key:
+        return None
+    qpc = binary_dir / QPC_FILE
+    try:
+        size = qpc.stat().st_size
+    except OSError:
+        return None
+    if size != record.get("qpc_size") or size == 0:
+        return None
+    return record
+
+
+def write_record(binary_dir: Path, record: Mapping[str, Any]) -> dict:
+    """Complete a program directory: record the key and binary size, atomically, as the last write."""
+    qpc = binary_dir / QPC_FILE
+    full = {**record, "format": RECORD_FORMAT, "qpc_size": qpc.stat().st_size, "finished": time.time()}
+    atomic_write_json(binary_dir / RECORD_FILE, full)
+    return full
+
+
+def discard(directory: Path) -> None:
+    """Remove a program directory that must not look valid (failed, cancelled or stale)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on ``out_dir`` for the block; a second compile waits for the first.
+
+    The lock is an ``flock`` on ``out_dir/.compile.lock``: the kernel drops it when the holder
+    exits, even on a crash, so a stale lock never blocks.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            if on_wait:
+                on_wait(f"waiting for another compile into {out_dir} (lock held by {holder})")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            fcntl.flock(handle, fcntl.LOCK_UN)

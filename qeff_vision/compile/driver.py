@@ -1,0 +1,523 @@
+"""``compile SPEC -o OUT``: export if needed, specialize, then compile (or verify) both programs.
+
+Layout of OUT::
+
+    OUT/export/                     the export (unless --export DIR points elsewhere)
+    OUT/vision/specializations.json, custom_io.yaml     compiler inputs (spec package writes them)
+    OUT/vision/compile.log          everything the compiler printed
+    OUT/vision/qpc-<key>/           programqpc.bin + qeff_program.json (the cache record, last)
+    OUT/lang/...                    the same, plus mdp_partition.json when it spans devices
+    OUT/manifest.json               written last: OUT is complete only when it exists
+
+The two compilers run concurrently under a lock on OUT. With ``backend="onnxruntime"`` no compiler
+runs: every specialization is executed on the exported graphs instead, and the manifest points at
+the ONNX files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.compile import cache
+from qeff_vision.compile.argv import (
+    PARTITION_FILE_NAME,
+    ProgramFiles,
+    argv_without_paths,
+    build_argv,
+    format_command,
+    mdp_partition_config,
+)
+from qeff_vision.compile.graph_io import read_graph_io, symbol_problems
+from qeff_vision.compile.manifest import (
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    ONNXRUNTIME,
+    QAIC,
+    relative_to,
+    spec_hash,
+    tool_name,
+    vllm_handoff,
+)
+from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
+from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
+from qeff_vision.compile.sdk import DEFAULT_COMPILERS, SdkInfo, detect_sdk, find_compiler
+from qeff_vision.errors import SpecError, UserError
+from qeff_vision.fsutil import atomic_write_json
+
+EXPORT_SUBDIR = "export"
+EXPORT_FILE = "export.json"
+LOG_FILE = "compile.log"
+# Section name in the spec's compile: block -> directory under OUT (and key in export.json).
+SECTIONS = {VISION: "vision", LANGUAGE: "lang"}
+
+Progress = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(f"[qeff-vision] {message}", file=sys.stderr, flush=True)
+
+
+class CompileFailed(UserError):
+    """A compiler failed or timed out; ``tail`` holds the last lines of its log."""
+
+    def __init__(self, message: str, tail: list[str], log_path: Path):
+        super().__init__(message)
+        self.tail = tail
+        self.log_path = log_path
+
+
+@dataclass
+class ProgramPlan:
+    """One program's inputs, as written under OUT."""
+
+    program: str  # directory name: vision | lang
+    section: str  # compile: section name: vision | language
+    options: ProgramOptions
+    directory: Path
+    onnx: Path
+    specializations: list[dict[str, Any]]  # [{"name", "symbols"}], symbols as the file has them
+    specializations_file: Path
+    custom_io_file: Path | None
+    partition_file: Path | None
+
+    def symbol_values(self) -> list[dict[str, int]]:
+        """Specializations as symbol -> int."""
+        return [{k: int(v) for k, v in entry["symbols"].items()} for entry in self.specializations]
+
+
+@dataclass
+class CompileOutcome:
+    """What ``compile_spec`` did.
+
+    Attributes:
+        out_dir: The output directory.
+        backend: ``qaic`` or ``onnxruntime``.
+        dry_run: Nothing was compiled.
+        commands: Program -> shell command line (qaic backend).
+        cached: Program -> reused from the cache.
+        manifest: The manifest written (``None`` for a dry run).
+        notes: Lines worth showing the user.
+    """
+
+    out_dir: Path
+    backend: str
+    dry_run: bool
+    commands: dict[str, str] = field(default_factory=dict)
+    cached: dict[str, bool] = field(default_factory=dict)
+    manifest: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Export:
+    directory: Path
+    manifest: dict[str, Any] | None  # None: not exported yet (dry run)
+
+    def onnx(self, program: str) -> Path:
+        if self.manifest is None:
+            return self.directory / program / "model.onnx"
+        return self.directory / self.manifest["programs"][program]["path"]
+
+
+def _config_hash(model_dir: Path) -> str:
+    # Same definition as qeff_vision.export.exporter.config_hash, without importing torch.
+    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
+
+
+def _read_export(directory: Path) -> dict[str, Any]:
+    path = directory / EXPORT_FILE
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{directory}: not an export directory (no {EXPORT_FILE})") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from exc
+    programs = manifest.get("programs") if isinstance(manifest, dict) else None
+    if not isinstance(programs, dict) or any(p not in programs for p in SECTIONS.values()):
+        raise UserError(f"{path}: expected programs 'vision' and 'lang'")
+    return manifest
+
+
+def _run_export(model_dir: Path, directory: Path, say: Progress) -> dict[str, Any]:
+    from qeff_vision import api
+
+    export = getattr(api, "export", None)
+    if export is not None:
+        export(model_dir, directory, force=True)
+    else:  # until the API verb lands, call the exporter directly
+        from qeff_vision.export.exporter import export_model
+
+        export_model(model_dir, directory, force=True, progress=say)
+    return _read_export(directory)
+
+
+def locate_export(
+    spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
+) -> _Export:
+    """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
+    if export_dir is not None:
+        manifest = _read_export(export_dir)
+        if manifest.get("family") != spec.family:
+            raise UserError(
+                f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
+            )
+        return _Export(export_dir, manifest)
+    directory = out_dir / EXPORT_SUBDIR
+    manifest = _read_export(directory) if (directory / EXPORT_FILE).is_file() else None
+    stale = (
+        manifest is not None
+        and spec.model_dir is not None
+        and (spec.model_dir / "config.json").is_file()
+        and manifest.get("config_hash") != _config_hash(spec.model_dir)
+    )
+    if manifest is not None and manifest.get("family") != spec.family:
+        stale = True
+    if manifest is not None and not stale:
+        return _Export(directory, manifest)
+    if dry_run:
+        say(f"dry run: {directory} is {'stale' if stale else 'not exported yet'}; nothing is exported")
+        return _Export(directory, None)
+    if spec.model_dir is None:
+        raise UserError(
+            f"model {spec.model!r} is not a local checkpoint directory, so it cannot be exported here; "
+            "export it where the weights are (`qeff-vision export`) and pass --export DIR"
+        )
+    say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
+    return _Export(directory, _run_export(spec.model_dir, directory, say))
+
+
+def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> dict[str, ProgramPlan]:
+    """Write specializations, custom IO and partition files under OUT; return each program's plan."""
+    from qeff_vision.spec import write_specializations
+
+    write_specializations(generated, out_dir)
+    plans = {}
+    for section, files in ((VISION, generated.vision), (LANGUAGE, generated.language)):
+        program = SECTIONS[section]
+        options = spec.compile.program(section)
+        directory = out_dir / program
+        custom_io_file = directory / "custom_io.yaml"
+        has_custom_io = bool(files.custom_io)
+        partition = directory / PARTITION_FILE_NAME
+        if options.num_devices > 1:
+            atomic_write_json(partition, mdp_partition_config(options.num_devices, options.num_cores))
+        else:
+            partition.unlink(missing_ok=True)
+        plans[program] = ProgramPlan(
+            program=program,
+            section=section,
+            options=options,
+            directory=directory,
+            onnx=export.onnx(program),
+            specializations=[{"name": s.name, "symbols": dict(s.symbols)} for s in files.specializations],
+            specializations_file=directory / "specializations.json",
+            custom_io_file=custom_io_file if has_custom_io else None,
+            partition_file=partition if options.num_devices > 1 else None,
+        )
+    return plans
+
+
+def check_graphs(plans: Mapping[str, ProgramPlan], source: str, *, outputs_required: bool) -> None:
+    """Every specialization binds exactly its graph's symbols; a SpecError listing all problems if not."""
+    problems = []
+    for plan in plans.values():
+        graph = read_graph_io(plan.onnx)
+        problems += symbol_problems(
+            graph, plan.symbol_values(), plan.program, outputs_required=outputs_required
+        )
+    if problems:
+        raise SpecError(source, problems)
+
+
+def _timeout(options: ProgramOptions, override: float | None) -> float | None:
+    return override if override is not None else options.timeout
+
+
+def _common_manifest(spec: Any, out_dir: Path, export: _Export, backend: str, sdk: SdkInfo | None) -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "tool": tool_name(),
+        "backend": backend,
+        "model": spec.model,
+        "model_dir": str(spec.model_dir.resolve()) if spec.model_dir else None,
+        "family": spec.family,
+        "spec": {"path": str(Path(spec.source).resolve()), "name": spec.name},
+        "spec_hash": spec_hash(Path(spec.source), spec.config_path),
+        "sdk": sdk.to_dict() if sdk else None,
+        "export": {
+            "dir": relative_to(export.directory, out_dir),
+            "config_hash": (export.manifest or {}).get("config_hash"),
+        },
+        "shapes": {
+            "batch_size": spec.batch_size,
+            "ctx_len": spec.ctx_len,
+            "prefill_seq_lens": list(spec.prefill.seq_lens),
+            "images": [{"height": i.height, "width": i.width} for i in spec.vision.images],
+            "max_images": spec.vision.max_images,
+            "vision_size": str(spec.vision.vision_size),
+            "specialization_layout": None,
+        },
+    }
+
+
+def _program_entry(plan: ProgramPlan, out_dir: Path, path: Path) -> dict[str, Any]:
+    return {
+        "path": relative_to(path, out_dir),
+        "onnx": relative_to(plan.onnx, out_dir),
+        "specializations": plan.specializations,
+        "specializations_file": relative_to(plan.specializations_file, out_dir),
+        "custom_io_file": relative_to(plan.custom_io_file, out_dir) if plan.custom_io_file else None,
+        "partition_file": relative_to(plan.partition_file, out_dir) if plan.partition_file else None,
+        "options": plan.options.to_dict(),
+    }
+
+
+def _resolve_sdk(backend: str, compiler: str | None, env: Mapping[str, str], dry_run: bool):
+    """(SDK info, compiler path) for the run; a missing compiler is an error unless dry-running."""
+    if backend == ONNXRUNTIME:
+        return None, None
+    sdk = detect_sdk(compiler, env)
+    if dry_run:
+        path = sdk.compiler if sdk and sdk.compiler else None
+        return sdk, path
+    path = find_compiler(compiler, env)  # raises, naming every path tried
+    return sdk, path
+
+
+def compile_spec(
+    spec_path: str | Path,
+    out_dir: str | Path,
+    *,
+    backend: str = QAIC,
+    compiler: str | None = None,
+    export_dir: str | Path | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    progress: Progress | None = _stderr,
+    status_stream: Any = sys.stderr,
+) -> CompileOutcome:
+    """Compile (or verify) both programs of ``spec_path`` into ``out_dir``.
+
+    Args:
+        spec_path: The YAML spec.
+        out_dir: Output directory (see the module docstring for its layout).
+        backend: ``qaic`` (the SDK compiler) or ``onnxruntime`` (run every specialization on CPU).
+        compiler: Explicit compiler path (before ``QAIC_COMPILER`` and the SDK defaults).
+        export_dir: Use this export instead of ``OUT/export``.
+        dry_run: Write the compiler inputs and return the command lines; compile nothing.
+        force: Rebuild programs even when the cache holds them.
+        timeout: Seconds per program compile, overriding the spec's ``compile.*.timeout``.
+        env: Environment for compiler lookup and the compiler processes.
+        progress: One-line progress messages (``None`` for silence).
+        status_stream: Where the live status line goes (``None`` for none).
+
+    Raises:
+        SpecError: The spec is invalid, or its specializations do not match the exported graphs.
+        CompileFailed: A compiler failed or timed out (the message names its log).
+        UserError: No compiler, no export possible, or a similar environment problem.
+    """
+    from qeff_vision.spec import build_specializations, load_spec, resolve_layout
+
+    if backend not in (QAIC, ONNXRUNTIME):
+        raise UserError(f"unknown backend {backend!r}; expected {QAIC} or {ONNXRUNTIME}")
+    say = progress or (lambda message: None)
+    env = os.environ if env is None else env
+    out_dir = Path(out_dir)
+    spec = load_spec(spec_path)
+    for warning in spec.warnings:
+        say(f"warning: {warning}")
+    sdk, compiler_path = _resolve_sdk(backend, compiler, env, dry_run)
+    layout = resolve_layout(spec.layout, sdk.specialization_layout if sdk else None)
+    generated = build_specializations(spec, layout=layout)
+    outcome = CompileOutcome(out_dir, backend, dry_run)
+    with cache.output_lock(out_dir, say):
+        if not dry_run:
+            # From here until the new manifest is written, OUT does not claim to be complete.
+            (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
+        export = locate_export(
+            spec, out_dir, Path(export_dir) if export_dir else None, dry_run=dry_run, say=say
+        )
+        plans = write_inputs(generated, spec, out_dir, export)
+        if export.manifest is not None:
+            check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+        manifest = _common_manifest(spec, out_dir, export, backend, sdk)
+        manifest["shapes"]["specialization_layout"] = layout
+        if backend == ONNXRUNTIME:
+            _verify(plans, out_dir, manifest, outcome, str(spec_path), say)
+        else:
+            _compile(
+                plans,
+                spec,
+                out_dir,
+                export,
+                sdk,
+                compiler_path,
+                manifest,
+                outcome,
+                force,
+                timeout,
+                env,
+                say,
+                status_stream,
+            )
+        if dry_run:
+            return outcome
+        atomic_write_json(out_dir / MANIFEST_FILE, manifest)
+        outcome.manifest = manifest
+    return outcome
+
+
+def _verify(
+    plans, out_dir: Path, manifest: dict, outcome: CompileOutcome, source: str, say: Progress
+) -> None:
+    from qeff_vision.compile.onnxruntime_backend import verify_program
+
+    programs = {}
+    for plan in plans.values():
+        if outcome.dry_run:
+            outcome.notes.append(
+                f"{plan.program}: would run {len(plan.specializations)} specialization(s) of {plan.onnx}"
+            )
+            continue
+        start = time.perf_counter()
+        runs = verify_program(plan.program, plan.onnx, plan.symbol_values(), source=source, progress=say)
+        entry = _program_entry(plan, out_dir, plan.onnx)
+        entry["verification"] = {
+            "seconds": round(time.perf_counter() - start, 3),
+            "runs": [run.to_dict() for run in runs],
+        }
+        for spec_entry, run in zip(entry["specializations"], runs):
+            spec_entry["latency_ms"] = round(run.latency_ms, 3)
+        programs[plan.program] = entry
+    manifest["programs"] = programs
+    manifest["vllm"] = {"available": False, "reason": "onnxruntime backend: there are no QPCs to serve"}
+
+
+def _compile(
+    plans,
+    spec,
+    out_dir,
+    export,
+    sdk,
+    compiler_path,
+    manifest,
+    outcome,
+    force,
+    timeout,
+    env,
+    say,
+    status_stream,
+) -> None:
+    compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
+    argv0 = compiler_path or DEFAULT_COMPILERS[0]
+    hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE)
+    jobs, records, entries, binary_dirs = [], {}, {}, {}
+    for plan in plans.values():
+        hw_version = sdk.hw_version_flag_value(plan.options.aic_hw_version) if sdk else None
+        key_inputs = {
+            "onnx": hasher.onnx(plan.onnx) if export.manifest is not None else None,
+            "argv": argv_without_paths(
+                plan.program,
+                plan.options,
+                has_custom_io=plan.custom_io_file is not None,
+                compiler_name=compiler_name,
+                hw_version=hw_version,
+            ),
+            "specializations": plan.specializations_file.read_text(encoding="utf-8"),
+            "custom_io": plan.custom_io_file.read_text(encoding="utf-8") if plan.custom_io_file else None,
+            "partition": plan.partition_file.read_text(encoding="utf-8") if plan.partition_file else None,
+            "sdk_version": sdk.version if sdk else None,
+        }
+        key = cache.program_key(key_inputs)
+        binary_dir = plan.directory / (
+            cache.binary_dir_name(key) if export.manifest is not None else "qpc-<hash>"
+        )
+        files = ProgramFiles(
+            plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir
+        )
+        argv = build_argv(
+            argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version
+        )
+        outcome.commands[plan.program] = format_command(argv)
+        entry = _program_entry(plan, out_dir, binary_dir)
+        entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, out_dir))
+        entries[plan.program] = entry
+        binary_dirs[plan.program] = binary_dir
+        records[plan.program] = {"program": plan.program, "key": key, "key_inputs": key_inputs, "argv": argv}
+        if outcome.dry_run:
+            continue
+        if not force and cache.cached_program(binary_dir, key) is not None:
+            say(f"{plan.program}: cached ({binary_dir})")
+            outcome.cached[plan.program] = True
+            entry["cached"] = True
+            continue
+        cache.discard(binary_dir)  # a leftover from a crash, or --force
+        outcome.cached[plan.program] = False
+        entry["cached"] = False
+        jobs.append(Job(plan.program, argv, plan.directory / LOG_FILE, _timeout(plan.options, timeout)))
+    hasher.save()
+    if outcome.dry_run:
+        if export.manifest is None:
+            outcome.notes.append(
+                "the ONNX files are not exported yet: each qpc-<hash> directory is named by the content "
+                "hash of its inputs, known after export"
+            )
+        if compiler_path is None:
+            outcome.notes.append(f"no SDK compiler found; the command lines show {argv0}")
+        return
+    results = run_jobs(jobs, StatusLine(status_stream), env) if jobs else {}
+    _finish(results, jobs, binary_dirs, records, entries)
+    manifest["programs"] = entries
+    manifest["vllm"] = vllm_handoff(
+        model=str(spec.model_dir.resolve()) if spec.model_dir else spec.model,
+        vision_path=out_dir / entries["vision"]["path"],
+        language_path=out_dir / entries["lang"]["path"],
+        ctx_len=spec.ctx_len,
+        batch_size=spec.batch_size,
+        prefill_seq_lens=list(spec.prefill.seq_lens),
+        images=[(i.height, i.width) for i in spec.vision.images],
+        max_images=spec.vision.max_images,
+        vision_devices=spec.compile.vision.num_devices,
+        language_devices=spec.compile.language.num_devices,
+        mxfp6_matmul=spec.compile.language.mxfp6_matmul,
+        kv_cache_dtype=spec.compile.language.kv_cache_dtype,
+    )
+
+
+def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries) -> None:
+    """Record successful programs (the record is the last write); remove every failed directory."""
+    failures = [result for result in results.values() if not result.ok]
+    for job in jobs:
+        result = results[job.program]
+        binary_dir = binary_dirs[job.program]
+        entries[job.program]["compile_seconds"] = round(result.seconds, 3)
+        if failures:
+            # Keep a completed sibling: its record makes it a valid cache entry for the next run.
+            if result.ok and (binary_dir / cache.QPC_FILE).is_file():
+                cache.write_record(binary_dir, records[job.program])
+            else:
+                cache.discard(binary_dir)
+            continue
+        if not (binary_dir / cache.QPC_FILE).is_file():
+            cache.discard(binary_dir)
+            raise CompileFailed(
+                f"{job.program}: the compiler exited 0 but wrote no {cache.QPC_FILE} in {binary_dir} "
+                f"(log: {job.log_path})",
+                result.tail,
+                job.log_path,
+            )
+        cache.write_record(binary_dir, records[job.program])
+    if failures:
+        first = next((r for r in failures if r.state in ("failed", "timeout", "error")), failures[0])
+        timeout = next(job.timeout for job in jobs if job.program == first.program)
+        raise CompileFailed(first.describe(timeout), first.tail, first.log_path)

@@ -1,0 +1,238 @@
+"""Run the compilers of both programs concurrently, logging everything they print.
+
+Each compiler's stdout and stderr go, interleaved as printed, into ``<program>/compile.log``; the
+last lines are kept in memory for the failure message. A status line shows both programs while
+they run (rewritten in place on a terminal, one line per event otherwise). A program that runs
+past its timeout is killed with its whole process group; when one program fails the other is
+stopped too, since the compile as a whole has failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+TAIL_LINES = 30
+POLL_SECONDS = 0.1
+REFRESH_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compiler invocation.
+
+    Attributes:
+        program: ``vision`` or ``lang``.
+        argv: Full command line.
+        log_path: Where stdout and stderr go.
+        timeout: Seconds before the compiler is killed; ``None`` waits forever.
+    """
+
+    program: str
+    argv: Sequence[str]
+    log_path: Path
+    timeout: float | None = None
+
+
+@dataclass
+class JobResult:
+    """How a job ended.
+
+    Attributes:
+        state: ``ok``, ``failed`` (non-zero exit), ``timeout``, ``stopped`` (a sibling failed) or
+            ``error`` (could not start).
+        returncode: Exit code (negative for a signal), ``None`` when it never started.
+        seconds: Wall time.
+        lines: Lines printed.
+        tail: The last lines printed.
+    """
+
+    program: str
+    log_path: Path
+    state: str = "running"
+    returncode: int | None = None
+    seconds: float = 0.0
+    lines: int = 0
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when the compiler exited 0."""
+        return self.state == "ok"
+
+    def describe(self, timeout: float | None = None) -> str:
+        """One line: what happened and where the log is."""
+        if self.state == "timeout":
+            what = f"timed out after {timeout:g} s and was killed" if timeout else "timed out"
+        elif self.state == "failed":
+            what = f"compiler exited with code {self.returncode}"
+        elif self.state == "stopped":
+            what = "stopped because the other program failed"
+        elif self.state == "error":
+            what = "compiler could not be started"
+        else:
+            what = self.state
+        return f"{self.program}: {what} (log: {self.log_path})"
+
+
+class StatusLine:
+    """A one-line progress display on ``stream``: in place on a terminal, event lines otherwise."""
+
+    def __init__(self, stream: TextIO | None):
+        self.stream = stream
+        self.live = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        self._last = 0.0
+        self._width = 0
+
+    def event(self, text: str) -> None:
+        """A line that stays (start, finish)."""
+        if self.stream is None:
+            return
+        self._clear()
+        self.stream.write(f"[qeff-vision] {text}\n")
+        self.stream.flush()
+
+    def update(self, text: str, force: bool = False) -> None:
+        """Replace the live line (terminals only; throttled)."""
+        if not self.live or self.stream is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < REFRESH_SECONDS:
+            return
+        self._last = now
+        text = text[:160]
+        self.stream.write("\r" + text.ljust(self._width))
+        self.stream.flush()
+        self._width = len(text)
+
+    def _clear(self) -> None:
+        if self.live and self._width and self.stream is not None:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+
+
+class _Running:
+    def __init__(self, job: Job, env: Mapping[str, str] | None):
+        self.job = job
+        self.result = JobResult(job.program, job.log_path)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.last_line = ""
+        self.start = time.monotonic()
+        job.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(job.log_path, "wb")  # noqa: SIM115 - closed by the reader thread
+        self.log.write(("$ " + subprocess.list2cmdline(list(job.argv)) + "\n").encode())
+        self.log.flush()
+        try:
+            self.process: subprocess.Popen | None = subprocess.Popen(
+                list(job.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: a kill reaches its children too
+                env=dict(env) if env is not None else None,
+            )
+        except OSError as exc:
+            self.process = None
+            message = f"cannot start {job.argv[0]}: {exc}"
+            self.log.write((message + "\n").encode())
+            self.log.close()
+            self.tail.append(message)
+            self.result.state = "error"
+            self.result.tail = list(self.tail)
+            self.reader = None
+            return
+        self.reader = threading.Thread(target=self._read, name=f"compile-log-{job.program}", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        try:
+            for raw in iter(self.process.stdout.readline, b""):
+                self.log.write(raw)
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                self.tail.append(line)
+                self.last_line = line
+                self.result.lines += 1
+        finally:
+            self.log.flush()
+            self.log.close()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self, state: str) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.result.state = state
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def finish(self) -> JobResult:
+        if self.process is not None:
+            self.process.wait()
+            if self.reader is not None:
+                self.reader.join()
+            self.result.returncode = self.process.returncode
+            if self.result.state == "running":
+                self.result.state = "ok" if self.process.returncode == 0 else "failed"
+        self.result.seconds = self.elapsed
+        self.result.tail = list(self.tail)
+        return self.result
+
+
+def _status_text(runs: Sequence[_Running]) -> str:
+    parts = []
+    for run in runs:
+        state = "running" if run.running() else run.result.state
+        parts.append(f"{run.job.program} {state} {run.elapsed:5.0f}s {run.result.lines} lines")
+    last = next((run.last_line for run in reversed(runs) if run.last_line), "")
+    return "compiling: " + " | ".join(parts) + (f" | {last.strip()[:60]}" if last else "")
+
+
+def run_jobs(
+    jobs: Sequence[Job], status: StatusLine | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, JobResult]:
+    """Run every job at once; return each program's result when all have ended.
+
+    Args:
+        jobs: The compiler invocations.
+        status: Progress display; ``None`` shows nothing.
+        env: Environment of the compilers (the current one by default).
+    """
+    status = status or StatusLine(None)
+    runs = []
+    for job in jobs:
+        status.event(f"{job.program}: compiling, log {job.log_path}")
+        runs.append(_Running(job, env))
+    failed = any(run.result.state == "error" for run in runs)
+    while any(run.running() for run in runs):
+        for run in runs:
+            if run.running() and run.job.timeout is not None and run.elapsed > run.job.timeout:
+                run.kill("timeout")
+                failed = True
+            elif not run.running() and run.process is not None and run.process.returncode != 0:
+                failed = True
+        if failed:
+            for run in runs:
+                run.kill("stopped")
+        status.update(_status_text(runs))
+        time.sleep(POLL_SECONDS)
+    results = {}
+    for run in runs:
+        result = run.finish()
+        results[run.job.program] = result
+        status.event(f"{run.job.program}: {result.state} in {result.seconds:.1f} s ({result.lines} lines)")
+    return results

@@ -1,0 +1,232 @@
+"""Stand-in for the Cloud AI 100 compiler (qaic-exec / qaic-compile), for tests only.
+
+It checks its arguments against the files it is given the way the real compiler would refuse them,
+then writes a fake ``programqpc.bin``. It is deliberately independent of qeff_vision: it reads the
+ONNX, specialization, custom IO and partition files itself.
+
+Checks: only known flags; every file argument exists and parses (the ONNX with its external data);
+every specialization binds exactly the graph's symbols (all input symbols, plus optionally symbols
+that only appear on outputs, nothing else); custom IO names exist in the graph with a known
+precision; ``-retained-state`` pairs every ``X_RetainedState`` output with an input ``X``;
+the partition file lists ``numCores`` equal to ``-aic-num-cores``.
+
+Environment (set by the test wrapper script):
+    STAND_IN_MODE: ok (default), fail, hang, flood, slow.
+    STAND_IN_RECORD: file to append one JSON line per invocation (argv, cwd, mode).
+    STAND_IN_LAYOUT: accept ``any`` layout (default) or only ``flat`` (an old SDK).
+    STAND_IN_SLEEP: seconds the ``slow`` mode sleeps before compiling (default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+VALUE_FLAGS = {
+    "-m",
+    "-aic-hw-version",
+    "-network-specialization-config",
+    "-custom-IO-list-file",
+    "-aic-num-cores",
+    "-mos",
+    "-ols",
+    "-mdp-load-partition-config",
+    "-aic-binary-dir",
+}
+SWITCHES = {
+    "-aic-hw",
+    "-retained-state",
+    "-convert-to-fp16",
+    "-mxfp6-matmul",
+    "-aic-enable-depth-first",
+    "-compile-only",
+}
+PRECISIONS = {"float16", "float32", "mxint8", "int8", "int32", "int64", "bfloat16", "uint8", "bool"}
+HW_VERSIONS = {"ai100", "2.0"}
+
+
+class Refused(Exception):
+    """An argument the real compiler would refuse."""
+
+
+def parse(argv: list[str]) -> tuple[dict[str, str], set[str]]:
+    values: dict[str, str] = {}
+    switches: set[str] = set()
+    for arg in argv:
+        flag, has_value, value = arg.partition("=")
+        if has_value and flag in VALUE_FLAGS:
+            if flag in values:
+                raise Refused(f"option {flag} given twice")
+            values[flag] = value
+        elif not has_value and arg in SWITCHES:
+            switches.add(arg)
+        else:
+            raise Refused(f"unknown option {arg!r}")
+    for required in ("-m", "-aic-binary-dir", "-network-specialization-config"):
+        if required not in values:
+            raise Refused(f"missing required option {required}")
+    if "-aic-hw" not in switches:
+        raise Refused("missing -aic-hw")
+    return values, switches
+
+
+def graph_interface(path: Path):
+    import onnx
+
+    if not path.is_file():
+        raise Refused(f"-m: {path} does not exist")
+    try:
+        model = onnx.load(str(path))  # loads external data too: a missing .data file is refused
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        raise Refused(f"-m: {path} is not a valid ONNX model: {exc}") from exc
+
+    def dims(value):
+        return [
+            d.dim_param if d.HasField("dim_param") else d.dim_value for d in value.type.tensor_type.shape.dim
+        ]
+
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = {v.name: dims(v) for v in model.graph.input if v.name not in initializers}
+    outputs = {v.name: dims(v) for v in model.graph.output}
+    return inputs, outputs
+
+
+def symbols_of(tensors: dict[str, list]) -> set[str]:
+    return {d for shape in tensors.values() for d in shape if isinstance(d, str) and d}
+
+
+def check_specializations(path: Path, inputs: dict, outputs: dict, layout: str) -> int:
+    if not path.is_file():
+        raise Refused(f"-network-specialization-config: {path} does not exist")
+    try:
+        entries = json.loads(path.read_text())["specializations"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Refused(f"{path}: not a specialization file ({exc})") from exc
+    if not isinstance(entries, list) or not entries:
+        raise Refused(f"{path}: empty specialization list")
+    required = symbols_of(inputs)
+    allowed = required | symbols_of(outputs)
+    for index, entry in enumerate(entries):
+        if isinstance(entry.get("symbols"), dict):
+            if layout == "flat":
+                raise Refused(f"{path}: specialization {index}: named layout not supported by this SDK")
+            entry = entry["symbols"]
+        for key, value in entry.items():
+            if not str(value).isdigit() or int(value) < 1:
+                raise Refused(f"{path}: specialization {index}: {key}={value!r} is not a positive integer")
+        missing = sorted(required - set(entry))
+        unknown = sorted(set(entry) - allowed)
+        if missing:
+            raise Refused(f"{path}: specialization {index}: no value for symbol(s) {', '.join(missing)}")
+        if unknown:
+            raise Refused(f"{path}: specialization {index}: unknown symbol(s) {', '.join(unknown)}")
+    return len(entries)
+
+
+def check_custom_io(path: Path, inputs: dict, outputs: dict) -> None:
+    import yaml
+
+    if not path.is_file():
+        raise Refused(f"-custom-IO-list-file: {path} does not exist")
+    try:
+        entries = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise Refused(f"{path}: not YAML ({exc})") from exc
+    if not isinstance(entries, list):
+        raise Refused(f"{path}: expected a list of IOName/Precision entries")
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) != {"IOName", "Precision"}:
+            raise Refused(f"{path}: bad entry {entry!r}")
+        if entry["IOName"] not in inputs and entry["IOName"] not in outputs:
+            raise Refused(f"{path}: {entry['IOName']} is not an input or output of the graph")
+        if entry["Precision"] not in PRECISIONS:
+            raise Refused(f"{path}: unknown precision {entry['Precision']!r}")
+
+
+def check_partition(path: Path, num_cores: int) -> int:
+    if not path.is_file():
+        raise Refused(f"-mdp-load-partition-config: {path} does not exist")
+    try:
+        config = json.loads(path.read_text())
+        devices = [d for partition in config["partitions"] for d in partition["devices"]]
+        connected = set(config["connections"][0]["devices"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise Refused(f"{path}: not a partition file ({exc})") from exc
+    if len(devices) < 2 or {d["deviceId"] for d in devices} != connected:
+        raise Refused(f"{path}: partition devices and connections disagree")
+    if any(d["numCores"] != num_cores for d in devices):
+        raise Refused(f"{path}: numCores differs from -aic-num-cores={num_cores}")
+    return len(devices)
+
+
+def compile_program(argv: list[str]) -> int:
+    mode = os.environ.get("STAND_IN_MODE", "ok")
+    values, switches = parse(argv)
+    inputs, outputs = graph_interface(Path(values["-m"]))
+    count = check_specializations(
+        Path(values["-network-specialization-config"]),
+        inputs,
+        outputs,
+        os.environ.get("STAND_IN_LAYOUT", "any"),
+    )
+    if "-custom-IO-list-file" in values:
+        check_custom_io(Path(values["-custom-IO-list-file"]), inputs, outputs)
+    if values.get("-aic-hw-version", "ai100") not in HW_VERSIONS:
+        raise Refused(f"unknown -aic-hw-version {values['-aic-hw-version']}")
+    cores = int(values.get("-aic-num-cores", "16"))
+    if not 1 <= cores <= 16:
+        raise Refused(f"-aic-num-cores={cores} out of range")
+    if "-mdp-load-partition-config" in values:
+        check_partition(Path(values["-mdp-load-partition-config"]), cores)
+    retained = [name for name in outputs if name.endswith("_RetainedState")]
+    if "-retained-state" in switches:
+        unpaired = [n for n in retained if n[: -len("_RetainedState")] not in inputs]
+        if unpaired or not retained:
+            raise Refused(f"-retained-state: outputs without a matching input: {unpaired or 'none retained'}")
+    binary_dir = Path(values["-aic-binary-dir"])
+    binary_dir.mkdir(parents=True, exist_ok=True)
+    print(f"Compiling {values['-m']} with {count} specialization(s) on {cores} core(s)", flush=True)
+    print("stand-in: graph checks passed", file=sys.stderr, flush=True)
+    if mode == "slow":
+        time.sleep(float(os.environ.get("STAND_IN_SLEEP", "1")))
+    if mode == "flood":
+        for line in range(200_000):
+            print(f"[flood] optimization pass {line}: " + "x" * 60)
+        sys.stdout.flush()
+    if mode == "hang":
+        print("stand-in: hanging", flush=True)
+        (binary_dir / "partial.bin").write_bytes(b"partial")
+        while True:
+            time.sleep(60)
+    if mode == "fail":
+        (binary_dir / "partial.bin").write_bytes(b"partial")
+        for line in range(40):
+            print(f"stand-in: failure detail {line}", file=sys.stderr)
+        print("Error: stand-in failure requested (STAND_IN_MODE=fail)", file=sys.stderr, flush=True)
+        return 1
+    (binary_dir / "programqpc.bin").write_bytes(json.dumps({"argv": argv, "stand_in": True}).encode())
+    (binary_dir / "stand_in_argv.json").write_text(json.dumps(argv, indent=1))
+    print("Compilation complete", flush=True)
+    return 0
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    record = os.environ.get("STAND_IN_RECORD")
+    if record:
+        with open(record, "a", encoding="utf-8") as handle:
+            entry = {"argv": [sys.argv[0], *argv], "mode": os.environ.get("STAND_IN_MODE", "ok")}
+            handle.write(json.dumps(entry) + "\n")
+    try:
+        return compile_program(argv)
+    except Refused as exc:
+        print(f"Error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
