@@ -13,3 +13,38 @@ def families_table() -> str:
         rows.extend(("", feature, support.cell()) for feature, support in family.features.rows())
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)
+
+
+def tiny(family: str, out_dir, *, seed: int = 0, force: bool = False):
+    """Write a tiny random-weight checkpoint of ``family`` to ``out_dir`` (atomically).
+
+    Returns:
+        The checkpoint directory.
+    """
+    from pathlib import Path
+
+    from qeff_vision.errors import UserError
+    from qeff_vision.export.adapter import quiet_transformers
+    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.families import get_family
+    from qeff_vision.fsutil import is_nonempty_dir, staged_directory
+
+    out_dir = Path(out_dir)
+    if is_nonempty_dir(out_dir) and not force:
+        raise UserError(f"{out_dir} is not empty; pass --force to replace it")
+    adapter = load_adapter(get_family(family))
+    quiet_transformers()
+    with staged_directory(out_dir, force=force) as staging:
+        adapter.write_tiny_checkpoint(staging, seed)
+    return out_dir
+
+
+def export(model_dir, out_dir, *, force: bool = False, quiet: bool = False):
+    """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
+
+    Returns:
+        :class:`qeff_vision.export.exporter.ExportResult`.
+    """
+    from qeff_vision.export.exporter import export_model, stderr_progress
+
+    return export_model(model_dir, out_dir, force=force, progress=None if quiet else stderr_progress)

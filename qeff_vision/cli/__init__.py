@@ -19,9 +19,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "families": ("qeff_vision.cli.families", "families", "List supported model families and their features."),
     "tiny": ("qeff_vision.cli.tiny", "tiny", "Write a tiny random-weight checkpoint of a family."),
     "export": ("qeff_vision.cli.export", "export", "Export the vision encoder and language decoder to ONNX."),
-    "specialize": ("qeff_vision.cli.specialize", "specialize", "Write specializations and custom IO from a spec."),
+    "specialize": (
+        "qeff_vision.cli.specialize",
+        "specialize",
+        "Write specializations and custom IO from a spec.",
+    ),
     "validate": ("qeff_vision.cli.validate", "validate", "Check spec files and report every problem."),
-    "compile": ("qeff_vision.cli.compile", "compile_command", "Compile both programs (dual QPC) from a spec."),
+    "compile": (
+        "qeff_vision.cli.compile",
+        "compile_command",
+        "Compile both programs (dual QPC) from a spec.",
+    ),
     "run": ("qeff_vision.cli.run", "run", "Generate text with compiled artifacts, chunk-aware."),
 }
 
@@ -30,9 +38,11 @@ class LazyGroup(click.Group):
     """A group whose subcommands live in modules imported only when invoked."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        """Commands whose modules exist, sorted."""
         return sorted(name for name, (module, _, _) in COMMANDS.items() if _module_exists(module))
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """Import the command's module on demand (a stub carrying the help line for --help)."""
         if cmd_name not in COMMANDS:
             return None
         module_name, attribute, short_help = COMMANDS[cmd_name]

@@ -18,10 +18,21 @@ from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.base import Family
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' progress bars and info logs (our stages print their own progress)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 class ExportAdapter:
     """Base class of a family's torch-side adapter. Subclasses override the marked methods."""
 
     family: Family
+    #: Image sizes (height, width) the parity tests feed the tiny checkpoint: several aspect ratios
+    #: for multi-resolution towers; any sizes for fixed-resolution ones (the processor resizes).
+    test_image_sizes: Sequence[tuple[int, int]] = ((100, 150), (224, 224), (300, 120))
 
     # ---- loading ----
 
@@ -29,6 +40,7 @@ class ExportAdapter:
         """Load the checkpoint in float32 with eager attention (what the exporter traces)."""
         from transformers import AutoModelForImageTextToText
 
+        quiet_transformers()
         model = AutoModelForImageTextToText.from_pretrained(
             str(model_dir), dtype=torch.float32, attn_implementation="eager"
         )
@@ -49,7 +61,7 @@ class ExportAdapter:
         raise NotImplementedError
 
     def hf_image_features(self, model: nn.Module, processed: Mapping[str, Any]) -> list[torch.Tensor]:
-        """transformers' own per-image features [tokens, hidden] for the processor outputs (parity)."""
+        """Transformers' own per-image features [tokens, hidden] for the processor outputs (parity)."""
         raise NotImplementedError
 
     def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:

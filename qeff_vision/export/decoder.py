@@ -65,7 +65,9 @@ class RetainedKVCache:
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Write this chunk's keys/values and return the whole (masked) cache for attention."""
         self.keys[layer_idx] = CtxScatterFunction.apply(self.keys[layer_idx], self.write_slots, key_states)
-        self.values[layer_idx] = CtxScatterFunction.apply(self.values[layer_idx], self.write_slots, value_states)
+        self.values[layer_idx] = CtxScatterFunction.apply(
+            self.values[layer_idx], self.write_slots, value_states
+        )
         return (
             CtxGatherFunction.apply(self.keys[layer_idx], self.read_slots),
             CtxGatherFunction.apply(self.values[layer_idx], self.read_slots),
@@ -164,7 +166,9 @@ class LanguageDecoder(nn.Module):
         ctx_len = past[0].shape[2]
         # Padding (position -1) writes the last slot: only a query at position ctx_len-1 reads it,
         # and that query's own token overwrites it first.
-        write_slots = torch.where(text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1))
+        write_slots = torch.where(
+            text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1)
+        )
         read_slots = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
         cache = RetainedKVCache(past, write_slots, read_slots)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None

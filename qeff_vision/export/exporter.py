@@ -42,7 +42,8 @@ EXAMPLE_CTX_LEN = 16
 Progress = Callable[[str], None]
 
 
-def _stderr_progress(message: str) -> None:
+def stderr_progress(message: str) -> None:
+    """Default progress sink: one prefixed line per stage on stderr."""
     print(f"[qeff-vision] {message}", file=sys.stderr, flush=True)
 
 
@@ -83,7 +84,9 @@ def _load_model(adapter: ExportAdapter, model_dir: Path):
         raise UserError(f"{model_dir}: cannot load the checkpoint weights ({first_line})") from exc
 
 
-def _torch_export(module, example: tuple, path: Path, input_names, output_names, dynamic_axes, custom) -> None:
+def _torch_export(
+    module, example: tuple, path: Path, input_names, output_names, dynamic_axes, custom
+) -> None:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic are expected here
         torch.onnx.export(
@@ -142,7 +145,9 @@ def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[
         axes = {str(i): dim for i, dim in enumerate(shape) if isinstance(dim, str)}
         expected = {str(i): sym for i, sym in declared_axes.get(value.name, {}).items()}
         if axes != expected:
-            raise RuntimeError(f"{value.name}: exported symbolic axes {axes} differ from the declared {expected}")
+            raise RuntimeError(
+                f"{value.name}: exported symbolic axes {axes} differ from the declared {expected}"
+            )
         described[value.name] = {
             "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name,
             "shape": shape,
@@ -171,7 +176,7 @@ def export_model(
     out_dir: str | Path,
     *,
     force: bool = False,
-    progress: Progress | None = _stderr_progress,
+    progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -213,8 +218,13 @@ def export_model(
         vision_example = adapter.vision_example_inputs(model)
         vision_axes = {**family.vision_input_axes, **family.vision_output_axes}
         programs["vision"] = _export_program(
-            staging, "vision", encoder, tuple(vision_example.values()), list(vision_example),
-            list(family.vision_output_axes), vision_axes,
+            staging,
+            "vision",
+            encoder,
+            tuple(vision_example.values()),
+            list(vision_example),
+            list(family.vision_output_axes),
+            vision_axes,
         )
         timings["export_vision"] = time.perf_counter() - start
 

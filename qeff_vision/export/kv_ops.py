@@ -27,6 +27,7 @@ class CtxScatterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(cache: torch.Tensor, positions: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        """Eager result (also what tracing records as the example output)."""
         batch = torch.arange(cache.shape[0]).view(-1, 1, 1)
         heads = torch.arange(cache.shape[1]).view(1, -1, 1)
         result = cache.clone()
@@ -47,6 +48,7 @@ class CtxGatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(cache: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Eager result (also what tracing records as the example output)."""
         batch = torch.arange(cache.shape[0]).view(-1, 1, 1)
         heads = torch.arange(cache.shape[1]).view(1, -1, 1)
         return cache[batch, heads, indices.unsqueeze(1)]
@@ -67,12 +69,24 @@ def _scatter_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("Shape", ["positions"], ["pos_shape"]),
         helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.INT64, [], [0])),
         helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", TensorProto.INT64, [], [1])),
-        helper.make_node("Constant", [], ["ax0"], value=helper.make_tensor("a0", TensorProto.INT64, [1], [0])),
-        helper.make_node("Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])),
-        helper.make_node("Constant", [], ["one_1d"], value=helper.make_tensor("o1", TensorProto.INT64, [1], [1])),
-        helper.make_node("Constant", [], ["ax_123"], value=helper.make_tensor("a", TensorProto.INT64, [3], [1, 2, 3])),
-        helper.make_node("Constant", [], ["ax_023"], value=helper.make_tensor("b", TensorProto.INT64, [3], [0, 2, 3])),
-        helper.make_node("Constant", [], ["ax_13"], value=helper.make_tensor("c", TensorProto.INT64, [2], [1, 3])),
+        helper.make_node(
+            "Constant", [], ["ax0"], value=helper.make_tensor("a0", TensorProto.INT64, [1], [0])
+        ),
+        helper.make_node(
+            "Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])
+        ),
+        helper.make_node(
+            "Constant", [], ["one_1d"], value=helper.make_tensor("o1", TensorProto.INT64, [1], [1])
+        ),
+        helper.make_node(
+            "Constant", [], ["ax_123"], value=helper.make_tensor("a", TensorProto.INT64, [3], [1, 2, 3])
+        ),
+        helper.make_node(
+            "Constant", [], ["ax_023"], value=helper.make_tensor("b", TensorProto.INT64, [3], [0, 2, 3])
+        ),
+        helper.make_node(
+            "Constant", [], ["ax_13"], value=helper.make_tensor("c", TensorProto.INT64, [2], [1, 3])
+        ),
         helper.make_node("Gather", ["cache_shape", "zero"], ["batch"], axis=0),
         helper.make_node("Gather", ["cache_shape", "one"], ["heads"], axis=0),
         helper.make_node("Gather", ["cache_shape", "ax0"], ["batch_1d"], axis=0),
@@ -91,7 +105,12 @@ def _scatter_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("ScatterND", ["cache", "indices", "updates"], ["output"]),
     ]
     return helper.make_function(
-        DOMAIN, SCATTER, ["cache", "positions", "updates"], ["output"], nodes, [helper.make_opsetid("", opset)]
+        DOMAIN,
+        SCATTER,
+        ["cache", "positions", "updates"],
+        ["output"],
+        nodes,
+        [helper.make_opsetid("", opset)],
     )
 
 
@@ -100,8 +119,12 @@ def _gather_function(opset: int) -> onnx.FunctionProto:
     nodes = [
         helper.make_node("Shape", ["cache"], ["cache_shape"]),
         helper.make_node("Shape", ["indices"], ["index_shape"]),
-        helper.make_node("Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])),
-        helper.make_node("Constant", [], ["ax_last"], value=helper.make_tensor("al", TensorProto.INT64, [1], [-1])),
+        helper.make_node(
+            "Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])
+        ),
+        helper.make_node(
+            "Constant", [], ["ax_last"], value=helper.make_tensor("al", TensorProto.INT64, [1], [-1])
+        ),
         helper.make_node("Constant", [], ["s0"], value=helper.make_tensor("s0", TensorProto.INT64, [1], [0])),
         helper.make_node("Constant", [], ["s2"], value=helper.make_tensor("s2", TensorProto.INT64, [1], [2])),
         helper.make_node("Slice", ["cache_shape", "s0", "s2"], ["batch_heads"]),

@@ -43,8 +43,11 @@ def register(cls: type[Family]) -> type[Family]:
     if not getattr(family, "features", None):
         problems.append("features are not declared")
     else:
-        problems += [f"feature {feat!r} is unsupported without a reason" for feat, s in family.features.rows()
-                     if not s.supported and not s.note]
+        problems += [
+            f"feature {feat!r} is unsupported without a reason"
+            for feat, s in family.features.rows()
+            if not s.supported and not s.note
+        ]
     if not family.vision_input_axes:
         problems.append("vision_input_axes is empty")
     if problems:

@@ -78,7 +78,7 @@ class GenerationResult:
     encoder_calls: int
     cache_hits: int
     text: str = ""
-    stats: dict[str, Any] = field(default_factory=dict)
+    logits: list[np.ndarray] = field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -195,6 +195,7 @@ class Generator:
         max_new_tokens: int = 32,
         protocol: str = VisionProtocol.CHUNK.value,
         on_token: Callable[[int], None] | None = None,
+        keep_logits: bool = False,
     ) -> GenerationResult:
         """Greedy generation for one processed prompt (batch 1).
 
@@ -203,12 +204,14 @@ class Generator:
             max_new_tokens: Upper bound on generated tokens.
             protocol: ``chunk`` or ``full``.
             on_token: Called with each token id as soon as it is known (streaming).
+            keep_logits: Keep each step's logits row in the result (parity checks).
         """
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         if length + max_new_tokens > self.shape.ctx_len:
             raise UserError(
-                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds ctx_len {self.shape.ctx_len}"
+                f"prompt of {length} tokens + {max_new_tokens} new tokens "
+                f"exceeds ctx_len {self.shape.ctx_len}"
             )
         plan = self.plan(input_ids, processed, protocol)
         positions = self.adapter.prompt_positions(self.model_config, processed)
@@ -247,6 +250,7 @@ class Generator:
                     time.perf_counter() - chunk_start,
                 )
             )
+        kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else []
         token = int(outputs[symbols.LOGITS][0, -1].argmax())
         ttft = time.perf_counter() - started
         tokens = [token]
@@ -266,6 +270,8 @@ class Generator:
             }
             outputs = self._step(feeds, past)
             image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
+            if keep_logits:
+                kept.append(outputs[symbols.LOGITS][0, -1].copy())
             token = int(outputs[symbols.LOGITS][0, -1].argmax())
             tokens.append(token)
             if on_token:
@@ -280,6 +286,7 @@ class Generator:
             decode_seconds=decode_seconds,
             encoder_calls=stats_after.encoder_calls - stats_before.encoder_calls,
             cache_hits=stats_after.hits - stats_before.hits,
+            logits=kept,
         )
 
 

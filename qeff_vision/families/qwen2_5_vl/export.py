@@ -127,7 +127,7 @@ class Adapter(ExportAdapter):
         }
 
     def hf_image_features(self, model, processed):
-        """transformers' vision tower on the processor outputs, split per image."""
+        """Transformers' vision tower on the processor outputs, split per image."""
         grid = torch.as_tensor(processed["image_grid_thw"])
         with torch.no_grad():
             output = model.model.visual(torch.as_tensor(processed["pixel_values"]), grid_thw=grid)
@@ -142,10 +142,12 @@ class Adapter(ExportAdapter):
         inputs, start = [], 0
         for grid_t, grid_h, grid_w in grids.tolist():
             count = grid_t * grid_h * grid_w
-            inputs.append({
-                symbols.PIXEL_VALUES: pixels[start:start + count],
-                IMAGE_GRID_THW: np.zeros((1, grid_t, grid_h, grid_w), dtype=np.int64),
-            })
+            inputs.append(
+                {
+                    symbols.PIXEL_VALUES: pixels[start : start + count],
+                    IMAGE_GRID_THW: np.zeros((1, grid_t, grid_h, grid_w), dtype=np.int64),
+                }
+            )
             start += count
         return inputs
 
@@ -186,9 +188,11 @@ class Adapter(ExportAdapter):
                 grid_t, grid_h, grid_w = grids[image]
                 merged_h, merged_w = grid_h // merge, grid_w // merge
                 count = grid_t * merged_h * merged_w
-                t, h, w = np.meshgrid(np.arange(grid_t), np.arange(merged_h), np.arange(merged_w), indexing="ij")
-                rope[:, index:index + count] = np.stack([t.ravel(), h.ravel(), w.ravel()]) + next_position
-                next_position = int(rope[:, index:index + count].max()) + 1
+                t, h, w = np.meshgrid(
+                    np.arange(grid_t), np.arange(merged_h), np.arange(merged_w), indexing="ij"
+                )
+                rope[:, index : index + count] = np.stack([t.ravel(), h.ravel(), w.ravel()]) + next_position
+                next_position = int(rope[:, index : index + count].max()) + 1
                 index += count
                 image += 1
             else:

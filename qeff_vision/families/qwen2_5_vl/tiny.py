@@ -17,7 +17,8 @@ SPECIAL_TOKENS = (
 # Qwen's ChatML layout with the vision markers around each image placeholder.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
     "{% endif %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
@@ -30,12 +31,27 @@ CHAT_TEMPLATE = (
 
 # Small enough for seconds-long exports; the structure (window attention with a full-attention
 # block, GQA, M-RoPE sections) is that of the real model.
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]})
-VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-              patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-              fullatt_block_indexes=[1])
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+)
+VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=[1],
+)
 # Pixel bounds keep tiny-test images small; the published checkpoints use 4*28^2 .. 16384*28^2.
 MIN_PIXELS = 4 * 28 * 28
 MAX_PIXELS = 1024 * 28 * 28
@@ -66,8 +82,13 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
     vocab_size = len(tokenizer)
     config = Qwen2_5_VLConfig(
-        text_config=dict(TEXT, vocab_size=vocab_size, bos_token_id=ids["<|endoftext|>"],
-                         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]),
+        text_config=dict(
+            TEXT,
+            vocab_size=vocab_size,
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
         vision_config=VISION,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],

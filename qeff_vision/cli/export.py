@@ -1,0 +1,25 @@
+"""``qeff-vision export MODEL_DIR -o OUT``: both programs to ONNX."""
+
+from __future__ import annotations
+
+import click
+
+from qeff_vision import api
+
+
+@click.command()
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option(
+    "-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory."
+)
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
+def export(model_dir: str, out_dir: str, force: bool, quiet: bool) -> None:
+    """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
+    result = api.export(model_dir, out_dir, force=force, quiet=quiet)
+    for program in ("vision", "lang"):
+        inputs = result.manifest["programs"][program]["inputs"]
+        shown = ", ".join(f"{name}{info['shape']}" for name, info in list(inputs.items())[:4])
+        more = f", ... ({len(inputs)} inputs)" if len(inputs) > 4 else ""
+        click.echo(f"{program}: {result.program_path(program)}  {shown}{more}")
+    click.echo(f"export.json: {result.out_dir / 'export.json'}")

@@ -1,0 +1,56 @@
+"""Shared fixtures. The default tier builds tiny random checkpoints on the fly (no downloads).
+
+Tiers: plain ``pytest`` runs the fast tier; ``pytest -m slow`` adds larger random configurations
+and long sweeps (see the ``slow`` marker in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import helpers
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family) -> Path``: a tiny checkpoint per family, built once per session."""
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            built[family] = helpers.write_tiny(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def exported(tiny_checkpoint, tmp_path_factory):
+    """``exported(family) -> Path``: the tiny checkpoint's export directory, built once per session."""
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            from qeff_vision.export.exporter import export_model
+
+            out = tmp_path_factory.mktemp(f"export-{family}") / "export"
+            export_model(tiny_checkpoint(family), out, progress=None)
+            built[family] = out
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_checkpoint):
+    """``hf_model(family) -> (model, processor)`` loaded once per session with eager attention."""
+    loaded: dict[str, tuple] = {}
+
+    def load(family: str):
+        if family not in loaded:
+            loaded[family] = helpers.load_hf(tiny_checkpoint(family))
+        return loaded[family]
+
+    return load
