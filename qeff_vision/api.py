@@ -48,3 +48,19 @@ def export(model_dir, out_dir, *, force: bool = False, quiet: bool = False):
     from qeff_vision.export.exporter import export_model, stderr_progress
 
     return export_model(model_dir, out_dir, force=force, progress=None if quiet else stderr_progress)
+
+
+def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on the command line
+    """Compile both programs of a spec into ``out_dir`` (or verify them with onnxruntime).
+
+    Keyword arguments are those of :func:`qeff_vision.compile.driver.compile_spec`: ``backend``
+    (``qaic`` or ``onnxruntime``), ``compiler``, ``export_dir``, ``dry_run``, ``force``,
+    ``timeout``, ``env``, ``progress`` and ``status_stream``.
+
+    Returns:
+        :class:`qeff_vision.compile.driver.CompileOutcome`; its ``manifest`` is what
+        ``out_dir/manifest.json`` holds.
+    """
+    from qeff_vision.compile.driver import compile_spec
+
+    return compile_spec(spec, out_dir, **options)

@@ -38,13 +38,14 @@ def compile_command(
     change are reused from OUT. OUT/manifest.json, written last, records both programs and the
     vLLM hand-off.
     """
-    from qeff_vision.compile.driver import CompileFailed, compile_spec
+    from qeff_vision import api
+    from qeff_vision.compile.driver import CompileFailed
     from qeff_vision.compile.manifest import serve_text
 
     if print_serve and dry_run:
         raise click.UsageError("--print-serve needs compiled programs; drop --dry-run")
     try:
-        outcome = compile_spec(
+        outcome = api.compile(
             spec,
             out_dir,
             backend=backend,
