@@ -315,12 +315,15 @@ def test_several_errors_in_one_file_are_reported_at_once(tmp_path):
         "vision.vision_size: vision_size 4096",
         "compile.num_devices: must be a positive integer",
         "extra: unknown key",
+        # The model checks still run on the images that parsed, although images[2] did not.
+        "vision.images[0]: aspect ratio of 28x5628 exceeds 200",
+        "vision.images[1]: 1365x2048 becomes 3577 image tokens x 2 images per request = 7154 rows",
     ):
         one(problems, prefix)
     # Problems of different sections do not hide each other.
-    assert len(problems) == 6
+    assert len(problems) == 8
     message = str(info.value)
-    assert message.startswith(f"{path}: 6 problem(s): ") and "\n" not in message
+    assert message.startswith(f"{path}: 8 problem(s): ") and "\n" not in message
 
 
 def test_semantic_checks_run_when_unrelated_sections_are_broken(tmp_path):

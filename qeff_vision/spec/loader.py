@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,7 @@ def spec_from_data(data: object, source: Path) -> Spec:
     if reader.problems:
         raise SpecError(str(source), reader.problems)
     assert None not in (name, model, family, dtype, batch_size, ctx_len, seq_lens, vision, layout)
+    assert vision.complete
     return Spec(
         name=name,
         model=model,
@@ -178,7 +180,7 @@ def spec_from_data(data: object, source: Path) -> Spec:
         batch_size=batch_size,
         ctx_len=ctx_len,
         prefill=PrefillSpec(seq_lens),
-        vision=vision,
+        vision=vision.spec(),
         layout=layout,
         compile=compile_options,
         source=source,
@@ -230,19 +232,37 @@ def _read_policy(reader: _Reader, value: Any, ctx_len: int | None) -> VisionSize
     return VisionSizePolicy(FIXED, value)
 
 
-def _read_vision(reader: _Reader, value: Any, ctx_len: int | None) -> VisionSpec | None:
+@dataclass
+class _VisionInput:
+    """What parsed cleanly in ``vision:``, kept for the model checks even when other parts did not.
+
+    ``images`` keeps each valid image with its index in the YAML list; ``max_images`` and
+    ``policy`` are ``None`` when they were invalid (checks that need them are skipped).
+    """
+
+    images: list[tuple[int, ImageSize]]
+    max_images: int | None
+    policy: VisionSizePolicy | None
+    policy_given: bool
+    complete: bool
+
+    def spec(self) -> VisionSpec:
+        assert self.complete and self.max_images is not None and self.policy is not None
+        return VisionSpec(
+            tuple(image for _, image in self.images), self.max_images, self.policy, self.policy_given
+        )
+
+
+def _read_vision(reader: _Reader, value: Any, ctx_len: int | None) -> _VisionInput | None:
     if value is _MISSING:
         return None
     before = len(reader.problems)
     vision = reader.mapping(value, "vision", VISION_KEYS, required=("images",))
     max_images = reader.integer(vision, "max_images", "vision", default=1, maximum=MAX_IMAGES_PER_REQUEST)
-    policy = (
-        _read_policy(reader, vision["vision_size"], ctx_len)
-        if "vision_size" in vision
-        else VisionSizePolicy()
-    )
+    given = "vision_size" in vision
+    policy = _read_policy(reader, vision["vision_size"], ctx_len) if given else VisionSizePolicy()
     raw = vision.get("images")
-    images: list[ImageSize] = []
+    images: list[tuple[int, ImageSize]] = []
     if "images" in vision and (not isinstance(raw, list) or not raw):
         reader.add("vision.images", f"must be a non-empty list of {{height, width}} (got {raw!r})")
     for index, item in enumerate(raw if isinstance(raw, list) else []):
@@ -254,12 +274,12 @@ def _read_vision(reader: _Reader, value: Any, ctx_len: int | None) -> VisionSpec
         if None in (height, width, frames):
             continue
         image = ImageSize(height, width, frames)
-        if image in images:
-            reader.add(here, f"duplicate image {_label(image)} (also vision.images[{images.index(image)}])")
-        images.append(image)
-    if len(reader.problems) != before:
-        return None
-    return VisionSpec(tuple(images), max_images, policy, "vision_size" in vision)
+        first = next((other for other, seen in images if seen == image), None)
+        if first is not None:
+            reader.add(here, f"duplicate image {_label(image)} (also vision.images[{first}])")
+            continue
+        images.append((index, image))
+    return _VisionInput(images, max_images, policy, given, complete=len(reader.problems) == before)
 
 
 def _label(image: ImageSize) -> str:
@@ -383,19 +403,19 @@ def _check_images(
     warnings: list[str],
     family: Family,
     model: ModelDescription,
-    vision: VisionSpec,
+    vision: _VisionInput,
     seq_lens: tuple[int, ...] | None,
     ctx_len: int | None,
 ) -> None:
-    policy = vision.vision_size
-    if vision.vision_size_given and not family.features.dynamic_vision_size.supported:
+    policy, max_images = vision.policy, vision.max_images
+    if vision.policy_given and not family.features.dynamic_vision_size.supported:
         reader.add(
             "vision.vision_size",
             f"family {family.name} has no dynamic vision size "
             f"({family.features.dynamic_vision_size.note}); remove this key",
         )
     tokens: dict[int, int] = {}
-    for index, image in enumerate(vision.images):
+    for index, image in vision.images:
         here = yaml_path("vision.images", index)
         try:
             found = family.validate_image(model, image)
@@ -405,31 +425,30 @@ def _check_images(
             found = [f"token math failed for {_label(image)}: {exc}"]
         for problem in found:
             reader.add(here, problem)
+    labels = dict(vision.images)
     for index, count in tokens.items():
-        image, here = vision.images[index], yaml_path("vision.images", index)
-        rows = count * vision.max_images
-        if ctx_len is not None and rows >= ctx_len:
-            per_request = (
-                f" x {vision.max_images} images per request = {rows} rows" if vision.max_images > 1 else ""
-            )
+        here = yaml_path("vision.images", index)
+        if ctx_len is not None and max_images is not None and count * max_images >= ctx_len:
+            rows = count * max_images
+            per_request = f" x {max_images} images per request = {rows} rows" if max_images > 1 else ""
             reader.add(
                 here,
-                f"{_label(image)} becomes {count} image tokens{per_request}, which does not fit "
+                f"{_label(labels[index])} becomes {count} image tokens{per_request}, which does not fit "
                 f"ctx_len {ctx_len} (must be smaller, leaving room for text)",
             )
-        if policy.kind == FIXED and count > policy.size:
+        if policy is not None and policy.kind == FIXED and count > policy.size:
             warnings.append(
-                f"{here}: {_label(image)} becomes {count} image tokens, more than vision_size "
+                f"{here}: {_label(labels[index])} becomes {count} image tokens, more than vision_size "
                 f"{policy.size}: its placeholders must be split over several chunks (chunking required)"
             )
-    if seq_lens and tokens and not family.features.chunk_split.supported:
-        request = max(tokens.values()) * vision.max_images
-        capacity = max(min(s, policy.for_bucket(s, request)) for s in seq_lens)
-        for index, count in tokens.items():
-            if chunk_span(count, capacity)[0] > 1:
-                reader.add(
-                    yaml_path("vision.images", index),
-                    f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
-                    f"{family.name} cannot split an image across chunks "
-                    f"({family.features.chunk_split.note})",
-                )
+    if not (seq_lens and tokens and policy and max_images) or family.features.chunk_split.supported:
+        return
+    request = max(tokens.values()) * max_images
+    capacity = max(min(s, policy.for_bucket(s, request)) for s in seq_lens)
+    for index, count in tokens.items():
+        if chunk_span(count, capacity)[0] > 1:
+            reader.add(
+                yaml_path("vision.images", index),
+                f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
+                f"{family.name} cannot split an image across chunks ({family.features.chunk_split.note})",
+            )
