@@ -64,3 +64,61 @@ def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on th
     from qeff_vision.compile.driver import compile_spec
 
     return compile_spec(spec, out_dir, **options)
+
+
+def specialize(spec_path, out_dir=None, *, layout: str | None = None):
+    """Specializations and custom IO of both programs of a spec, written to ``out_dir`` if given.
+
+    Args:
+        spec_path: The YAML spec.
+        out_dir: Where ``vision/`` and ``lang/`` ``specializations.json`` and ``custom_io.yaml``
+            go (each file written atomically); ``None`` writes nothing.
+        layout: ``flat``, ``named`` or ``auto`` instead of the spec's ``specialization_layout``;
+            ``auto`` follows the installed SDK (``flat`` when there is none).
+
+    Returns:
+        :class:`qeff_vision.spec.ProgramSpecializations`.
+
+    Raises:
+        SpecError: Every problem of the spec.
+    """
+    from qeff_vision.spec import AUTO, build_specializations, load_spec, resolve_layout, write_specializations
+
+    spec = load_spec(spec_path)
+    layout = layout or spec.layout
+    if layout == AUTO:
+        from qeff_vision.compile.sdk import detect_sdk
+
+        sdk = detect_sdk()
+        layout = resolve_layout(layout, sdk.specialization_layout if sdk else None)
+    result = build_specializations(spec, layout=layout)
+    if out_dir is not None:
+        write_specializations(result, out_dir)
+    return result
+
+
+def validate(spec_path):
+    """Check one spec file.
+
+    Returns:
+        ``(problems, warnings)``: every problem (``"<yaml path>: <what is wrong>"``; empty when the
+        spec is valid) and every warning.
+    """
+    from qeff_vision.errors import SpecError
+    from qeff_vision.spec import load_spec
+
+    try:
+        return [], list(load_spec(spec_path).warnings)
+    except SpecError as exc:
+        return list(exc.problems), []
+
+
+def check_golden(specs_dir, *, update: bool = False):
+    """Regenerate every spec under ``specs_dir`` and compare with (or rewrite) ``specs_dir/golden``.
+
+    Returns:
+        :class:`qeff_vision.spec.GoldenReport`; ``report.ok`` is the verdict.
+    """
+    from qeff_vision.spec import check_golden as check
+
+    return check(specs_dir, update=update)

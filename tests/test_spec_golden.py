@@ -61,7 +61,10 @@ def test_spec_package_imports_no_torch():
     code = (
         "import sys\n"
         "import qeff_vision.spec as spec, qeff_vision.cli.specialize, qeff_vision.cli.validate\n"
+        "from qeff_vision import api\n"
         "assert spec.check_golden('specs').ok\n"
+        "api.specialize('specs/qwen2_5_vl/qwen2_5_vl-3b-instruct.yaml', layout='auto')\n"
+        "assert api.validate('specs/qwen2_5_vl/qwen2_5_vl-7b-instruct.yaml') == ([], [])\n"
         "heavy = [m for m in ('torch', 'transformers', 'onnx', 'onnxruntime') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
@@ -117,7 +120,17 @@ def test_golden_check_reports_missing_stale_and_broken(specs_copy):
     assert check_golden(specs_copy).ok
 
 
-# ---- CLI ----
+# ---- API and CLI ----
+
+
+def test_api_verbs(tmp_path):
+    from qeff_vision import api
+
+    result = api.specialize(SPECS / "qwen2_5_vl" / "qwen2_5_vl-7b-instruct.yaml", tmp_path, layout="flat")
+    assert result.language.layout == "flat" and (tmp_path / "lang" / "custom_io.yaml").is_file()
+    problems, warnings = api.validate(write_spec(tmp_path, spec_data(ctx_len=0)))
+    assert problems == ["ctx_len: must be a positive integer (got 0)"] and warnings == []
+    assert api.check_golden(SPECS).ok
 
 
 def test_specialize_writes_files_and_prints_the_table(tmp_path, capsys):

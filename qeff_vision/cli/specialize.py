@@ -31,37 +31,23 @@ def specialize(
 
     Without -o the table is printed and nothing is written.
     """
-    from qeff_vision.spec import (
-        AUTO,
-        build_specializations,
-        check_golden,
-        load_spec,
-        resolve_layout,
-        specialization_table,
-        write_specializations,
-    )
+    from qeff_vision import api
+    from qeff_vision.spec import specialization_table
 
     if check or update_golden:
         if check and update_golden:
             raise UserError("--check and --update-golden are exclusive")
         if output is not None or layout is not None:
             raise UserError("-o/--layout do not apply to --check/--update-golden")
-        _golden(paths or (Path("specs"),), update_golden, check_golden)
+        _golden(paths or (Path("specs"),), update_golden, api.check_golden)
         return
     if len(paths) != 1:
         raise UserError("specialize takes exactly one SPEC (or --check/--update-golden with directories)")
-    spec = load_spec(paths[0])
-    layout = layout or spec.layout
-    if layout == AUTO:
-        from qeff_vision.compile.sdk import detect_sdk
-
-        sdk = detect_sdk()
-        layout = resolve_layout(layout, sdk.specialization_layout if sdk else None)
-    result = build_specializations(spec, layout=layout)
+    result = api.specialize(paths[0], output, layout=layout)
     click.echo(specialization_table(result))
     if output is not None:
-        for path in write_specializations(result, output):
-            click.echo(f"wrote {path}")
+        for relative in result.files():
+            click.echo(f"wrote {output / relative}")
 
 
 def _golden(roots: tuple[Path, ...], update: bool, check_golden) -> None:
