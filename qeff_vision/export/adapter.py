@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.base import Family
 
@@ -41,9 +42,16 @@ class ExportAdapter:
         from transformers import AutoModelForImageTextToText
 
         quiet_transformers()
-        model = AutoModelForImageTextToText.from_pretrained(
-            str(model_dir), dtype=torch.float32, attn_implementation="eager"
+        model, info = AutoModelForImageTextToText.from_pretrained(
+            str(model_dir), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
         )
+        # transformers fills missing weights with random values and only warns: refuse instead.
+        missing = list(info.get("missing_keys") or []) + list(info.get("mismatched_keys") or [])
+        if missing:
+            shown = ", ".join(str(key) for key in missing[:3])
+            raise UserError(
+                f"{model_dir}: {len(missing)} weight(s) missing or mismatched in the checkpoint ({shown} ...)"
+            )
         return model.eval()
 
     def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:

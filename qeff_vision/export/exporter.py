@@ -78,8 +78,9 @@ def config_hash(model_dir: Path) -> str:
 def _load_model(adapter: ExportAdapter, model_dir: Path):
     try:
         return adapter.load(model_dir)
-    except (OSError, ValueError, RuntimeError) as exc:
-        # transformers raises these for missing, truncated or mismatched weights.
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors/transformers raise many types for bad files
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"{model_dir}: cannot load the checkpoint weights ({first_line})") from exc
 
