@@ -1,0 +1,120 @@
+"""Parity of an export against transformers: vision features per resolution, then greedy generation.
+
+Used by ``make demo`` and available to users' Python. The tests check the same properties per
+family with tighter control (tests/test_family_parity.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class ParityReport:
+    """Max differences and tokens of an onnxruntime-vs-transformers comparison."""
+
+    vision_max_diff: dict[str, float] = field(default_factory=dict)
+    hf_tokens: list[int] = field(default_factory=list)
+    onnx_tokens: list[int] = field(default_factory=list)
+    max_logit_diff: float = 0.0
+    chunks: int = 0
+    text: str = ""
+
+    @property
+    def tokens_identical(self) -> bool:
+        """Greedy tokens are the same."""
+        return self.hf_tokens == self.onnx_tokens
+
+
+def synthetic_image(height: int, width: int, seed: int = 0):
+    """A deterministic random RGB image (the demo and benchmarks need no image files)."""
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    return Image.fromarray(pixels)
+
+
+def check_parity(
+    export_dir: str | Path,
+    *,
+    image_sizes: Sequence[tuple[int, int]],
+    prompt: str = "Describe this image.",
+    max_new_tokens: int = 8,
+    chunk_size: int = 32,
+) -> ParityReport:
+    """Compare the exported graphs with transformers on the export's own checkpoint.
+
+    Args:
+        export_dir: An export directory (export.json names the checkpoint).
+        image_sizes: Resolutions for the vision comparison; the first also drives generation.
+        prompt: User text after the image.
+        max_new_tokens: Greedy tokens to compare.
+        chunk_size: Prefill bucket S (and V) for the chunked generation.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from qeff_vision.export.adapter import quiet_transformers
+    from qeff_vision.export.exporter import load_adapter, read_export
+    from qeff_vision.families import get_family
+    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+    from qeff_vision.runtime.planner import PrefillBucket
+    from qeff_vision.runtime.session import OnnxProgram
+
+    quiet_transformers()
+    export_dir = Path(export_dir)
+    manifest = read_export(export_dir)
+    adapter = load_adapter(get_family(manifest["family"]))
+    model = AutoModelForImageTextToText.from_pretrained(
+        manifest["model"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    processor = AutoProcessor.from_pretrained(manifest["model"])
+    vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
+    report = ParityReport()
+    for seed, (height, width) in enumerate(image_sizes):
+        processed = processor.image_processor(
+            images=[synthetic_image(height, width, seed)], return_tensors="pt"
+        )
+        reference = adapter.hf_image_features(model, processed)[0].numpy()
+        inputs = adapter.vision_inputs_per_image({k: v.numpy() for k, v in processed.items()})[0]
+        ours = vision.run(inputs)["vision_embeds"][0]
+        report.vision_max_diff[f"{height}x{width}"] = float(np.abs(ours - reference).max())
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[synthetic_image(*image_sizes[0])], return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    length = inputs["input_ids"].shape[1]
+    report.hf_tokens = out.sequences[0, length:].tolist()
+    bucket = PrefillBucket(chunk_size, chunk_size)
+    shape = LanguageShape((bucket,), chunk_size, length + max_new_tokens + chunk_size)
+    generator = generator_for_export(export_dir, shape)
+    result = generator.generate(
+        {k: v.numpy() for k, v in inputs.items()}, max_new_tokens=max_new_tokens, keep_logits=True
+    )
+    report.onnx_tokens = result.tokens
+    report.chunks = len(result.chunks)
+    report.max_logit_diff = float(
+        max(np.abs(ours - ref[0].numpy()).max() for ours, ref in zip(result.logits, out.logits))
+    )
+    report.text = processor.tokenizer.decode(result.tokens)
+    return report
+
+
+def model_config(export_dir: str | Path) -> dict:
+    """The config.json of the checkpoint an export came from."""
+    from qeff_vision.export.exporter import read_export
+
+    return json.loads((Path(read_export(export_dir)["model"]) / "config.json").read_text())
