@@ -176,7 +176,8 @@ class _Running:
     def kill(self, state: str) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.result.state = state
+        if self.result.state == "running":  # a timed-out job stays "timeout" when its sibling stops it
+            self.result.state = state
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
 
@@ -188,6 +189,11 @@ class _Running:
             self.result.returncode = self.process.returncode
             if self.result.state == "running":
                 self.result.state = "ok" if self.process.returncode == 0 else "failed"
+            else:  # killed by us: say so at the end of its log
+                note = f"[qeff-vision] compiler killed ({self.result.state}) after {self.elapsed:.1f} s"
+                with open(self.job.log_path, "a", encoding="utf-8") as log:
+                    log.write(note + "\n")
+                self.tail.append(note)
         self.result.seconds = self.elapsed
         self.result.tail = list(self.tail)
         return self.result

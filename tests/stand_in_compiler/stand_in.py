@@ -11,7 +11,7 @@ precision; ``-retained-state`` pairs every ``X_RetainedState`` output with an in
 the partition file lists ``numCores`` equal to ``-aic-num-cores``.
 
 Environment (set by the test wrapper script):
-    STAND_IN_MODE: ok (default), fail, hang, flood, slow.
+    STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow.
     STAND_IN_RECORD: file to append one JSON line per invocation (argv, cwd, mode).
     STAND_IN_LAYOUT: accept ``any`` layout (default) or only ``flat`` (an old SDK).
     STAND_IN_SLEEP: seconds the ``slow`` mode sleeps before compiling (default 1).
@@ -197,6 +197,8 @@ def compile_program(argv: list[str]) -> int:
         for line in range(200_000):
             print(f"[flood] optimization pass {line}: " + "x" * 60)
         sys.stdout.flush()
+    if mode == "fail-vision":  # the vision program fails; the language program hangs until stopped
+        mode = "hang" if "-retained-state" in switches else "fail"
     if mode == "hang":
         print("stand-in: hanging", flush=True)
         (binary_dir / "partial.bin").write_bytes(b"partial")
