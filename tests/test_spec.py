@@ -246,8 +246,8 @@ def test_model_and_config_resolution_problems(tmp_path):
     assert "neither a directory" in one(
         problems_of(write_spec(tmp_path, spec_data(model="./no/such dir"))), "model:"
     )
-    assert one(problems_of(write_spec(tmp_path, spec_data(family="llava"))), "family:").startswith(
-        "family: unknown family 'llava'; supported families: qwen2_5_vl"
+    assert one(problems_of(write_spec(tmp_path, spec_data(family="no_such_family"))), "family:").startswith(
+        "family: unknown family 'no_such_family'; supported families: "
     )
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
@@ -438,3 +438,15 @@ def test_mutated_valid_specs_never_raise_a_traceback(where, value, sides):
         target = target[key]
     target[where[-1]] = value
     _load_or_user_error(write_spec(_SCRATCH, yaml.safe_dump(data), "mutated.yaml"))
+
+
+def test_chunk_table_of_a_family_that_cannot_split_images(tmp_path, cross_attention_config):
+    from qeff_vision.spec import build_specializations, specialization_table
+
+    data = spec_data(
+        model="test/cross", config=str(cross_attention_config), prefill={"seq_lens": [128, 2048]}
+    )
+    result = build_specializations(load_spec(write_spec(tmp_path, data)))
+    assert dict(result.images[0].chunks) == {128: (0, 0), 2048: (1, 1)}
+    row = next(line for line in specialization_table(result).splitlines() if line.startswith("354x536"))
+    assert row.split()[-2:] == ["-", "1"]

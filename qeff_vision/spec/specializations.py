@@ -98,7 +98,9 @@ class ImageChunks:
         image: The resolution from the spec.
         tokens: Its placeholder tokens (vision_embeds rows).
         vision_specialization: Name of the vision specialization that encodes it.
-        chunks: Prefill bucket -> (fewest, most) chunks its placeholders span.
+        chunks: Prefill bucket -> (fewest, most) chunks its placeholders span. For a family that
+            cannot split an image across chunks: (1, 1) when the bucket holds the whole image,
+            (0, 0) when it cannot (the host must use a larger bucket for that chunk).
     """
 
     image: ImageSize
@@ -163,6 +165,12 @@ def _bind(order: list[str], values: Mapping[str, int], where: str) -> dict[str, 
 
 def _custom_io(names: Iterable[str], precision_of: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple((name, precision_of[name]) for name in names if name in precision_of)
+
+
+def _span(tokens: int, capacity: int, splittable: bool) -> tuple[int, int]:
+    if splittable:
+        return chunk_span(tokens, capacity)
+    return (1, 1) if tokens <= capacity else (0, 0)
 
 
 def build_specializations(
@@ -258,12 +266,16 @@ def build_specializations(
         tuple(language_specs),
         _custom_io([*language_in, *language_out], language_precision),
     )
+    splittable = family.features.chunk_split.supported
     images = tuple(
         ImageChunks(
             image,
             tokens,
             name,
-            {seq_len: chunk_span(tokens, min(seq_len, prefill_sizes[seq_len])) for seq_len in seq_lens},
+            {
+                seq_len: _span(tokens, min(seq_len, prefill_sizes[seq_len]), splittable)
+                for seq_len in seq_lens
+            },
         )
         for image, tokens, name in image_tokens
     )

@@ -11,12 +11,19 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 
 
+def _span_cell(low: int, high: int) -> str:
+    if high == 0:
+        return "-"  # cannot hold the whole image, and the family cannot split it
+    return f"{low}" if low == high else f"{low}-{high}"
+
+
 def specialization_table(result: ProgramSpecializations) -> str:
     """One row per specialization, then one row per image with the chunks each bucket needs.
 
     Vision rows show every symbol; language rows show ``seq_len`` and ``vision_size``. For each
     image and prefill bucket S, ``a-b`` chunks means its placeholders span ``a`` chunks when the
-    image starts on a chunk boundary and ``b`` in the worst unaligned case.
+    image starts on a chunk boundary and ``b`` in the worst unaligned case; ``-`` means the bucket
+    cannot hold an image its family cannot split across chunks.
     """
     spec = result.spec
     policy = spec.vision.vision_size
@@ -39,9 +46,7 @@ def specialization_table(result: ProgramSpecializations) -> str:
         label = f"{image.image.height}x{image.image.width}"
         if image.image.frames != 1:
             label += f"x{image.image.frames}f"
-        spans = [
-            f"{low}" if low == high else f"{low}-{high}" for low, high in (image.chunks[s] for s in seq_lens)
-        ]
+        spans = [_span_cell(*image.chunks[s]) for s in seq_lens]
         image_rows.append((label, str(image.tokens), image.vision_specialization, *spans))
     lines = [header, "", *_columns(rows), "", *_columns(image_rows)]
     lines += [f"warning: {warning}" for warning in result.warnings]

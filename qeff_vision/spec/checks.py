@@ -1,0 +1,191 @@
+"""Checks of a spec against its model: config lookup (offline), family, token math, fit in ctx_len.
+
+They run on whatever part of the spec parsed, so a typo in one section does not hide a problem
+in another.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from qeff_vision import families
+from qeff_vision.errors import UserError
+from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
+from qeff_vision.spec.policy import FIXED, chunk_span
+from qeff_vision.spec.schema import Reader, VisionInput, image_label
+from qeff_vision.spec.strict_yaml import yaml_path
+
+HUB_ID_PATTERN = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _local(spec_dir: Path, text: str) -> Path:
+    """``text`` as a path, relative paths taken from the spec file's directory."""
+    path = Path(text)
+    if text.startswith("~"):
+        try:
+            path = path.expanduser()
+        except RuntimeError:  # unknown user in ~user
+            pass
+    return path if path.is_absolute() else spec_dir / path
+
+
+def _exists(path: Path, kind: str) -> bool:
+    """``path`` is a directory (``kind == "dir"``) or a file; False for any unusable path."""
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def describe_model(
+    reader: Reader, spec_dir: Path, model: str, config: str | None
+) -> tuple[ModelDescription | None, Path | None, Path | None]:
+    """Read the config (pinned snapshot, checkpoint or local hub cache) without touching the network."""
+    candidate = _local(spec_dir, model)
+    model_dir = candidate if _exists(candidate, "dir") else None
+    if model_dir is None and not HUB_ID_PATTERN.fullmatch(model):
+        reader.add("model", f"{model!r} is neither a directory (relative to the spec) nor a Hugging Face id")
+        return None, None, None
+    if config is not None:
+        config_path = _local(spec_dir, config)
+        if not _exists(config_path, "file"):
+            reader.add("config", f"config snapshot {config_path} not found")
+            return None, model_dir, None
+    elif model_dir is not None:
+        config_path = model_dir / "config.json"
+        if not _exists(config_path, "file"):
+            reader.add("model", f"{model_dir} has no config.json")
+            return None, model_dir, None
+    else:
+        config_path = _cached_hub_config(model)
+        if config_path is None:
+            reader.add(
+                "model",
+                f"{model!r} is a Hugging Face id with no local copy; add `config:` with a "
+                "pinned config.json snapshot so the spec works offline",
+            )
+            return None, None, None
+    # The image-processor config comes from the checkpoint directory, else from beside the pinned
+    # config (or the hub cache snapshot); families fall back to published defaults without one.
+    try:
+        description = describe_checkpoint(model_dir or config_path.parent, config_path)
+    except UserError as exc:
+        reader.add("config" if config else "model", str(exc))
+        return None, model_dir, config_path
+    return description, model_dir, config_path
+
+
+def _cached_hub_config(repo_id: str) -> Path | None:
+    """config.json of ``repo_id`` from the local Hugging Face cache, if present (never downloads)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - any hub-side validation error means "not usable offline"
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def resolve_family(
+    reader: Reader, model: ModelDescription, name: str | None, config_key: str
+) -> Family | None:
+    """The family inferred from the config, or the one named by ``family:`` if it accepts the config."""
+    try:
+        detected = families.family_for(model)
+    except (UserError, TypeError, ValueError) as exc:
+        detected = None
+        if name is None:
+            reader.add(config_key, str(exc))
+    if name is None:
+        return detected
+    try:
+        family = families.get_family(name)
+    except UserError as exc:
+        reader.add("family", str(exc))
+        return None
+    if detected is not family:
+        arch = ", ".join(model.architectures) or model.model_type or "unknown"
+        reader.add("family", f"{name} does not accept architecture {arch} of {model.source}")
+        return None
+    return family
+
+
+def check_model(
+    reader: Reader, warnings: list[str], family: Family, model: ModelDescription, ctx_len: int | None
+) -> None:
+    """The language config is usable; warn when ``ctx_len`` exceeds the model's positions."""
+    try:
+        dims = family.text_dims(model)
+    except (UserError, ArithmeticError, TypeError, ValueError) as exc:
+        reader.add("config", f"unusable language config: {exc}")
+        return
+    if ctx_len is not None and 0 < dims.max_position_embeddings < ctx_len:
+        warnings.append(
+            f"ctx_len: {ctx_len} exceeds the model's max_position_embeddings {dims.max_position_embeddings}"
+        )
+
+
+def check_images(
+    reader: Reader,
+    warnings: list[str],
+    family: Family,
+    model: ModelDescription,
+    vision: VisionInput,
+    seq_lens: tuple[int, ...] | None,
+    ctx_len: int | None,
+) -> None:
+    """Each image against the family (aspect ratio, token math) and ``ctx_len``; the vision-size policy.
+
+    Errors: a ``vision_size`` for a family without a dynamic one, images the family rejects, an
+    image whose tokens x ``max_images`` do not fit ``ctx_len``, an image no bucket can hold whole
+    for a family that cannot split images across chunks. Warning: an image with more tokens than
+    a fixed vision size (its placeholders must be chunked).
+    """
+    policy, max_images = vision.policy, vision.max_images
+    if vision.policy_given and not family.features.dynamic_vision_size.supported:
+        reader.add(
+            "vision.vision_size",
+            f"family {family.name} has no dynamic vision size "
+            f"({family.features.dynamic_vision_size.note}); remove this key",
+        )
+    tokens: dict[int, int] = {}
+    for index, image in vision.images:
+        here = yaml_path("vision.images", index)
+        try:
+            found = family.validate_image(model, image)
+            if not found:
+                tokens[index] = family.image_tokens(model, image)
+        except (ArithmeticError, ValueError, TypeError, UserError) as exc:
+            found = [f"token math failed for {image_label(image)}: {exc}"]
+        for problem in found:
+            reader.add(here, problem)
+    labels = dict(vision.images)
+    for index, count in tokens.items():
+        here = yaml_path("vision.images", index)
+        if ctx_len is not None and max_images is not None and count * max_images >= ctx_len:
+            rows = count * max_images
+            per_request = f" x {max_images} images per request = {rows} rows" if max_images > 1 else ""
+            reader.add(
+                here,
+                f"{image_label(labels[index])} becomes {count} image tokens{per_request}, which does not fit "
+                f"ctx_len {ctx_len} (must be smaller, leaving room for text)",
+            )
+        if policy is not None and policy.kind == FIXED and count > policy.size:
+            warnings.append(
+                f"{here}: {image_label(labels[index])} becomes {count} image tokens, more than vision_size "
+                f"{policy.size}: its placeholders must be split over several chunks (chunking required)"
+            )
+    if not (seq_lens and tokens and policy and max_images) or family.features.chunk_split.supported:
+        return
+    request = max(tokens.values()) * max_images
+    capacity = max(min(s, policy.for_bucket(s, request)) for s in seq_lens)
+    for index, count in tokens.items():
+        if chunk_span(count, capacity)[0] > 1:
+            reader.add(
+                yaml_path("vision.images", index),
+                f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
+                f"{family.name} cannot split an image across chunks ({family.features.chunk_split.note})",
+            )
