@@ -94,3 +94,12 @@ class ExportAdapter:
     def image_token_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
         """Placeholder tokens per image, in prompt order."""
         raise NotImplementedError
+
+    def placeholder_counts(self, model_config: Any, processed: Mapping[str, Any]) -> Sequence[int]:
+        """Placeholder tokens per image, in prompt order, given the checkpoint's config.json.
+
+        What the runtime calls. Defaults to :meth:`image_token_counts`; override this one instead
+        when the count comes from the config rather than the processor outputs (e.g. a fixed
+        number of tokens per image).
+        """
+        return self.image_token_counts(processed)

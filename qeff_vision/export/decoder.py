@@ -40,6 +40,9 @@ class DecoderParts:
         position_rows: None for [batch, seq] positions; R for [R, batch, seq] (row 0 = text position).
         bidirectional_images: Placeholders of the same image attend to each other both ways.
         final_logit_softcapping: Optional tanh soft-capping of logits (Gemma).
+        mask_per_layer_type: The text model takes ``{layer_type: mask}`` (models with per-layer-type
+            masks, e.g. Qwen2, Gemma 3). False: it takes one 4-D mask, which it passes through
+            ``create_causal_mask`` unchanged (e.g. Llama); needs a single layer type.
     """
 
     embed_tokens: nn.Module
@@ -51,6 +54,7 @@ class DecoderParts:
     position_rows: int | None = None
     bidirectional_images: bool = False
     final_logit_softcapping: float | None = None
+    mask_per_layer_type: bool = True
 
 
 class RetainedKVCache:
@@ -145,6 +149,12 @@ def merge_vision_rows(
     return merged, image_idx.reshape(1, 1) + placeholders
 
 
+def _only_mask(masks: dict[str, torch.Tensor]) -> torch.Tensor:
+    if len(masks) != 1:
+        raise ValueError(f"one 4-D mask needs a single layer type, got {sorted(masks)}")
+    return next(iter(masks.values()))
+
+
 class LanguageDecoder(nn.Module):
     """The language program: input_ids, position_ids, vision_embeds, image_idx, past_* -> logits, ..."""
 
@@ -177,7 +187,7 @@ class LanguageDecoder(nn.Module):
         )
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,
-            attention_mask=masks,
+            attention_mask=masks if parts.mask_per_layer_type else _only_mask(masks),
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
