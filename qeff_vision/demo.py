@@ -46,9 +46,8 @@ def run(out: Path, family: str) -> int:
         info = result.manifest["programs"][program]
         symbolic = sorted({axis for io in info["inputs"].values() for axis in io["axes"].values()})
         print(f"  {program:<6} {result.program_path(program)}")
-        print(
-            f"         {len(info['inputs'])} inputs, {len(info['outputs'])} outputs; symbolic: {', '.join(symbolic)}"
-        )
+        counts = f"{len(info['inputs'])} inputs, {len(info['outputs'])} outputs"
+        print(f"         {counts}; symbolic: {', '.join(symbolic)}")
     lang_inputs = result.manifest["programs"]["lang"]["inputs"]
     print(f"  vision_embeds input shape: {lang_inputs['vision_embeds']['shape']}  (vision_size is dynamic)")
     print("\nTiming")
