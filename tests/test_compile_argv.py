@@ -101,3 +101,24 @@ def test_argv_without_paths_has_no_paths():
     assert "-mdp-load-partition-config=<partition_config>" in argv
     assert all("/" not in arg for arg in argv)
     assert format_command(["a b", "c"]) == "'a b' c"
+
+
+def test_golden_dry_run_of_the_7b_spec(tmp_path, monkeypatch, capsys):
+    """`qeff-vision compile specs/.../qwen2_5_vl-7b-instruct.yaml -o out/qwen2_5_vl-7b --dry-run` on a machine
+    without the SDK: both command lines, exactly."""
+    from qeff_vision.cli import main
+    from qeff_vision.compile import driver
+
+    spec = Path(__file__).resolve().parents[1] / "specs" / "qwen2_5_vl" / "qwen2_5_vl-7b-instruct.yaml"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(driver, "detect_sdk", lambda *args, **kwargs: None)  # as on a machine without the SDK
+    assert main(["compile", str(spec), "-o", "out/qwen2_5_vl-7b", "--dry-run"]) == 0
+    actual = capsys.readouterr().out
+    path = GOLDEN / "dry_run_qwen2_5_vl-7b-instruct.txt"
+    if os.environ.get("QEFF_UPDATE_GOLDEN"):
+        path.write_text(actual)
+    assert actual == path.read_text()
+    assert json.loads(
+        (tmp_path / "out/qwen2_5_vl-7b/lang/mdp_partition.json").read_text()
+    ) == mdp_partition_config(4, 16)
+    assert not (tmp_path / "out/qwen2_5_vl-7b/manifest.json").exists()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.compile import cache
+from qeff_vision.compile import sdk as sdk_lookup
 from qeff_vision.compile.argv import (
     PARTITION_FILE_NAME,
     ProgramFiles,
@@ -48,7 +49,7 @@ from qeff_vision.compile.manifest import (
 )
 from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
 from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
-from qeff_vision.compile.sdk import DEFAULT_COMPILERS, SdkInfo, detect_sdk, find_compiler
+from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.fsutil import atomic_write_json
 
@@ -419,7 +420,7 @@ def _compile(
     status_stream,
 ) -> None:
     compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
-    argv0 = compiler_path or DEFAULT_COMPILERS[0]
+    argv0 = compiler_path or sdk_lookup.DEFAULT_COMPILERS[0]
     hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE)
     jobs, records, entries, binary_dirs = [], {}, {}, {}
     for plan in plans.values():
