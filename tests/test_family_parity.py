@@ -35,7 +35,7 @@ def test_vision_three_stage_parity(family, hf_model, exported):
             images=[helpers.image(height, width, seed)], return_tensors="pt"
         )
         reference = adapter.hf_image_features(model, processed)[0].numpy()
-        inputs = adapter.vision_inputs_per_image(helpers.as_numpy(processed))[0]
+        inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))[0]
         with torch.no_grad():
             patched = encoder(*[torch.as_tensor(v) for v in inputs.values()])[0].numpy()
         onnx = program.run(inputs)["vision_embeds"][0]

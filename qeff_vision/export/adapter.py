@@ -76,6 +76,15 @@ class ExportAdapter:
         """Split processor outputs into one vision-program input dict per image."""
         raise NotImplementedError
 
+    def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """One vision-program input dict per image, given the checkpoint's config.json.
+
+        What the runtime calls. Defaults to :meth:`vision_inputs_per_image`; override this one
+        instead when splitting needs the config (e.g. a tile grid chosen from the model's grid
+        pinpoints, which the processor outputs do not carry).
+        """
+        return self.vision_inputs_per_image(processed)
+
     # ---- language program ----
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:

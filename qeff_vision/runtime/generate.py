@@ -128,7 +128,7 @@ class Generator:
     # ---- vision ----
 
     def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
-        per_image = self.adapter.vision_inputs_per_image(processed)
+        per_image = self.adapter.vision_inputs(self.model_config, processed)
         prepared, inputs_by_key = [], {}
         for inputs in per_image:
             arrays = list(inputs.values())
