@@ -486,13 +486,19 @@ def _compile(
         ctx_len=spec.ctx_len,
         batch_size=spec.batch_size,
         prefill_seq_lens=list(spec.prefill.seq_lens),
-        images=[(i.height, i.width) for i in spec.vision.images],
+        images=[(i.height, i.width) for i in spec.vision.images] if _multi_resolution(spec.family) else [],
         max_images=spec.vision.max_images,
         vision_devices=spec.compile.vision.num_devices,
         language_devices=spec.compile.language.num_devices,
         mxfp6_matmul=spec.compile.language.mxfp6_matmul,
         kv_cache_dtype=spec.compile.language.kv_cache_dtype,
     )
+
+
+def _multi_resolution(family_name: str) -> bool:
+    from qeff_vision.families import get_family
+
+    return get_family(family_name).features.multi_resolution.supported
 
 
 def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries) -> None:

@@ -80,17 +80,16 @@ def vllm_handoff(
     ``VLLM_QAIC_QPC_PATH`` holds both program directories, vision first: with ``kv_offload`` the
     backend picks index 0 for the encoder (pooling runner) and 1 for the language model
     (ref: qualcomm/vllm-qaic, model loader ``_get_qaic_compile_config``). ``override_qaic_config``
-    goes in ``--additional-config`` (older vLLM forks took ``--override-qaic-config``). Device
+    goes in ``--additional-config`` (older vLLM forks took ``--override-qaic-config``). ``images``
+    (height, width) are listed only for multi-resolution families; pass an empty list otherwise. Device
     groups are a starting point: the encoder on the first devices, the language model after them.
     """
     qpc_path = f"{Path(vision_path).resolve()}:{Path(language_path).resolve()}"
-    common: dict[str, Any] = {
-        "kv_offload": True,
-        "height": [height for height, _ in images],
-        "width": [width for _, width in images],
-        "prefill_seq_len": max(prefill_seq_lens),
-        "ctx_len": ctx_len,
-    }
+    common: dict[str, Any] = {"kv_offload": True}
+    if images:  # compiled resolutions, for families whose one vision graph serves several
+        common["height"] = [height for height, _ in images]
+        common["width"] = [width for _, width in images]
+    common.update(prefill_seq_len=max(prefill_seq_lens), ctx_len=ctx_len)
     vision_group = list(range(vision_devices))
     language_group = list(range(vision_devices, vision_devices + language_devices))
     overrides = {
