@@ -1,0 +1,115 @@
+"""LLaVA-1.5 export: the CLIP tower up to the selected feature layer, CLS dropped, then the projector.
+
+transformers asks the CLIP tower for its hidden states and picks ``vision_feature_layer`` from them
+(ref: transformers v5 models/llava/modeling_llava.py, ``LlavaModel.get_image_features``). Hidden
+state 0 is the embedding output after ``pre_layrnorm`` and state i the output of layer i - 1, so
+with the published ``-2`` the last layer's output is never used: the exported tower stops before
+it instead of computing and discarding it. The decoder is transformers' Llama model reused by the
+generic :class:`~qeff_vision.export.decoder.LanguageDecoder`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
+from qeff_vision.families import get_family
+from qeff_vision.families.base import ModelDescription
+from qeff_vision.families.llava import DEFAULT_STRATEGY, VISION_MODEL_TYPES
+
+
+class VisionEncoder(nn.Module):
+    """pixel_values [batch, 3, img_size, img_size] -> vision_embeds [batch, vision_size, text hidden]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        config = model.config
+        if config.vision_config.model_type not in VISION_MODEL_TYPES:
+            raise UserError(
+                f"vision tower {config.vision_config.model_type!r} is not supported; "
+                "the llava family exports CLIP towers"
+            )
+        tower = model.model.vision_tower
+        self.embeddings = tower.embeddings
+        self.pre_layrnorm = tower.pre_layrnorm
+        layer_count = len(tower.encoder.layers)
+        selected = config.vision_feature_layer
+        selected = [selected] if isinstance(selected, int) else list(selected)
+        # Hidden states 0..layer_count; negative indices count from the last one.
+        self.feature_states = [index % (layer_count + 1) for index in selected]
+        self.layers = tower.encoder.layers[: max(self.feature_states)]
+        self.drop_cls = config.vision_feature_select_strategy == DEFAULT_STRATEGY
+        self.projector = model.model.multi_modal_projector
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Encode a batch of images at the tower's resolution."""
+        hidden = self.pre_layrnorm(self.embeddings(pixel_values.to(self.pre_layrnorm.weight.dtype)))
+        states = [hidden]
+        for layer in self.layers:
+            hidden = layer(hidden, None)
+            states.append(hidden)
+        features = [states[index] for index in self.feature_states]
+        if self.drop_cls:
+            features = [state[:, 1:] for state in features]
+        return self.projector(torch.cat(features, dim=-1))
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the LLaVA-1.5 family."""
+
+    family = get_family("llava")
+    # Any sizes work (the processor resizes and crops); both orientations and a square one.
+    test_image_sizes = ((100, 150), (224, 224), (300, 120))
+
+    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
+        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.llava.tiny`)."""
+        from qeff_vision.families.llava.tiny import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, seed)
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """The tower truncated at the feature layer, CLS selection and projector."""
+        return VisionEncoder(model).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One image at the tower's only resolution (the position table fixes it)."""
+        config = model.config.vision_config
+        generator = torch.Generator().manual_seed(0)
+        shape = (1, config.num_channels, config.image_size, config.image_size)
+        return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
+
+    def hf_image_features(self, model, processed):
+        """Transformers' own image features, one [tokens, hidden] tensor per image."""
+        with torch.no_grad():
+            output = model.model.get_image_features(pixel_values=torch.as_tensor(processed["pixel_values"]))
+        return list(output.pooler_output)
+
+    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """One [1, 3, img_size, img_size] slice of pixel_values per image."""
+        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
+        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
+
+    def placeholder_counts(self, model_config: Mapping[str, Any], processed: Mapping[str, Any]) -> list[int]:
+        """Every image becomes the same number of placeholders: the family's token math."""
+        images = np.asarray(processed["pixel_values"]).shape[0]
+        return [self.family.tokens_per_image(ModelDescription(model_config))] * images
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """Llama decoder: full causal attention on every layer, positions [batch, seq]."""
+        text_config = model.config.text_config
+        return DecoderParts(
+            embed_tokens=model.get_input_embeddings(),
+            text_model=model.model.language_model,
+            lm_head=model.lm_head,
+            image_token_id=model.config.image_token_id,
+            layer_types=[FULL_ATTENTION] * text_config.num_hidden_layers,
+            mask_per_layer_type=False,
+        )
