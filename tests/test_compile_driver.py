@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -312,3 +313,21 @@ def test_onnxruntime_backend_on_synthetic_graphs(setup):
     assert all(s["latency_ms"] >= 0 for s in lang["specializations"])
     with pytest.raises(UserError, match="no vLLM hand-off"):
         serve_text(manifest)
+
+
+def test_interrupt_stops_the_compilers_and_leaves_nothing_valid(setup, tmp_path):
+    spec, export, out = setup
+    compiler, record = stand_in(tmp_path, mode="hang")
+    command = [sys.executable, "-m", "qeff_vision", "compile", str(spec), "-o", str(out)]
+    command += ["--compiler", str(compiler), "--export", str(export)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(calls(record)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # both stand-ins are hanging now
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode in (2, 130), err  # click reports Ctrl-C as "aborted", exit 2
+    survivors = subprocess.run(["pgrep", "-f", str(compiler.parent.parent)], capture_output=True, text=True)
+    assert survivors.stdout.strip() == "", "a compiler outlived the interrupted compile"
+    assert not list(out.glob("*/qpc-*")) and not (out / "manifest.json").exists()

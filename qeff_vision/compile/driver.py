@@ -476,7 +476,12 @@ def _compile(
         if compiler_path is None:
             outcome.notes.append(f"no SDK compiler found; the command lines show {argv0}")
         return
-    results = run_jobs(jobs, StatusLine(status_stream), env) if jobs else {}
+    try:
+        results = run_jobs(jobs, StatusLine(status_stream), env) if jobs else {}
+    except BaseException:
+        for job in jobs:
+            cache.discard(binary_dirs[job.program])
+        raise
     _finish(results, jobs, binary_dirs, records, entries)
     manifest["programs"] = entries
     manifest["vllm"] = vllm_handoff(

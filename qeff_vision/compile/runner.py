@@ -224,18 +224,26 @@ def run_jobs(
         status.event(f"{job.program}: compiling, log {job.log_path}")
         runs.append(_Running(job, env))
     failed = any(run.result.state == "error" for run in runs)
-    while any(run.running() for run in runs):
-        for run in runs:
-            if run.running() and run.job.timeout is not None and run.elapsed > run.job.timeout:
-                run.kill("timeout")
-                failed = True
-            elif not run.running() and run.process is not None and run.process.returncode != 0:
-                failed = True
-        if failed:
+    try:
+        while any(run.running() for run in runs):
             for run in runs:
-                run.kill("stopped")
-        status.update(_status_text(runs))
-        time.sleep(POLL_SECONDS)
+                if run.running() and run.job.timeout is not None and run.elapsed > run.job.timeout:
+                    run.kill("timeout")
+                    failed = True
+                elif not run.running() and run.process is not None and run.process.returncode != 0:
+                    failed = True
+            if failed:
+                for run in runs:
+                    run.kill("stopped")
+            status.update(_status_text(runs))
+            time.sleep(POLL_SECONDS)
+    except BaseException:
+        # Ctrl-C or an internal error: the compilers run in their own process groups, so they
+        # would outlive us; stop them before giving up.
+        for run in runs:
+            run.kill("stopped")
+            run.finish()
+        raise
     results = {}
     for run in runs:
         result = run.finish()
