@@ -326,6 +326,7 @@ def test_interrupt_stops_the_compilers_and_leaves_nothing_valid(setup, tmp_path)
     while len(calls(record)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(1.0)  # both stand-ins are hanging now
+    assert len(_processes_mentioning(f"-aic-binary-dir={out}")) == 2
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode in (2, 130), err  # click reports Ctrl-C as "aborted", exit 2
