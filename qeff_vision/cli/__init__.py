@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"qeff-vision: error: {exc}", err=True)
         return 2
     except click.exceptions.Abort:
-        click.echo("qeff-vision: aborted", err=True)
-        return 2
+        # click turns Ctrl-C (and EOF at a prompt) into Abort.
+        click.echo("qeff-vision: interrupted", err=True)
+        return 130
     except click.ClickException as exc:
         click.echo(f"qeff-vision: error: {exc.format_message()}", err=True)
         return 2
