@@ -1,0 +1,134 @@
+"""LLaVA-NeXT (IBM Granite Vision): any-resolution tiling, unpadded feature grid, one newline per row.
+
+Token math follows transformers v5 (ref: models/llava_next/processing_llava_next.py,
+``_get_number_of_features`` / ``_get_unpadded_features``, and image_processing_utils.py,
+``select_best_resolution``). An image of H x W picks the grid pinpoint (a multiple of the tower's
+image size S) that keeps the most of its pixels and wastes the least; it is resized into that
+pinpoint, padded, and cut into ``tile_rows x tile_cols`` tiles of S, plus one base tile (the whole
+image resized to S). Each tile gives P x P features (P = S / patch). The tiles' features form a
+``tile_rows*P x tile_cols*P`` grid; the rows (or columns) that only cover padding are cropped
+("unpadded") to ``feature_height x feature_width``, and an ``image_newline`` embedding ends every
+row. Tokens = P*P + feature_height * (feature_width + 1).
+
+Both grids ride on input *shapes*, so one vision graph serves every resolution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+NUM_TILES = "num_tiles"
+TILE_ROWS = "tile_rows"
+TILE_COLS = "tile_cols"
+FEATURE_HEIGHT = "feature_height"
+FEATURE_WIDTH = "feature_width"
+TILE_GRID = "tile_grid"
+FEATURE_GRID = "feature_grid"
+
+
+def best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The pinpoint (height, width) the processor resizes an image into.
+
+    Maximizes the pixels kept at the aspect-preserving scale, then minimizes the wasted area; the
+    first pinpoint wins a tie (ref: transformers image_processing_utils.select_best_resolution).
+    """
+    best, best_effective, best_wasted = None, 0, math.inf
+    for pin_height, pin_width in pinpoints:
+        scale = min(pin_width / width, pin_height / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = pin_width * pin_height - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best, best_effective, best_wasted = (int(pin_height), int(pin_width)), effective, wasted
+    if best is None:
+        raise UserError("image_grid_pinpoints is empty")
+    return best
+
+
+def unpadded_grid(height: int, width: int, rows: int, cols: int) -> tuple[int, int]:
+    """Feature grid (rows, cols) left after cropping the padding of a ``rows x cols`` grid.
+
+    The side the image did not fill loses the same number of rows (columns) at both ends (ref:
+    LlavaNextProcessor._get_unpadded_features and modeling_llava_next.unpad_image; the rounding to
+    7 decimals is theirs).
+    """
+    if width / height > cols / rows:
+        new_rows = int(round(height * (cols / width), 7))
+        return rows - 2 * ((rows - new_rows) // 2), cols
+    new_cols = int(round(width * (rows / height), 7))
+    return rows, cols - 2 * ((cols - new_cols) // 2)
+
+
+@register
+class LlavaNext(Family):
+    """LLaVA-NeXT (LlavaNextForConditionalGeneration), e.g. IBM Granite Vision 3.2."""
+
+    name = "llava_next"
+    title = "LLaVA-NeXT (Granite Vision)"
+    architectures = ("LlavaNextForConditionalGeneration",)
+    model_types = ("llava_next",)
+    export_module = "qeff_vision.families.llava_next.export"
+    image_token_key = "image_token_index"
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=yes("one vision graph over every grid pinpoint; a specialization per image size"),
+        chunk_split=yes("causal attention over image tokens"),
+        video=no("LLaVA-NeXT takes images only (LLaVA-NeXT-Video is a different architecture)"),
+    )
+    # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
+    # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
+    vision_input_axes = {
+        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES},
+        TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
+        FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
+    }
+    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
+
+    def _vision(self, model: ModelDescription) -> dict:
+        return dict(model.config.get("vision_config") or {})
+
+    def tile_size(self, model: ModelDescription) -> int:
+        """Side S of a tile: the vision tower's image size."""
+        return int(self._vision(model).get("image_size", 336))
+
+    def patches_per_side(self, model: ModelDescription) -> int:
+        """P: features per tile side (image size / patch size)."""
+        return self.tile_size(model) // int(self._vision(model).get("patch_size", 14))
+
+    def pinpoints(self, model: ModelDescription) -> list[list[int]]:
+        """The model's grid pinpoints (height, width); the model unpads with these, not the processor's."""
+        pinpoints = model.config.get("image_grid_pinpoints") or model.processor.get("image_grid_pinpoints")
+        if not pinpoints:
+            raise UserError(f"{model.source}: config lacks 'image_grid_pinpoints'")
+        return [[int(h), int(w)] for h, w in pinpoints]
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only; the processor's pinpoints must be the model's."""
+        problems = []
+        if image.frames != 1:
+            problems.append("frames must be 1: LLaVA-NeXT takes images only")
+        processor_pinpoints = model.processor.get("image_grid_pinpoints")
+        if processor_pinpoints and [list(p) for p in processor_pinpoints] != self.pinpoints(model):
+            problems.append("the image processor's image_grid_pinpoints differ from the model config's")
+        return problems
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """num_tiles, tile_rows, tile_cols, feature_height, feature_width and vision_size."""
+        tile, side = self.tile_size(model), self.patches_per_side(model)
+        pin_height, pin_width = best_resolution(image.height, image.width, self.pinpoints(model))
+        rows, cols = math.ceil(pin_height / tile), math.ceil(pin_width / tile)
+        feature_height, feature_width = unpadded_grid(image.height, image.width, rows * side, cols * side)
+        return {
+            NUM_TILES: rows * cols + 1,
+            TILE_ROWS: rows,
+            TILE_COLS: cols,
+            FEATURE_HEIGHT: feature_height,
+            FEATURE_WIDTH: feature_width,
+            symbols.VISION_SIZE: side * side + feature_height * (feature_width + 1),
+        }

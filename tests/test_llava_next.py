@@ -1,0 +1,158 @@
+"""LLaVA-NeXT token math, specializations and vision graph: transformers' own numbers, one graph for all.
+
+The family's torch-free token math must equal transformers' processor count (the placeholders it
+writes) and the model's unpadding for every image size; QEfficient's Granite Vision reference
+(1109x1610 -> 10 tiles of 384 -> 5,239 tokens) must come out of the pinned spec; and one exported
+vision graph must serve every pinpoint of the tiny checkpoint, batched or not.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qeff_vision import symbols
+from qeff_vision.families import get_family
+from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.families.llava_next import FEATURE_HEIGHT, FEATURE_WIDTH, NUM_TILES, TILE_COLS, TILE_ROWS
+from qeff_vision.runtime.session import OnnxProgram
+from qeff_vision.spec import build_specializations, load_spec
+from tests import helpers
+
+FAMILY = "llava_next"
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+GRANITE = describe_checkpoint(SPECS / "configs" / "granite-vision-3.2-2b")
+
+
+def _transformers_counts(
+    model: ModelDescription, height: int, width: int
+) -> tuple[int, int, tuple[int, int]]:
+    """(tokens, tiles, unpadded grid) the way transformers computes them for this config."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches, unpad_image
+    from transformers.models.llava_next.processing_llava_next import LlavaNextProcessor
+
+    vision = model.config["vision_config"]
+    tile, patch = vision["image_size"], vision["patch_size"]
+    pinpoints = model.config["image_grid_pinpoints"]
+    processor = SimpleNamespace(
+        image_processor=SimpleNamespace(image_grid_pinpoints=pinpoints),
+        patch_size=patch,
+        num_additional_image_tokens=0,
+        _get_unpadded_features=LlavaNextProcessor._get_unpadded_features.__get__(object()),
+    )
+    tokens = LlavaNextProcessor._get_number_of_features(processor, height, width, tile, tile)
+    tiles = image_size_to_num_patches((height, width), pinpoints, tile)
+    family = get_family(FAMILY)
+    rows, cols = (family.vision_symbols(model, ImageSize(height, width))[k] for k in (TILE_ROWS, TILE_COLS))
+    side = tile // patch
+    grid = unpad_image(torch.zeros(1, rows * side, cols * side), (height, width))
+    return tokens, tiles, tuple(grid.shape[1:])
+
+
+# ---- QEfficient's reference and the pinned Granite spec ----
+
+
+def test_granite_reference_1109x1610_is_10_tiles_and_5239_tokens():
+    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(1109, 1610))
+    assert values == {
+        NUM_TILES: 10,
+        TILE_ROWS: 3,
+        TILE_COLS: 3,
+        FEATURE_HEIGHT: 55,
+        FEATURE_WIDTH: 81,
+        symbols.VISION_SIZE: 5239,
+    }
+
+
+def test_granite_spec_has_a_vision_specialization_per_image_and_5239_among_them():
+    result = build_specializations(load_spec(SPECS / "llava_next" / "granite-vision-3.2-2b.yaml"))
+    sizes = {(image.image.height, image.image.width): image.tokens for image in result.images}
+    assert sizes[(1109, 1610)] == 5239
+    assert len(result.vision.specializations) == len(sizes)
+    assert result.request_image_tokens == max(sizes.values())
+
+
+def test_every_granite_pinpoint_is_its_own_specialization():
+    spec = load_spec(SPECS / "llava_next" / "granite-vision-3.2-2b-pinpoints.yaml")
+    pinpoints = [tuple(p) for p in GRANITE.config["image_grid_pinpoints"]]
+    assert [(image.height, image.width) for image in spec.vision.images] == pinpoints
+    result = build_specializations(spec)
+    tile_grids = {(s.symbols[TILE_ROWS], s.symbols[TILE_COLS]) for s in result.vision.specializations}
+    assert len(tile_grids) == len(pinpoints) == len(result.vision.specializations)
+    for image in result.images:  # a pinpoint-sized image fills its grid: nothing is unpadded
+        assert image.tokens == _transformers_counts(GRANITE, image.image.height, image.image.width)[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 5000))
+def test_token_math_equals_transformers_for_any_size(height, width):
+    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(height, width))
+    tokens, tiles, grid = _transformers_counts(GRANITE, height, width)
+    assert values[symbols.VISION_SIZE] == tokens
+    assert values[NUM_TILES] == tiles
+    assert (values[FEATURE_HEIGHT], values[FEATURE_WIDTH]) == grid
+
+
+# ---- the tiny checkpoint: processor placeholders, decoder multipliers ----
+
+
+def test_placeholders_written_by_the_processor_match_the_token_math(hf_model):
+    model, processor = hf_model(FAMILY)
+    description = ModelDescription(model.config.to_dict())
+    sizes = [(100, 150), (300, 120), (60, 200), (40, 40), (1, 500), (999, 1000), (57, 113)]
+    images = [helpers.image(height, width, seed) for seed, (height, width) in enumerate(sizes)]
+    inputs = helpers.process(processor, helpers.user_turn(*["<image>"] * len(sizes), "Hi"), images)
+    written = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    expected = [get_family(FAMILY).image_tokens(description, ImageSize(*size)) for size in sizes]
+    assert written == sum(expected)
+    from qeff_vision.export.exporter import load_adapter
+
+    counts = load_adapter(get_family(FAMILY)).placeholder_counts(
+        model.config.to_dict(), helpers.as_numpy(inputs)
+    )
+    assert list(counts) == expected
+
+
+def test_tiny_decoder_exercises_every_granite_multiplier(tiny_checkpoint):
+    text = json.loads((tiny_checkpoint(FAMILY) / "config.json").read_text())["text_config"]
+    assert text["model_type"] == "granite"
+    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        assert text[name] not in (None, 1.0), name  # parity would not notice a multiplier of 1
+
+
+# ---- one vision graph for every pinpoint ----
+
+
+def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
+    """Each pinpoint of the tiny checkpoint, two same-size images per call, vs transformers."""
+    from qeff_vision.export.exporter import load_adapter
+
+    model, processor = hf_model(FAMILY)
+    adapter = load_adapter(get_family(FAMILY))
+    program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
+    graph = json.loads((exported(FAMILY) / "export.json").read_text())["programs"]["vision"]
+    assert graph["inputs"]["pixel_values"]["axes"] == {"0": symbols.BATCH_SIZE, "1": NUM_TILES}
+    for height, width in model.config.image_grid_pinpoints:
+        pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
+        processed = processor.image_processor(images=pair, return_tensors="pt")
+        reference = [f.numpy() for f in adapter.hf_image_features(model, processed)]
+        inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))
+        feeds = {name: np.concatenate([one[name] for one in inputs]) for name in inputs[0]}
+        embeds = program.run(feeds)[symbols.VISION_EMBEDS]
+        assert embeds.shape == (2, *reference[0].shape)
+        assert max(np.abs(embeds[i] - reference[i]).max() for i in range(2)) <= 1e-4, (height, width)
+
+
+def test_splitting_needs_the_config():
+    from qeff_vision.errors import UserError
+    from qeff_vision.export.exporter import load_adapter
+
+    with pytest.raises(UserError, match="config"):
+        load_adapter(get_family(FAMILY)).vision_inputs_per_image({})
