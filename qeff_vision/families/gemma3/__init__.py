@@ -1,0 +1,121 @@
+"""Gemma 3: fixed-resolution SigLIP tower, average-pooled projector, Gemma decoder with sliding windows.
+
+Token math (ref: transformers v5 models/gemma3/modeling_gemma3.py, ``Gemma3MultiModalProjector``;
+processing_gemma3.py, ``Gemma3Processor``): the processor resizes every image to
+``vision_config.image_size`` square; SigLIP makes (image_size / patch_size)^2 patch features; the
+projector average-pools them to ``mm_tokens_per_image`` (256 for the published checkpoints, a 4x4
+pool of 64x64 patches). The processor expands each ``<start_of_image>`` of the prompt into a blank
+line, ``<start_of_image>``, that many ``<image_soft_token>``, ``<end_of_image>`` and a blank line, so
+every image is the same number of placeholder tokens whatever its size.
+
+Published ``config.json`` files name few keys and rely on transformers' defaults for the rest
+(gemma-3-4b-it's text config has no head counts, no head_dim, no vocab_size); the defaults below
+are those of transformers v5 ``Gemma3TextConfig``, ``Gemma3Config`` and ``SiglipVisionConfig``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+#: Side of the square ``pixel_values`` (one value per checkpoint: the processor's resize target).
+IMAGE_SIZE = "image_size"
+
+# ref: transformers v5 models/gemma3/configuration_gemma3.py (Gemma3Config, Gemma3TextConfig defaults)
+# and models/siglip/configuration_siglip.py (SiglipVisionConfig defaults).
+CONFIG_DEFAULTS: dict[str, Any] = {"image_token_index": 262_144, "mm_tokens_per_image": 256}
+TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "sliding_window": 4096,
+}
+VISION_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 16}
+
+
+@register
+class Gemma3(Family):
+    """Gemma 3 (4B/12B/27B instruction-tuned and pretrained checkpoints with a vision tower)."""
+
+    name = "gemma3"
+    title = "Gemma 3"
+    architectures = ("Gemma3ForConditionalGeneration",)
+    model_types = ("gemma3",)
+    export_module = "qeff_vision.families.gemma3.export"
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=no(
+            "fixed resolution: every image, and every pan-and-scan crop, is resized to "
+            "vision_config.image_size (896 px, 256 tokens); specs assume pan-and-scan off (the "
+            "processor's default), since its crop count varies per image"
+        ),
+        chunk_split=no(
+            "the tokens of one image attend to each other both ways (token_type_ids mask), so a "
+            "prefill chunk must hold a whole image; the planner moves it into the next chunk"
+        ),
+        video=no("Gemma 3 has no video input"),
+    )
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_SIZE, 3: IMAGE_SIZE}}
+    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
+    image_token_key = "image_token_index"
+
+    # ---- config normalization ----
+
+    def text_config(self, model: ModelDescription) -> dict[str, Any]:
+        """The language sub-config over transformers' ``Gemma3TextConfig`` defaults."""
+        return {**TEXT_DEFAULTS, **super().text_config(model)}
+
+    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
+        """The SigLIP sub-config over transformers' ``SiglipVisionConfig`` defaults."""
+        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+
+    def top_level(self, model: ModelDescription, key: str) -> int:
+        """A top-level ``Gemma3Config`` integer, or its transformers default."""
+        value = model.config.get(key)
+        return int(CONFIG_DEFAULTS[key] if value is None else value)
+
+    def image_token_id(self, model: ModelDescription) -> int:
+        """``image_token_index`` (262144 when the config leaves it out)."""
+        return self.top_level(model, self.image_token_key)
+
+    # ---- token math ----
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only; the pooling must divide the patch grid; the processor must resize to image_size."""
+        problems = []
+        if image.frames != 1:
+            problems.append("frames must be 1: Gemma 3 takes images only")
+        vision = self.vision_config(model)
+        tokens = self.top_level(model, "mm_tokens_per_image")
+        side = math.isqrt(tokens)
+        patches = int(vision["image_size"]) // int(vision["patch_size"])
+        if side * side != tokens or side == 0 or patches % side:
+            problems.append(
+                f"mm_tokens_per_image {tokens} must be a square whose side divides the "
+                f"{patches}x{patches} patch grid"
+            )
+        size = model.processor.get("size") or {}
+        wanted = {int(size[k]) for k in ("height", "width") if k in size}
+        if wanted and wanted != {int(vision["image_size"])}:
+            problems.append(
+                f"the processor resizes to {size}, but the vision tower takes {vision['image_size']} px"
+            )
+        if model.processor.get("do_pan_and_scan"):
+            problems.append("do_pan_and_scan is on: its crop count depends on each image; turn it off")
+        return problems
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """image_size (the processor's resize target) and vision_size (mm_tokens_per_image), any image."""
+        return {
+            IMAGE_SIZE: int(self.vision_config(model)["image_size"]),
+            symbols.VISION_SIZE: self.top_level(model, "mm_tokens_per_image"),
+        }

@@ -1,0 +1,106 @@
+"""Gemma 3 export: SigLIP tower + pooled projector as one program; the text model with bidirectional images.
+
+The vision program is transformers' own modules (ref: transformers v5 models/gemma3/modeling_gemma3.py,
+``Gemma3Model.get_image_features``): nothing in them depends on Python loops over the input, and
+the resolution is fixed by the checkpoint, so they trace as they are.
+
+The language program is the generic decoder with two Gemma-specific settings:
+  * ``bidirectional_images``: transformers builds the prefill mask from ``token_type_ids`` so the
+    placeholders of one image see each other both ways, on full layers OR(causal, same image) and
+    on sliding layers AND(window, OR(causal, same image)) (``create_masks_for_vision_model``).
+    The generic position-built masks compose the same way; images are never split across chunks.
+  * no final-logit soft-capping: ``Gemma3ForConditionalGeneration.forward`` returns the raw
+    ``lm_head`` output even when ``text_config.final_logit_softcapping`` is set (only the text-only
+    ``Gemma3ForCausalLM`` caps), and transformers' generate is the reference.
+The scaled token embedding (x sqrt(hidden)) is the text model's own ``embed_tokens``; image rows are
+merged after it, unscaled, as transformers does. Each layer type gets its rotary table (local base
+frequency on sliding layers) from the text model itself, which the decoder calls with the
+per-layer-type mask dict and the positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.families import get_family
+
+TOKEN_TYPE_IDS = "token_type_ids"
+
+
+class VisionEncoder(nn.Module):
+    """pixel_values [batch, 3, image_size, image_size] -> vision_embeds [batch, mm_tokens_per_image, text]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.tower = model.model.vision_tower
+        self.projector = model.model.multi_modal_projector
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """SigLIP patch features, average-pooled and projected to the text width."""
+        return self.projector(self.tower(pixel_values=pixel_values).last_hidden_state)
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the Gemma 3 family."""
+
+    family = get_family("gemma3")
+
+    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
+        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.gemma3.tiny`)."""
+        from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, seed)
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """Tower and projector, unchanged."""
+        return VisionEncoder(model).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One image at the checkpoint's only resolution."""
+        config = model.config.vision_config
+        generator = torch.Generator().manual_seed(0)
+        shape = (1, config.num_channels, config.image_size, config.image_size)
+        return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
+
+    def hf_image_features(self, model, processed):
+        """The reference features: transformers' ``get_image_features``, one tensor per image."""
+        pixel_values = torch.as_tensor(processed["pixel_values"])
+        with torch.no_grad():
+            return list(model.model.get_image_features(pixel_values).pooler_output)
+
+    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """One ``pixel_values`` row per image."""
+        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
+        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
+
+    def image_token_counts(self, processed: Mapping[str, Any]) -> list[int]:
+        """Every image is ``mm_tokens_per_image`` placeholders: the processor's image tokens / images."""
+        if TOKEN_TYPE_IDS not in processed:
+            raise UserError("Gemma 3 prompts need the processor's token_type_ids (do not drop them)")
+        images = np.asarray(processed["pixel_values"]).shape[0]
+        placeholders = int(np.asarray(processed[TOKEN_TYPE_IDS]).sum())
+        if images == 0 or placeholders % images:
+            raise UserError(f"{placeholders} image tokens cannot be shared equally by {images} image(s)")
+        return [placeholders // images] * images
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """Gemma 3 text model; images attend within themselves both ways; no logit soft-capping."""
+        text_config = model.config.text_config
+        return DecoderParts(
+            embed_tokens=model.get_input_embeddings(),
+            text_model=model.model.language_model,
+            lm_head=model.lm_head,
+            image_token_id=model.config.image_token_id,
+            layer_types=list(text_config.layer_types),
+            sliding_window=text_config.sliding_window,
+            bidirectional_images=True,
+        )
