@@ -77,9 +77,12 @@ class LlavaNext(Family):
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
-        multi_resolution=yes("one vision graph over every grid pinpoint; a specialization per image size"),
+        multi_resolution=yes(
+            "one vision graph over every grid pinpoint; a specialization per image size, since the "
+            "unpadded feature grid follows the exact aspect ratio; resize other images to a compiled size"
+        ),
         chunk_split=yes("causal attention over image tokens"),
-        video=no("LLaVA-NeXT takes images only (LLaVA-NeXT-Video is a different architecture)"),
+        video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
     )
     # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
     # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
