@@ -183,3 +183,17 @@ def test_a_chunk_cut_inside_an_image_would_lose_its_forward_links():
     ours = _our_masks(token_ids, 0, 4, window=8)[FULL_ATTENTION]
     assert not torch.equal(ours, reference[0:4])
     assert bool(reference[2, 5]) and not bool(ours[2, 5])  # image token 0 sees image token 3 in HF
+
+
+def test_a_spec_whose_buckets_cannot_hold_a_whole_image_is_rejected(tmp_path):
+    """128-token chunks cannot carry a 256-token image, and Gemma 3 cannot split one."""
+    spec = tmp_path / "gemma.yaml"
+    spec.write_text(
+        f"model: google/gemma-3-4b-it\nconfig: {PINNED / 'config.json'}\nctx_len: 4096\n"
+        "prefill: {seq_lens: [128]}\nvision: {images: [{height: 896, width: 896}]}\n"
+    )
+    problems, _ = api.validate(spec)
+    assert len(problems) == 1
+    assert "256 image tokens do not fit one chunk" in problems[0] and "both ways" in problems[0]
+    spec.write_text(spec.read_text().replace("[128]", "[128, 512]"))
+    assert api.validate(spec) == ([], [])

@@ -64,6 +64,8 @@ TEXT = dict(
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     },
 )
+# Spread of the random values given to parameters transformers initializes to zero.
+ZERO_INIT_STD = 0.1
 
 
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
@@ -109,6 +111,13 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Gemma3ForConditionalGeneration(config).eval()
+    # transformers zero-initializes the projector weight (and RMSNorm weights, biases): left so, every
+    # image would embed to zeros and the tests could not see a wrong vision row. Give each
+    # all-zero parameter small random values instead.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.any():
+                parameter.normal_(0.0, ZERO_INIT_STD)
     model.generation_config.bos_token_id = ids[BOS]
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = ids[PAD]
