@@ -77,7 +77,11 @@ class Llava:
         return LanguageShape(buckets, max(bucket.vision_size for bucket in buckets), CTX_LEN)
 
     def specializations(self, shape: LanguageShape):
-        """The vision and language specializations a QPC compiled for ``shape`` would accept."""
+        """The vision and language specializations a QPC compiled for ``shape`` would accept.
+
+        The vision program is compiled for batches of 1 to MAX_IMAGES images: the runtime may
+        encode the images a chunk first needs in one call.
+        """
         vision = get_family(FAMILY).vision_symbols(self.description, ImageSize(336, 336))
         common = {symbols.BATCH_SIZE: 1, symbols.VISION_BATCH_SIZE: 1, symbols.CTX_LEN: shape.ctx_len}
         language = [
@@ -85,7 +89,7 @@ class Llava:
             for bucket in shape.buckets
         ]
         language.append({**common, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: shape.decode_vision_size})
-        return [{symbols.BATCH_SIZE: 1, **vision}], language
+        return [{symbols.BATCH_SIZE: batch, **vision} for batch in range(1, MAX_IMAGES + 1)], language
 
     def generator(self, seq_lens, protocol: str):
         key = (tuple(seq_lens), protocol)
