@@ -39,7 +39,6 @@ class DecoderParts:
         sliding_window: Window of sliding layers (keys with position > query - window are seen).
         position_rows: None for [batch, seq] positions; R for [R, batch, seq] (row 0 = text position).
         bidirectional_images: Placeholders of the same image attend to each other both ways.
-        final_logit_softcapping: Optional tanh soft-capping of logits (Gemma).
         mask_per_layer_type: The text model takes ``{layer_type: mask}`` (models with per-layer-type
             masks, e.g. Qwen2, Gemma 3). False: it takes one 4-D mask, which it passes through
             ``create_causal_mask`` unchanged (e.g. Llama); needs a single layer type.
@@ -53,7 +52,6 @@ class DecoderParts:
     sliding_window: int | None = None
     position_rows: int | None = None
     bidirectional_images: bool = False
-    final_logit_softcapping: float | None = None
     mask_per_layer_type: bool = True
 
 
@@ -196,7 +194,4 @@ class LanguageDecoder(nn.Module):
         last = text_positions.argmax(dim=1, keepdim=True)  # the last valid (largest) position
         batch = torch.arange(hidden.shape[0]).view(-1, 1)
         logits = self.lm_head(hidden[batch, last])
-        if parts.final_logit_softcapping:
-            cap = parts.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
         return (logits, vision_embeds, image_idx_output, *cache.retained())
