@@ -122,3 +122,71 @@ def check_golden(specs_dir, *, update: bool = False):
     from qeff_vision.spec import check_golden as check
 
     return check(specs_dir, update=update)
+
+
+def conversation(
+    artifacts_dir, *, cache_bytes: int | None = None, protocol: str = "chunk", max_new_tokens: int = 32
+):
+    """A multi-turn conversation over a compile output directory (``qeff-vision compile -o OUT``).
+
+    Each :meth:`~qeff_vision.runtime.conversation.Conversation.ask` re-runs the whole conversation
+    with the checkpoint's chat template; images already shown come from the embedding cache.
+
+    Args:
+        artifacts_dir: OUT of ``qeff-vision compile`` (``manifest.json`` inside).
+        cache_bytes: Bound of the per-image embedding cache (256 MiB if None).
+        protocol: Default vision protocol, ``chunk`` or ``full``.
+        max_new_tokens: Default upper bound of generated tokens per turn.
+
+    Returns:
+        :class:`qeff_vision.runtime.conversation.Conversation`.
+    """
+    from qeff_vision.runtime.conversation import open_conversation
+
+    return open_conversation(
+        artifacts_dir, cache_bytes=cache_bytes, protocol=protocol, max_new_tokens=max_new_tokens
+    )
+
+
+def run(
+    artifacts_dir,
+    images,
+    prompts,
+    *,
+    max_new_tokens: int = 32,
+    protocol: str = "chunk",
+    compare_hf: bool = False,
+    on_text=None,
+    on_turn=None,
+    on_done=None,
+):
+    """Generate on compiled artifacts: one turn per prompt, the images shown in the first turn.
+
+    Args:
+        artifacts_dir: OUT of ``qeff-vision compile``.
+        images: Image paths (or PIL images) of the first turn, in order.
+        prompts: The user's text, or a list of texts (one conversation turn each).
+        max_new_tokens: Upper bound of generated tokens per turn.
+        protocol: ``chunk`` or ``full``.
+        compare_hf: Also run transformers generate (float32, eager, greedy) on each turn's exact
+            inputs and compare the tokens.
+        on_text: Called with each completed piece of reply text (streaming).
+        on_turn: Called with (turn index, prompt) before each turn.
+        on_done: Called with (turn index, :class:`~qeff_vision.runtime.conversation.Turn`) after it.
+
+    Returns:
+        One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
+
+    Raises:
+        UserError: No manifest, a missing or unreadable image, a prompt that does not fit
+            ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
+    """
+    from qeff_vision.runtime.conversation import load_image, run_turns
+
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    for image in images:
+        load_image(image)  # fail on a bad image before loading anything heavy
+    chat = conversation(artifacts_dir, protocol=protocol, max_new_tokens=max_new_tokens)
+    return run_turns(
+        chat, images, prompts, compare_hf=compare_hf, on_text=on_text, on_turn=on_turn, on_done=on_done
+    )

@@ -56,7 +56,19 @@ class LanguageShape:
 
 @dataclass
 class ChunkRecord:
-    """What one prefill call carried and cost."""
+    """What one prefill call carried and cost.
+
+    Attributes:
+        tokens: Real prompt tokens in the chunk.
+        seq_len: The bucket's S (tokens sent, padding included).
+        vision_size: The bucket's V (``vision_embeds`` rows sent, zero padding included).
+        rows: Rows of the image embeddings the chunk actually uses.
+        vision_bytes: Bytes of the ``vision_embeds`` input sent with the call.
+        seconds: Wall time of the language-program call.
+        encode_seconds: Vision-program time spent just before the call (images first used here).
+        images_encoded: Images the vision program encoded for this chunk (cache misses).
+        start: First prompt token of the chunk.
+    """
 
     tokens: int
     seq_len: int
@@ -64,11 +76,32 @@ class ChunkRecord:
     rows: int
     vision_bytes: int
     seconds: float
+    encode_seconds: float = 0.0
+    images_encoded: int = 0
+    start: int = 0
 
 
 @dataclass
 class GenerationResult:
-    """Tokens and the measurements ``qeff-vision run`` reports."""
+    """Tokens and the measurements ``qeff-vision run`` reports.
+
+    Attributes:
+        prompt_tokens: L, tokens in the prompt.
+        tokens: Generated token ids (the end-of-sequence token included when it was emitted).
+        chunks: One record per prefill call, in order.
+        ttft: Seconds from the start of :meth:`Generator.generate` to the first token: image
+            preparation, vision encoding of cache misses and every prefill chunk.
+        decode_seconds: Seconds spent in decode steps (tokens after the first).
+        encoder_calls: Vision-program calls made for this prompt.
+        cache_hits: Images found in the embedding cache instead of encoded.
+        text: The decoded reply (filled by callers that own a tokenizer, e.g. a conversation).
+        logits: Each step's last-position logits (with ``keep_logits``).
+        protocol: The vision protocol used (``chunk`` or ``full``).
+        images: Images in the prompt.
+        image_rows: Embedding rows of all images (placeholder tokens in the prompt).
+        images_encoded: Images the vision program encoded for this prompt.
+        notes: Things worth telling the user (e.g. an image resized to a compiled resolution).
+    """
 
     prompt_tokens: int
     tokens: list[int]
@@ -79,12 +112,27 @@ class GenerationResult:
     cache_hits: int
     text: str = ""
     logits: list[np.ndarray] = field(default_factory=list)
+    protocol: str = VisionProtocol.CHUNK.value
+    images: int = 0
+    image_rows: int = 0
+    images_encoded: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:
         """Generated tokens after the first, per second of decode."""
         steps = max(len(self.tokens) - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def vision_bytes(self) -> int:
+        """Bytes of ``vision_embeds`` sent over all prefill chunks."""
+        return sum(chunk.vision_bytes for chunk in self.chunks)
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Language-program time over all prefill chunks."""
+        return sum(chunk.seconds for chunk in self.chunks)
 
 
 class Generator:
@@ -138,17 +186,36 @@ class Generator:
             inputs_by_key[key] = inputs
         return prepared, inputs_by_key
 
+    @staticmethod
+    def _vision_feeds(batch: Sequence[PreparedImage], inputs_by_key: Mapping[str, dict]) -> dict:
+        # Same resolution: every input concatenates along its batch axis (axis 0).
+        return {
+            name: np.concatenate([inputs_by_key[image.key][name] for image in batch], axis=0)
+            for name in inputs_by_key[batch[0].key]
+        }
+
     def _encoder(
-        self, inputs_by_key: Mapping[str, dict]
+        self, inputs_by_key: Mapping[str, dict], timer: list[float]
     ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
+        """The cache's encoder: one vision call per resolution, split where the program requires.
+
+        A compiled vision program accepts only its specializations' batch sizes (usually 1), so a
+        group of same-resolution misses is cut into the largest batches it accepts.
+        """
+
         def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
-            # Same resolution: every input concatenates along its batch axis (axis 0).
-            feeds = {
-                name: np.concatenate([inputs_by_key[image.key][name] for image in batch], axis=0)
-                for name in inputs_by_key[batch[0].key]
-            }
-            embeds = self.vision.run(feeds)[symbols.VISION_EMBEDS]
-            return [embeds[i] for i in range(len(batch))]
+            start = time.perf_counter()
+            embeds: list[np.ndarray] = []
+            pending = list(batch)
+            while pending:
+                size = len(pending)
+                while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
+                    size -= 1
+                output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
+                embeds += [output[symbols.VISION_EMBEDS][i] for i in range(size)]
+                pending = pending[size:]
+            timer[0] += time.perf_counter() - start
+            return embeds
 
         return encode
 
@@ -206,26 +273,70 @@ class Generator:
             protocol: ``chunk`` or ``full``.
             on_token: Called with each token id as soon as it is known (streaming).
             keep_logits: Keep each step's logits row in the result (parity checks).
+
+        Raises:
+            UserError: The prompt and the new tokens do not fit ``ctx_len``, no plan fits the
+                compiled buckets (:class:`PlanError`), or a shape was not compiled
+                (:class:`ShapeMismatch`).
         """
+        started = time.perf_counter()
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if length + max_new_tokens > self.shape.ctx_len:
+            room = self.shape.ctx_len - length
+            hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
             raise UserError(
-                f"prompt of {length} tokens + {max_new_tokens} new tokens "
-                f"exceeds ctx_len {self.shape.ctx_len}"
+                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
+                f"ctx_len {self.shape.ctx_len} ({hint})"
             )
         plan = self.plan(input_ids, processed, protocol)
         positions = self.adapter.prompt_positions(self.model_config, processed)
-        images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
-        stats_before = self.cache.stats
+        stats_before, calls_before = self.cache.stats, self.vision.calls
         past = self._empty_cache()
-        records: list[ChunkRecord] = []
+        outputs, records = self._prefill(plan, input_ids, positions, processed, past)
+        kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else None
+        token = int(outputs[symbols.LOGITS][0, -1].argmax())
+        ttft = time.perf_counter() - started
+        if on_token:
+            on_token(token)
+        decode_start = time.perf_counter()
+        tokens = self._decode(token, positions, outputs, past, max_new_tokens, on_token, kept)
+        decode_seconds = time.perf_counter() - decode_start
+        stats_after = self.cache.stats
+        return GenerationResult(
+            prompt_tokens=length,
+            tokens=tokens,
+            chunks=records,
+            ttft=ttft,
+            decode_seconds=decode_seconds,
+            encoder_calls=self.vision.calls - calls_before,
+            cache_hits=stats_after.hits - stats_before.hits,
+            logits=kept or [],
+            protocol=plan.protocol.value,
+            images=len(plan.image_spans),
+            image_rows=plan.total_rows,
+            images_encoded=stats_after.images_encoded - stats_before.images_encoded,
+        )
+
+    def _prefill(
+        self,
+        plan: ChunkPlan,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        processed: Mapping[str, Any],
+        past: dict[str, np.ndarray],
+    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
+        """Run every chunk of ``plan``; the last call's outputs and one record per chunk."""
+        images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
+        encode_timer = [0.0]
+        encoder = self._encoder(inputs_by_key, encode_timer)
         hidden = self.dims.hidden_size
-        started = time.perf_counter()
+        records: list[ChunkRecord] = []
         outputs: dict[str, np.ndarray] = {}
-        for chunk, vision_embeds in feed_chunks(
-            plan, images, self.cache, self._encoder(inputs_by_key), hidden, np.float32
-        ):
+        encoded_before, encode_before = self.cache.stats.images_encoded, 0.0
+        for chunk, vision_embeds in feed_chunks(plan, images, self.cache, encoder, hidden, np.float32):
             chunk_start = time.perf_counter()
             token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
             token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
@@ -236,30 +347,43 @@ class Generator:
                 symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             outputs = self._step(feeds, past)
+            seconds = time.perf_counter() - chunk_start
             returned = int(outputs[symbols.IMAGE_IDX_OUTPUT].reshape(-1)[0])
             if returned != chunk.image_idx_output:
                 raise RuntimeError(
                     f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
                 )
+            encoded_now = self.cache.stats.images_encoded
             records.append(
                 ChunkRecord(
-                    chunk.tokens,
-                    chunk.seq_len,
-                    chunk.vision_size,
-                    chunk.rows,
-                    vision_embeds.nbytes,
-                    time.perf_counter() - chunk_start,
+                    tokens=chunk.tokens,
+                    seq_len=chunk.seq_len,
+                    vision_size=chunk.vision_size,
+                    rows=chunk.rows,
+                    vision_bytes=vision_embeds.nbytes,
+                    seconds=seconds,
+                    encode_seconds=encode_timer[0] - encode_before,
+                    images_encoded=encoded_now - encoded_before,
+                    start=chunk.start,
                 )
             )
-        kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else []
-        token = int(outputs[symbols.LOGITS][0, -1].argmax())
-        ttft = time.perf_counter() - started
+            encoded_before, encode_before = encoded_now, encode_timer[0]
+        return outputs, records
+
+    def _decode(
+        self,
+        token: int,
+        positions: np.ndarray,
+        outputs: dict[str, np.ndarray],
+        past: dict[str, np.ndarray],
+        max_new_tokens: int,
+        on_token: Callable[[int], None] | None,
+        kept: list[np.ndarray] | None,
+    ) -> list[int]:
+        """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given."""
         tokens = [token]
-        if on_token:
-            on_token(token)
-        decode_embeds = np.zeros((1, self.shape.decode_vision_size, hidden), dtype=np.float32)
+        decode_embeds = np.zeros((1, self.shape.decode_vision_size, self.dims.hidden_size), dtype=np.float32)
         image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
-        decode_start = time.perf_counter()
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
@@ -271,30 +395,37 @@ class Generator:
             }
             outputs = self._step(feeds, past)
             image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
-            if keep_logits:
+            if kept is not None:
                 kept.append(outputs[symbols.LOGITS][0, -1].copy())
             token = int(outputs[symbols.LOGITS][0, -1].argmax())
             tokens.append(token)
             if on_token:
                 on_token(token)
-        decode_seconds = time.perf_counter() - decode_start
-        stats_after = self.cache.stats
-        return GenerationResult(
-            prompt_tokens=length,
-            tokens=tokens,
-            chunks=records,
-            ttft=ttft,
-            decode_seconds=decode_seconds,
-            encoder_calls=stats_after.encoder_calls - stats_before.encoder_calls,
-            cache_hits=stats_after.hits - stats_before.hits,
-            logits=kept,
-        )
+        return tokens
 
 
 def _description(model_config: Mapping[str, Any]):
     from qeff_vision.families.base import ModelDescription
 
     return ModelDescription(model_config)
+
+
+def checkpoint_settings(model_dir: str | Path) -> tuple[dict[str, Any], list[int]]:
+    """A checkpoint's config.json and its end-of-sequence ids (from generation_config.json)."""
+    import json
+
+    model_dir = Path(model_dir)
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"{model_dir}: the checkpoint these programs were exported from is gone (no config.json); "
+            "the runtime needs its config, processor and chat template"
+        ) from None
+    generation = model_dir / "generation_config.json"
+    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+    eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+    return model_config, [int(token) for token in eos_ids]
 
 
 def generator_for_export(
@@ -305,19 +436,17 @@ def generator_for_export(
     language_specializations: Sequence[Mapping[str, object]] | None = None,
     cache: EmbeddingCache | None = None,
 ) -> Generator:
-    """A :class:`Generator` over an export directory's two graphs on onnxruntime."""
-    import json
+    """A :class:`Generator` over an export directory's two graphs on onnxruntime.
 
+    Without specializations any shape runs (a bare export); with them, the sessions reject the
+    shapes a compiled program would.
+    """
     from qeff_vision.export.exporter import load_adapter, read_export
 
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)
     family = get_family(manifest["family"])
-    model_dir = Path(manifest["model"])
-    model_config = json.loads((model_dir / "config.json").read_text())
-    generation = model_dir / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-    eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+    model_config, eos_ids = checkpoint_settings(manifest["model"])
     vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
     language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
     return Generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)

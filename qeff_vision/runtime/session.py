@@ -85,8 +85,16 @@ class OnnxProgram:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(bound.items()))
         raise ShapeMismatch(f"{self.path.parent.name}: shapes ({shown}) match no compiled specialization")
 
+    def accepts(self, feeds: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``feeds`` bind the graph's symbols to a compiled specialization (no run)."""
+        try:
+            self.check_specialization(self.bind_symbols(feeds))
+        except ShapeMismatch:
+            return False
+        return True
+
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run once; outputs by name."""
+        """Run once; outputs by name. Raises :class:`ShapeMismatch` for uncompiled shapes."""
         self.check_specialization(self.bind_symbols(feeds))
         start = time.perf_counter()
         outputs = self.session.run(self.output_names, dict(feeds))
@@ -104,17 +112,20 @@ class QaicProgram:
     """Adapter over the SDK's Python runtime for a compiled QPC directory.
 
     The SDK runtime cannot be installed on machines without the accelerator stack; constructing
-    this class there raises a :class:`UserError` saying so, instead of faking a device.
+    this class there raises a :class:`UserError` saying so, instead of faking a device. Where
+    ``qaicrt`` is importable, execution through it is not implemented in this build yet (it
+    could not be tested here); that too is one clear error rather than a guess at its API.
     """
 
     def __init__(self, qpc_dir: str | Path, device_ids: Sequence[int] = (0,)):
+        self.path = Path(qpc_dir)
         if not qaic_runtime_available():
             raise UserError(
-                "the Cloud AI 100 runtime (qaicrt, from the SDK's Apps/Platform packages) is not importable "
-                "here; run compiled artifacts with --backend onnxruntime instead"
+                f"{self.path}: a qaic artifact needs the Cloud AI 100 runtime (qaicrt, from the SDK's "
+                "Platform package), which is not importable here; compile with --backend onnxruntime "
+                "to run on this machine"
             )
-        import qaicrt  # noqa: F401  # pragma: no cover - only on machines with the SDK
-
-        raise UserError(
-            "QAIC execution requires a device; none is attached to this machine"
-        )  # pragma: no cover
+        raise UserError(  # pragma: no cover - only on machines with the SDK
+            f"{self.path}: qaicrt is importable, but running QPCs through it is not implemented in "
+            "this version of qeff-vision; serve the QPCs with vLLM (`qeff-vision compile --print-serve`)"
+        )

@@ -1,0 +1,117 @@
+"""``qeff-vision run ARTIFACTS --image IMG --prompt TEXT``: chunk-aware generation on compiled artifacts.
+
+The reply streams to stdout as it is decoded; notes, the per-chunk table, timings and the
+``--compare-hf`` verdict go to stderr, so ``> reply.txt`` keeps only the reply.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from qeff_vision.runtime.planner import VisionProtocol
+
+HELP = {
+    "image": "An image of the first turn (repeat for several, in prompt order).",
+    "prompt": "The user's text after the images; repeat for further turns of the same conversation.",
+    "max_new_tokens": "Upper bound of generated tokens per turn.",
+    "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
+    "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
+    "tokens; exit code 1 when they differ.",
+}
+
+
+@click.command(name="run")
+@click.argument("artifacts", type=click.Path(file_okay=False))
+@click.option("--image", "images", multiple=True, metavar="IMG", help=HELP["image"])
+@click.option("--prompt", "prompts", multiple=True, required=True, metavar="TEXT", help=HELP["prompt"])
+@click.option(
+    "--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help=HELP["max_new_tokens"]
+)
+@click.option(
+    "--vision-protocol",
+    type=click.Choice([p.value for p in VisionProtocol]),
+    default=VisionProtocol.CHUNK.value,
+    show_default=True,
+    help=HELP["protocol"],
+)
+@click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
+def run(artifacts, images, prompts, max_new_tokens, vision_protocol, compare_hf) -> None:
+    """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
+
+    Uses the checkpoint's own processor and chat template. Several --prompt options make one
+    conversation: each turn re-runs the history, and images already shown are not encoded again.
+    Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
+    """
+    from qeff_vision import api
+
+    several = len(prompts) > 1
+
+    def on_turn(index: int, prompt: str) -> None:
+        if several:
+            click.echo(f"{'' if index == 0 else chr(10)}[turn {index + 1}] {prompt}", err=True)
+
+    def on_text(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def on_done(index: int, turn) -> None:
+        click.echo()
+        for line in report_lines(turn.result):
+            click.echo(line, err=True)
+        if turn.comparison is not None:
+            click.echo(f"compare-hf: {turn.comparison.describe()}", err=True)
+
+    turns = api.run(
+        artifacts,
+        list(images),
+        list(prompts),
+        max_new_tokens=max_new_tokens,
+        protocol=vision_protocol,
+        compare_hf=compare_hf,
+        on_text=on_text,
+        on_turn=on_turn,
+        on_done=on_done,
+    )
+    if compare_hf and not all(turn.comparison.identical for turn in turns):
+        # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.
+        # SystemExit, because qeff_vision.cli.main does not pass a click Exit code through.
+        raise SystemExit(1)
+
+
+def report_lines(result) -> list[str]:
+    """The notes, per-chunk table and summary of one generation, as printed by ``run``."""
+    lines = [f"note: {note}" for note in result.notes]
+    lines.append(
+        f"prompt {result.prompt_tokens} tokens, {result.images} image(s) = {result.image_rows} vision rows; "
+        f"protocol {result.protocol}; {len(result.chunks)} prefill chunk(s)"
+    )
+    header = ("chunk", "tokens/S", "rows/V", "vision bytes", "images encoded", "encode ms", "prefill ms")
+    rows = [header]
+    for index, chunk in enumerate(result.chunks):
+        rows.append(
+            (
+                str(index),
+                f"{chunk.tokens}/{chunk.seq_len}",
+                f"{chunk.rows}/{chunk.vision_size}",
+                f"{chunk.vision_bytes:,}",
+                str(chunk.images_encoded),
+                f"{chunk.encode_seconds * 1e3:.1f}",
+                f"{chunk.seconds * 1e3:.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    decode_steps = max(len(result.tokens) - 1, 0)
+    lines.append(
+        f"TTFT {result.ttft * 1e3:.1f} ms; "
+        f"decode {decode_steps} token(s) in {result.decode_seconds * 1e3:.1f} ms "
+        f"({result.decode_tokens_per_second:.1f} tokens/s); {len(result.tokens)} token(s) generated"
+    )
+    lines.append(
+        f"vision: {result.vision_bytes:,} bytes of vision_embeds sent over {len(result.chunks)} chunk(s); "
+        f"{result.encoder_calls} encoder call(s) encoding {result.images_encoded} image(s); "
+        f"{result.cache_hits} cache hit(s)"
+    )
+    return lines

@@ -1,0 +1,224 @@
+"""A compile output directory as the runtime sees it: programs, their specializations, the checkpoint.
+
+``qeff-vision compile SPEC -o OUT`` writes ``OUT/manifest.json`` last (see
+:mod:`qeff_vision.compile.manifest`). From it the runtime takes the backend, both programs and the
+specializations they were compiled for, the export directory and, through the export's
+``export.json``, the checkpoint whose config, processor and chat template drive generation.
+
+On the ``onnxruntime`` backend the programs are the exported graphs, run by sessions that accept
+only the compiled specializations (what a device enforces). The ``qaic`` backend needs the SDK's
+runtime; without it opening the programs is one clear error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.compile.manifest import ONNXRUNTIME, QAIC, program_path, read_manifest
+from qeff_vision.errors import UserError
+from qeff_vision.families import Family, get_family
+from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.runtime.embedding_cache import EmbeddingCache
+from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
+
+EXPORT_FILE = "export.json"
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """What a finished compile directory holds, resolved to absolute paths.
+
+    Attributes:
+        out_dir: The compile output directory.
+        manifest: ``OUT/manifest.json``.
+        backend: ``qaic`` or ``onnxruntime``.
+        family: The model family.
+        model_dir: The checkpoint the export came from (config, processor, chat template).
+        export_dir: The export directory.
+        vision_path: The vision program (QPC directory or ONNX file).
+        language_path: The language program.
+        vision_specializations: Symbol values of each compiled vision specialization.
+        language_specializations: Symbol values of each compiled language specialization.
+        shape: Prefill buckets, decode vision size and ``ctx_len`` of the language program.
+        resolutions: The image resolutions the spec compiled (before the processor's resize).
+    """
+
+    out_dir: Path
+    manifest: Mapping[str, Any]
+    backend: str
+    family: Family
+    model_dir: Path
+    export_dir: Path
+    vision_path: Path
+    language_path: Path
+    vision_specializations: tuple[dict[str, int], ...]
+    language_specializations: tuple[dict[str, int], ...]
+    shape: LanguageShape
+    resolutions: tuple[ImageSize, ...]
+
+    def description(self) -> ModelDescription:
+        """The checkpoint's config and image-processor config (no torch)."""
+        return describe_checkpoint(self.model_dir)
+
+
+def _symbols(entries: Any, where: str) -> tuple[dict[str, int], ...]:
+    try:
+        return tuple({k: int(v) for k, v in entry["symbols"].items()} for entry in entries)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{where}: specializations are not [{{'name', 'symbols'}}] entries ({exc})") from exc
+
+
+def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    directory = Path((manifest.get("export") or {}).get("dir") or "export")
+    return directory if directory.is_absolute() else out_dir / directory
+
+
+def _model_dir(export_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
+    import json
+
+    model = None
+    try:
+        model = json.loads((export_dir / EXPORT_FILE).read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError):
+        pass
+    model = model or manifest.get("model_dir")
+    if not model or not (Path(model) / "config.json").is_file():
+        raise UserError(
+            f"{export_dir}: the checkpoint the programs were exported from ({model or 'not recorded'}) "
+            "is not a checkpoint directory here; the runtime needs its config, processor and chat template"
+        )
+    return Path(model)
+
+
+def load_artifacts(out_dir: str | Path) -> Artifacts:
+    """Read a compile output directory.
+
+    Raises:
+        UserError: No manifest (not compiled, or not finished), an unreadable one, or a missing
+            checkpoint.
+    """
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise UserError(f"{out_dir}: no such directory; pass the output directory of `qeff-vision compile`")
+    manifest = read_manifest(out_dir)
+    backend = manifest.get("backend")
+    if backend not in (QAIC, ONNXRUNTIME):
+        raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
+    where = str(out_dir / "manifest.json")
+    vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
+    language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
+    if not vision or not language:
+        raise UserError(f"{where}: a program has no specializations")
+    export_dir = _export_dir(out_dir, manifest)
+    images = (manifest.get("shapes") or {}).get("images") or []
+    return Artifacts(
+        out_dir=out_dir,
+        manifest=manifest,
+        backend=backend,
+        family=get_family(manifest["family"]),
+        model_dir=_model_dir(export_dir, manifest),
+        export_dir=export_dir,
+        vision_path=program_path(manifest, out_dir, "vision"),
+        language_path=program_path(manifest, out_dir, "lang"),
+        vision_specializations=vision,
+        language_specializations=language,
+        shape=LanguageShape.from_specializations(language),
+        resolutions=tuple(ImageSize(int(i["height"]), int(i["width"])) for i in images),
+    )
+
+
+def open_programs(artifacts: Artifacts):
+    """(vision, language) program sessions for the artifacts' backend.
+
+    Raises:
+        UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
+    """
+    from qeff_vision.runtime.session import OnnxProgram, QaicProgram
+
+    if artifacts.backend == QAIC:
+        return QaicProgram(artifacts.vision_path), QaicProgram(artifacts.language_path)
+    return (
+        OnnxProgram(artifacts.vision_path, artifacts.vision_specializations),
+        OnnxProgram(artifacts.language_path, artifacts.language_specializations),
+    )
+
+
+def generator_for_artifacts(
+    artifacts: Artifacts | str | Path, *, cache: EmbeddingCache | None = None
+) -> Generator:
+    """A :class:`Generator` over a compile output directory (or loaded :class:`Artifacts`)."""
+    from qeff_vision.export.exporter import load_adapter
+
+    if not isinstance(artifacts, Artifacts):
+        artifacts = load_artifacts(artifacts)
+    vision, language = open_programs(artifacts)
+    model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
+    adapter = load_adapter(artifacts.family)
+    return Generator(
+        artifacts.family, adapter, model_config, vision, language, artifacts.shape, eos_ids, cache
+    )
+
+
+def _compiled(image_symbols: Mapping[str, int], specializations) -> bool:
+    return any(all(spec.get(k, v) == v for k, v in image_symbols.items()) for spec in specializations)
+
+
+def compiled_size_for(artifacts: Artifacts, height: int, width: int) -> ImageSize | None:
+    """The compiled resolution an image of ``height`` x ``width`` must be resized to, or None.
+
+    None when the processor already turns the image into a compiled vision specialization (for
+    fixed-resolution families, every image). Otherwise the compiled resolution with the closest
+    aspect ratio (then the closest pixel count): the device has no program for other grids.
+
+    Raises:
+        UserError: The image needs resizing but the manifest lists no compiled resolution.
+    """
+    description = artifacts.description()
+
+    def compiled(size: ImageSize) -> bool:
+        image_symbols = artifacts.family.vision_symbols(description, size)
+        return _compiled(image_symbols, artifacts.vision_specializations)
+
+    if compiled(ImageSize(height, width)):
+        return None
+    candidates = [size for size in artifacts.resolutions if compiled(size)]
+    if not candidates:
+        compiled = ", ".join(
+            f"{spec.get(symbols.VISION_SIZE, '?')} tokens" for spec in artifacts.vision_specializations
+        )
+        raise UserError(
+            f"a {height}x{width} image matches no compiled vision specialization ({compiled}) and the "
+            "manifest lists no resolution to resize it to"
+        )
+
+    def distance(size: ImageSize) -> tuple[float, float]:
+        aspect = abs(math.log((size.height / size.width) / (height / width)))
+        return aspect, abs(math.log((size.height * size.width) / (height * width)))
+
+    return min(candidates, key=distance)
+
+
+def image_fitter(artifacts: Artifacts):
+    """A :class:`~qeff_vision.runtime.conversation.Conversation` ``fit_image`` for these artifacts.
+
+    Resizes an image the compiled vision program cannot take to the closest compiled resolution
+    (see :func:`compiled_size_for`) and says so.
+    """
+
+    def fit(image):
+        target = compiled_size_for(artifacts, image.height, image.width)
+        if target is None:
+            return image, None
+        note = (
+            f"resized from {image.height}x{image.width} to {target.height}x{target.width} "
+            "(height x width), the closest compiled resolution"
+        )
+        return image.resize((target.width, target.height)), note
+
+    return fit

@@ -1,0 +1,319 @@
+"""Multi-turn conversations over a :class:`Generator`, with the checkpoint's processor and chat template.
+
+Our KV cache lives for one request, so every turn re-runs the whole conversation: the history
+(user turns with their images, assistant replies as text) is rendered by the checkpoint's chat
+template and processed again. What makes that cheap is the per-image embedding cache the
+generator owns: an image shown in an earlier turn has the same preprocessed pixels, hence the same
+content key, and is never encoded again while the cache holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.errors import UserError
+from qeff_vision.runtime.generate import GenerationResult, Generator
+from qeff_vision.runtime.planner import VisionProtocol
+
+ImageSource = Any  # a path (str or Path) or a PIL image
+ImageFitter = Callable[[Any], "tuple[Any, str | None]"]
+
+
+def load_image(source: ImageSource):
+    """An RGB PIL image from a path or a PIL image.
+
+    Raises:
+        UserError: The file is missing or is not an image PIL can read.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    path = Path(source)
+    if not path.is_file():
+        raise UserError(f"{path}: no such image file")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a readable image ({reason})") from exc
+
+
+class TextStream:
+    """Incremental detokenization: the text each new token adds, once it is complete.
+
+    Byte-level tokenizers can split one character over several tokens; until the rest arrives the
+    decoded tail is U+FFFD, so text is released only when it does not end in one.
+
+    Args:
+        tokenizer: A transformers tokenizer.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the newly completed text (possibly empty)."""
+        self.tokens.append(int(token))
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return new
+
+    def finish(self) -> str:
+        """Whatever is left undelivered (an incomplete character at the end)."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        new = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return new
+
+
+@dataclass
+class PromptInputs:
+    """One rendered and processed prompt.
+
+    Attributes:
+        messages: The chat messages rendered (history plus the new user turn).
+        text: The chat template's output.
+        images: Every image of the conversation, in prompt order.
+        processed: Processor outputs as numpy arrays (what :meth:`Generator.generate` takes).
+        notes: Things worth telling the user (e.g. an image resized to a compiled resolution).
+    """
+
+    messages: list[dict]
+    text: str
+    images: list[Any]
+    processed: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def user_message(image_count: int, text: str) -> dict:
+    """One user turn: the images first, then the text."""
+    content: list[dict] = [{"type": "image"} for _ in range(image_count)]
+    content.append({"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
+def assistant_message(text: str) -> dict:
+    """One assistant turn holding ``text``."""
+    return {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+class Conversation:
+    """A chat with images whose turns share one embedding cache.
+
+    Args:
+        generator: Runs prompts; its :attr:`Generator.cache` persists across turns.
+        processor: The checkpoint's processor (tokenizer, image processor, chat template).
+        fit_image: Maps a loaded image to the image to use and an optional note (e.g. a resize
+            to a compiled resolution); identity when None.
+        protocol: Default vision protocol of :meth:`ask`.
+        max_new_tokens: Default upper bound of generated tokens per turn.
+        model_dir: The checkpoint directory (what a transformers reference would load).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        processor,
+        *,
+        fit_image: ImageFitter | None = None,
+        protocol: str = VisionProtocol.CHUNK.value,
+        max_new_tokens: int = 32,
+        model_dir: str | Path | None = None,
+    ):
+        self.generator = generator
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.processor = processor
+        self.fit_image = fit_image
+        self.protocol = protocol
+        self.max_new_tokens = max_new_tokens
+        self.messages: list[dict] = []
+        self.images: list[Any] = []
+        self.last_inputs: PromptInputs | None = None
+
+    @property
+    def cache(self):
+        """The embedding cache shared by the turns."""
+        return self.generator.cache
+
+    def prepare(self, images: Sequence[ImageSource], text: str) -> PromptInputs:
+        """Render and process the conversation plus one new user turn (the history is unchanged).
+
+        Raises:
+            UserError: A missing or unreadable image.
+        """
+        notes: list[str] = []
+        new_images = []
+        for source in images:
+            image = load_image(source)
+            if self.fit_image is not None:
+                image, note = self.fit_image(image)
+                if note:
+                    label = source if isinstance(source, (str, Path)) else f"image {len(new_images)}"
+                    notes.append(f"{label}: {note}")
+            new_images.append(image)
+        messages = [*self.messages, user_message(len(new_images), text)]
+        all_images = [*self.images, *new_images]
+        rendered = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="np")
+        return PromptInputs(messages, rendered, all_images, dict(processed), notes)
+
+    def ask(
+        self,
+        images: Sequence[ImageSource],
+        text: str,
+        *,
+        max_new_tokens: int | None = None,
+        protocol: str | None = None,
+        on_text: Callable[[str], None] | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        """One turn: the user shows ``images`` (possibly none) and says ``text``; the model replies.
+
+        The whole conversation is prefilled again; images already shown come from the cache. The
+        turn joins the history only when generation succeeds.
+
+        Args:
+            images: New images (paths or PIL images), placed before the text.
+            text: The user's words.
+            max_new_tokens: Upper bound of generated tokens (the conversation's default if None).
+            protocol: ``chunk`` or ``full`` (the conversation's default if None).
+            on_text: Called with each piece of reply text as soon as it is complete (streaming).
+            keep_logits: Keep each step's logits row in the result.
+
+        Returns:
+            The generation result; ``text`` holds the reply, ``notes`` anything worth telling.
+        """
+        inputs = self.prepare(images, text)
+        stream = TextStream(self.processor.tokenizer)
+
+        def on_token(token: int) -> None:
+            piece = stream.push(token)
+            if piece and on_text:
+                on_text(piece)
+
+        result = self.generator.generate(
+            inputs.processed,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            protocol=protocol or self.protocol,
+            on_token=on_token,
+            keep_logits=keep_logits,
+        )
+        rest = stream.finish()
+        if rest and on_text:
+            on_text(rest)
+        result.text = stream.emitted
+        result.notes = list(inputs.notes)
+        self.messages = [*inputs.messages, assistant_message(result.text)]
+        self.images = inputs.images
+        self.last_inputs = inputs
+        return result
+
+    def reset(self) -> None:
+        """Forget the history (the embedding cache keeps its entries)."""
+        self.messages, self.images, self.last_inputs = [], [], None
+
+
+def open_conversation(
+    artifacts_dir: str | Path,
+    *,
+    cache_bytes: int | None = None,
+    protocol: str = VisionProtocol.CHUNK.value,
+    max_new_tokens: int = 32,
+) -> Conversation:
+    """A :class:`Conversation` over a compile output directory, with the checkpoint's own processor.
+
+    Args:
+        artifacts_dir: The output directory of ``qeff-vision compile`` (its manifest.json).
+        cache_bytes: Bound of the per-image embedding cache (the runtime default if None).
+        protocol: Default vision protocol.
+        max_new_tokens: Default upper bound of generated tokens per turn.
+
+    Raises:
+        UserError: No manifest, a missing checkpoint, or a ``qaic`` artifact without the SDK runtime.
+    """
+    from qeff_vision.export.adapter import quiet_transformers
+    from qeff_vision.runtime.artifacts import generator_for_artifacts, image_fitter, load_artifacts
+    from qeff_vision.runtime.embedding_cache import EmbeddingCache
+
+    artifacts = load_artifacts(artifacts_dir)
+    cache = EmbeddingCache(cache_bytes) if cache_bytes is not None else None
+    generator = generator_for_artifacts(artifacts, cache=cache)
+    quiet_transformers()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(artifacts.model_dir))
+    return Conversation(
+        generator,
+        processor,
+        fit_image=image_fitter(artifacts),
+        protocol=protocol,
+        max_new_tokens=max_new_tokens,
+        model_dir=artifacts.model_dir,
+    )
+
+
+@dataclass
+class Turn:
+    """One turn of :func:`run_turns`: the prompt, our result and, if asked, the comparison.
+
+    Attributes:
+        prompt: The user's text.
+        result: Our generation (``text`` is the reply).
+        comparison: Tokens against transformers generate on the same inputs, when requested.
+    """
+
+    prompt: str
+    result: GenerationResult
+    comparison: Any = None
+
+
+def run_turns(
+    chat: Conversation,
+    images: Sequence[ImageSource],
+    prompts: Sequence[str],
+    *,
+    compare_hf: bool = False,
+    on_text: Callable[[str], None] | None = None,
+    on_turn: Callable[[int, str], None] | None = None,
+    on_done: Callable[[int, Turn], None] | None = None,
+) -> list[Turn]:
+    """Ask ``prompts`` in order (``images`` with the first), optionally checking each against transformers.
+
+    The reference model is loaded after the first reply has streamed, so it does not delay it.
+    """
+    from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
+
+    turns: list[Turn] = []
+    reference = None
+    for index, prompt in enumerate(prompts):
+        if on_turn:
+            on_turn(index, prompt)
+        result = chat.ask(images if index == 0 else [], prompt, on_text=on_text)
+        comparison = None
+        if compare_hf:
+            if chat.model_dir is None:
+                raise UserError("comparing with transformers needs the conversation's model_dir")
+            if reference is None:
+                reference = load_reference_model(chat.model_dir)
+            theirs = reference_generate(
+                reference,
+                chat.last_inputs.processed,
+                chat.max_new_tokens,
+                sorted(chat.generator.eos_token_ids),
+            )
+            comparison = TokenComparison(tuple(result.tokens), tuple(theirs))
+        turns.append(Turn(prompt, result, comparison))
+        if on_done:
+            on_done(index, turns[-1])
+    return turns
