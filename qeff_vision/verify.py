@@ -81,7 +81,8 @@ def check_parity(
             images=[synthetic_image(height, width, seed)], return_tensors="pt"
         )
         reference = adapter.hf_image_features(model, processed)[0].numpy()
-        inputs = adapter.vision_inputs_per_image({k: v.numpy() for k, v in processed.items()})[0]
+        numpy_inputs = {name: value.numpy() for name, value in processed.items()}
+        inputs = adapter.vision_inputs(model.config.to_dict(), numpy_inputs)[0]
         ours = vision.run(inputs)["vision_embeds"][0]
         report.vision_max_diff[f"{height}x{width}"] = float(np.abs(ours - reference).max())
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -148,11 +147,3 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
         embeds = program.run(feeds)[symbols.VISION_EMBEDS]
         assert embeds.shape == (2, *reference[0].shape)
         assert max(np.abs(embeds[i] - reference[i]).max() for i in range(2)) <= 1e-4, (height, width)
-
-
-def test_splitting_needs_the_config():
-    from qeff_vision.errors import UserError
-    from qeff_vision.export.exporter import load_adapter
-
-    with pytest.raises(UserError, match="config"):
-        load_adapter(get_family(FAMILY)).vision_inputs_per_image({})

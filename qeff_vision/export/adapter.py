@@ -72,18 +72,13 @@ class ExportAdapter:
         """Transformers' own per-image features [tokens, hidden] for the processor outputs (parity)."""
         raise NotImplementedError
 
-    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Split processor outputs into one vision-program input dict per image."""
-        raise NotImplementedError
-
     def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """One vision-program input dict per image, given the checkpoint's config.json.
+        """Split processor outputs into one vision-program input dict per image (batch axis 1).
 
-        What the runtime calls. Defaults to :meth:`vision_inputs_per_image`; override this one
-        instead when splitting needs the config (e.g. a tile grid chosen from the model's grid
-        pinpoints, which the processor outputs do not carry).
+        ``model_config`` is the checkpoint's config.json, for families whose split needs it (e.g. a
+        tile grid chosen from the model's grid pinpoints, which the processor outputs do not carry).
         """
-        return self.vision_inputs_per_image(processed)
+        raise NotImplementedError
 
     # ---- language program ----
 
@@ -100,15 +95,6 @@ class ExportAdapter:
         """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
         return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
 
-    def image_token_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
-        """Placeholder tokens per image, in prompt order."""
-        raise NotImplementedError
-
     def placeholder_counts(self, model_config: Any, processed: Mapping[str, Any]) -> Sequence[int]:
-        """Placeholder tokens per image, in prompt order, given the checkpoint's config.json.
-
-        What the runtime calls. Defaults to :meth:`image_token_counts`; override this one instead
-        when the count comes from the config rather than the processor outputs (e.g. a fixed
-        number of tokens per image).
-        """
-        return self.image_token_counts(processed)
+        """Placeholder tokens (= embedding rows) per image, in prompt order."""
+        raise NotImplementedError

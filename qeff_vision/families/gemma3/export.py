@@ -77,12 +77,12 @@ class Adapter(ExportAdapter):
         with torch.no_grad():
             return list(model.model.get_image_features(pixel_values).pooler_output)
 
-    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """One ``pixel_values`` row per image."""
         pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
         return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
 
-    def image_token_counts(self, processed: Mapping[str, Any]) -> list[int]:
+    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
         """Every image is ``mm_tokens_per_image`` placeholders: the processor's image tokens / images."""
         if TOKEN_TYPE_IDS not in processed:
             raise UserError("Gemma 3 prompts need the processor's token_type_ids (do not drop them)")

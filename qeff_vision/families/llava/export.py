@@ -92,7 +92,7 @@ class Adapter(ExportAdapter):
             output = model.model.get_image_features(pixel_values=torch.as_tensor(processed["pixel_values"]))
         return list(output.pooler_output)
 
-    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """One [1, 3, img_size, img_size] slice of pixel_values per image."""
         pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
         return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]

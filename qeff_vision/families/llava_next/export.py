@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families import get_family
@@ -145,14 +144,6 @@ class Adapter(ExportAdapter):
         """The family's token math on each image's original size (``image_sizes``)."""
         sizes = np.asarray(processed["image_sizes"]).tolist()
         return [self._symbols(model_config, size)[symbols.VISION_SIZE] for size in sizes]
-
-    def vision_inputs_per_image(self, processed):
-        """Not available: the tile grid needs the config's pinpoints (see :meth:`vision_inputs`)."""
-        raise UserError("llava_next splits images with the model config: call vision_inputs(config, ...)")
-
-    def image_token_counts(self, processed):
-        """Not available: counts need the config's pinpoints (see :meth:`placeholder_counts`)."""
-        raise UserError("llava_next counts tokens with the model config: call placeholder_counts(...)")
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """The text model (Granite or Llama), its token embedding and LlavaNext's own lm_head."""

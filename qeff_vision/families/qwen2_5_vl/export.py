@@ -135,7 +135,7 @@ class Adapter(ExportAdapter):
         counts = (grid.prod(dim=-1) // model.config.vision_config.spatial_merge_size**2).tolist()
         return list(torch.split(merged, counts))
 
-    def vision_inputs_per_image(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Slice pixel_values by each image's patch count; encode the grid in image_grid_thw's shape."""
         pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
         grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
@@ -151,10 +151,11 @@ class Adapter(ExportAdapter):
             start += count
         return inputs
 
-    def image_token_counts(self, processed: Mapping[str, Any]) -> list[int]:
+    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
         """grid_t * grid_h * grid_w / merge^2 per image."""
+        merge = model_config["vision_config"]["spatial_merge_size"]
         grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        return [int(t * h * w) // 4 for t, h, w in grids.tolist()]
+        return [int(t * h * w) // (merge * merge) for t, h, w in grids.tolist()]
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """Qwen2.5-VL text model with M-RoPE positions [4, batch, seq]."""
