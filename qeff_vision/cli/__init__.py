@@ -71,7 +71,8 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; user errors become one stderr line and exit code 2."""
     try:
-        cli.main(args=argv, prog_name="qeff-vision", standalone_mode=False)
+        # Without standalone mode click returns ctx.exit(code)'s code (or the command's value).
+        result = cli.main(args=argv, prog_name="qeff-vision", standalone_mode=False)
     except UserError as exc:
         click.echo(f"qeff-vision: error: {exc}", err=True)
         return 2
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         click.echo("qeff-vision: interrupted", err=True)
         return 130
-    return 0
+    return result if isinstance(result, int) else 0
 
 
 def entry() -> None:

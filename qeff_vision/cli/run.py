@@ -76,8 +76,7 @@ def run(artifacts, images, prompts, max_new_tokens, vision_protocol, compare_hf)
     )
     if compare_hf and not all(turn.comparison.identical for turn in turns):
         # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.
-        # SystemExit, because qeff_vision.cli.main does not pass a click Exit code through.
-        raise SystemExit(1)
+        click.get_current_context().exit(1)
 
 
 def report_lines(result) -> list[str]:
