@@ -176,7 +176,7 @@ def test_qaic_artifacts_need_the_sdk_runtime(artifacts_dir, tmp_path):
     with pytest.raises(UserError, match="needs the Cloud AI 100 runtime \\(qaicrt"):
         generator_for_artifacts(copy)
     with pytest.raises(UserError, match="qaicrt"):
-        QaicProgram(copy / "lang")
+        QaicProgram(copy / "lang", {"inputs": {}, "outputs": {}})
 
 
 def test_missing_manifest_is_a_user_error(tmp_path):

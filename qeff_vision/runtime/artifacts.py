@@ -139,10 +139,16 @@ def open_programs(artifacts: Artifacts):
     Raises:
         UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
     """
-    from qeff_vision.runtime.session import OnnxProgram, QaicProgram
+    from qeff_vision.export.exporter import read_export
+    from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
 
     if artifacts.backend == QAIC:
-        return QaicProgram(artifacts.vision_path), QaicProgram(artifacts.language_path)
+        require_qaic_runtime(artifacts.language_path)
+        io = read_export(artifacts.export_dir)["programs"]
+        return (
+            QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
+            QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
+        )
     return (
         OnnxProgram(artifacts.vision_path, artifacts.vision_specializations),
         OnnxProgram(artifacts.language_path, artifacts.language_specializations),

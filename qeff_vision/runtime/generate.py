@@ -222,6 +222,13 @@ class Generator:
     # ---- language ----
 
     def _empty_cache(self) -> dict[str, np.ndarray]:
+        """Zeroed KV inputs the host feeds back each call; none when the device retains them.
+
+        A device reuses its resident cache across requests without clearing it: positions restart
+        at 0 and the masks only read slots a request has written, so stale slots are never seen.
+        """
+        if self.language.retains_state:
+            return {}
         dims = self.dims
         shape = (1, dims.num_kv_heads, self.shape.ctx_len, dims.head_dim)
         past = {}
@@ -390,9 +397,11 @@ class Generator:
             feeds = {
                 symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
                 symbols.POSITION_IDS: self.adapter.decode_positions(positions, step),
-                symbols.VISION_EMBEDS: decode_embeds,
                 symbols.IMAGE_IDX: image_idx,
             }
+            if not self.language.retains_state:
+                # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
+                feeds[symbols.VISION_EMBEDS] = decode_embeds
             outputs = self._step(feeds, past)
             image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
             if kept is not None:
