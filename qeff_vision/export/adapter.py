@@ -6,6 +6,7 @@ generic code never branches on a family name; it calls these methods.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.base import Family
@@ -55,8 +57,13 @@ class ExportAdapter:
         return model.eval()
 
     def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:
-        """Write a tiny random-weight checkpoint (override)."""
-        raise NotImplementedError
+        """Write a tiny random-weight checkpoint with the family package's ``tiny`` module.
+
+        Convention: ``<family package>.tiny.write_tiny_checkpoint(out_dir, seed)``, next to the
+        ``export`` module that defines this adapter.
+        """
+        package = self.family.export_module.rsplit(".", 1)[0]
+        return importlib.import_module(f"{package}.tiny").write_tiny_checkpoint(out_dir, seed)
 
     # ---- vision program ----
 
@@ -98,3 +105,23 @@ class ExportAdapter:
     def placeholder_counts(self, model_config: Any, processed: Mapping[str, Any]) -> Sequence[int]:
         """Placeholder tokens (= embedding rows) per image, in prompt order."""
         raise NotImplementedError
+
+
+class FixedResolutionAdapter(ExportAdapter):
+    """Adapter base for towers that take ``pixel_values [batch, channels, side, side]`` at one size.
+
+    The processor resizes every image to the tower's ``image_size``, so the vision inputs are one
+    ``pixel_values`` row per image and the trace example is one image at that size.
+    """
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One random image at the tower's only resolution."""
+        config = model.config.vision_config
+        generator = torch.Generator().manual_seed(0)
+        shape = (1, config.num_channels, config.image_size, config.image_size)
+        return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
+
+    def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """One ``pixel_values`` row per image."""
+        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
+        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]

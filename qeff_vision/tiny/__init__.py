@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints, saved exactly like real ones (config, safetensors, tokenizer, processor).
 
-Each family's export module provides ``write_tiny_checkpoint(out_dir, seed)``; this package holds the
-family-agnostic pieces: a byte-level tokenizer with a family's special tokens and chat template.
+Each family package has a ``tiny`` module with ``write_tiny_checkpoint(out_dir, seed)``; this
+package holds the family-agnostic pieces: a byte-level tokenizer with a family's special tokens
+and chat template.
 """
 
 from __future__ import annotations

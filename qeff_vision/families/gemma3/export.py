@@ -27,9 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qeff_vision import symbols
 from qeff_vision.errors import UserError
-from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.adapter import FixedResolutionAdapter
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families import get_family
 
@@ -49,38 +48,20 @@ class VisionEncoder(nn.Module):
         return self.projector(self.tower(pixel_values=pixel_values).last_hidden_state)
 
 
-class Adapter(ExportAdapter):
+class Adapter(FixedResolutionAdapter):
     """Torch side of the Gemma 3 family."""
 
     family = get_family("gemma3")
 
-    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
-        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.gemma3.tiny`)."""
-        from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint
-
-        return write_tiny_checkpoint(out_dir, seed)
-
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """Tower and projector, unchanged."""
         return VisionEncoder(model).eval()
-
-    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """One image at the checkpoint's only resolution."""
-        config = model.config.vision_config
-        generator = torch.Generator().manual_seed(0)
-        shape = (1, config.num_channels, config.image_size, config.image_size)
-        return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
 
     def hf_image_features(self, model, processed):
         """The reference features: transformers' ``get_image_features``, one tensor per image."""
         pixel_values = torch.as_tensor(processed["pixel_values"])
         with torch.no_grad():
             return list(model.model.get_image_features(pixel_values).pooler_output)
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """One ``pixel_values`` row per image."""
-        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
-        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
 
     def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
         """Every image is ``mm_tokens_per_image`` placeholders: the processor's image tokens / images."""

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qeff_vision import symbols
 from qeff_vision.errors import UserError
-from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.adapter import FixedResolutionAdapter
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
@@ -62,40 +61,22 @@ class VisionEncoder(nn.Module):
         return self.projector(torch.cat(features, dim=-1))
 
 
-class Adapter(ExportAdapter):
+class Adapter(FixedResolutionAdapter):
     """Torch side of the LLaVA-1.5 family."""
 
     family = get_family("llava")
     # Any sizes work (the processor resizes and crops); both orientations and a square one.
     test_image_sizes = ((100, 150), (224, 224), (300, 120))
 
-    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
-        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.llava.tiny`)."""
-        from qeff_vision.families.llava.tiny import write_tiny_checkpoint
-
-        return write_tiny_checkpoint(out_dir, seed)
-
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The tower truncated at the feature layer, CLS selection and projector."""
         return VisionEncoder(model).eval()
-
-    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """One image at the tower's only resolution (the position table fixes it)."""
-        config = model.config.vision_config
-        generator = torch.Generator().manual_seed(0)
-        shape = (1, config.num_channels, config.image_size, config.image_size)
-        return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
 
     def hf_image_features(self, model, processed):
         """Transformers' own image features, one [tokens, hidden] tensor per image."""
         with torch.no_grad():
             output = model.model.get_image_features(pixel_values=torch.as_tensor(processed["pixel_values"]))
         return list(output.pooler_output)
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """One [1, 3, img_size, img_size] slice of pixel_values per image."""
-        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
-        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
 
     def placeholder_counts(self, model_config: Mapping[str, Any], processed: Mapping[str, Any]) -> list[int]:
         """Every image becomes the same number of placeholders: the family's token math."""

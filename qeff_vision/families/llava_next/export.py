@@ -88,12 +88,6 @@ class Adapter(ExportAdapter):
     # cropping rows, columns, or nothing.
     test_image_sizes = ((100, 150), (300, 120), (60, 200), (40, 40))
 
-    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
-        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.llava_next.tiny`)."""
-        from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint
-
-        return write_tiny_checkpoint(out_dir, seed)
-
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The shape-driven tiling tower."""
         return VisionEncoder(model).eval()

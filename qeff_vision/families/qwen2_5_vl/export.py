@@ -105,12 +105,6 @@ class Adapter(ExportAdapter):
 
     family = get_family("qwen2_5_vl")
 
-    def write_tiny_checkpoint(self, out_dir, seed: int = 0):
-        """Tiny random-weight checkpoint (see :mod:`qeff_vision.families.qwen2_5_vl.tiny`)."""
-        from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint
-
-        return write_tiny_checkpoint(out_dir, seed)
-
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The symbolic-grid vision tower."""
         return VisionEncoder(model.model.visual).eval()
