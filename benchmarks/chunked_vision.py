@@ -110,7 +110,8 @@ class Bench:
         from transformers import AutoProcessor
 
         from qeff_vision.export.adapter import quiet_transformers
-        from qeff_vision.export.exporter import load_adapter, read_export
+        from qeff_vision.export.exporter import load_adapter
+        from qeff_vision.export.record import read_export
         from qeff_vision.families import get_family
         from qeff_vision.families.base import ModelDescription
         from qeff_vision.runtime.generate import checkpoint_settings

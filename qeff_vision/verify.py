@@ -60,7 +60,8 @@ def check_parity(
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from qeff_vision.export.adapter import quiet_transformers
-    from qeff_vision.export.exporter import load_adapter, read_export
+    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.export.record import read_export
     from qeff_vision.families import get_family
     from qeff_vision.runtime.generate import LanguageShape, generator_for_export
     from qeff_vision.runtime.planner import PrefillBucket
@@ -116,6 +117,6 @@ def check_parity(
 
 def model_config(export_dir: str | Path) -> dict:
     """The config.json of the checkpoint an export came from."""
-    from qeff_vision.export.exporter import read_export
+    from qeff_vision.export.record import read_export
 
     return json.loads((Path(read_export(export_dir)["model"]) / "config.json").read_text())

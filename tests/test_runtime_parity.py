@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from qeff_vision.export.exporter import load_adapter, read_export
+from qeff_vision.export.exporter import load_adapter
+from qeff_vision.export.record import read_export
 from qeff_vision.families import get_family
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache

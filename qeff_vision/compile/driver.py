@@ -16,8 +16,6 @@ the ONNX files.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 import time
@@ -51,10 +49,10 @@ from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
 from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
 from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import SpecError, UserError
+from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
 from qeff_vision.fsutil import atomic_write_json
 
 EXPORT_SUBDIR = "export"
-EXPORT_FILE = "export.json"
 LOG_FILE = "compile.log"
 # Section name in the spec's compile: block -> directory under OUT (and key in export.json).
 SECTIONS = {VISION: "vision", LANGUAGE: "lang"}
@@ -128,36 +126,10 @@ class _Export:
         return self.directory / self.manifest["programs"][program]["path"]
 
 
-def _config_hash(model_dir: Path) -> str:
-    # Same definition as qeff_vision.export.exporter.config_hash, without importing torch.
-    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
-
-
-def _read_export(directory: Path) -> dict[str, Any]:
-    path = directory / EXPORT_FILE
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{directory}: not an export directory (no {EXPORT_FILE})") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from exc
-    programs = manifest.get("programs") if isinstance(manifest, dict) else None
-    if not isinstance(programs, dict) or any(p not in programs for p in SECTIONS.values()):
-        raise UserError(f"{path}: expected programs 'vision' and 'lang'")
-    return manifest
-
-
 def _run_export(model_dir: Path, directory: Path, say: Progress) -> dict[str, Any]:
-    from qeff_vision import api
+    from qeff_vision.export.exporter import export_model
 
-    export = getattr(api, "export", None)
-    if export is not None:
-        export(model_dir, directory, force=True)
-    else:  # until the API verb lands, call the exporter directly
-        from qeff_vision.export.exporter import export_model
-
-        export_model(model_dir, directory, force=True, progress=say)
-    return _read_export(directory)
+    return export_model(model_dir, directory, force=True, progress=say).manifest
 
 
 def locate_export(
@@ -165,19 +137,19 @@ def locate_export(
 ) -> _Export:
     """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
     if export_dir is not None:
-        manifest = _read_export(export_dir)
+        manifest = read_export(export_dir)
         if manifest.get("family") != spec.family:
             raise UserError(
                 f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
             )
         return _Export(export_dir, manifest)
     directory = out_dir / EXPORT_SUBDIR
-    manifest = _read_export(directory) if (directory / EXPORT_FILE).is_file() else None
+    manifest = read_export(directory) if (directory / EXPORT_FILE).is_file() else None
     stale = (
         manifest is not None
         and spec.model_dir is not None
         and (spec.model_dir / "config.json").is_file()
-        and manifest.get("config_hash") != _config_hash(spec.model_dir)
+        and manifest.get("config_hash") != config_hash(spec.model_dir)
     )
     if manifest is not None and manifest.get("family") != spec.family:
         stale = True

@@ -9,9 +9,7 @@ into place at the end, so an interrupted export never leaves a model.onnx that l
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import sys
 import time
 import warnings
@@ -28,12 +26,11 @@ from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
+from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
 
 OPSET = 17
-EXPORT_FILE = "export.json"
-PROGRAMS = ("vision", "lang")
 # Example sizes for tracing the language program: small on purpose (the axes are symbolic).
 EXAMPLE_SEQ_LEN = 8
 EXAMPLE_VISION_ROWS = 4
@@ -68,11 +65,6 @@ def load_adapter(family: Family) -> ExportAdapter:
     """Import the family's torch-side module and instantiate its ``Adapter``."""
     module = importlib.import_module(family.export_module)
     return module.Adapter()
-
-
-def config_hash(model_dir: Path) -> str:
-    """sha256 of config.json: identifies the architecture an export belongs to."""
-    return hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()
 
 
 def _load_model(adapter: ExportAdapter, model_dir: Path):
@@ -296,21 +288,6 @@ def _versions() -> dict[str, str]:
         "onnxruntime": onnxruntime.__version__,
         "numpy": np.__version__,
     }
-
-
-def read_export(out_dir: str | Path) -> dict:
-    """Read and sanity-check ``export.json`` of an export directory."""
-    path = Path(out_dir) / EXPORT_FILE
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise UserError(f"{out_dir}: not an export directory (no {EXPORT_FILE})") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from exc
-    for program in PROGRAMS:
-        if program not in manifest.get("programs", {}):
-            raise UserError(f"{path}: program {program!r} missing")
-    return manifest
 
 
 __all__ = ["ExportResult", "export_model", "load_adapter", "read_export"]

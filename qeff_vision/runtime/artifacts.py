@@ -21,12 +21,11 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.compile.manifest import ONNXRUNTIME, QAIC, program_path, read_manifest
 from qeff_vision.errors import UserError
+from qeff_vision.export.record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
-
-EXPORT_FILE = "export.json"
 
 
 @dataclass(frozen=True)
@@ -80,13 +79,10 @@ def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
 
 def _model_dir(export_dir: Path, manifest: Mapping[str, Any]) -> Path:
     """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
-    import json
-
-    model = None
     try:
-        model = json.loads((export_dir / EXPORT_FILE).read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError):
-        pass
+        model = read_export(export_dir).get("model")
+    except UserError:
+        model = None
     model = model or manifest.get("model_dir")
     if not model or not (Path(model) / "config.json").is_file():
         raise UserError(
@@ -139,7 +135,6 @@ def open_programs(artifacts: Artifacts):
     Raises:
         UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
     """
-    from qeff_vision.export.exporter import read_export
     from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
 
     if artifacts.backend == QAIC:

@@ -450,7 +450,8 @@ def generator_for_export(
     Without specializations any shape runs (a bare export); with them, the sessions reject the
     shapes a compiled program would.
     """
-    from qeff_vision.export.exporter import load_adapter, read_export
+    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.export.record import read_export
 
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)

@@ -1,0 +1,40 @@
+"""``export.json``: the record an export leaves beside its two graphs.
+
+Torch-free, so the compile driver and the runtime read it without importing the exporter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.errors import UserError
+
+EXPORT_FILE = "export.json"
+PROGRAMS = ("vision", "lang")
+
+
+def config_hash(model_dir: str | Path) -> str:
+    """sha256 of config.json: identifies the architecture an export belongs to."""
+    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
+
+
+def read_export(out_dir: str | Path) -> dict[str, Any]:
+    """Read and sanity-check ``export.json`` of an export directory.
+
+    Raises:
+        UserError: No export.json, an unreadable one, or one without both programs.
+    """
+    path = Path(out_dir) / EXPORT_FILE
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{out_dir}: not an export directory (no {EXPORT_FILE})") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: unreadable ({exc})") from exc
+    programs = manifest.get("programs") if isinstance(manifest, dict) else None
+    if not isinstance(programs, dict) or any(program not in programs for program in PROGRAMS):
+        raise UserError(f"{path}: expected programs 'vision' and 'lang'")
+    return manifest
