@@ -138,14 +138,14 @@ def test_progress_lines_per_stage_and_quiet(tmp_path, tiny_checkpoint, capsys):
 
 
 def test_interrupted_export_leaves_nothing_that_looks_complete(tmp_path, tiny_checkpoint, monkeypatch):
-    real = exporter._export_program
+    real = exporter._trace
 
     def interrupt_on_language(staging, program, *args, **kwargs):
         if program == "lang":
             raise KeyboardInterrupt
         return real(staging, program, *args, **kwargs)
 
-    monkeypatch.setattr(exporter, "_export_program", interrupt_on_language)
+    monkeypatch.setattr(exporter, "_trace", interrupt_on_language)
     with pytest.raises(KeyboardInterrupt):
         exporter.export_model(tiny_checkpoint("qwen2_5_vl"), tmp_path / "out", progress=None)
     assert not (tmp_path / "out").exists()

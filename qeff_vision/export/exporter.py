@@ -9,6 +9,8 @@ into place at the end, so an interrupted export never leaves a model.onnx that l
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import sys
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from onnx import external_data_helper
 
 from qeff_vision import __version__
 from qeff_vision.errors import UserError
@@ -35,6 +38,8 @@ OPSET = 17
 EXAMPLE_SEQ_LEN = 8
 EXAMPLE_VISION_ROWS = 4
 EXAMPLE_CTX_LEN = 16
+# Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
+EXTERNAL_THRESHOLD = 1024
 
 Progress = Callable[[str], None]
 
@@ -102,31 +107,73 @@ def _pin_static_dims(model: onnx.ModelProto, example_outputs, axes: Mapping[str,
     The exporter names dims it cannot infer through a dynamic Reshape (``Reshape..._dim_2``); the
     compiler and our checks need them either declared or fixed.
     """
-    for value, example in zip(model.graph.output, example_outputs):
+    for value, shape in zip(model.graph.output, example_outputs):
         declared = axes.get(value.name, {})
         for index, dim in enumerate(value.type.tensor_type.shape.dim):
             if index not in declared and dim.dim_param:
                 dim.Clear()
-                dim.dim_value = int(example.shape[index])
+                dim.dim_value = int(shape[index])
 
 
-def _finalize(raw_path: Path, final_path: Path, example_outputs, axes) -> onnx.ModelProto:
-    """Attach functions, pin static dims, move weights to external data, and check the result."""
-    model = onnx.load(str(raw_path))
+@dataclass
+class _Traced:
+    """A program traced to a raw ONNX file, waiting for :func:`_finalize`."""
+
+    program: str
+    raw_path: Path
+    output_shapes: list[tuple[int, ...]]
+    axes: Mapping[str, Mapping[int, str]]
+
+
+def _weights(model: onnx.ModelProto):
+    """Initializers and Constant-node tensors of the main graph (where the weights are)."""
+    yield from model.graph.initializer
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+
+
+def _stream_weights(model: onnx.ModelProto, source_dir: Path, data_path: Path) -> None:
+    """Move every large tensor into ``data_path``, one tensor in memory at a time.
+
+    ``onnx.load`` + ``save_model(save_as_external_data=True)`` would hold all weights at once (a
+    second copy of the model next to torch's); this reads each from wherever the tracer put it.
+    """
+    with open(data_path, "wb") as data:
+        for tensor in _weights(model):
+            if external_data_helper.uses_external_data(tensor):
+                info = external_data_helper.ExternalDataInfo(tensor)
+                with open(source_dir / info.location, "rb") as source:
+                    source.seek(info.offset or 0)
+                    payload = source.read(info.length) if info.length else source.read()
+            elif len(tensor.raw_data) >= EXTERNAL_THRESHOLD:
+                payload = tensor.raw_data
+            else:
+                continue
+            offset = data.tell()
+            data.write(payload)
+            data.write(b"\0" * (-data.tell() % 64))  # keep every tensor 64-byte aligned
+            tensor.ClearField("raw_data")
+            del tensor.external_data[:]
+            for key, value in (("location", data_path.name), ("offset", offset), ("length", len(payload))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, str(value)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _finalize(traced: _Traced, final_path: Path) -> onnx.ModelProto:
+    """Attach functions, pin static dims, stream weights to external data, and check the result."""
+    model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
-    _pin_static_dims(model, example_outputs, axes)
-    onnx.save_model(
-        model,
-        str(final_path),
-        save_as_external_data=True,
-        all_tensors_to_one_file=True,
-        location=final_path.name + ".data",
-        size_threshold=1024,
-    )
-    for leftover in raw_path.parent.glob(raw_path.name + "*"):
-        leftover.unlink()
+    _pin_static_dims(model, traced.output_shapes, traced.axes)
+    _stream_weights(model, traced.raw_path.parent, final_path.with_name(final_path.name + ".data"))
+    onnx.save_model(model, str(final_path))
+    for leftover in traced.raw_path.parent.iterdir():
+        if leftover.name not in (final_path.name, final_path.name + ".data"):
+            leftover.unlink()
     onnx.checker.check_model(str(final_path))
-    return onnx.load(str(final_path), load_external_data=False)
+    return model
 
 
 def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict]:
@@ -205,20 +252,20 @@ def export_model(
         decoder = LanguageDecoder(parts).eval()
         timings["patch"] = time.perf_counter() - start
 
-        programs = {}
         start = time.perf_counter()
         say("export vision")
         vision_example = adapter.vision_example_inputs(model)
-        vision_axes = {**family.vision_input_axes, **family.vision_output_axes}
-        programs["vision"] = _export_program(
-            staging,
-            "vision",
-            encoder,
-            tuple(vision_example.values()),
-            list(vision_example),
-            list(family.vision_output_axes),
-            vision_axes,
-        )
+        traced = [
+            _trace(
+                staging,
+                "vision",
+                encoder,
+                tuple(vision_example.values()),
+                list(vision_example),
+                list(family.vision_output_axes),
+                {**family.vision_input_axes, **family.vision_output_axes},
+            )
+        ]
         timings["export_vision"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -226,9 +273,16 @@ def export_model(
         in_axes = family.language_input_axes(dims.num_layers)
         out_axes = family.language_output_axes(dims.num_layers)
         example = language_example(parts, dims, dims.num_layers, family.position_id_rows)
-        programs["lang"] = _export_program(
-            staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
+        traced.append(
+            _trace(staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes})
         )
+        image_token_id = parts.image_token_id
+        # Free the torch model before the graphs are rewritten: peak memory is one copy of the weights.
+        del model, encoder, decoder, parts, example
+        _release_memory()
+        programs = {
+            t.program: _describe_program(t, _finalize(t, staging / t.program / "model.onnx")) for t in traced
+        }
         timings["export_language"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -242,7 +296,7 @@ def export_model(
             "config_hash": config_hash(model_dir),
             "opset": OPSET,
             "dtype": "float32",
-            "image_token_id": parts.image_token_id,
+            "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,
             "versions": _versions(),
@@ -251,7 +305,16 @@ def export_model(
     return ExportResult(out_dir, manifest, timings)
 
 
-def _export_program(staging: Path, program: str, module, example, input_names, output_names, axes) -> dict:
+def _release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def _trace(staging: Path, program: str, module, example, input_names, output_names, axes) -> _Traced:
     directory = staging / program
     directory.mkdir()
     raw = directory / "traced.onnx"
@@ -259,12 +322,14 @@ def _export_program(staging: Path, program: str, module, example, input_names, o
     with torch.no_grad():
         outputs = module(*example)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    final = directory / "model.onnx"
-    model = _finalize(raw, final, outputs, axes)
+    return _Traced(program, raw, [tuple(o.shape) for o in outputs], axes)
+
+
+def _describe_program(traced: _Traced, model: onnx.ModelProto) -> dict:
     return {
-        "path": f"{program}/model.onnx",
-        "inputs": describe_io(model.graph.input, axes),
-        "outputs": describe_io(model.graph.output, axes),
+        "path": f"{traced.program}/model.onnx",
+        "inputs": describe_io(model.graph.input, traced.axes),
+        "outputs": describe_io(model.graph.output, traced.axes),
     }
 
 
@@ -272,8 +337,11 @@ def check_loads(root: Path, programs: Mapping[str, dict]) -> None:
     """Every program loads in onnxruntime (functions inlined, external data found)."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    # Loading is the check; graph optimizations would copy every constant-folded weight.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for program in programs.values():
-        ort.InferenceSession(str(root / program["path"]), providers=["CPUExecutionProvider"])
+        ort.InferenceSession(str(root / program["path"]), options, providers=["CPUExecutionProvider"])
 
 
 def _versions() -> dict[str, str]:
