@@ -19,7 +19,7 @@ from qeff_vision.spec import (
     specialization_table,
     write_specializations,
 )
-from tests.test_spec_helpers import spec_data, write_spec
+from tests.test_spec_helpers import SPECS, spec_data, write_spec
 
 LANGUAGE_SYMBOLS = ["batch_size", "seq_len", "vision_batch_size", "vision_size", "ctx_len"]
 # (height, width) -> vision tokens, QEfficient's Qwen2.5-VL reference values.
@@ -262,3 +262,28 @@ def test_table(tmp_path):
     }
     assert image_rows["354x536"] == ["247", "Vision-354x536", "2-3", "1-2"]
     assert image_rows["1080x1920"] == ["2691", "Vision-1080x1920", "22-23", "6-7"]
+
+
+def test_whole_image_policy_counts_only_images_that_fit_whole():
+    from qeff_vision.spec.policy import VisionSizePolicy, WholeImages
+
+    gemma = WholeImages(tokens=(256,), max_images=4, gap=2)
+    assert gemma.most_rows(128) == 0
+    assert gemma.most_rows(512) == 256  # two images need 2 x 256 + 2 tokens
+    assert gemma.most_rows(514) == 512
+    assert gemma.most_rows(5000) == 1024  # max_images bounds it
+    mixed = WholeImages(tokens=(100, 250), max_images=3, gap=0)
+    assert mixed.most_rows(260) == 250 and mixed.most_rows(300) == 300  # 3 x 100 beats 250
+    assert mixed.most_rows(350) == 350 and mixed.most_rows(450) == 450 and mixed.most_rows(1000) == 750
+    chunk = VisionSizePolicy()
+    assert chunk.for_bucket(128, 1024, gemma) == 1  # a text-only bucket still has one row
+    assert chunk.for_bucket(512, 1024, gemma) == 256
+    assert chunk.for_bucket(512, 1024) == 512  # splittable families: min(S, M)
+
+
+def test_gemma3_spec_gets_whole_image_vision_sizes():
+    from qeff_vision.spec import build_specializations, load_spec
+
+    result = build_specializations(load_spec(SPECS / "gemma3" / "gemma-3-4b-it.yaml"))
+    sizes = {s.name: s.symbols["vision_size"] for s in result.language.specializations}
+    assert sizes == {"Prefill-128": "1", "Prefill-512": "256", "Decode": "256"}

@@ -172,6 +172,9 @@ class Family:
         text_config_key: Key of the language sub-config in ``config.json`` (top-level fields are
             used when absent, as in older Qwen2.5-VL checkpoints).
         image_token_key: Config key holding the image placeholder token id.
+        tokens_between_images: The fewest tokens the processor always puts between the placeholder
+            runs of two images (marker tokens). Only families that keep images whole use it: the
+            ``chunk`` policy then sizes a bucket for the whole images that really fit in it.
     """
 
     name: str = ""
@@ -187,6 +190,7 @@ class Family:
     }
     text_config_key: str = "text_config"
     image_token_key: str = "image_token_id"
+    tokens_between_images: int = 0
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 

@@ -20,7 +20,7 @@ from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
-from qeff_vision.spec.policy import chunk_span, decode_vision_size, prefill_vision_sizes
+from qeff_vision.spec.policy import WholeImages, chunk_span, decode_vision_size, prefill_vision_sizes
 
 SPECIALIZATIONS_FILE = "specializations.json"
 CUSTOM_IO_FILE = "custom_io.yaml"
@@ -209,7 +209,11 @@ def build_specializations(
 
     request_tokens = max(tokens for _, tokens, _ in image_tokens) * spec.vision.max_images
     seq_lens = spec.prefill.seq_lens
-    prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens)
+    whole = None
+    if not family.features.chunk_split.supported:
+        tokens = tuple(count for _, count, _ in image_tokens)
+        whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
+    prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
     language_in = family.language_input_axes(num_layers)
     language_out = family.language_output_axes(num_layers)
     language_order = _graph_order([language_in, language_out])
