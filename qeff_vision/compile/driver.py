@@ -132,6 +132,21 @@ def _run_export(model_dir: Path, directory: Path, say: Progress) -> dict[str, An
     return export_model(model_dir, directory, force=True, progress=say).manifest
 
 
+@dataclass
+class _Run:
+    """One :func:`compile_spec` call: what every stage after the inputs are written reads."""
+
+    spec: Any
+    spec_path: Path
+    out_dir: Path
+    export: _Export
+    sdk: SdkInfo | None
+    manifest: dict
+    outcome: CompileOutcome
+    env: Mapping[str, str]
+    say: Progress
+
+
 def locate_export(
     spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
 ) -> _Export:
@@ -325,24 +340,11 @@ def compile_spec(
             check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
         manifest = _common_manifest(spec, out_dir, export, backend, sdk)
         manifest["shapes"]["specialization_layout"] = layout
+        run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
         if backend == ONNXRUNTIME:
-            _verify(plans, out_dir, manifest, outcome, str(spec_path), say)
+            _verify(run, plans)
         else:
-            _compile(
-                plans,
-                spec,
-                out_dir,
-                export,
-                sdk,
-                compiler_path,
-                manifest,
-                outcome,
-                force,
-                timeout,
-                env,
-                say,
-                status_stream,
-            )
+            _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
         if dry_run:
             return outcome
         atomic_write_json(out_dir / MANIFEST_FILE, manifest)
@@ -350,87 +352,60 @@ def compile_spec(
     return outcome
 
 
-def _verify(
-    plans, out_dir: Path, manifest: dict, outcome: CompileOutcome, source: str, say: Progress
-) -> None:
+def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
+    """Run every specialization of both programs once on onnxruntime; record them in the manifest."""
     from qeff_vision.compile.onnxruntime_backend import verify_program
 
     programs = {}
     for plan in plans.values():
-        if outcome.dry_run:
-            outcome.notes.append(
+        if run.outcome.dry_run:
+            run.outcome.notes.append(
                 f"{plan.program}: would run {len(plan.specializations)} specialization(s) of {plan.onnx}"
             )
             continue
         start = time.perf_counter()
-        runs = verify_program(plan.program, plan.onnx, plan.symbol_values(), source=source, progress=say)
-        entry = _program_entry(plan, out_dir, plan.onnx)
+        checks = verify_program(
+            plan.program, plan.onnx, plan.symbol_values(), source=str(run.spec_path), progress=run.say
+        )
+        entry = _program_entry(plan, run.out_dir, plan.onnx)
         entry["verification"] = {
             "seconds": round(time.perf_counter() - start, 3),
-            "runs": [run.to_dict() for run in runs],
+            "runs": [check.to_dict() for check in checks],
         }
-        for spec_entry, run in zip(entry["specializations"], runs):
-            spec_entry["latency_ms"] = round(run.latency_ms, 3)
+        for spec_entry, check in zip(entry["specializations"], checks):
+            spec_entry["latency_ms"] = round(check.latency_ms, 3)
         programs[plan.program] = entry
-    manifest["programs"] = programs
-    manifest["vllm"] = {"available": False, "reason": "onnxruntime backend: there are no QPCs to serve"}
+    run.manifest["programs"] = programs
+    run.manifest["vllm"] = {"available": False, "reason": "onnxruntime backend: there are no QPCs to serve"}
 
 
 def _compile(
-    plans,
-    spec,
-    out_dir,
-    export,
-    sdk,
-    compiler_path,
-    manifest,
-    outcome,
-    force,
-    timeout,
-    env,
-    say,
-    status_stream,
+    run: _Run,
+    plans: Mapping[str, ProgramPlan],
+    compiler_path: Path | None,
+    *,
+    force: bool,
+    timeout: float | None,
+    status_stream: Any,
 ) -> None:
+    """Compile the programs the cache does not hold, concurrently; record them in the manifest."""
+    sdk, outcome = run.sdk, run.outcome
     compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
     argv0 = compiler_path or sdk_lookup.DEFAULT_COMPILERS[0]
-    hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE)
+    hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE)
     jobs, records, entries, binary_dirs = [], {}, {}, {}
     for plan in plans.values():
-        hw_version = sdk.hw_version_flag_value(plan.options.aic_hw_version) if sdk else None
-        key_inputs = {
-            "onnx": hasher.onnx(plan.onnx) if export.manifest is not None else None,
-            "argv": argv_without_paths(
-                plan.program,
-                plan.options,
-                has_custom_io=plan.custom_io_file is not None,
-                compiler_name=compiler_name,
-                hw_version=hw_version,
-            ),
-            "specializations": plan.specializations_file.read_text(encoding="utf-8"),
-            "custom_io": plan.custom_io_file.read_text(encoding="utf-8") if plan.custom_io_file else None,
-            "partition": plan.partition_file.read_text(encoding="utf-8") if plan.partition_file else None,
-            "sdk_version": sdk.version if sdk else None,
-        }
-        key = cache.program_key(key_inputs)
-        binary_dir = plan.directory / (
-            cache.binary_dir_name(key) if export.manifest is not None else "qpc-<hash>"
-        )
-        files = ProgramFiles(
-            plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir
-        )
-        argv = build_argv(
-            argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version
-        )
+        key, key_inputs, argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
         outcome.commands[plan.program] = format_command(argv)
-        entry = _program_entry(plan, out_dir, binary_dir)
-        entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, out_dir))
+        entry = _program_entry(plan, run.out_dir, binary_dir)
+        entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, run.out_dir))
         entries[plan.program] = entry
         binary_dirs[plan.program] = binary_dir
         records[plan.program] = {"program": plan.program, "key": key, "key_inputs": key_inputs, "argv": argv}
         if outcome.dry_run:
             continue
         if not force and cache.cached_program(binary_dir, key) is not None:
-            say(f"{plan.program}: cached ({binary_dir})")
+            run.say(f"{plan.program}: cached ({binary_dir})")
             outcome.cached[plan.program] = True
             entry["cached"] = True
             continue
@@ -440,7 +415,7 @@ def _compile(
         jobs.append(Job(plan.program, argv, plan.directory / LOG_FILE, _timeout(plan.options, timeout)))
     hasher.save()
     if outcome.dry_run:
-        if export.manifest is None:
+        if run.export.manifest is None:
             outcome.notes.append(
                 "the ONNX files are not exported yet: each qpc-<hash> directory is named by the content "
                 "hash of its inputs, known after export"
@@ -449,14 +424,48 @@ def _compile(
             outcome.notes.append(f"no SDK compiler found; the command lines show {argv0}")
         return
     try:
-        results = run_jobs(jobs, StatusLine(status_stream), env) if jobs else {}
+        results = run_jobs(jobs, StatusLine(status_stream), run.env) if jobs else {}
     except BaseException:
         for job in jobs:
             cache.discard(binary_dirs[job.program])
         raise
     _finish(results, jobs, binary_dirs, records, entries)
-    manifest["programs"] = entries
-    manifest["vllm"] = vllm_handoff(
+    run.manifest["programs"] = entries
+    run.manifest["vllm"] = _handoff(run.spec, run.out_dir, entries)
+
+
+def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, hasher) -> tuple:
+    """(cache key, its inputs, compiler argv, binary directory) of one program."""
+    sdk, exported = run.sdk, run.export.manifest is not None
+    hw_version = sdk.hw_version_flag_value(plan.options.aic_hw_version) if sdk else None
+    key_inputs = {
+        "onnx": hasher.onnx(plan.onnx) if exported else None,
+        "argv": argv_without_paths(
+            plan.program,
+            plan.options,
+            has_custom_io=plan.custom_io_file is not None,
+            compiler_name=compiler_name,
+            hw_version=hw_version,
+        ),
+        "specializations": plan.specializations_file.read_text(encoding="utf-8"),
+        "custom_io": plan.custom_io_file.read_text(encoding="utf-8") if plan.custom_io_file else None,
+        "partition": plan.partition_file.read_text(encoding="utf-8") if plan.partition_file else None,
+        "sdk_version": sdk.version if sdk else None,
+    }
+    key = cache.program_key(key_inputs)
+    binary_dir = plan.directory / (cache.binary_dir_name(key) if exported else "qpc-<hash>")
+    files = ProgramFiles(
+        plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir
+    )
+    argv = build_argv(
+        argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version
+    )
+    return key, key_inputs, argv, binary_dir
+
+
+def _handoff(spec: Any, out_dir: Path, entries: Mapping[str, dict]) -> dict:
+    """The vLLM hand-off block of the manifest for compiled QPCs."""
+    return vllm_handoff(
         model=str(spec.model_dir.resolve()) if spec.model_dir else spec.model,
         vision_path=out_dir / entries["vision"]["path"],
         language_path=out_dir / entries["lang"]["path"],
