@@ -17,7 +17,7 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
-from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families.base import Family
 
 
@@ -89,9 +89,34 @@ class ExportAdapter:
 
     # ---- language program ----
 
+    #: The text model takes one 4-D mask instead of ``{layer_type: mask}`` (Llama, Granite: they
+    #: pass a 4-D mask through ``create_causal_mask`` unchanged).
+    single_mask: bool = False
+    #: Placeholders of one image attend to each other both ways (Gemma 3).
+    bidirectional_images: bool = False
+
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
-        """The pieces of the HF model the generic :class:`LanguageDecoder` needs."""
-        raise NotImplementedError
+        """The pieces of the HF model the generic :class:`LanguageDecoder` needs.
+
+        The default reads the layout every supported ``*ForConditionalGeneration`` shares:
+        ``model.model.language_model``, ``model.lm_head``, ``config.image_token_id`` and the text
+        config's ``layer_types`` / ``sliding_window`` (all full attention when absent).
+        """
+        text_config = model.config.text_config
+        layer_types = (
+            getattr(text_config, "layer_types", None) or [FULL_ATTENTION] * text_config.num_hidden_layers
+        )
+        return DecoderParts(
+            embed_tokens=model.get_input_embeddings(),
+            text_model=model.model.language_model,
+            lm_head=model.lm_head,
+            image_token_id=model.config.image_token_id,
+            layer_types=list(layer_types),
+            sliding_window=getattr(text_config, "sliding_window", None),
+            position_rows=self.family.position_id_rows,
+            bidirectional_images=self.bidirectional_images,
+            mask_per_layer_type=not self.single_mask,
+        )
 
     def prompt_positions(self, model_config: Any, processed: Mapping[str, Any]) -> np.ndarray:
         """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""

@@ -29,7 +29,6 @@ from torch import nn
 
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import FixedResolutionAdapter
-from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families import get_family
 
 TOKEN_TYPE_IDS = "token_type_ids"
@@ -52,6 +51,7 @@ class Adapter(FixedResolutionAdapter):
     """Torch side of the Gemma 3 family."""
 
     family = get_family("gemma3")
+    bidirectional_images = True  # an image's soft tokens attend to each other both ways
 
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """Tower and projector, unchanged."""
@@ -72,16 +72,3 @@ class Adapter(FixedResolutionAdapter):
         if images == 0 or placeholders % images:
             raise UserError(f"{placeholders} image tokens cannot be shared equally by {images} image(s)")
         return [placeholders // images] * images
-
-    def decoder_parts(self, model: nn.Module) -> DecoderParts:
-        """Gemma 3 text model; images attend within themselves both ways; no logit soft-capping."""
-        text_config = model.config.text_config
-        return DecoderParts(
-            embed_tokens=model.get_input_embeddings(),
-            text_model=model.model.language_model,
-            lm_head=model.lm_head,
-            image_token_id=model.config.image_token_id,
-            layer_types=list(text_config.layer_types),
-            sliding_window=text_config.sliding_window,
-            bidirectional_images=True,
-        )

@@ -19,7 +19,6 @@ from torch import nn
 
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import FixedResolutionAdapter
-from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llava import DEFAULT_STRATEGY, VISION_MODEL_TYPES
@@ -65,6 +64,7 @@ class Adapter(FixedResolutionAdapter):
     """Torch side of the LLaVA-1.5 family."""
 
     family = get_family("llava")
+    single_mask = True  # Llama builds its causal mask from one 4-D input
     # Any sizes work (the processor resizes and crops); both orientations and a square one.
     test_image_sizes = ((100, 150), (224, 224), (300, 120))
 
@@ -82,15 +82,3 @@ class Adapter(FixedResolutionAdapter):
         """Every image becomes the same number of placeholders: the family's token math."""
         images = np.asarray(processed["pixel_values"]).shape[0]
         return [self.family.tokens_per_image(ModelDescription(model_config))] * images
-
-    def decoder_parts(self, model: nn.Module) -> DecoderParts:
-        """Llama decoder: full causal attention on every layer, positions [batch, seq]."""
-        text_config = model.config.text_config
-        return DecoderParts(
-            embed_tokens=model.get_input_embeddings(),
-            text_model=model.model.language_model,
-            lm_head=model.lm_head,
-            image_token_id=model.config.image_token_id,
-            layer_types=[FULL_ATTENTION] * text_config.num_hidden_layers,
-            mask_per_layer_type=False,
-        )

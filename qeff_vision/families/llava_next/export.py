@@ -22,7 +22,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.families.llava_next import (
@@ -84,6 +83,7 @@ class Adapter(ExportAdapter):
     """Torch side of the LLaVA-NeXT family."""
 
     family = get_family("llava_next")
+    single_mask = True  # Granite and Llama take one 4-D mask through create_causal_mask
     # Each lands on a different pinpoint of the tiny checkpoint (112x112, 168x56, 56x168, 56x56),
     # cropping rows, columns, or nothing.
     test_image_sizes = ((100, 150), (300, 120), (60, 200), (40, 40))
@@ -138,15 +138,3 @@ class Adapter(ExportAdapter):
         """The family's token math on each image's original size (``image_sizes``)."""
         sizes = np.asarray(processed["image_sizes"]).tolist()
         return [self._symbols(model_config, size)[symbols.VISION_SIZE] for size in sizes]
-
-    def decoder_parts(self, model: nn.Module) -> DecoderParts:
-        """The text model (Granite or Llama), its token embedding and LlavaNext's own lm_head."""
-        text_config = model.config.text_config
-        return DecoderParts(
-            embed_tokens=model.get_input_embeddings(),
-            text_model=model.model.language_model,
-            lm_head=model.lm_head,
-            image_token_id=model.config.image_token_id,
-            layer_types=[FULL_ATTENTION] * text_config.num_hidden_layers,
-            mask_per_layer_type=False,  # Granite and Llama take one 4-D mask through create_causal_mask
-        )

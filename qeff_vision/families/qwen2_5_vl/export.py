@@ -22,7 +22,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
 from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
 
@@ -150,19 +149,6 @@ class Adapter(ExportAdapter):
         merge = model_config["vision_config"]["spatial_merge_size"]
         grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
         return [int(t * h * w) // (merge * merge) for t, h, w in grids.tolist()]
-
-    def decoder_parts(self, model: nn.Module) -> DecoderParts:
-        """Qwen2.5-VL text model with M-RoPE positions [4, batch, seq]."""
-        text_config = model.config.text_config
-        return DecoderParts(
-            embed_tokens=model.get_input_embeddings(),
-            text_model=model.model.language_model,
-            lm_head=model.lm_head,
-            image_token_id=model.config.image_token_id,
-            layer_types=list(text_config.layer_types or [FULL_ATTENTION] * text_config.num_hidden_layers),
-            sliding_window=text_config.sliding_window,
-            position_rows=4,
-        )
 
     def prompt_positions(self, model_config, processed) -> np.ndarray:
         """Row 0: text position (the KV slot); rows 1-3: M-RoPE t/h/w (ref: Qwen2_5_VLModel.get_rope_index).
