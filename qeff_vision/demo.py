@@ -10,6 +10,7 @@ Run as ``python -m qeff_vision.demo --out DIR``. Everything is built locally (no
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
@@ -94,7 +95,8 @@ def _pipeline(out: Path, checkpoint: Path, export_dir: Path) -> bool:
     spec_path = out / "demo-spec.yaml"
     spec = {
         "name": "demo",
-        "model": str(checkpoint),
+        # Spec paths resolve relative to the spec file, so name the checkpoint from there.
+        "model": os.path.relpath(checkpoint, spec_path.parent),
         "ctx_len": 512,
         "prefill": {"seq_lens": list(SEQ_LENS)},
         "vision": {
