@@ -1,0 +1,146 @@
+"""InternVL (InternVL3 ``-hf`` conversions): 448 px tiles plus a thumbnail, pixel-shuffle projector.
+
+Token math follows transformers v5 (ref: models/got_ocr2/image_processing_got_ocr2.py,
+``get_optimal_tiled_canvas`` / ``get_number_of_image_patches``, and
+models/internvl/processing_internvl.py, ``replace_image_token``). The processor picks the tile
+grid (columns x rows, between ``min_patches`` and ``max_patches`` tiles) whose aspect ratio is
+closest to the image's; on a tie it takes the larger grid while the image covers more than half
+of it. The image is resized onto that grid and cut into tiles of the tower's image size; when
+there is more than one tile a thumbnail (the whole image at tile size) is appended. Every tile
+becomes (image_size / patch)^2 patches, pixel-shuffled by ``downsample_ratio`` (0.5: 2x2 patches
+into one token), so a tile is always the same number of tokens (256 for 448 px tiles of 14 px
+patches). The prompt wraps them in ``<img>`` ... ``</img>``.
+
+The vision program takes ``pixel_values`` [batch, num_tiles, 3, S, S]: the tile count is its only
+varying dimension, and each tile count is one vision specialization.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+NUM_TILES = "num_tiles"
+
+# ref: transformers v5 GotOcr2ImageProcessor class defaults (min_patches 1, max_patches 12) and
+# InternVLProcessor's images_kwargs default crop_to_patches=True; InternVLVisionConfig defaults
+# (image_size 448, patch_size 14) and InternVLConfig (downsample_ratio 0.5).
+PROCESSOR_DEFAULTS: dict[str, Any] = {"min_patches": 1, "max_patches": 12, "crop_to_patches": True}
+VISION_DEFAULTS: dict[str, Any] = {"image_size": 448, "patch_size": 14}
+DEFAULT_DOWNSAMPLE_RATIO = 0.5
+
+
+def _side(value: Any) -> int:
+    """InternVL configs store image and patch sizes as [h, w] pairs; the tower is square."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"non-square size {value} is not supported")
+        return int(value[0])
+    return int(value)
+
+
+@lru_cache(maxsize=1024)
+def tile_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) of the tile canvas the processor picks for an image of ``height`` x ``width``.
+
+    Candidates are every grid with min_tiles <= columns * rows <= max_tiles, ordered by tile count
+    (a stable sort of the column-major enumeration). The closest aspect ratio wins; on an exact tie
+    the later (larger) grid wins while the image area exceeds half of that grid's area.
+    """
+    grids = sorted(
+        (
+            (columns, rows)
+            for columns in range(1, max_tiles + 1)
+            for rows in range(1, max_tiles + 1)
+            if min_tiles <= columns * rows <= max_tiles
+        ),
+        key=lambda grid: grid[0] * grid[1],
+    )
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for columns, rows in grids:
+        diff = abs(aspect - columns / rows)
+        if diff < best_diff:
+            best, best_diff = (columns, rows), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * columns * rows:
+            best = (columns, rows)
+    return best
+
+
+@register
+class InternVL(Family):
+    """InternVL (InternVLForConditionalGeneration), e.g. OpenGVLab/InternVL3-8B-hf."""
+
+    name = "internvl"
+    title = "InternVL 3"
+    architectures = ("InternVLForConditionalGeneration",)
+    model_types = ("internvl",)
+    export_module = "qeff_vision.families.internvl.export"
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=yes(
+            "one vision graph over every tile count (1..max_patches tiles plus a thumbnail); a "
+            "specialization per tile count, every tile is 448 px"
+        ),
+        chunk_split=yes("causal attention over image tokens"),
+        video=no("video frames are not exported yet; images only"),
+    )
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES}}
+    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
+    # "</img>" and "<img>" always separate the context tokens of two images.
+    tokens_between_images = 2
+
+    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
+        """The tower's config over transformers' ``InternVLVisionConfig`` defaults."""
+        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+
+    def tile_size(self, model: ModelDescription) -> int:
+        """Side of one tile in pixels (the tower's image size)."""
+        return _side(self.vision_config(model)["image_size"])
+
+    def tokens_per_tile(self, model: ModelDescription) -> int:
+        """(image_size / patch)^2 patches, pixel-shuffled by downsample_ratio in each direction."""
+        vision = self.vision_config(model)
+        patches = self.tile_size(model) // _side(vision["patch_size"])
+        ratio = float(model.config.get("downsample_ratio", DEFAULT_DOWNSAMPLE_RATIO))
+        side = int(patches * ratio)
+        return side * side
+
+    def tiling(self, model: ModelDescription) -> dict[str, Any]:
+        """The image processor's tiling settings over its defaults."""
+        return {key: model.processor.get(key, default) for key, default in PROCESSOR_DEFAULTS.items()}
+
+    def num_tiles(self, model: ModelDescription, image: ImageSize) -> int:
+        """Tiles of one image: the canvas tiles, plus a thumbnail when there is more than one."""
+        tiling = self.tiling(model)
+        if not tiling["crop_to_patches"] or int(tiling["max_patches"]) <= 1:
+            return 1
+        tile = self.tile_size(model)
+        columns, rows = tile_grid(
+            image.height, image.width, tile, int(tiling["min_patches"]), int(tiling["max_patches"])
+        )
+        canvas = columns * rows
+        return canvas + 1 if canvas > 1 else 1
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only; the processor's tile size must be the tower's."""
+        problems = []
+        if image.frames != 1:
+            problems.append("frames must be 1: InternVL video export is not supported yet")
+        size = model.processor.get("size") or {}
+        wanted = {int(size[k]) for k in ("height", "width") if k in size}
+        if wanted and wanted != {self.tile_size(model)}:
+            problems.append(
+                f"the processor tiles at {size}, but the vision tower takes {self.tile_size(model)} px"
+            )
+        return problems
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """num_tiles and vision_size (num_tiles * tokens per tile)."""
+        tiles = self.num_tiles(model, image)
+        return {NUM_TILES: tiles, symbols.VISION_SIZE: tiles * self.tokens_per_tile(model)}
