@@ -175,6 +175,9 @@ class Family:
         tokens_between_images: The fewest tokens the processor always puts between the placeholder
             runs of two images (marker tokens). Only families that keep images whole use it: the
             ``chunk`` policy then sizes a bucket for the whole images that really fit in it.
+        placeholders_in_runs: One image's placeholders are several runs with other tokens between
+            them (Mistral 3 ends each row of image tokens with ``[IMG_BREAK]``); the host then
+            joins consecutive runs into an image by its row count.
     """
 
     name: str = ""
@@ -191,6 +194,7 @@ class Family:
     text_config_key: str = "text_config"
     image_token_key: str = "image_token_id"
     tokens_between_images: int = 0
+    placeholders_in_runs: bool = False
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 

@@ -255,7 +255,9 @@ class Generator:
         """The chunk plan of a processed prompt."""
         has_images = "pixel_values" in processed
         counts = self.adapter.placeholder_counts(self.model_config, processed) if has_images else []
-        spans = find_image_spans(input_ids, self.image_token_id, counts)
+        spans = find_image_spans(
+            input_ids, self.image_token_id, counts, multi_run=self.family.placeholders_in_runs
+        )
         return plan_chunks(
             len(input_ids),
             spans,

@@ -60,15 +60,42 @@ class ChunkEnd(str, Enum):
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """The placeholder tokens of one image: ``rows`` tokens from ``start``, one per embedding row."""
+    """The placeholder tokens of one image: ``rows`` tokens from ``start``, one per embedding row.
+
+    Attributes:
+        start: The image's first placeholder token.
+        rows: Its placeholder tokens (= embedding rows).
+        runs: ``(start, length)`` of each run of placeholders when they are not one contiguous run
+            (Mistral 3 ends every row of image tokens with ``[IMG_BREAK]``, an ordinary token);
+            empty for one run ``[start, start + rows)``.
+    """
 
     start: int
     rows: int
+    runs: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def token_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(start, length)`` of every run of the image's placeholders, in prompt order."""
+        return self.runs or ((self.start, self.rows),)
 
     @property
     def stop(self) -> int:
         """One past the image's last placeholder token."""
-        return self.start + self.rows
+        start, length = self.token_runs[-1]
+        return start + length
+
+    def rows_before(self, position: int) -> int:
+        """The image's placeholders in [0, position)."""
+        return sum(min(max(position - start, 0), length) for start, length in self.token_runs)
+
+    def token_of_row(self, row: int) -> int:
+        """The token that carries row ``row`` (0-based, < rows) of the image."""
+        for start, length in self.token_runs:
+            if row < length:
+                return start + row
+            row -= length
+        raise IndexError(f"row {row} beyond the image's {self.rows} rows")
 
 
 @dataclass(frozen=True)
@@ -226,6 +253,10 @@ def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[Pre
     for number, span in enumerate(spans):
         if span.start < 0 or span.rows < 1:
             raise PlanError(f"image {number}: span {span} needs start >= 0 and at least one row")
+        runs = span.token_runs
+        ordered = all(a + la <= b for (a, la), (b, _) in zip(runs, runs[1:]))
+        if runs[0][0] != span.start or sum(n for _, n in runs) != span.rows or not ordered:
+            raise PlanError(f"image {number}: runs {list(runs)} do not hold its {span.rows} rows in order")
         if span.stop > prompt_len:
             raise PlanError(
                 f"image {number}: span [{span.start}, {span.stop}) ends beyond the prompt ({prompt_len})"
@@ -255,15 +286,14 @@ class _Placeholders:
         count = bisect.bisect_left(self.starts, position)
         if count == 0:
             return 0
-        span = self.spans[count - 1]
-        return self.offsets[count - 1] + min(span.rows, position - span.start)
+        return self.offsets[count - 1] + self.spans[count - 1].rows_before(position)
 
     def position_of_row(self, row: int) -> int:
         """Token of row ``row`` of G: the largest x with P[x] <= row (L past the last row)."""
         if row >= self.offsets[-1]:
             return self.prompt_len
         image = bisect.bisect_right(self.offsets, row) - 1
-        return self.spans[image].start + row - self.offsets[image]
+        return self.spans[image].token_of_row(row - self.offsets[image])
 
     def image_containing(self, position: int) -> ImageSpan | None:
         """The span with start < position < stop (a cut there would split the image), if any."""
@@ -374,10 +404,14 @@ def plan_chunks(
             for b in usable
             if b.seq_len >= stop - start and (not per_chunk_rows or b.vision_size >= placeholder_count)
         )
-        images = tuple(placeholders.overlapping(start, stop))
+        # The images with a placeholder in the chunk (a chunk inside an image's token range may hold
+        # only break tokens of it, e.g. Mistral 3's [IMG_BREAK]).
+        held = [_piece(i, spans[i], start, stop) for i in placeholders.overlapping(start, stop)]
+        held = [piece for piece in held if piece.stop > piece.start]
+        images = tuple(piece.image for piece in held)
         if per_chunk_rows:
             row_start, row_stop, image_idx = placeholders.before(start), placeholders.before(stop), 0
-            pieces = tuple(_piece(i, spans[i], start, stop) for i in images)
+            pieces = tuple(held)
         else:
             row_start, row_stop, image_idx = 0, total_rows, placeholders.before(start)
             pieces = tuple(ImagePiece(i, 0, span.rows) for i, span in enumerate(spans))
@@ -413,7 +447,7 @@ def _why_chunk_ends(ends: set[ChunkEnd]) -> ChunkEnd:
 
 def _piece(image: int, span: ImageSpan, start: int, stop: int) -> ImagePiece:
     """The rows of ``image`` whose placeholder tokens lie in [start, stop)."""
-    return ImagePiece(image, max(start, span.start) - span.start, min(stop, span.stop) - span.start)
+    return ImagePiece(image, span.rows_before(start), span.rows_before(stop))
 
 
 def _with_lifetimes(
@@ -439,19 +473,26 @@ def _with_lifetimes(
 
 
 def find_image_spans(
-    token_ids: Sequence[int] | np.ndarray, image_token_id: int, rows_per_image: Sequence[int] | None = None
+    token_ids: Sequence[int] | np.ndarray,
+    image_token_id: int,
+    rows_per_image: Sequence[int] | None = None,
+    *,
+    multi_run: bool = False,
 ) -> list[ImageSpan]:
     """Image placeholder spans of a tokenized prompt.
 
     Two images' placeholder runs can be adjacent (nothing between them), so one run of the
     placeholder id may hold several images. With ``rows_per_image`` (per image in prompt order,
     e.g. from the family's token math) each run is cut into consecutive images of those sizes;
-    without it every maximal run is taken as one image.
+    without it every maximal run is taken as one image. With ``multi_run`` an image may also go on
+    over the following runs (its placeholders interleaved with other tokens, as Mistral 3's rows
+    are with ``[IMG_BREAK]``); the span then lists its runs.
 
     Args:
         token_ids: The prompt's token ids, 1-D.
         image_token_id: The family's image placeholder id.
         rows_per_image: Embedding rows of each image, in prompt order, when known.
+        multi_run: One image may cover several runs (needs ``rows_per_image``).
 
     Returns:
         One :class:`ImageSpan` per image, in prompt order.
@@ -467,18 +508,27 @@ def find_image_spans(
         return [ImageSpan(start, stop - start) for start, stop in runs]
     spans: list[ImageSpan] = []
     images = iter(enumerate(rows_per_image))
+    pending: list[tuple[int, int]] = []  # runs of the image being filled (multi_run)
+    needed = 0
     for run_start, run_stop in runs:
         position = run_start
         while position < run_stop:
-            number, rows = next(images, (len(spans), None))
-            if rows is None or rows < 1 or position + rows > run_stop:
-                raise PlanError(
-                    f"placeholder runs {runs} of token {image_token_id} cannot be cut into images of "
-                    f"{list(rows_per_image)} rows (image {number} does not fit the run at {run_start})"
-                )
-            spans.append(ImageSpan(position, rows))
-            position += rows
-    if len(spans) != len(rows_per_image):
+            if not needed:
+                number, rows = next(images, (len(spans), None))
+                if rows is None or rows < 1 or (not multi_run and position + rows > run_stop):
+                    raise PlanError(
+                        f"placeholder runs {runs} of token {image_token_id} cannot be cut into images of "
+                        f"{list(rows_per_image)} rows (image {number} does not fit the run at {run_start})"
+                    )
+                needed, total = rows, rows
+            take = min(needed, run_stop - position)
+            pending.append((position, take))
+            position, needed = position + take, needed - take
+            if not needed:
+                one_run = len(pending) == 1
+                spans.append(ImageSpan(pending[0][0], total, () if one_run else tuple(pending)))
+                pending = []
+    if needed or len(spans) != len(rows_per_image):
         raise PlanError(
             f"the prompt has {sum(stop - start for start, stop in runs)} placeholder tokens of id "
             f"{image_token_id} but {len(rows_per_image)} images of {list(rows_per_image)} rows were given"

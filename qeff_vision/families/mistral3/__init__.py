@@ -1,0 +1,106 @@
+"""Mistral 3 (Pixtral tower): variable resolution, 2-D rotary patches, 2x2 patch merger, row breaks.
+
+Token math follows transformers v5 (ref: models/pixtral/image_processing_pixtral.py,
+``get_resize_output_image_size``; models/pixtral/processing_pixtral.py, ``replace_image_token``).
+The processor shrinks an image whose longer side exceeds ``longest_edge`` (keeping the aspect
+ratio, sides floored), then rounds each side up to a multiple of patch_size * spatial_merge_size
+(28 px). An image of H x W pixels is (H/28) rows of (W/28) ``[IMG]`` tokens, each row followed by
+``[IMG_BREAK]`` except the last, which ends with ``[IMG_END]``: rows * (cols + 1) tokens, of which
+rows * cols are placeholders (= embedding rows). The breaks are ordinary text tokens, so one
+image's placeholders are several runs (``placeholders_in_runs``).
+
+The vision program takes ``pixel_values`` [batch, 3, image_height, image_width]: the patch grid,
+the rotary positions and the merge all follow the input's shape, so one graph serves every
+resolution and each resolution is one vision specialization.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+IMAGE_HEIGHT = "image_height"
+IMAGE_WIDTH = "image_width"
+
+# ref: transformers v5 Mistral3Config (spatial_merge_size 2) and PixtralVisionConfig (patch 16;
+# Mistral 3 checkpoints set 14); PixtralImageProcessor default longest_edge 1024 (Mistral Small
+# 3.1's preprocessor_config.json sets 1540).
+DEFAULT_MERGE = 2
+DEFAULT_PATCH = 16
+DEFAULT_LONGEST_EDGE = 1024
+
+
+@register
+class Mistral3(Family):
+    """Mistral 3 (Mistral3ForConditionalGeneration), e.g. Mistral-Small-3.1-24B-Instruct-2503."""
+
+    name = "mistral3"
+    title = "Mistral 3 (Pixtral)"
+    architectures = ("Mistral3ForConditionalGeneration",)
+    model_types = ("mistral3",)
+    export_module = "qeff_vision.families.mistral3.export"
+    image_token_key = "image_token_index"
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=yes("one vision graph, a specialization per resolution (multiples of 28 px)"),
+        chunk_split=yes("causal attention over image tokens; a chunk may end inside a row or after a break"),
+        video=no("Mistral 3 takes images only"),
+    )
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_HEIGHT, 3: IMAGE_WIDTH}}
+    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
+    tokens_between_images = 1  # [IMG_END] closes every image
+    placeholders_in_runs = True
+
+    def _vision(self, model: ModelDescription) -> dict[str, Any]:
+        return dict(model.config.get("vision_config") or {})
+
+    def token_side(self, model: ModelDescription) -> int:
+        """Pixels per image token side: patch_size * spatial_merge_size (28 for Mistral 3)."""
+        patch = int(self._vision(model).get("patch_size", DEFAULT_PATCH))
+        return patch * int(model.config.get("spatial_merge_size", DEFAULT_MERGE))
+
+    def longest_edge(self, model: ModelDescription) -> int:
+        """The processor's longest side before the image is shrunk."""
+        size = model.processor.get("size") or {}
+        return int(size.get("longest_edge", DEFAULT_LONGEST_EDGE))
+
+    def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
+        """Height and width of ``pixel_values`` after the processor's resize."""
+        longest, side = self.longest_edge(model), self.token_side(model)
+        height, width = image.height, image.width
+        ratio = max(height / longest, width / longest)
+        if ratio > 1:
+            height, width = int(math.floor(height / ratio)), int(math.floor(width / ratio))
+        return math.ceil(height / side) * side, math.ceil(width / side) * side
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only; the shrunk image keeps a pixel a side (transformers fails otherwise)."""
+        problems = ["frames must be 1: Mistral 3 takes images only"] if image.frames != 1 else []
+        longest = self.longest_edge(model)
+        ratio = max(image.height / longest, image.width / longest)
+        if ratio > 1 and min(math.floor(image.height / ratio), math.floor(image.width / ratio)) < 1:
+            problems.append(
+                f"{image.height}x{image.width} shrinks to nothing along its short side at {longest} px"
+            )
+        return problems
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """image_height, image_width (pixels, multiples of 28) and vision_size (rows x columns of tokens)."""
+        height, width = self.resized(model, image)
+        side = self.token_side(model)
+        return {
+            IMAGE_HEIGHT: height,
+            IMAGE_WIDTH: width,
+            symbols.VISION_SIZE: (height // side) * (width // side),
+        }
+
+    def prompt_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """All tokens one image adds to the prompt: each row of placeholders plus its break/end token."""
+        height, width = self.resized(model, image)
+        side = self.token_side(model)
+        return (height // side) * (width // side + 1)

@@ -1,0 +1,63 @@
+"""Images whose placeholders are several runs (Mistral 3: ``[IMG_BREAK]`` after each row of ``[IMG]``).
+
+The chunk-local rule is unchanged: chunk [a, b) sends rows P[a]..P[b], where P counts placeholder
+tokens only; break tokens take no row. Checked against a brute-force count over random prompts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qeff_vision.runtime.planner import ImageSpan, PlanError, PrefillBucket, find_image_spans, plan_chunks
+
+IMG, BREAK, END, TEXT = 7, 8, 9, 1
+
+
+def image_tokens(rows: int, cols: int) -> list[int]:
+    """Mistral 3's layout: each row of [IMG] ends with [IMG_BREAK], the last with [IMG_END]."""
+    tokens = ([IMG] * cols + [BREAK]) * rows
+    tokens[-1] = END
+    return tokens
+
+
+@st.composite
+def prompts_with_rows(draw):
+    """(token ids, rows x cols of each image) with text before, between and after images."""
+    ids, grids = [TEXT] * draw(st.integers(0, 12)), []
+    for _ in range(draw(st.integers(0, 3))):
+        rows, cols = draw(st.integers(1, 5)), draw(st.integers(1, 6))
+        ids += image_tokens(rows, cols) + [TEXT] * draw(st.integers(0, 10))
+        grids.append((rows, cols))
+    return ids or [TEXT], grids
+
+
+def test_an_image_of_rows_is_one_span_with_a_run_per_row():
+    ids = [TEXT, *image_tokens(3, 2), TEXT]
+    (span,) = find_image_spans(ids, IMG, [6], multi_run=True)
+    assert span == ImageSpan(1, 6, ((1, 2), (4, 2), (7, 2)))
+    assert span.stop == 9 and [span.rows_before(x) for x in (1, 3, 4, 6, 9)] == [0, 2, 2, 4, 6]
+    with pytest.raises(PlanError):
+        find_image_spans(ids, IMG, [6])  # without multi_run, an image must be one run
+
+
+def test_counts_that_leave_a_run_unfinished_are_refused():
+    with pytest.raises(PlanError):
+        find_image_spans([TEXT, *image_tokens(2, 2)], IMG, [3], multi_run=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompts_with_rows(), st.lists(st.integers(2, 24), min_size=1, max_size=3, unique=True))
+def test_each_chunk_sends_exactly_the_rows_of_its_placeholders(prompt, seq_lens):
+    ids, grids = prompt
+    spans = find_image_spans(ids, IMG, [r * c for r, c in grids], multi_run=True)
+    plan = plan_chunks(len(ids), spans, [PrefillBucket(s, s) for s in seq_lens])
+    is_image = np.asarray(ids) == IMG
+    assert plan.chunks[0].start == 0 and plan.chunks[-1].stop == len(ids)
+    for chunk in plan:
+        before, inside = int(is_image[: chunk.start].sum()), int(is_image[chunk.start : chunk.stop].sum())
+        assert (chunk.row_start, chunk.row_stop) == (before, before + inside)
+        assert sum(piece.stop - piece.start for piece in chunk.pieces) == inside
+        assert all(piece.stop > piece.start for piece in chunk.pieces)
