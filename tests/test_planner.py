@@ -355,7 +355,13 @@ def test_chunk_protocol_sends_20x_fewer_bytes_than_full_for_a_1080p_image():
         (10, [(5, 0)], [(8, 8)], {}, "at least one row"),
         (10, [], [(8, 8)], {"protocol": "half"}, "unknown vision protocol"),
         (10, [(0, 9)], [(8, 8)], {"protocol": "full"}, "full protocol sends all 9"),
-        (20, [(0, 9)], [(8, 8), (16, 4)], {"allow_image_split": False}, "compile a bucket with seq_len and"),
+        (
+            20,
+            [(0, 9)],
+            [(8, 8), (16, 4)],
+            {"allow_image_split": False},
+            "compile a bucket with seq_len >= 9 and vision_size",
+        ),
     ],
 )
 def test_bad_input_is_a_plan_error(length, spans, buckets, kwargs, message):

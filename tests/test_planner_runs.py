@@ -61,3 +61,16 @@ def test_each_chunk_sends_exactly_the_rows_of_its_placeholders(prompt, seq_lens)
         assert (chunk.row_start, chunk.row_stop) == (before, before + inside)
         assert sum(piece.stop - piece.start for piece in chunk.pieces) == inside
         assert all(piece.stop > piece.start for piece in chunk.pieces)
+
+
+def test_an_image_kept_whole_needs_a_bucket_for_its_breaks_too():
+    ids = [TEXT, *image_tokens(2, 3), TEXT]  # 6 placeholders over 7 tokens (one break between rows)
+    spans = find_image_spans(ids, IMG, [6], multi_run=True)
+    with pytest.raises(PlanError, match="7 tokens"):
+        plan_chunks(len(ids), spans, [PrefillBucket(6, 6)], allow_image_split=False)
+    plan = plan_chunks(len(ids), spans, [PrefillBucket(7, 6)], allow_image_split=False)
+    assert [(chunk.start, chunk.stop, chunk.placeholders) for chunk in plan] == [
+        (0, 1, 0),
+        (1, 8, 6),
+        (8, 10, 0),
+    ]

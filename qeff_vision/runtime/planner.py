@@ -330,18 +330,22 @@ def _reach(
 def _check_images_fit(
     spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket], per_chunk_rows: bool
 ) -> None:
-    """Without splitting, each image needs one bucket that holds all its tokens (and rows)."""
+    """Without splitting, each image needs one bucket that holds all its tokens (and rows).
+
+    An image of several runs spans its break tokens too: its tokens are ``stop - start``.
+    """
     for number, span in enumerate(spans):
+        tokens = span.stop - span.start
         if not any(
-            bucket.seq_len >= span.rows and (not per_chunk_rows or bucket.vision_size >= span.rows)
+            bucket.seq_len >= tokens and (not per_chunk_rows or bucket.vision_size >= span.rows)
             for bucket in buckets
         ):
-            need = "seq_len and vision_size" if per_chunk_rows else "seq_len"
+            need = f"seq_len >= {tokens}" + (f" and vision_size >= {span.rows}" if per_chunk_rows else "")
             compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
             raise PlanError(
-                f"image {number} has {span.rows} placeholder tokens, more than any prefill bucket holds "
-                f"(seq_len/vision_size: {compiled}); this family cannot split an image across chunks: "
-                f"compile a bucket with {need} >= {span.rows}"
+                f"image {number} has {tokens} tokens ({span.rows} placeholders), more than any prefill "
+                f"bucket holds (seq_len/vision_size: {compiled}); this family cannot split an image "
+                f"across chunks: compile a bucket with {need}"
             )
 
 
