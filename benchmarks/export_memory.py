@@ -1,87 +1,192 @@
-"""Export wall time and peak RSS: the tiny checkpoint vs Qwen2.5-VL-3B's sizes with fewer layers.
+"""Export peak RSS against the exported weight bytes, per dtype, with stage timings and parity.
 
-Usage: python benchmarks/export_memory.py [--layers 2] [--vision-depth 4] [--work DIR]
+Usage:
+    python benchmarks/export_memory.py                              # tiny Qwen2.5-VL (seconds)
+    python benchmarks/export_memory.py --config qwen2_5_vl-3b-full  # every layer of the 3B config
 
-Each export runs in a fresh subprocess so its peak RSS (ru_maxrss of the child) is its own. The
-large configuration uses the published 3B widths (text hidden 2048, 16 heads / 2 KV heads, vocab
-151,936; vision hidden 1280, 16 heads, out 2048) with random weights and few layers, which is what
-bounds export memory: tracing uses small example shapes, so memory does not grow with image size.
+``qwen2_5_vl-3b-full`` is the pinned Qwen2.5-VL-3B-Instruct config (specs/configs; 36 text + 32
+vision layers, 3.75 B parameters) with random weights, written tensor by tensor so the writer never
+holds more than one tensor either. It needs ~15 GB of disk for the checkpoint plus the exports, and
+the fp32 parity step maps ~15 GB of files (file-backed pages the kernel may drop; no anonymous copy).
+
+Every step runs in a fresh subprocess that reports its own ``ru_maxrss``, so each row's peak is
+its own. Parity: the exported language graph (onnxruntime) against transformers' own forward on a
+short text prompt (last-position logits), with the reference model's weights memory-mapped from
+the checkpoint; and the vision graph against the traced torch module on its example inputs.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import json
+import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-EXPORT = (
-    "import sys; from qeff_vision.export.exporter import export_model;"
-    "export_model(sys.argv[1], sys.argv[2], progress=None)"
-)
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {"qwen2_5_vl-3b-full": ROOT / "specs" / "configs" / "Qwen2.5-VL-3B-Instruct"}
+PROMPT_TOKENS = 12
 
 
-def write_large(out: Path, layers: int, vision_depth: int) -> None:
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=layers,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            vocab_size=151936,
-            max_position_embeddings=32768,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-        ),
-        vision_config=dict(
-            depth=vision_depth,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=2048,
-            fullatt_block_indexes=[vision_depth - 1],
-        ),
-        image_token_id=151655,
+def _child(code: str, *args: str) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON line (we add its peak RSS)."""
+    wrapped = (
+        "import json, resource, sys\n"
+        + code
+        + "\nresult['peak_rss'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
+        "print(json.dumps(result))\n"
     )
-    torch.manual_seed(0)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(out)
+    done = subprocess.run([sys.executable, "-c", wrapped, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"step failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(model_dir: Path, out_dir: Path) -> tuple[float, float]:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-c", EXPORT, str(model_dir), str(out_dir)], check=True)
-    seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return seconds, max(peak, before) / 1024
+WRITE_RANDOM = """
+import json, struct
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+from qeff_vision.export.weights import parameters_on_meta
+
+source, out = Path(sys.argv[1]), Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+for name in ("config.json", "preprocessor_config.json"):
+    if (source / name).exists():
+        (out / name).write_bytes((source / name).read_bytes())
+config = AutoConfig.from_pretrained(str(out))
+with parameters_on_meta():
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+entries, offset = {}, 0
+params = [(k, v) for k, v in model.state_dict().items() if k not in tied]
+for key, value in params:
+    size = value.numel() * 4
+    entries[key] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + size]}
+    offset += size
+header = json.dumps(entries).encode()
+header += b" " * (-len(header) % 8)
+generator = torch.Generator().manual_seed(0)
+std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
+with open(out / "model.safetensors", "wb") as data:
+    data.write(struct.pack("<Q", len(header)))
+    data.write(header)
+    for key, value in params:  # one tensor in memory at a time
+        if value.dim() == 1:
+            tensor = torch.ones(value.shape) if key.endswith("weight") else torch.zeros(value.shape)
+        else:
+            tensor = torch.randn(value.shape, generator=generator) * std
+        data.write(tensor.numpy().tobytes())
+        del tensor
+result = {"weight_params": offset // 4, "tensors": len(params)}
+"""
+
+EXPORT = """
+from qeff_vision.export.exporter import export_model
+exported = export_model(sys.argv[1], sys.argv[2], force=True, dtype=sys.argv[3], progress=None)
+result = {"timings": exported.timings}
+"""
+
+PARITY = """
+from pathlib import Path
+import numpy as np, torch
+import onnxruntime as ort
+from transformers import AutoConfig, AutoModelForImageTextToText
+from qeff_vision.export.record import read_export
+from qeff_vision.export.weights import assign_mapped_weights, parameters_on_meta
+
+model_dir, export_dir, tokens = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+manifest = read_export(export_dir)
+config = AutoConfig.from_pretrained(str(model_dir))
+with parameters_on_meta():
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="eager")
+model = assign_mapped_weights(model_dir, model).eval()
+vocab = min(1000, config.get_text_config().vocab_size)
+ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    reference = model(input_ids=ids).logits[0, -1].numpy()
+del model
+lang = manifest["programs"]["lang"]
+options = ort.SessionOptions()
+session = ort.InferenceSession(str(export_dir / lang["path"]), options, providers=["CPUExecutionProvider"])
+feeds = {}
+for name, spec in lang["inputs"].items():
+    dtype = np.dtype(spec["dtype"])
+    sizes = {"batch_size": 1, "seq_len": tokens, "vision_batch_size": 1, "vision_size": 1, "ctx_len": 32}
+    shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
+    feeds[name] = np.zeros(shape, dtype)
+positions = np.arange(tokens, dtype=np.int64)
+feeds["input_ids"] = ids.numpy()
+feeds["position_ids"] = np.broadcast_to(positions, feeds["position_ids"].shape).copy()
+logits = session.run(["logits"], feeds)[0].reshape(-1).astype(np.float32)
+spread = float(reference.max() - reference.min())
+result = {
+    "max_abs": float(np.abs(logits - reference).max()),
+    "relative": float(np.abs(logits - reference).max() / spread),
+    "top1_same": bool(int(logits.argmax()) == int(reference.argmax())),
+}
+"""
+
+
+def weight_bytes(header_params: int, dtype: str) -> int:
+    """Bytes of every weight in the export dtype."""
+    return header_params * (4 if dtype == "float32" else 2)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--vision-depth", type=int, default=4)
-    parser.add_argument("--work", type=Path, default=None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="tiny", choices=["tiny", *CONFIGS])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
+    parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint and exports")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-export-bench-"))
-    rows = []
-    from qeff_vision import api
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint"
+    if args.config == "tiny":
+        from qeff_vision import api
 
-    tiny = api.tiny("qwen2_5_vl", work / "tiny", force=True)
-    rows.append(("tiny (hidden 64, 2+2 layers)", *measure(tiny, work / "tiny-export")))
-    large = work / "large"
-    write_large(large, args.layers, args.vision_depth)
-    label = f"3B widths ({args.layers} text + {args.vision_depth} vision layers)"
-    rows.append((label, *measure(large, work / "large-export")))
-    print(f"{'configuration':<44} {'export s':>9} {'peak RSS MB':>12}")
-    for label, seconds, rss in rows:
-        print(f"{label:<44} {seconds:>9.1f} {rss:>12.0f}")
-    print("(note: ru_maxrss of children is the max over the children so far; rows are in increasing size)")
+        api.tiny("qwen2_5_vl", checkpoint, force=True)
+        import math
+
+        from safetensors import safe_open
+
+        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+            params = sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+        writer = {"weight_params": params, "peak_rss": 0}
+    else:
+        writer = _child(WRITE_RANDOM, str(CONFIGS[args.config]), str(checkpoint))
+    print(
+        f"{args.config}: {writer['weight_params'] / 1e9:.3f} B parameters; random checkpoint writer "
+        f"peak RSS {writer['peak_rss'] / 2**30:.2f} GiB"
+    )
+    header = (
+        f"{'dtype':<8} {'weights GiB':>11} {'peak RSS GiB':>12} {'RSS/weights':>11}  "
+        f"{'stage seconds':<72} {'lang logits vs transformers'}"
+    )
+    rows = []
+    for dtype in args.dtypes:
+        out = work / f"export-{dtype}"
+        exported = _child(EXPORT, str(checkpoint), str(out), dtype)
+        parity = _child(PARITY, str(checkpoint), str(out), str(PROMPT_TOKENS))
+        weights = weight_bytes(writer["weight_params"], dtype)
+        stages = " ".join(f"{k} {v:.1f}" for k, v in exported["timings"].items())
+        check = (
+            f"max |d| {parity['max_abs']:.2e} ({parity['relative']:.1e} of range), "
+            f"top-1 {'same' if parity['top1_same'] else 'DIFFERS'}"
+        )
+        rows.append(
+            f"{dtype:<8} {weights / 2**30:>11.2f} {exported['peak_rss'] / 2**30:>12.2f} "
+            f"{exported['peak_rss'] / weights:>11.2f}  {stages:<72} {check}"
+        )
+        if not args.keep:
+            shutil.rmtree(out)
+    print(header)
+    print("\n".join(rows))
+    if not args.keep and args.work is None:
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

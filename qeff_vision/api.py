@@ -39,15 +39,19 @@ def tiny(family: str, out_dir, *, seed: int = 0, force: bool = False):
     return out_dir
 
 
-def export(model_dir, out_dir, *, force: bool = False, quiet: bool = False):
+def export(model_dir, out_dir, *, force: bool = False, dtype: str = "float32", quiet: bool = False):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
+
+    ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights.
 
     Returns:
         :class:`qeff_vision.export.exporter.ExportResult`.
     """
     from qeff_vision.export.exporter import export_model, stderr_progress
 
-    return export_model(model_dir, out_dir, force=force, progress=None if quiet else stderr_progress)
+    return export_model(
+        model_dir, out_dir, force=force, dtype=dtype, progress=None if quiet else stderr_progress
+    )
 
 
 def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on the command line

@@ -130,7 +130,15 @@ def test_progress_lines_per_stage_and_quiet(tmp_path, tiny_checkpoint, capsys):
     stages = [
         line.split("] ")[1].split(":")[0] for line in err.splitlines() if line.startswith("[qeff-vision]")
     ]
-    assert stages == ["load", "patch", "export vision", "export language", "check"]
+    assert stages == [
+        "load",
+        "patch",
+        "export vision",
+        "export language",
+        "write vision weights",
+        "write lang weights",
+        "check",
+    ]
     code, _, err = run_cli(
         "export", str(tiny_checkpoint("qwen2_5_vl")), "-o", str(tmp_path / "b"), "-q", capsys=capsys
     )

@@ -13,10 +13,17 @@ from qeff_vision import api
     "-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory."
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Floating dtype of the exported graphs and weights.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def export(model_dir: str, out_dir: str, force: bool, quiet: bool) -> None:
+def export(model_dir: str, out_dir: str, force: bool, dtype: str, quiet: bool) -> None:
     """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
-    result = api.export(model_dir, out_dir, force=force, quiet=quiet)
+    result = api.export(model_dir, out_dir, force=force, dtype=dtype, quiet=quiet)
     for program in ("vision", "lang"):
         inputs = result.manifest["programs"][program]["inputs"]
         shown = ", ".join(f"{name}{info['shape']}" for name, info in list(inputs.items())[:4])

@@ -56,6 +56,22 @@ class ExportAdapter:
             )
         return model.eval()
 
+    def empty_model(self, model_dir: str | Path, dtype: torch.dtype) -> nn.Module:
+        """The checkpoint's model in ``dtype`` with eager attention and every parameter on meta.
+
+        The exporter fills the parameters with placeholders and streams their values from the
+        checkpoint (:mod:`qeff_vision.export.weights`); buffers computed at construction are real.
+        """
+        from transformers import AutoConfig, AutoModelForImageTextToText
+
+        from qeff_vision.export.weights import parameters_on_meta
+
+        quiet_transformers()
+        config = AutoConfig.from_pretrained(str(model_dir))
+        with parameters_on_meta():
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="eager")
+        return model.eval()
+
     def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:
         """Write a tiny random-weight checkpoint with the family package's ``tiny`` module.
 

@@ -30,6 +30,14 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
+from qeff_vision.export.weights import (
+    DTYPES,
+    WeightPlan,
+    append_tensor,
+    build_without_weights,
+    parameter_inputs,
+    write_weights,
+)
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
 
@@ -72,9 +80,9 @@ def load_adapter(family: Family) -> ExportAdapter:
     return module.Adapter()
 
 
-def _load_model(adapter: ExportAdapter, model_dir: Path):
+def _load_model(adapter: ExportAdapter, model_dir: Path, dtype: torch.dtype):
     try:
-        return adapter.load(model_dir)
+        return adapter.empty_model(model_dir, dtype)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors/transformers raise many types for bad files
@@ -85,6 +93,8 @@ def _load_model(adapter: ExportAdapter, model_dir: Path):
 def _torch_export(
     module, example: tuple, path: Path, input_names, output_names, dynamic_axes, custom
 ) -> None:
+    # export_params=False: weights become graph inputs (the module holds placeholders, see
+    # export/weights.py); no constant folding, which would materialise transposed weight copies.
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic are expected here
         torch.onnx.export(
@@ -97,7 +107,10 @@ def _torch_export(
             output_names=list(output_names),
             dynamic_axes={name: dict(axes) for name, axes in dynamic_axes.items() if axes},
             custom_opsets={DOMAIN: DOMAIN_VERSION} if custom else None,
-            do_constant_folding=True,
+            export_params=False,
+            # Placeholders of equal shape have equal (zero) values: keep the tracer from merging them.
+            keep_initializers_as_inputs=True,
+            do_constant_folding=False,
         )
 
 
@@ -123,6 +136,7 @@ class _Traced:
     raw_path: Path
     output_shapes: list[tuple[int, ...]]
     axes: Mapping[str, Mapping[int, str]]
+    params: Mapping[str, torch.Tensor]
 
 
 def _weights(model: onnx.ModelProto):
@@ -134,40 +148,29 @@ def _weights(model: onnx.ModelProto):
                 yield attribute.t
 
 
-def _stream_weights(model: onnx.ModelProto, source_dir: Path, data_path: Path) -> None:
-    """Move every large tensor into ``data_path``, one tensor in memory at a time.
-
-    ``onnx.load`` + ``save_model(save_as_external_data=True)`` would hold all weights at once (a
-    second copy of the model next to torch's); this reads each from wherever the tracer put it.
-    """
-    with open(data_path, "wb") as data:
-        for tensor in _weights(model):
-            if external_data_helper.uses_external_data(tensor):
-                info = external_data_helper.ExternalDataInfo(tensor)
-                with open(source_dir / info.location, "rb") as source:
-                    source.seek(info.offset or 0)
-                    payload = source.read(info.length) if info.length else source.read()
-            elif len(tensor.raw_data) >= EXTERNAL_THRESHOLD:
-                payload = tensor.raw_data
-            else:
-                continue
-            offset = data.tell()
-            data.write(payload)
-            data.write(b"\0" * (-data.tell() % 64))  # keep every tensor 64-byte aligned
-            tensor.ClearField("raw_data")
-            del tensor.external_data[:]
-            for key, value in (("location", data_path.name), ("offset", offset), ("length", len(payload))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, str(value)
-            tensor.data_location = onnx.TensorProto.EXTERNAL
+def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
+    """Move every large constant the tracer left in the graph (not a weight) into ``data``."""
+    for tensor in _weights(model):
+        if external_data_helper.uses_external_data(tensor):
+            info = external_data_helper.ExternalDataInfo(tensor)
+            with open(source_dir / info.location, "rb") as source:
+                source.seek(info.offset or 0)
+                payload = source.read(info.length) if info.length else source.read()
+        elif len(tensor.raw_data) >= EXTERNAL_THRESHOLD:
+            payload = tensor.raw_data
+        else:
+            continue
+        append_tensor(data, tensor, payload, Path(data.name).name)
 
 
-def _finalize(traced: _Traced, final_path: Path) -> onnx.ModelProto:
-    """Attach functions, pin static dims, stream weights to external data, and check the result."""
+def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.ModelProto:
+    """Attach functions, pin static dims, write the weights tensor by tensor, and check the result."""
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
     _pin_static_dims(model, traced.output_shapes, traced.axes)
-    _stream_weights(model, traced.raw_path.parent, final_path.with_name(final_path.name + ".data"))
+    with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
+        _stream_constants(model, traced.raw_path.parent, data)
+        write_weights(model, traced.params, plan, data)
     onnx.save_model(model, str(final_path))
     for leftover in traced.raw_path.parent.iterdir():
         if leftover.name not in (final_path.name, final_path.name + ".data"):
@@ -216,21 +219,29 @@ def export_model(
     out_dir: str | Path,
     *,
     force: bool = False,
+    dtype: str = "float32",
     progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
+
+    Peak memory is about one copy of the exported weights (see :mod:`qeff_vision.export.weights`):
+    the model is traced without weights, and each weight is read, cast and written on its own.
 
     Args:
         model_dir: A Hugging Face checkpoint directory (config, safetensors, processor).
         out_dir: Output directory; must be empty or absent unless ``force``.
         force: Replace a non-empty ``out_dir``.
+        dtype: Floating dtype of the exported graphs, ``float32`` or ``float16``.
         progress: Called with one line per stage; ``None`` silences progress.
 
     Returns:
-        The :class:`ExportResult`.
+        The :class:`ExportResult`; ``timings`` has seconds per stage.
     """
     say = progress or _quiet
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if dtype not in DTYPES:
+        raise UserError(f"export dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    torch_dtype = DTYPES[dtype]
     if is_nonempty_dir(out_dir) and not force:
         raise UserError(f"{out_dir} is not empty; pass --force to replace it")
     description = describe_checkpoint(model_dir)
@@ -239,9 +250,10 @@ def export_model(
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
-    say(f"load: {model_dir} ({family.title})")
+    say(f"load: {model_dir} ({family.title}, weights streamed from disk)")
     adapter = load_adapter(family)
-    model = _load_model(adapter, model_dir)
+    model = _load_model(adapter, model_dir, torch_dtype)
+    plan = build_without_weights(model_dir, model, torch_dtype)
     timings["load"] = time.perf_counter() - start
 
     with staged_directory(out_dir, force=force) as staging:
@@ -255,35 +267,38 @@ def export_model(
         start = time.perf_counter()
         say("export vision")
         vision_example = adapter.vision_example_inputs(model)
-        traced = [
-            _trace(
-                staging,
-                "vision",
-                encoder,
-                tuple(vision_example.values()),
-                list(vision_example),
-                list(family.vision_output_axes),
-                {**family.vision_input_axes, **family.vision_output_axes},
-            )
-        ]
-        timings["export_vision"] = time.perf_counter() - start
+        vision = _trace(
+            staging,
+            "vision",
+            encoder,
+            _cast(tuple(vision_example.values()), torch_dtype),
+            list(vision_example),
+            list(family.vision_output_axes),
+            {**family.vision_input_axes, **family.vision_output_axes},
+        )
+        timings["trace_vision"] = time.perf_counter() - start
 
         start = time.perf_counter()
         say("export language")
         in_axes = family.language_input_axes(dims.num_layers)
         out_axes = family.language_output_axes(dims.num_layers)
-        example = language_example(parts, dims, dims.num_layers, family.position_id_rows)
-        traced.append(
-            _trace(staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes})
+        example = _cast(language_example(parts, dims, dims.num_layers, family.position_id_rows), torch_dtype)
+        lang = _trace(
+            staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
         )
         image_token_id = parts.image_token_id
-        # Free the torch model before the graphs are rewritten: peak memory is one copy of the weights.
-        del model, encoder, decoder, parts, example
+        del encoder, decoder, parts, example
+        timings["trace_language"] = time.perf_counter() - start
+
+        programs = {}
+        for traced in (vision, lang):
+            start = time.perf_counter()
+            say(f"write {traced.program} weights")
+            final = _finalize(traced, plan, staging / traced.program / "model.onnx")
+            programs[traced.program] = _describe_program(traced, final)
+            timings[f"write_{traced.program}"] = time.perf_counter() - start
+        del model, plan, vision, lang
         _release_memory()
-        programs = {
-            t.program: _describe_program(t, _finalize(t, staging / t.program / "model.onnx")) for t in traced
-        }
-        timings["export_language"] = time.perf_counter() - start
 
         start = time.perf_counter()
         say("check: onnxruntime loads both graphs")
@@ -295,7 +310,7 @@ def export_model(
             "model": str(model_dir.resolve()),
             "config_hash": config_hash(model_dir),
             "opset": OPSET,
-            "dtype": "float32",
+            "dtype": dtype,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,
@@ -303,6 +318,11 @@ def export_model(
         }
         atomic_write_json(staging / EXPORT_FILE, manifest)
     return ExportResult(out_dir, manifest, timings)
+
+
+def _cast(example: tuple, dtype: torch.dtype) -> tuple:
+    """Floating example inputs in the export dtype (integer ids and indices unchanged)."""
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
 
 
 def _release_memory() -> None:
@@ -322,7 +342,7 @@ def _trace(staging: Path, program: str, module, example, input_names, output_nam
     with torch.no_grad():
         outputs = module(*example)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return _Traced(program, raw, [tuple(o.shape) for o in outputs], axes)
+    return _Traced(program, raw, [tuple(o.shape) for o in outputs], axes, parameter_inputs(module))
 
 
 def _describe_program(traced: _Traced, model: onnx.ModelProto) -> dict:

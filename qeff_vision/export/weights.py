@@ -1,0 +1,316 @@
+"""Streaming weights: trace a model that holds no weights, then write each weight once, from disk.
+
+Export memory used to be two copies of the weights (the loaded torch model, plus the ONNX proto
+the tracer serialises and the transposed copies its constant folding makes). Here the model is
+built with its parameters on the meta device (no storage), and every parameter is then replaced
+by a zero-stride placeholder (one scalar expanded to the parameter's shape) so tracing runs on
+real tensors without allocating weights. The graph is traced with ``export_params=False``: every
+weight becomes a graph input named after the module's parameter. :func:`write_weights` then turns
+those inputs into external-data initializers, reading one tensor at a time from the checkpoint's
+safetensors files, casting it to the export dtype and appending it to ``model.onnx.data``.
+
+Checkpoint keys are mapped to model parameters with transformers' own loading rules (its weight
+renamings and base-model-prefix handling, ref: transformers v5 core_model_loading.py
+``convert_and_load_state_dict_in_model``); a checkpoint that needs a value conversion (fused or
+split tensors) is refused with one clear line, since no supported family needs one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import helper
+from torch import nn
+
+from qeff_vision.errors import UserError
+
+# Every tensor in model.onnx.data starts on a page boundary, so onnxruntime can memory-map it
+# instead of copying it (it maps external data whose offset is a multiple of the page size).
+DATA_ALIGNMENT = 4096
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Register every parameter created inside on the meta device; buffers stay real.
+
+    Non-persistent buffers (rotary ``inv_freq``, embedding scales) are computed in ``__init__``
+    and are not in the checkpoint, so they must be built for real; weights are not.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class Checkpoint:
+    """The tensors of a checkpoint's ``*.safetensors`` files, read one at a time on request."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        self.model_dir = model_dir
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{model_dir}: no *.safetensors weight files")
+        self._handles = {}
+        self.location: dict[str, Path] = {}
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+                keys = list(handle.keys())
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
+            self._handles[path] = handle
+            self.location.update(dict.fromkeys(keys, path))
+
+    def read(self, key: str) -> torch.Tensor:
+        """One tensor, copied out of its file."""
+        path = self.location[key]
+        try:
+            return self._handles[path].get_tensor(key)
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
+    """Model state-dict key -> checkpoint key, by transformers' loading rules.
+
+    Raises:
+        UserError: A weight the model needs is absent, or a key needs a value conversion.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    found: dict[str, str] = {}
+    for key in checkpoint.location:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
+        if renamed not in wanted and key in wanted:
+            renamed, pattern = rename_source_key(key, [], [], prefix, wanted)
+        if renamed not in wanted:
+            continue
+        if pattern is not None:
+            raise UserError(
+                f"{checkpoint.model_dir}: weight {key!r} needs a conversion that streaming export does not do"
+            )
+        found[renamed] = key
+    return found
+
+
+@dataclass
+class WeightPlan:
+    """Where each placeholder parameter's values come from.
+
+    Attributes:
+        checkpoint: The checkpoint files.
+        sources: ``id(parameter)`` -> checkpoint key.
+        dtype: Export dtype every weight is cast to.
+    """
+
+    checkpoint: Checkpoint
+    sources: dict[int, str]
+    dtype: torch.dtype
+
+    def read(self, param: torch.Tensor) -> torch.Tensor:
+        """The real values of a placeholder parameter, in the export dtype."""
+        return self.checkpoint.read(self.sources[id(param)]).to(self.dtype)
+
+
+def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype) -> WeightPlan:
+    """Replace ``model``'s meta parameters with placeholders and plan where their values come from.
+
+    Persistent buffers found in the checkpoint are loaded for real (they are small and traced as
+    constants). Tied parameters stay one object, so they become one graph input.
+
+    Raises:
+        UserError: The checkpoint lacks a weight the model needs, or cannot be read.
+    """
+    checkpoint = Checkpoint(model_dir)
+    keys = checkpoint_keys_for(model, checkpoint)
+    placeholders: dict[int, nn.Parameter] = {}
+    originals: list[nn.Parameter] = []  # keep the meta objects alive so their ids stay unique
+    sources: dict[int, str] = {}
+    missing = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            new = placeholders.get(id(param))
+            if new is None:
+                originals.append(param)
+                scalar = torch.zeros((), dtype=dtype if param.is_floating_point() else param.dtype)
+                new = nn.Parameter(scalar.expand(param.shape), requires_grad=False)
+                placeholders[id(param)] = new
+            module._parameters[name] = new
+            key = keys.get(prefix + name)
+            if key is not None:
+                sources.setdefault(id(new), key)
+        for name, buffer in list(module._buffers.items()):
+            key = keys.get(prefix + name)
+            if buffer is not None and key is not None:
+                module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        missing += [
+            prefix + n for n, p in module._parameters.items() if p is not None and id(p) not in sources
+        ]
+    if missing:
+        shown = ", ".join(missing[:3])
+        raise UserError(
+            f"{model_dir}: {len(missing)} weight(s) missing or mismatched in the checkpoint ({shown} ...)"
+        )
+    return WeightPlan(checkpoint, sources, dtype)
+
+
+def parameter_inputs(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Graph-input name -> parameter, as the TorchScript exporter names them (first name of a tied one)."""
+    named: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in module.state_dict(keep_vars=True).items():
+        if isinstance(param, nn.Parameter) and id(param) not in seen:
+            seen.add(id(param))
+            named[name] = param
+    return named
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
+def _folded_transpose(node_list: list[onnx.NodeProto], rank: int) -> onnx.NodeProto | None:
+    """The single ``Transpose(perm=[1, 0])`` reading a 2-D weight, which we fold on write."""
+    if rank != 2 or len(node_list) != 1 or node_list[0].op_type != "Transpose":
+        return None
+    perm = next((list(a.ints) for a in node_list[0].attribute if a.name == "perm"), [1, 0])
+    return node_list[0] if perm == [1, 0] else None
+
+
+def append_tensor(data, tensor: onnx.TensorProto, payload: bytes | memoryview, location: str) -> None:
+    """Append ``payload`` page-aligned to the open data file and point ``tensor`` at it."""
+    data.write(b"\0" * (-data.tell() % DATA_ALIGNMENT))
+    offset = data.tell()
+    data.write(payload)
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", offset), ("length", len(payload))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def write_weights(model: onnx.ModelProto, params: Mapping[str, torch.Tensor], plan: WeightPlan, data) -> None:
+    """Turn the parameter inputs of ``model`` into external initializers, one tensor in memory at a time.
+
+    A weight whose only reader is a 2-D transpose is stored transposed and the node dropped (the
+    constant folding the tracer would have done, without a second copy of every matrix).
+    """
+    graph = model.graph
+    consumers = _consumers(graph)
+    location = Path(data.name).name
+    dropped: list[onnx.NodeProto] = []
+    kept_inputs = []
+    for value in graph.input:
+        param = params.get(value.name)
+        if param is None:
+            kept_inputs.append(value)
+            continue
+        transpose = _folded_transpose(consumers.get(value.name, []), param.dim())
+        array = plan.read(param)
+        name = value.name
+        if transpose is not None:
+            array, name = array.t(), transpose.output[0]
+            dropped.append(transpose)
+        array = array.contiguous().numpy()
+        tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+        tensor.dims.extend(array.shape)
+        append_tensor(data, tensor, memoryview(array).cast("B"), location)
+        graph.initializer.append(tensor)
+        del array
+    for node in dropped:
+        graph.node.remove(node)
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+
+
+def _mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file as a read-only view of the memory-mapped file."""
+    import json
+    import mmap
+    import struct
+    import warnings
+
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(header_len))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; we never write
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            dtype = dtypes[entry["dtype"]]
+            count = (end - begin) // torch.tensor([], dtype=dtype).element_size()
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + header_len + begin)
+            tensors[key] = flat.view(entry["shape"])
+    return tensors
+
+
+def assign_mapped_weights(model_dir: Path, model: nn.Module) -> nn.Module:
+    """Point ``model``'s meta parameters at the memory-mapped checkpoint (no copy when dtypes agree).
+
+    For references that must not hold the weights in anonymous memory (the export-memory
+    benchmark's parity check on full-size checkpoints): mapped pages are file-backed, so the kernel
+    can drop them under memory pressure. Parameters whose dtype differs from the file are cast.
+    """
+    checkpoint = Checkpoint(model_dir)
+    keys = checkpoint_keys_for(model, checkpoint)
+    mapped: dict[str, torch.Tensor] = {}
+    for path in sorted(set(checkpoint.location.values())):
+        mapped.update(_mapped_tensors(path))
+    slots = [
+        (module, name, param, f"{module_name}.{name}" if module_name else name)
+        for module_name, module in model.named_modules(remove_duplicate=False)
+        for name, param in module._parameters.items()
+        if param is not None
+    ]
+    key_of: dict[int, str] = {}
+    for _, _, param, full_name in slots:  # a tied parameter's key comes from whichever name has one
+        if full_name in keys:
+            key_of.setdefault(id(param), keys[full_name])
+    done: dict[int, nn.Parameter] = {}
+    for module, name, param, _ in slots:
+        if id(param) not in done:
+            done[id(param)] = nn.Parameter(mapped[key_of[id(param)]].to(param.dtype), requires_grad=False)
+        module._parameters[name] = done[id(param)]
+    return model

@@ -1,0 +1,85 @@
+"""Streaming export: weights traced as placeholders, written once, page-aligned; float16 exports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from qeff_vision.errors import UserError
+from qeff_vision.export import weights
+from qeff_vision.export.exporter import export_model, load_adapter
+from qeff_vision.families import describe_checkpoint, family_for
+
+
+def _lang_logits(export_dir, input_ids: np.ndarray) -> np.ndarray:
+    from qeff_vision.runtime.session import OnnxProgram
+
+    manifest = json.loads((export_dir / "export.json").read_text())
+    lang = manifest["programs"]["lang"]
+    program = OnnxProgram(export_dir / lang["path"])
+    tokens = input_ids.shape[1]
+    sizes = {"batch_size": 1, "seq_len": tokens, "vision_batch_size": 1, "vision_size": 1, "ctx_len": 16}
+    feeds = {}
+    for name, spec in lang["inputs"].items():
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
+        feeds[name] = np.zeros(shape, np.dtype(spec["dtype"]))
+    feeds["input_ids"] = input_ids
+    feeds["position_ids"] = np.broadcast_to(np.arange(tokens), feeds["position_ids"].shape).astype(np.int64)
+    return program.run(feeds)["logits"].reshape(-1).astype(np.float32)
+
+
+def test_weights_are_page_aligned_external_initializers_with_transposes_folded(exported):
+    model = onnx.load(str(exported("qwen2_5_vl") / "lang" / "model.onnx"), load_external_data=False)
+    assert [i.name for i in model.graph.input][:4] == [
+        "input_ids",
+        "position_ids",
+        "vision_embeds",
+        "image_idx",
+    ]
+    assert not any(i.name.startswith(("text_model.", "lm_head.", "embed_tokens.")) for i in model.graph.input)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    assert external and all(
+        int(dict((e.key, e.value) for e in t.external_data)["offset"]) % weights.DATA_ALIGNMENT == 0
+        for t in external
+    )
+    initializers = {t.name for t in model.graph.initializer}
+    weight_transposes = [
+        n for n in model.graph.node if n.op_type == "Transpose" and n.input[0] in initializers
+    ]
+    # Only a tied embedding (read by Gather and by the lm_head) keeps its transpose.
+    assert len(weight_transposes) <= 1
+
+
+def test_float16_export_matches_float32(tiny_checkpoint, exported, tmp_path):
+    out = tmp_path / "fp16"
+    result = export_model(tiny_checkpoint("qwen2_5_vl"), out, dtype="float16", progress=None)
+    assert result.manifest["dtype"] == "float16"
+    assert result.manifest["programs"]["lang"]["inputs"]["vision_embeds"]["dtype"] == "float16"
+    assert {"load", "trace_vision", "trace_language", "write_vision", "write_lang", "check"} <= set(
+        result.timings
+    )
+    ids = np.array([[3, 17, 5, 42, 9, 11]], dtype=np.int64)
+    full, half = _lang_logits(exported("qwen2_5_vl"), ids), _lang_logits(out, ids)
+    assert np.abs(full - half).max() <= 1e-2 * (full.max() - full.min())
+
+
+def test_placeholder_model_holds_no_weight_storage(tiny_checkpoint):
+    model_dir = tiny_checkpoint("gemma3")
+    adapter = load_adapter(family_for(describe_checkpoint(model_dir)))
+    model = adapter.empty_model(model_dir, torch.float32)
+    plan = weights.build_without_weights(model_dir, model, torch.float32)
+    params = list(model.parameters())
+    assert params and all(p.untyped_storage().nbytes() <= 8 for p in params)
+    reference = dict(adapter.load(model_dir).named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(plan.read(param), reference[name]), name
+
+
+def test_unknown_export_dtype_is_a_user_error(tiny_checkpoint, tmp_path):
+    with pytest.raises(UserError, match="dtype"):
+        export_model(tiny_checkpoint("qwen2_5_vl"), tmp_path / "x", dtype="bfloat16", progress=None)
+    assert not (tmp_path / "x").exists()
