@@ -8,6 +8,8 @@ these constants instead of repeating string literals.
 BATCH_SIZE = "batch_size"
 SEQ_LEN = "seq_len"
 CTX_LEN = "ctx_len"
+# Slot axis of a window layer's KV cache (QEfficient's name for Gemma 3's sliding layers).
+SLIDING_WINDOW = "sliding_window"
 VISION_BATCH_SIZE = "vision_batch_size"
 VISION_SIZE = "vision_size"
 

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from qeff_vision.export.kv_ops import CtxGatherFunction, CtxScatterFunction
+from qeff_vision.families.base import FULL_ATTENTION, SLIDING_ATTENTION
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
+__all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
 
 
 @dataclass
@@ -55,17 +55,81 @@ class DecoderParts:
     mask_per_layer_type: bool = True
 
 
-class RetainedKVCache:
-    """Duck-typed HF cache: scatters each layer's new keys/values into the retained tensors."""
+@dataclass
+class RingPlan:
+    """How a chunk reads and rewrites the ring buffers of window layers (all share one plan).
 
-    def __init__(self, past: Sequence[torch.Tensor], write_slots: torch.Tensor, read_slots: torch.Tensor):
+    A window layer keeps ``R`` slots; slot ``j`` holds the latest position ``q`` with
+    ``q mod R == j``. The host protocol sends a sequence's tokens in order with padding (position
+    -1) after them, and every earlier position was sent before, so the positions a ring holds
+    follow from the chunk's first position alone: no stored-position tensor is needed.
+
+    Attributes:
+        key_positions: [batch, R + seq] positions of the keys attention sees: the ring before
+            the chunk (negative where a slot was never written), then the chunk's own tokens.
+        take_new: [batch, 1, R, 1] slots the chunk overwrites (the last R of its valid tokens).
+        source: [batch, 1, R, 1] index in the chunk of the token each overwritten slot takes.
+    """
+
+    key_positions: torch.Tensor
+    take_new: torch.Tensor
+    source: torch.Tensor
+
+    @classmethod
+    def for_chunk(cls, positions: torch.Tensor, ring_len) -> RingPlan:
+        """The plan for a chunk with token ``positions`` [batch, seq] and ``ring_len`` slots."""
+        valid = positions >= 0
+        count = valid.to(torch.int64).sum(dim=1, keepdim=True)
+        first = torch.clamp(positions[:, :1], min=0)  # padding only follows the valid tokens
+        end = first + count
+        slots = torch.arange(ring_len).view(1, -1)
+        held_before = first - 1 - torch.remainder(first - 1 - slots, ring_len)
+        held_after = end - 1 - torch.remainder(end - 1 - slots, ring_len)
+        take_new = held_after >= first
+        source = torch.clamp(held_after - first, min=0, max=positions.shape[1] - 1)
+        return cls(
+            key_positions=torch.cat([held_before, positions], dim=1),
+            take_new=take_new.view(take_new.shape[0], 1, -1, 1),
+            source=source.view(source.shape[0], 1, -1, 1),
+        )
+
+    def update(self, ring: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys for attention: ring then chunk, the rewritten ring) for one layer's K or V."""
+        attend = torch.cat([ring, new.to(ring.dtype)], dim=2)
+        index = self.source.expand(-1, ring.shape[1], -1, ring.shape[3])
+        rewritten = torch.where(self.take_new, torch.gather(new.to(ring.dtype), 2, index), ring)
+        return attend, rewritten
+
+
+class RetainedKVCache:
+    """Duck-typed HF cache over the retained tensors.
+
+    Full-context layers scatter the chunk into their ``ctx_len`` slots and read them all back
+    (masked by position); window layers (``ring`` set) keep a ring of ``sliding_window`` slots
+    updated by the :class:`RingPlan`.
+    """
+
+    def __init__(
+        self,
+        past: Sequence[torch.Tensor],
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        ring_layers: Sequence[bool] = (),
+        ring: RingPlan | None = None,
+    ):
         self.keys = list(past[0::2])
         self.values = list(past[1::2])
         self.write_slots = write_slots
         self.read_slots = read_slots
+        self.ring_layers = list(ring_layers) or [False] * len(self.keys)
+        self.ring = ring
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        """Write this chunk's keys/values and return the whole (masked) cache for attention."""
+        """Write this chunk's keys/values and return what attention reads for this layer."""
+        if self.ring_layers[layer_idx]:
+            keys, self.keys[layer_idx] = self.ring.update(self.keys[layer_idx], key_states)
+            values, self.values[layer_idx] = self.ring.update(self.values[layer_idx], value_states)
+            return keys, values
         self.keys[layer_idx] = CtxScatterFunction.apply(self.keys[layer_idx], self.write_slots, key_states)
         self.values[layer_idx] = CtxScatterFunction.apply(
             self.values[layer_idx], self.write_slots, value_states
@@ -82,6 +146,36 @@ class RetainedKVCache:
     def retained(self) -> list[torch.Tensor]:
         """Updated caches in IO order: key.0, value.0, key.1, ..."""
         return [t for pair in zip(self.keys, self.values) for t in pair]
+
+
+def ring_layers(parts: DecoderParts) -> list[bool]:
+    """Which layers keep a ring of ``sliding_window`` slots instead of the whole context."""
+    return [t == SLIDING_ATTENTION and bool(parts.sliding_window) for t in parts.layer_types]
+
+
+def _window_mask(
+    positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    sliding_window: int,
+    same_image: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive [batch, 1, seq, R + seq] mask of a window layer over (ring, chunk) keys.
+
+    transformers composes it as AND(window, OR(causal, same image)) (ref: transformers v5
+    models/gemma3/modeling_gemma3.py, ``create_causal_mask_mapping``): keys newer than the query
+    are seen only inside the query's image, keys older than the window never.
+    """
+    query = positions.unsqueeze(-1)
+    keys = key_positions.unsqueeze(1)
+    allowed = (keys <= query) & (query >= 0) & (keys >= 0)
+    if same_image is not None:
+        ring_part = torch.zeros_like(same_image[:, :, :1]).expand(
+            -1, -1, key_positions.shape[1] - positions.shape[1]
+        )
+        allowed = allowed | torch.cat([ring_part, same_image], dim=-1)
+    allowed = allowed & (keys > query - sliding_window)
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(1)
 
 
 def attention_masks(
@@ -171,18 +265,27 @@ class LanguageDecoder(nn.Module):
         inputs_embeds, image_idx_output = merge_vision_rows(
             input_ids, inputs_embeds, vision_embeds, image_idx, parts.image_token_id
         )
-        ctx_len = past[0].shape[2]
+        rings = ring_layers(parts)
+        # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
+        ctx_len = past[2 * rings.index(False)].shape[2] if False in rings else 1
         # Padding (position -1) writes the last slot: only a query at position ctx_len-1 reads it,
         # and that query's own token overwrites it first.
         write_slots = torch.where(
             text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1)
         )
         read_slots = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
-        cache = RetainedKVCache(past, write_slots, read_slots)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
+        full_types = [t for t, is_ring in zip(parts.layer_types, rings) if not is_ring]
         masks = attention_masks(
-            text_positions, ctx_len, parts.layer_types, parts.sliding_window, same_image, inputs_embeds.dtype
+            text_positions, ctx_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
         )
+        plan = None
+        if any(rings):
+            plan = RingPlan.for_chunk(text_positions, past[2 * rings.index(True)].shape[2])
+            masks[SLIDING_ATTENTION] = _window_mask(
+                text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
+            )
+        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan)
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,
             attention_mask=masks if parts.mask_per_layer_type else _only_mask(masks),

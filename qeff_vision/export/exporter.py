@@ -24,7 +24,7 @@ import onnx
 import torch
 from onnx import external_data_helper
 
-from qeff_vision import __version__
+from qeff_vision import __version__, symbols
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import LanguageDecoder
@@ -46,6 +46,8 @@ OPSET = 17
 EXAMPLE_SEQ_LEN = 8
 EXAMPLE_VISION_ROWS = 4
 EXAMPLE_CTX_LEN = 16
+# A window layer's ring in the example: shorter than the example chunk, so tracing covers S > R.
+EXAMPLE_RING_LEN = 6
 # Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
 EXTERNAL_THRESHOLD = 1024
 
@@ -199,7 +201,9 @@ def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[
     return described
 
 
-def language_example(adapter_parts, config_dims, num_layers: int, position_rows: int | None) -> tuple:
+def language_example(
+    adapter_parts, config_dims, num_layers: int, position_rows: int | None, cache_symbols=None
+) -> tuple:
     """Small example inputs of the language program (a chunk with a few placeholders)."""
     seq, rows, ctx = EXAMPLE_SEQ_LEN, EXAMPLE_VISION_ROWS, EXAMPLE_CTX_LEN
     input_ids = torch.ones(1, seq, dtype=torch.int64)
@@ -209,8 +213,12 @@ def language_example(adapter_parts, config_dims, num_layers: int, position_rows:
         positions = positions.unsqueeze(0).repeat(position_rows, 1, 1)
     vision_embeds = torch.randn(1, rows, config_dims.hidden_size)
     image_idx = torch.zeros(1, 1, dtype=torch.int64)
-    kv_shape = (1, config_dims.num_kv_heads, ctx, config_dims.head_dim)
-    past = [torch.zeros(kv_shape) for _ in range(2 * num_layers)]
+    slots = {symbols.CTX_LEN: ctx, symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN}
+    past = [
+        torch.zeros(1, config_dims.num_kv_heads, slots[symbol], config_dims.head_dim)
+        for symbol in (cache_symbols or [symbols.CTX_LEN] * num_layers)
+        for _ in range(2)
+    ]
     return (input_ids, positions, vision_embeds, image_idx, *past)
 
 
@@ -280,9 +288,11 @@ def export_model(
 
         start = time.perf_counter()
         say("export language")
-        in_axes = family.language_input_axes(dims.num_layers)
-        out_axes = family.language_output_axes(dims.num_layers)
-        example = _cast(language_example(parts, dims, dims.num_layers, family.position_id_rows), torch_dtype)
+        cache_symbols = family.kv_cache_symbols(description)
+        in_axes = family.language_input_axes(dims.num_layers, cache_symbols)
+        out_axes = family.language_output_axes(dims.num_layers, cache_symbols)
+        example = language_example(parts, dims, dims.num_layers, family.position_id_rows, cache_symbols)
+        example = _cast(example, torch_dtype)
         lang = _trace(
             staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
         )

@@ -18,6 +18,10 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
 
+# Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
 
 @dataclass(frozen=True)
 class Support:
@@ -246,10 +250,43 @@ class Family:
         """Problems with compiling ``image`` for this family (empty when fine)."""
         return []
 
+    # ---- KV cache per layer (generic: read from the text config's layer types) ----
+
+    def layer_types(self, model: ModelDescription) -> list[str]:
+        """Attention type per decoder layer (``full_attention`` / ``sliding_attention``)."""
+        text = self.text_config(model)
+        declared = text.get("layer_types")
+        return list(declared) if declared else [FULL_ATTENTION] * int(text["num_hidden_layers"])
+
+    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
+        """Symbol of each layer's KV slot axis: ``ctx_len``, or ``sliding_window`` for window layers.
+
+        A window layer (``sliding_attention`` with a ``sliding_window``) keeps a ring of that many
+        slots; the exporter, the specializations and the runtime all size caches from this list.
+        """
+        window = self.text_config(model).get("sliding_window")
+        return [
+            symbols.SLIDING_WINDOW if kind == SLIDING_ATTENTION and window else symbols.CTX_LEN
+            for kind in self.layer_types(model)
+        ]
+
+    def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
+        """Values of the KV slot symbols for ``ctx_len`` (a window never exceeds the context)."""
+        values = {symbols.CTX_LEN: ctx_len}
+        if symbols.SLIDING_WINDOW in self.kv_cache_symbols(model):
+            values[symbols.SLIDING_WINDOW] = min(int(self.text_config(model)["sliding_window"]), ctx_len)
+        return values
+
     # ---- language IO (generic; position_ids rank comes from position_id_rows) ----
 
-    def language_input_axes(self, num_layers: int) -> dict[str, dict[int, str]]:
-        """Symbolic axes of every language-program input, in graph input order."""
+    def language_input_axes(
+        self, num_layers: int, cache_symbols: list[str] | None = None
+    ) -> dict[str, dict[int, str]]:
+        """Symbolic axes of every language-program input, in graph input order.
+
+        ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
+        ``ctx_len`` when omitted.
+        """
         if self.position_id_rows is None:
             position_axes = {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}
         else:
@@ -260,21 +297,23 @@ class Family:
             symbols.VISION_EMBEDS: {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
             symbols.IMAGE_IDX: {},
         }
-        for layer in range(num_layers):
-            kv_axes = {0: symbols.BATCH_SIZE, 2: symbols.CTX_LEN}
+        for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):
+            kv_axes = {0: symbols.BATCH_SIZE, 2: slots}
             axes[symbols.past_key(layer)] = dict(kv_axes)
             axes[symbols.past_value(layer)] = dict(kv_axes)
         return axes
 
-    def language_output_axes(self, num_layers: int) -> dict[str, dict[int, str]]:
+    def language_output_axes(
+        self, num_layers: int, cache_symbols: list[str] | None = None
+    ) -> dict[str, dict[int, str]]:
         """Symbolic axes of every language-program output, in graph output order."""
         axes: dict[str, dict[int, str]] = {
             symbols.LOGITS: {0: symbols.BATCH_SIZE},
             symbols.retained(symbols.VISION_EMBEDS): {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
             symbols.IMAGE_IDX_OUTPUT: {},
         }
-        for layer in range(num_layers):
-            kv_axes = {0: symbols.BATCH_SIZE, 2: symbols.CTX_LEN}
+        for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):
+            kv_axes = {0: symbols.BATCH_SIZE, 2: slots}
             axes[symbols.retained(symbols.past_key(layer))] = dict(kv_axes)
             axes[symbols.retained(symbols.past_value(layer))] = dict(kv_axes)
         return axes

@@ -230,9 +230,11 @@ class Generator:
         if self.language.retains_state:
             return {}
         dims = self.dims
-        shape = (1, dims.num_kv_heads, self.shape.ctx_len, dims.head_dim)
+        description = _description(self.model_config)
+        lengths = self.family.kv_cache_lengths(description, self.shape.ctx_len)
         past = {}
-        for layer in range(dims.num_layers):
+        for layer, symbol in enumerate(self.family.kv_cache_symbols(description)):
+            shape = (1, dims.num_kv_heads, lengths[symbol], dims.head_dim)
             past[symbols.past_key(layer)] = np.zeros(shape, np.float32)
             past[symbols.past_value(layer)] = np.zeros(shape, np.float32)
         return past

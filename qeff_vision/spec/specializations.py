@@ -214,12 +214,13 @@ def build_specializations(
         tokens = tuple(count for _, count, _ in image_tokens)
         whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
-    language_in = family.language_input_axes(num_layers)
-    language_out = family.language_output_axes(num_layers)
+    cache_symbols = family.kv_cache_symbols(model)
+    language_in = family.language_input_axes(num_layers, cache_symbols)
+    language_out = family.language_output_axes(num_layers, cache_symbols)
     language_order = _graph_order([language_in, language_out])
     common = {
         symbols.BATCH_SIZE: spec.batch_size,
-        symbols.CTX_LEN: spec.ctx_len,
+        **family.kv_cache_lengths(model, spec.ctx_len),
         symbols.VISION_BATCH_SIZE: spec.batch_size,
     }
     where = f"family {family.name}, language program"

@@ -20,7 +20,16 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
 
 #: Side of the square ``pixel_values`` (one value per checkpoint: the processor's resize target).
 IMAGE_SIZE = "image_size"
@@ -76,6 +85,21 @@ class Gemma3(Family):
     def text_config(self, model: ModelDescription) -> dict[str, Any]:
         """The language sub-config over transformers' ``Gemma3TextConfig`` defaults."""
         return {**TEXT_DEFAULTS, **super().text_config(model)}
+
+    def layer_types(self, model: ModelDescription) -> list[str]:
+        """Every ``sliding_window_pattern``-th layer is global, the rest sliding, unless listed.
+
+        ref: transformers v5 models/gemma3/configuration_gemma3.py (``Gemma3TextConfig``: pattern
+        6 by default; published configs such as gemma-3-4b-it name neither key).
+        """
+        text = self.text_config(model)
+        if text.get("layer_types"):
+            return list(text["layer_types"])
+        pattern = int(text.get("sliding_window_pattern") or 6)
+        return [
+            SLIDING_ATTENTION if (layer + 1) % pattern else FULL_ATTENTION
+            for layer in range(int(text["num_hidden_layers"]))
+        ]
 
     def vision_config(self, model: ModelDescription) -> dict[str, Any]:
         """The SigLIP sub-config over transformers' ``SiglipVisionConfig`` defaults."""

@@ -68,8 +68,11 @@ TEXT = dict(
 ZERO_INIT_STD = 0.1
 
 
-def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer and processor of a tiny Gemma 3 to ``out_dir``."""
+def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, sliding_window: int = SLIDING_WINDOW) -> Path:
+    """Write config, safetensors weights, tokenizer and processor of a tiny Gemma 3 to ``out_dir``.
+
+    ``sliding_window`` overrides the sliding layers' window (the ring-buffer tests use 16).
+    """
     import torch
     from transformers import (
         Gemma3Config,
@@ -98,6 +101,7 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     config = Gemma3Config(
         text_config=dict(
             TEXT,
+            sliding_window=sliding_window,
             vocab_size=len(tokenizer),
             pad_token_id=ids[PAD],
             bos_token_id=ids[BOS],

@@ -1,0 +1,75 @@
+"""KV-cache bytes of the language program: ours (window layers as rings), QEfficient's layout, full ctx.
+
+Usage: python benchmarks/kv_memory.py [--config specs/configs/gemma-3-4b-it/config.json]
+                                      [--ctx 4096 8192 32768] [--kv-bytes 2] [--batch 1]
+
+Ours comes from the family's declaration (``Family.kv_cache_symbols`` / ``kv_cache_lengths``), the
+same data the exporter, the specializations and the runtime size caches from. QEfficient's layout
+is computed from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py,
+``get_onnx_dynamic_axes`` and ``get_specializations``: sliding layers' cache axis is the symbol
+``sliding_window``, bound to ``config.sliding_window`` in every specialization; other layers
+``ctx_len``). Full ctx gives every layer ``ctx_len`` slots. Bytes count keys and values of every
+layer for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qeff_vision import symbols
+from qeff_vision.families import describe_checkpoint, family_for
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "specs" / "configs" / "gemma-3-4b-it" / "config.json"
+
+
+def kv_bytes_per_slot(dims, kv_bytes: int, batch: int) -> int:
+    """Bytes one slot of one layer holds (key and value)."""
+    return 2 * batch * dims.num_kv_heads * dims.head_dim * kv_bytes
+
+
+def layouts(family, description, ctx_len: int) -> dict[str, int]:
+    """Slots over all layers per layout."""
+    cache_symbols = family.kv_cache_symbols(description)
+    lengths = family.kv_cache_lengths(description, ctx_len)
+    window = family.text_config(description).get("sliding_window")
+    qefficient = sum(int(window) if s == symbols.SLIDING_WINDOW else ctx_len for s in cache_symbols)
+    return {
+        "ours": sum(lengths[s] for s in cache_symbols),
+        "QEfficient": qefficient,
+        "full ctx": ctx_len * len(cache_symbols),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 32768])
+    parser.add_argument("--kv-bytes", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    description = describe_checkpoint(args.config.parent, args.config)
+    family = family_for(description)
+    dims = family.text_dims(description)
+    cache_symbols = family.kv_cache_symbols(description)
+    windowed = cache_symbols.count(symbols.SLIDING_WINDOW)
+    print(
+        f"{args.config.parent.name}: {dims.num_layers} layers ({windowed} window layers, "
+        f"sliding_window {family.text_config(description).get('sliding_window')}), "
+        f"{dims.num_kv_heads} KV heads x {dims.head_dim}, {args.kv_bytes}-byte KV, batch {args.batch}"
+    )
+    per_slot = kv_bytes_per_slot(dims, args.kv_bytes, args.batch)
+    print(f"{'ctx_len':>8} {'ours MiB':>10} {'QEfficient MiB':>15} {'full ctx MiB':>13} {'ours/full':>10}")
+    for ctx_len in args.ctx:
+        slots = layouts(family, description, ctx_len)
+        mib = {name: count * per_slot / 2**20 for name, count in slots.items()}
+        assert slots["ours"] <= slots["QEfficient"], (ctx_len, slots)
+        print(
+            f"{ctx_len:>8} {mib['ours']:>10.1f} {mib['QEfficient']:>15.1f} {mib['full ctx']:>13.1f} "
+            f"{slots['ours'] / slots['full ctx']:>10.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
