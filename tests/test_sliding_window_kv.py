@@ -7,6 +7,9 @@ tokens, so the ring wraps many times in prefill and in decode.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -101,3 +104,16 @@ def test_ring_buffer_generation_matches_transformers(window16, name, seq_len):
     assert len(hf_tokens) == NEW_TOKENS  # decode runs 40 steps past the prompt, far past the window
     worst = max(np.abs(ours - ref).max() for ours, ref in zip(result.logits, hf_logits))
     assert worst <= LOGIT_TOLERANCE, worst
+
+
+def test_gemma_3_4b_kv_table_ours_no_larger_than_qefficient():
+    """benchmarks/kv_memory.py's layouts for the pinned gemma-3-4b-it config (29 window layers of 34)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_memory.py"
+    spec = importlib.util.spec_from_file_location("kv_memory", path)
+    kv_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kv_memory)
+    DEFAULT_CONFIG, layouts = kv_memory.DEFAULT_CONFIG, kv_memory.layouts  # noqa: N806
+    family, description = get_family("gemma3"), describe_checkpoint(DEFAULT_CONFIG.parent, DEFAULT_CONFIG)
+    for ctx_len in (4096, 8192, 32768):
+        slots = layouts(family, description, ctx_len)
+        assert slots["ours"] == 5 * ctx_len + 29 * 1024 <= slots["QEfficient"] < slots["full ctx"]
