@@ -39,10 +39,19 @@ def tiny(family: str, out_dir, *, seed: int = 0, force: bool = False):
     return out_dir
 
 
-def export(model_dir, out_dir, *, force: bool = False, dtype: str = "float32", quiet: bool = False):
+def export(
+    model_dir,
+    out_dir,
+    *,
+    force: bool = False,
+    dtype: str = "float32",
+    comp_ctx_lengths: bool = False,
+    quiet: bool = False,
+):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
 
-    ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights.
+    ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights;
+    ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths).
 
     Returns:
         :class:`qeff_vision.export.exporter.ExportResult`.
@@ -50,7 +59,12 @@ def export(model_dir, out_dir, *, force: bool = False, dtype: str = "float32", q
     from qeff_vision.export.exporter import export_model, stderr_progress
 
     return export_model(
-        model_dir, out_dir, force=force, dtype=dtype, progress=None if quiet else stderr_progress
+        model_dir,
+        out_dir,
+        force=force,
+        dtype=dtype,
+        comp_ctx_lengths=comp_ctx_lengths,
+        progress=None if quiet else stderr_progress,
     )
 
 

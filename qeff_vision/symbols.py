@@ -10,6 +10,9 @@ SEQ_LEN = "seq_len"
 CTX_LEN = "ctx_len"
 # Slot axis of a window layer's KV cache (QEfficient's name for Gemma 3's sliding layers).
 SLIDING_WINDOW = "sliding_window"
+# Compute-context length: the language input of this name (and its only axis) has as many elements
+# as KV slots attention reads (QEfficient's name and mechanism).
+COMP_CTX_LENGTHS = "comp_ctx_lengths"
 VISION_BATCH_SIZE = "vision_batch_size"
 VISION_SIZE = "vision_size"
 

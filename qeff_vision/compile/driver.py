@@ -126,10 +126,10 @@ class _Export:
         return self.directory / self.manifest["programs"][program]["path"]
 
 
-def _run_export(model_dir: Path, directory: Path, say: Progress) -> dict[str, Any]:
+def _run_export(model_dir: Path, directory: Path, say: Progress, ccl: bool) -> dict[str, Any]:
     from qeff_vision.export.exporter import export_model
 
-    return export_model(model_dir, directory, force=True, progress=say).manifest
+    return export_model(model_dir, directory, force=True, comp_ctx_lengths=ccl, progress=say).manifest
 
 
 @dataclass
@@ -151,11 +151,18 @@ def locate_export(
     spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
 ) -> _Export:
     """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
+    ccl = spec.compile.comp_ctx_lengths is not None
     if export_dir is not None:
         manifest = read_export(export_dir)
         if manifest.get("family") != spec.family:
             raise UserError(
                 f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
+            )
+        if bool(manifest.get("comp_ctx_lengths")) != ccl:
+            wanted = "with" if ccl else "without"
+            raise UserError(
+                f"{export_dir}: the spec needs an export {wanted} the comp_ctx_lengths input "
+                f"(`qeff-vision export{' --comp-ctx-lengths' if ccl else ''}`)"
             )
         return _Export(export_dir, manifest)
     directory = out_dir / EXPORT_SUBDIR
@@ -168,6 +175,8 @@ def locate_export(
     )
     if manifest is not None and manifest.get("family") != spec.family:
         stale = True
+    if manifest is not None and bool(manifest.get("comp_ctx_lengths")) != ccl:
+        stale = True  # the spec added or dropped compute-context lengths
     if manifest is not None and not stale:
         return _Export(directory, manifest)
     if dry_run:
@@ -179,7 +188,7 @@ def locate_export(
             "export it where the weights are (`qeff-vision export`) and pass --export DIR"
         )
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return _Export(directory, _run_export(spec.model_dir, directory, say))
+    return _Export(directory, _run_export(spec.model_dir, directory, say, ccl))
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> dict[str, ProgramPlan]:

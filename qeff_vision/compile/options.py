@@ -78,11 +78,45 @@ def _default_language() -> ProgramOptions:
 
 
 @dataclass(frozen=True)
+class CompCtxLengths:
+    """Compute-context lengths (CCL) of the language program, as QEfficient offers them.
+
+    Each is a number of KV slots attention reads (the first ones): the language graph gains an
+    input ``comp_ctx_lengths`` whose length selects it, and every prefill bucket (resp. decode)
+    gets one specialization per prefill (resp. decode) CCL. The runtime feeds the smallest CCL
+    that covers the furthest position written so far, so early steps read a fraction of the cache.
+
+    Attributes:
+        prefill: Strictly increasing CCLs for prefill chunks.
+        decode: Strictly increasing CCLs for decode steps.
+    """
+
+    prefill: tuple[int, ...]
+    decode: tuple[int, ...]
+
+    def completed(self, ctx_len: int) -> CompCtxLengths:
+        """Both lists ending at ``ctx_len``, appended when shorter (as QEfficient's validation does).
+
+        Every position of the context then has a CCL covering it.
+        """
+
+        def complete(values: tuple[int, ...]) -> tuple[int, ...]:
+            return values if values[-1] >= ctx_len else (*values, ctx_len)
+
+        return CompCtxLengths(complete(self.prefill), complete(self.decode))
+
+
+@dataclass(frozen=True)
 class CompileOptions:
-    """Options of both programs. ``language`` defaults to MXFP6 matmuls, ``vision`` does not."""
+    """Options of both programs. ``language`` defaults to MXFP6 matmuls, ``vision`` does not.
+
+    ``comp_ctx_lengths`` (compute-context lengths) is not a compiler flag: it adds an input to the
+    language graph and multiplies its specializations.
+    """
 
     vision: ProgramOptions = field(default_factory=ProgramOptions)
     language: ProgramOptions = field(default_factory=_default_language)
+    comp_ctx_lengths: CompCtxLengths | None = None
 
     def program(self, name: str) -> ProgramOptions:
         """Options of ``name`` (``vision``/``language``, or the directory names ``vision``/``lang``)."""
@@ -94,7 +128,48 @@ class CompileOptions:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dictionary, keyed by YAML section name."""
-        return {VISION: self.vision.to_dict(), LANGUAGE: self.language.to_dict()}
+        data: dict[str, Any] = {VISION: self.vision.to_dict(), LANGUAGE: self.language.to_dict()}
+        if self.comp_ctx_lengths is not None:
+            data[CCL_KEY] = asdict(self.comp_ctx_lengths)
+        return data
+
+
+CCL_KEY = "comp_ctx_lengths"
+CCL_PHASES = ("prefill", "decode")
+
+
+def parse_comp_ctx_lengths(value: Any, path: str) -> tuple[CompCtxLengths | None, list[str]]:
+    """Read ``comp_ctx_lengths: {prefill: [...], decode: [...]}``.
+
+    Two non-empty, strictly increasing lists of positive integers; the range against ``ctx_len`` is
+    checked by the spec loader.
+    """
+    if not isinstance(value, Mapping):
+        return None, [f"{path}: must be a mapping with prefill and decode lists"]
+    problems = [
+        f"{path}.{key}: unknown key; allowed: prefill, decode" for key in value if key not in CCL_PHASES
+    ]
+    lists: dict[str, tuple[int, ...]] = {}
+    for phase in CCL_PHASES:
+        here = f"{path}.{phase}"
+        items = value.get(phase)
+        if items is None:
+            problems.append(f"{here}: missing (a list of context lengths)")
+            continue
+        if not isinstance(items, list) or not items:
+            problems.append(f"{here}: must be a non-empty list of positive integers")
+            continue
+        bad = [item for item in items if _positive_int(item)]
+        if bad:
+            problems.append(f"{here}: must be positive integers, got {bad[0]!r}")
+            continue
+        if any(later <= earlier for earlier, later in zip(items, items[1:])):
+            problems.append(f"{here}: must be strictly increasing (sorted, no repeats), got {items}")
+            continue
+        lists[phase] = tuple(items)
+    if problems:
+        return None, problems
+    return CompCtxLengths(lists["prefill"], lists["decode"]), []
 
 
 # ---- validation ----
@@ -209,8 +284,12 @@ def parse_compile_options(
     if not isinstance(data, Mapping):
         return CompileOptions(), [f"{path}: must be a mapping of compiler options"]
     problems: list[str] = []
-    shared_data = {k: v for k, v in data.items() if k not in (VISION, LANGUAGE)}
-    shared, found = _read_program(shared_data, path, PROGRAM_KEYS + (VISION, LANGUAGE))
+    ccl = None
+    if data.get(CCL_KEY) is not None:
+        ccl, found = parse_comp_ctx_lengths(data[CCL_KEY], f"{path}.{CCL_KEY}")
+        problems += found
+    shared_data = {k: v for k, v in data.items() if k not in (VISION, LANGUAGE, CCL_KEY)}
+    shared, found = _read_program(shared_data, path, PROGRAM_KEYS + (VISION, LANGUAGE, CCL_KEY))
     problems += found
     vision_keys = tuple(k for k in PROGRAM_KEYS if k not in LANGUAGE_ONLY_KEYS)
     programs: dict[str, ProgramOptions] = {}
@@ -229,4 +308,5 @@ def parse_compile_options(
         merged = {k: v for k, v in shared.items() if k in allowed}
         merged.update(own)
         programs[name] = replace(default, **merged)
-    return CompileOptions(vision=programs[VISION], language=programs[LANGUAGE]), problems
+    options = CompileOptions(vision=programs[VISION], language=programs[LANGUAGE], comp_ctx_lengths=ccl)
+    return options, problems

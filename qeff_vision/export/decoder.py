@@ -250,9 +250,13 @@ def _only_mask(masks: dict[str, torch.Tensor]) -> torch.Tensor:
 class LanguageDecoder(nn.Module):
     """The language program: input_ids, position_ids, vision_embeds, image_idx, past_* -> logits, ..."""
 
-    def __init__(self, parts: DecoderParts):
+    def __init__(self, parts: DecoderParts, comp_ctx_lengths: bool = False):
         super().__init__()
         self.parts = parts
+        # With CCL the last input is ``comp_ctx_lengths``: full-context layers read only as many
+        # leading slots as it has elements (QEfficient's mechanism; the host picks a length that
+        # covers every position written so far).
+        self.comp_ctx_lengths = comp_ctx_lengths
         self.embed_tokens = parts.embed_tokens
         self.text_model = parts.text_model
         self.lm_head = parts.lm_head
@@ -260,6 +264,10 @@ class LanguageDecoder(nn.Module):
     def forward(self, input_ids, position_ids, vision_embeds, image_idx, *past):
         """Run one chunk (prefill) or one token (decode); see the module docstring for the contract."""
         parts = self.parts
+        read_len = None
+        if self.comp_ctx_lengths:
+            *past, ccl = past
+            read_len = ccl.shape[0]
         text_positions = position_ids if parts.position_rows is None else position_ids[0]
         inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds, image_idx_output = merge_vision_rows(
@@ -273,11 +281,12 @@ class LanguageDecoder(nn.Module):
         write_slots = torch.where(
             text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1)
         )
-        read_slots = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
+        read_len = ctx_len if read_len is None else read_len
+        read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
         full_types = [t for t, is_ring in zip(parts.layer_types, rings) if not is_ring]
         masks = attention_masks(
-            text_positions, ctx_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
+            text_positions, read_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
         )
         plan = None
         if any(rings):

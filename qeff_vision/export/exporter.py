@@ -48,6 +48,8 @@ EXAMPLE_VISION_ROWS = 4
 EXAMPLE_CTX_LEN = 16
 # A window layer's ring in the example: shorter than the example chunk, so tracing covers S > R.
 EXAMPLE_RING_LEN = 6
+# Elements of the example ``comp_ctx_lengths`` (fewer than the example context).
+EXAMPLE_CCL = 12
 # Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
 EXTERNAL_THRESHOLD = 1024
 
@@ -228,6 +230,7 @@ def export_model(
     *,
     force: bool = False,
     dtype: str = "float32",
+    comp_ctx_lengths: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
@@ -240,6 +243,8 @@ def export_model(
         out_dir: Output directory; must be empty or absent unless ``force``.
         force: Replace a non-empty ``out_dir``.
         dtype: Floating dtype of the exported graphs, ``float32`` or ``float16``.
+        comp_ctx_lengths: Give the language program the ``comp_ctx_lengths`` input (compute-context
+            lengths: attention reads as many leading KV slots as it has elements).
         progress: Called with one line per stage; ``None`` silences progress.
 
     Returns:
@@ -269,7 +274,7 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
-        decoder = LanguageDecoder(parts).eval()
+        decoder = LanguageDecoder(parts, comp_ctx_lengths).eval()
         timings["patch"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -289,9 +294,11 @@ def export_model(
         start = time.perf_counter()
         say("export language")
         cache_symbols = family.kv_cache_symbols(description)
-        in_axes = family.language_input_axes(dims.num_layers, cache_symbols)
+        in_axes = family.language_input_axes(dims.num_layers, cache_symbols, comp_ctx_lengths)
         out_axes = family.language_output_axes(dims.num_layers, cache_symbols)
         example = language_example(parts, dims, dims.num_layers, family.position_id_rows, cache_symbols)
+        if comp_ctx_lengths:
+            example = (*example, torch.zeros(EXAMPLE_CCL, dtype=torch.int64))
         example = _cast(example, torch_dtype)
         lang = _trace(
             staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
@@ -321,6 +328,7 @@ def export_model(
             "config_hash": config_hash(model_dir),
             "opset": OPSET,
             "dtype": dtype,
+            "comp_ctx_lengths": comp_ctx_lengths,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

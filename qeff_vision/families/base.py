@@ -280,12 +280,12 @@ class Family:
     # ---- language IO (generic; position_ids rank comes from position_id_rows) ----
 
     def language_input_axes(
-        self, num_layers: int, cache_symbols: list[str] | None = None
+        self, num_layers: int, cache_symbols: list[str] | None = None, comp_ctx_lengths: bool = False
     ) -> dict[str, dict[int, str]]:
         """Symbolic axes of every language-program input, in graph input order.
 
         ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
-        ``ctx_len`` when omitted.
+        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports).
         """
         if self.position_id_rows is None:
             position_axes = {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}
@@ -301,6 +301,8 @@ class Family:
             kv_axes = {0: symbols.BATCH_SIZE, 2: slots}
             axes[symbols.past_key(layer)] = dict(kv_axes)
             axes[symbols.past_value(layer)] = dict(kv_axes)
+        if comp_ctx_lengths:
+            axes[symbols.COMP_CTX_LENGTHS] = {0: symbols.COMP_CTX_LENGTHS}
         return axes
 
     def language_output_axes(

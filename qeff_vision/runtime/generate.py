@@ -39,19 +39,48 @@ class LanguageShape:
     buckets: tuple[PrefillBucket, ...]
     decode_vision_size: int
     ctx_len: int
+    prefill_ccls: tuple[int, ...] = ()
+    decode_ccls: tuple[int, ...] = ()
 
     @classmethod
     def from_specializations(cls, specializations: Sequence[Mapping[str, object]]) -> LanguageShape:
-        """Read buckets from language specializations (seq_len 1 is the decode one)."""
+        """Read buckets (and compute-context lengths) from language specializations (seq_len 1 is decode)."""
         prefill, decode = [], []
+        ccls: dict[bool, set[int]] = {True: set(), False: set()}
         for spec in specializations:
             seq_len, vision = int(spec[symbols.SEQ_LEN]), int(spec[symbols.VISION_SIZE])
-            (decode if seq_len == 1 else prefill).append(PrefillBucket(seq_len, vision))
+            bucket = PrefillBucket(seq_len, vision)
+            phase = decode if seq_len == 1 else prefill
+            if bucket not in phase:  # one per bucket, whatever the CCLs
+                phase.append(bucket)
+            if symbols.COMP_CTX_LENGTHS in spec:
+                ccls[seq_len == 1].add(int(spec[symbols.COMP_CTX_LENGTHS]))
         ctx_lens = {int(spec[symbols.CTX_LEN]) for spec in specializations}
         if not prefill or len(ctx_lens) != 1:
             raise UserError("language specializations need prefill buckets and exactly one ctx_len")
         decode_vision = max(b.vision_size for b in decode) if decode else max(b.vision_size for b in prefill)
-        return cls(tuple(prefill), decode_vision, ctx_lens.pop())
+        return cls(
+            tuple(prefill),
+            decode_vision,
+            ctx_lens.pop(),
+            tuple(sorted(ccls[False])),
+            tuple(sorted(ccls[True])),
+        )
+
+    def comp_ctx_length(self, decode: bool, furthest_position: int) -> int | None:
+        """The smallest compiled CCL whose slots hold ``furthest_position``; None without CCLs.
+
+        Raises:
+            UserError: No CCL of the phase covers the position.
+        """
+        ccls = self.decode_ccls if decode else self.prefill_ccls
+        if not ccls:
+            return None
+        for ccl in ccls:
+            if ccl > furthest_position:
+                return ccl
+        phase = "decode" if decode else "prefill"
+        raise UserError(f"position {furthest_position} is past every {phase} comp_ctx_length {list(ccls)}")
 
 
 @dataclass
@@ -172,6 +201,8 @@ class Generator:
         self.dims = dims
         self.image_token_id = family.image_token_id(_description(model_config))
         self.position_rows = family.position_id_rows
+        #: The compute-context length fed to each language call (empty without CCL specializations).
+        self.ccl_history: list[int] = []
 
     # ---- vision ----
 
@@ -248,6 +279,15 @@ class Generator:
         return np.ascontiguousarray(window, dtype=np.int64)
 
     def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        positions = feeds[symbols.POSITION_IDS]
+        text_positions = positions if self.position_rows is None else positions[0]
+        decode = feeds[symbols.INPUT_IDS].shape[1] == 1
+        ccl = self.shape.comp_ctx_length(decode, int(text_positions.max()))
+        if ccl is not None:
+            # Attention reads the first `ccl` slots: every position written so far (QEfficient feeds
+            # a zero vector of that length; only its shape matters).
+            feeds = {**feeds, symbols.COMP_CTX_LENGTHS: np.zeros(ccl, np.int64)}
+            self.ccl_history.append(ccl)
         outputs = self.language.run({**feeds, **past})
         for name in past:
             past[name] = outputs[symbols.retained(name)]
@@ -291,6 +331,7 @@ class Generator:
                 (:class:`ShapeMismatch`).
         """
         started = time.perf_counter()
+        self.ccl_history = []
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         if max_new_tokens < 1:

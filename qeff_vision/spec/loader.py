@@ -73,6 +73,11 @@ def spec_from_data(data: object, source: Path) -> Spec:
     vision = read_vision(reader, top.get("vision", MISSING), ctx_len)
     compile_options, compile_problems = parse_compile_options(top.get("compile"), "compile")
     reader.problems += compile_problems
+    ccl = compile_options.comp_ctx_lengths
+    if ccl is not None and ctx_len is not None:
+        for phase, values in (("prefill", ccl.prefill), ("decode", ccl.decode)):
+            if values[-1] > ctx_len:
+                reader.add(f"compile.comp_ctx_lengths.{phase}", f"{values[-1]} exceeds ctx_len {ctx_len}")
 
     description = model_dir = config_path = None
     family = None

@@ -215,7 +215,9 @@ def build_specializations(
         whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
     cache_symbols = family.kv_cache_symbols(model)
-    language_in = family.language_input_axes(num_layers, cache_symbols)
+    ccl = spec.compile.comp_ctx_lengths
+    ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
+    language_in = family.language_input_axes(num_layers, cache_symbols, comp_ctx_lengths=ccl is not None)
     language_out = family.language_output_axes(num_layers, cache_symbols)
     language_order = _graph_order([language_in, language_out])
     common = {
@@ -224,27 +226,33 @@ def build_specializations(
         symbols.VISION_BATCH_SIZE: spec.batch_size,
     }
     where = f"family {family.name}, language program"
+    # One specialization per (bucket, CCL) when the spec lists compute-context lengths.
+    prefill_ccls = [(f"-ccl{c}", {symbols.COMP_CTX_LENGTHS: c}) for c in ccl.prefill] if ccl else [("", {})]
+    decode_ccls = [(f"-ccl{c}", {symbols.COMP_CTX_LENGTHS: c}) for c in ccl.decode] if ccl else [("", {})]
     language_specs = [
         Specialization(
-            f"Prefill-{seq_len}",
+            f"Prefill-{seq_len}{suffix}",
             _bind(
                 language_order,
-                {**common, symbols.SEQ_LEN: seq_len, symbols.VISION_SIZE: prefill_sizes[seq_len]},
+                {**common, symbols.SEQ_LEN: seq_len, symbols.VISION_SIZE: prefill_sizes[seq_len], **extra},
                 where,
             ),
         )
         for seq_len in seq_lens
+        for suffix, extra in prefill_ccls
     ]
-    language_specs.append(
+    decode_size = decode_vision_size(prefill_sizes)
+    language_specs += [
         Specialization(
-            DECODE,
+            f"{DECODE}{suffix}",
             _bind(
                 language_order,
-                {**common, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: decode_vision_size(prefill_sizes)},
+                {**common, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: decode_size, **extra},
                 where,
             ),
         )
-    )
+        for suffix, extra in decode_ccls
+    ]
 
     vision_dtype, language_dtype = spec.compute_dtype(VISION), spec.compute_dtype(LANGUAGE)
     kv_dtype = spec.compile.language.kv_cache_dtype
