@@ -36,6 +36,9 @@ class ExportAdapter:
     #: Image sizes (height, width) the parity tests feed the tiny checkpoint: several aspect ratios
     #: for multi-resolution towers; any sizes for fixed-resolution ones (the processor resizes).
     test_image_sizes: Sequence[tuple[int, int]] = ((100, 150), (224, 224), (300, 120))
+    #: ``*RMSNorm`` class name -> offset added to its weight before scaling (Gemma's ``1 + weight``
+    #: form); every other RMSNorm scales by its weight (see :mod:`qeff_vision.export.rms_norm`).
+    rms_norm_weight_offsets: Mapping[str, float] = {}
 
     # ---- loading ----
 

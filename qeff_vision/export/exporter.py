@@ -3,7 +3,8 @@
 Generic: the family supplies an :class:`~qeff_vision.export.adapter.ExportAdapter` and declares its
 IO axes as data; this module traces with small example shapes (export memory does not depend on
 image resolution), attaches the KV-cache ONNX functions, stores weights as external data, checks
-the graphs and writes ``export.json``. Everything is written to a staging directory and renamed
+the graphs and writes ``export.json``. Every RMSNorm exports as the compiler-known ``CustomRMSNorm``
+function (:mod:`qeff_vision.export.rms_norm`). Everything is written to a staging directory and renamed
 into place at the end, so an interrupted export never leaves a model.onnx that looks complete.
 """
 
@@ -30,6 +31,7 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
+from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.weights import (
     DTYPES,
     WeightPlan,
@@ -171,6 +173,7 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.Model
     """Attach functions, pin static dims, write the weights tensor by tensor, and check the result."""
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
+    attach_rms_norm(model)
     _pin_static_dims(model, traced.output_shapes, traced.axes)
     with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
         _stream_constants(model, traced.raw_path.parent, data)
@@ -266,6 +269,7 @@ def export_model(
     say(f"load: {model_dir} ({family.title}, weights streamed from disk)")
     adapter = load_adapter(family)
     model = _load_model(adapter, model_dir, torch_dtype)
+    use_custom_rms_norm(model, adapter.rms_norm_weight_offsets)
     plan = build_without_weights(model_dir, model, torch_dtype)
     timings["load"] = time.perf_counter() - start
 

@@ -52,6 +52,8 @@ class Adapter(FixedResolutionAdapter):
 
     family = get_family("gemma3")
     bidirectional_images = True  # an image's soft tokens attend to each other both ways
+    # Gemma3RMSNorm scales by (1 + weight) (ref: transformers v5 models/gemma3/modeling_gemma3.py).
+    rms_norm_weight_offsets = {"Gemma3RMSNorm": 1.0}
 
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """Tower and projector, unchanged."""
