@@ -44,7 +44,11 @@ def test_language_graph_uses_kv_functions_without_sentinels(exported):
 
     model = onnx.load(str(exported("qwen2_5_vl") / "lang" / "model.onnx"), load_external_data=False)
     used = {(node.domain, node.op_type) for node in model.graph.node if node.domain}
-    assert used == {("com.qualcomm.cloud", "CtxScatter"), ("com.qualcomm.cloud", "CtxGather")}
+    assert used == {
+        ("com.qualcomm.cloud", "CtxScatter"),
+        ("com.qualcomm.cloud", "CtxGather"),
+        ("com.qti.aisw.onnx", "CustomRMSNorm"),
+    }
     assert {(f.domain, f.name) for f in model.functions} == used
     for function in model.functions:  # built from standard ops only
         assert all(node.domain in ("", "ai.onnx") for node in function.node)
