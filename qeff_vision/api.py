@@ -143,7 +143,12 @@ def check_golden(specs_dir, *, update: bool = False):
 
 
 def conversation(
-    artifacts_dir, *, cache_bytes: int | None = None, protocol: str = "chunk", max_new_tokens: int = 32
+    artifacts_dir,
+    *,
+    cache_bytes: int | None = None,
+    protocol: str = "chunk",
+    max_new_tokens: int = 32,
+    precision: str | None = None,
 ):
     """A multi-turn conversation over a compile output directory (``qeff-vision compile -o OUT``).
 
@@ -155,6 +160,8 @@ def conversation(
         cache_bytes: Bound of the per-image embedding cache (256 MiB if None).
         protocol: Default vision protocol, ``chunk`` or ``full``.
         max_new_tokens: Default upper bound of generated tokens per turn.
+        precision: ``fp32`` runs the exported graphs; ``device`` runs them as the compiler will
+            (fp16, the precision plan's nodes in fp32).
 
     Returns:
         :class:`qeff_vision.runtime.conversation.Conversation`.
@@ -162,7 +169,11 @@ def conversation(
     from qeff_vision.runtime.conversation import open_conversation
 
     return open_conversation(
-        artifacts_dir, cache_bytes=cache_bytes, protocol=protocol, max_new_tokens=max_new_tokens
+        artifacts_dir,
+        cache_bytes=cache_bytes,
+        protocol=protocol,
+        max_new_tokens=max_new_tokens,
+        precision=precision,
     )
 
 
@@ -174,6 +185,7 @@ def run(
     max_new_tokens: int = 32,
     protocol: str = "chunk",
     compare_hf: bool = False,
+    precision: str | None = None,
     on_text=None,
     on_turn=None,
     on_done=None,
@@ -188,6 +200,7 @@ def run(
         protocol: ``chunk`` or ``full``.
         compare_hf: Also run transformers generate (float32, eager, greedy) on each turn's exact
             inputs and compare the tokens.
+        precision: ``fp32`` or ``device`` (see :func:`conversation`).
         on_text: Called with each completed piece of reply text (streaming).
         on_turn: Called with (turn index, prompt) before each turn.
         on_done: Called with (turn index, :class:`~qeff_vision.runtime.conversation.Turn`) after it.
@@ -204,7 +217,7 @@ def run(
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     for image in images:
         load_image(image)  # fail on a bad image before loading anything heavy
-    chat = conversation(artifacts_dir, protocol=protocol, max_new_tokens=max_new_tokens)
+    chat = conversation(artifacts_dir, protocol=protocol, max_new_tokens=max_new_tokens, precision=precision)
     return run_turns(
         chat, images, prompts, compare_hf=compare_hf, on_text=on_text, on_turn=on_turn, on_done=on_done
     )

@@ -31,6 +31,9 @@ VARIANTS = {
         "kv_cache_dtype": "mxint8",
         "ols": 2,
     },
+    # A precision plan for the language program (Gemma 3's residual stream): -node-precision-info
+    # follows -convert-to-fp16. An auto plan gives the same flag when calibration keeps any node.
+    "node_precision_plan": {"language": {"node_precision": "fp32_nodes.yaml"}},
 }
 
 
@@ -47,6 +50,11 @@ def command_lines(compile_section, compiler_name):
             custom_io=f"OUT/{dir_name}/custom_io.yaml",
             partition_config=partition,
             binary_dir=f"OUT/{dir_name}/qpc-HASH",
+            node_precision=(
+                f"OUT/{dir_name}/node_precision.yaml"
+                if program_options.node_precision not in ("auto", "none")
+                else None
+            ),
         )
         argv = build_argv(
             f"/opt/qti-aic/exec/{compiler_name}", program, files, program_options, compiler_name=compiler_name

@@ -28,6 +28,8 @@ def test_onnxruntime_verifies_every_specialization_after_exporting(tiny_spec, tm
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert (out / "export" / "export.json").is_file(), "the checkpoint is exported into OUT/export"
+    # The compile report compares device precision (fp16 emulation) with fp32 per specialization.
+    assert "device precision (fp16, plan nodes fp32) vs fp32" in captured.out
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "onnxruntime" and manifest["family"] == FAMILY
     vision, lang = manifest["programs"]["vision"], manifest["programs"]["lang"]

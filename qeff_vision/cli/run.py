@@ -17,6 +17,9 @@ HELP = {
     "prompt": "The user's text after the images; repeat for further turns of the same conversation.",
     "max_new_tokens": "Upper bound of generated tokens per turn.",
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
+    "precision": "fp32: run the exported graphs as they are (onnxruntime backend; its default). "
+    "device: as the compiler will under -convert-to-fp16 (fp16, the precision plan's node outputs "
+    "in fp32); the qaic default.",
     "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
     "tokens; exit code 1 when they differ.",
 }
@@ -36,8 +39,9 @@ HELP = {
     show_default=True,
     help=HELP["protocol"],
 )
+@click.option("--precision", type=click.Choice(["fp32", "device"]), default=None, help=HELP["precision"])
 @click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
-def run(artifacts, images, prompts, max_new_tokens, vision_protocol, compare_hf) -> None:
+def run(artifacts, images, prompts, max_new_tokens, vision_protocol, precision, compare_hf) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
     Uses the checkpoint's own processor and chat template. Several --prompt options make one
@@ -70,6 +74,7 @@ def run(artifacts, images, prompts, max_new_tokens, vision_protocol, compare_hf)
         max_new_tokens=max_new_tokens,
         protocol=vision_protocol,
         compare_hf=compare_hf,
+        precision=precision,
         on_text=on_text,
         on_turn=on_turn,
         on_done=on_done,

@@ -31,6 +31,8 @@ class ProgramFiles:
         custom_io: ``custom_io.yaml``, or ``None`` when every IO keeps the graph's types.
         partition_config: MDP partition file, present exactly when the program spans devices.
         binary_dir: Where the compiler writes ``programqpc.bin`` (``-aic-binary-dir``).
+        node_precision: ``node_precision.yaml``, the node outputs kept in fp32 under
+            ``-convert-to-fp16`` (``-node-precision-info``), or ``None`` for no plan.
     """
 
     onnx: Path | str
@@ -38,9 +40,12 @@ class ProgramFiles:
     custom_io: Path | str | None
     partition_config: Path | str | None
     binary_dir: Path | str
+    node_precision: Path | str | None = None
 
     @classmethod
-    def placeholders(cls, options: ProgramOptions, has_custom_io: bool = True) -> ProgramFiles:
+    def placeholders(
+        cls, options: ProgramOptions, has_custom_io: bool = True, has_plan: bool = False
+    ) -> ProgramFiles:
         """Stand-in names for every path: the argv of a cache key must not depend on where OUT is."""
         return cls(
             onnx="<onnx>",
@@ -48,6 +53,7 @@ class ProgramFiles:
             custom_io="<custom_io>" if has_custom_io else None,
             partition_config="<partition_config>" if options.num_devices > 1 else None,
             binary_dir="<binary_dir>",
+            node_precision="<node_precision>" if has_plan else None,
         )
 
 
@@ -119,6 +125,8 @@ def build_argv(
         argv.append("-retained-state")
     if options.convert_to_fp16:
         argv.append("-convert-to-fp16")
+        if files.node_precision is not None:
+            argv.append(f"-node-precision-info={files.node_precision}")
     argv.append(f"-aic-num-cores={options.num_cores}")
     if options.mxfp6_matmul:
         argv.append("-mxfp6-matmul")
@@ -143,12 +151,13 @@ def argv_without_paths(
     has_custom_io: bool = True,
     compiler_name: str = QAIC_EXEC,
     hw_version: str | None = None,
+    has_plan: bool = False,
 ) -> list[str]:
     """The argv with every path replaced by a placeholder and argv[0] by the compiler's name.
 
     Part of a program's cache key: moving OUT or the SDK does not invalidate a compiled program.
     """
-    files = ProgramFiles.placeholders(options, has_custom_io)
+    files = ProgramFiles.placeholders(options, has_custom_io, has_plan)
     return build_argv(
         compiler_name, program, files, options, compiler_name=compiler_name, hw_version=hw_version
     )

@@ -46,6 +46,7 @@ from qeff_vision.compile.manifest import (
     vllm_handoff,
 )
 from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
+from qeff_vision.compile.precision import PrecisionPlan, resolve_plans
 from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
 from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import SpecError, UserError
@@ -58,6 +59,8 @@ LOG_FILE = "compile.log"
 SECTIONS = {VISION: "vision", LANGUAGE: "lang"}
 
 Progress = Callable[[str], None]
+# Default of ``status_stream``: the sys.stderr of the call (tests and embedders replace it).
+STDERR = object()
 
 
 def _stderr(message: str) -> None:
@@ -86,6 +89,7 @@ class ProgramPlan:
     specializations_file: Path
     custom_io_file: Path | None
     partition_file: Path | None
+    precision: PrecisionPlan | None = None
 
     def symbol_values(self) -> list[dict[str, int]]:
         """Specializations as symbol -> int."""
@@ -274,6 +278,9 @@ def _program_entry(plan: ProgramPlan, out_dir: Path, path: Path) -> dict[str, An
         "custom_io_file": relative_to(plan.custom_io_file, out_dir) if plan.custom_io_file else None,
         "partition_file": relative_to(plan.partition_file, out_dir) if plan.partition_file else None,
         "options": plan.options.to_dict(),
+        "node_precision": plan.precision.to_dict(lambda p: relative_to(p, out_dir))
+        if plan.precision
+        else None,
     }
 
 
@@ -301,7 +308,7 @@ def compile_spec(
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
     progress: Progress | None = _stderr,
-    status_stream: Any = sys.stderr,
+    status_stream: Any = STDERR,
 ) -> CompileOutcome:
     """Compile (or verify) both programs of ``spec_path`` into ``out_dir``.
 
@@ -316,7 +323,7 @@ def compile_spec(
         timeout: Seconds per program compile, overriding the spec's ``compile.*.timeout``.
         env: Environment for compiler lookup and the compiler processes.
         progress: One-line progress messages (``None`` for silence).
-        status_stream: Where the live status line goes (``None`` for none).
+        status_stream: Where the live status line goes (``None`` for none; stderr by default).
 
     Raises:
         SpecError: The spec is invalid, or its specializations do not match the exported graphs.
@@ -347,6 +354,9 @@ def compile_spec(
         plans = write_inputs(generated, spec, out_dir, export)
         if export.manifest is not None:
             check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+        outcome.notes += resolve_plans(
+            plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
+        )
         manifest = _common_manifest(spec, out_dir, export, backend, sdk)
         manifest["shapes"]["specialization_layout"] = layout
         run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
@@ -372,9 +382,16 @@ def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
                 f"{plan.program}: would run {len(plan.specializations)} specialization(s) of {plan.onnx}"
             )
             continue
+        if plan.precision and plan.precision.overflow:
+            raise UserError(plan.precision.overflow.describe(plan.program, "on the calibration prompts"))
         start = time.perf_counter()
         checks = verify_program(
-            plan.program, plan.onnx, plan.symbol_values(), source=str(run.spec_path), progress=run.say
+            plan.program,
+            plan.onnx,
+            plan.symbol_values(),
+            source=str(run.spec_path),
+            progress=run.say,
+            device_values=plan.precision.device_values if plan.precision else None,
         )
         entry = _program_entry(plan, run.out_dir, plan.onnx)
         entry["verification"] = {
@@ -404,6 +421,10 @@ def _compile(
     hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE)
     jobs, records, entries, binary_dirs = [], {}, {}, {}
     for plan in plans.values():
+        if plan.precision and plan.precision.overflow:
+            outcome.notes.append(
+                "warning: " + plan.precision.overflow.describe(plan.program, "on the calibration prompts")
+            )
         key, key_inputs, argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
         outcome.commands[plan.program] = format_command(argv)
         entry = _program_entry(plan, run.out_dir, binary_dir)
@@ -433,7 +454,8 @@ def _compile(
             outcome.notes.append(f"no SDK compiler found; the command lines show {argv0}")
         return
     try:
-        results = run_jobs(jobs, StatusLine(status_stream), run.env) if jobs else {}
+        stream = sys.stderr if status_stream is STDERR else status_stream  # resolved now, not at import
+        results = run_jobs(jobs, StatusLine(stream), run.env) if jobs else {}
     except BaseException:
         for job in jobs:
             cache.discard(binary_dirs[job.program])
@@ -447,6 +469,7 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
     """(cache key, its inputs, compiler argv, binary directory) of one program."""
     sdk, exported = run.sdk, run.export.manifest is not None
     hw_version = sdk.hw_version_flag_value(plan.options.aic_hw_version) if sdk else None
+    plan_file = plan.precision.path if plan.precision else None
     key_inputs = {
         "onnx": hasher.onnx(plan.onnx) if exported else None,
         "argv": argv_without_paths(
@@ -455,8 +478,10 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
             has_custom_io=plan.custom_io_file is not None,
             compiler_name=compiler_name,
             hw_version=hw_version,
+            has_plan=plan_file is not None,
         ),
         "specializations": plan.specializations_file.read_text(encoding="utf-8"),
+        "node_precision": plan_file.read_text(encoding="utf-8") if plan_file else None,
         "custom_io": plan.custom_io_file.read_text(encoding="utf-8") if plan.custom_io_file else None,
         "partition": plan.partition_file.read_text(encoding="utf-8") if plan.partition_file else None,
         "sdk_version": sdk.version if sdk else None,
@@ -464,7 +489,7 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
     key = cache.program_key(key_inputs)
     binary_dir = plan.directory / (cache.binary_dir_name(key) if exported else "qpc-<hash>")
     files = ProgramFiles(
-        plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir
+        plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir, plan_file
     )
     argv = build_argv(
         argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version

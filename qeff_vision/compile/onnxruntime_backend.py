@@ -18,6 +18,7 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
 from qeff_vision.errors import SpecError, UserError
+from qeff_vision.numerics.plan import overflow_message
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,63 @@ class SpecializationRun:
     symbols: dict[str, int]
     latency_ms: float
     output_shapes: dict[str, list[int]]
+    device: DeviceDeviation | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary for the manifest."""
-        return {
+        entry = {
             "index": self.index,
             "symbols": self.symbols,
             "latency_ms": round(self.latency_ms, 3),
             "output_shapes": self.output_shapes,
         }
+        if self.device is not None:
+            entry["device_precision"] = self.device.to_dict()
+        return entry
+
+
+@dataclass(frozen=True)
+class DeviceDeviation:
+    """Device precision (fp16 with the plan's fp32 nodes) vs the fp32 graph on the same inputs.
+
+    Attributes:
+        max_abs: Largest absolute difference over every float output.
+        max_relative: Largest difference divided by that output's fp32 range (max - min).
+        worst_output: The output where ``max_relative`` occurs.
+        finite: No inf/NaN in any device-precision output.
+    """
+
+    max_abs: float
+    max_relative: float
+    worst_output: str
+    finite: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dictionary for the manifest."""
+        return {
+            "max_abs": float(f"{self.max_abs:.4g}"),
+            "max_relative": float(f"{self.max_relative:.4g}"),
+            "worst_output": self.worst_output,
+            "finite": self.finite,
+        }
+
+
+def deviation(names: Sequence[str], reference: Sequence[Any], device: Sequence[Any]) -> DeviceDeviation:
+    """Compare device-precision outputs with fp32 ones (float outputs only)."""
+    import numpy as np
+
+    worst = (0.0, 0.0, "")
+    finite = True
+    for name, ref, dev in zip(names, reference, device):
+        if not np.issubdtype(ref.dtype, np.floating) or ref.size == 0:
+            continue
+        ref64, dev64 = ref.astype(np.float64), dev.astype(np.float64)
+        finite = finite and bool(np.isfinite(dev64).all())
+        diff = float(np.nan_to_num(np.abs(dev64 - ref64), nan=np.inf).max())
+        spread = float(ref64.max() - ref64.min()) or 1.0
+        if diff / spread >= worst[1]:
+            worst = (diff, diff / spread, name)
+    return DeviceDeviation(worst[0], worst[1], worst[2], finite)
 
 
 def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any) -> Any:
@@ -55,7 +104,8 @@ def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any) -> Any
     return np.zeros(shape, dtype=dtype)
 
 
-def _bound_shape(tensor: TensorInfo, values: Mapping[str, int], where: str) -> tuple[int, ...]:
+def bound_shape(tensor: TensorInfo, values: Mapping[str, int], where: str) -> tuple[int, ...]:
+    """``tensor``'s shape with every symbol bound from ``values`` (a UserError for an unnamed axis)."""
     shape = tensor.bind(values)
     if any(dim is None for dim in shape):
         raise UserError(f"{where}: input {tensor.name} has an unnamed dynamic axis; the export must name it")
@@ -79,8 +129,13 @@ def verify_program(
     source: str = "",
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    device_values: Sequence[str] | None = None,
 ) -> list[SpecializationRun]:
     """Run ``onnx_path`` once per specialization and check every output shape.
+
+    With ``device_values`` (the precision plan), each specialization also runs at device
+    precision (:mod:`qeff_vision.numerics.device`) on the same inputs, and the deviation from fp32
+    is recorded; an inf/NaN there is an error naming the first node that left fp16's range.
 
     Args:
         program: ``vision`` or ``lang``, for messages.
@@ -89,10 +144,12 @@ def verify_program(
         source: What the specializations came from (the spec path), for messages.
         seed: Seed of the generated float inputs.
         progress: Called with one line per finished specialization.
+        device_values: Node outputs kept in fp32 at device precision; ``None`` skips that check.
 
     Raises:
         SpecError: A specialization misses a graph symbol or names one the graph lacks.
-        UserError: onnxruntime fails on a specialization, or an output shape differs.
+        UserError: onnxruntime fails on a specialization, an output shape differs, or device
+            precision overflows.
     """
     import numpy as np
     import onnxruntime
@@ -105,12 +162,13 @@ def verify_program(
         session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
         raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc
+    device = None if device_values is None else _device_session(Path(onnx_path), device_values)
     rng = np.random.default_rng(seed)
     runs = []
     for index, values in enumerate(specializations):
         where = f"{program} specialization {index} {dict(values)}"
         feeds = {
-            tensor.name: generated_input(tensor, _bound_shape(tensor, values, where), rng)
+            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng)
             for tensor in graph.inputs
         }
         names = [tensor.name for tensor in graph.outputs]
@@ -133,8 +191,23 @@ def verify_program(
             shapes[tensor.name] = [int(d) for d in actual]
         if problems:
             raise UserError(f"{where}: " + "; ".join(problems))
-        run = SpecializationRun(index, dict(values), latency_ms, shapes)
+        compared = None
+        if device is not None:
+            compared = deviation(names, results, device.run(names, feeds))
+            if not compared.finite:
+                raise UserError(overflow_message(program, Path(onnx_path), feeds, device_values, where))
+        run = SpecializationRun(index, dict(values), latency_ms, shapes, compared)
         runs.append(run)
         if progress:
-            progress(f"{program} specialization {index}: ok in {latency_ms:.1f} ms {dict(values)}")
+            shown = f", device precision max deviation {compared.max_relative:.2e}" if compared else ""
+            progress(f"{program} specialization {index}: ok in {latency_ms:.1f} ms{shown} {dict(values)}")
     return runs
+
+
+def _device_session(onnx_path: Path, device_values: Sequence[str]):
+    import onnx
+
+    from qeff_vision.numerics.device import device_graph, session_for
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return session_for(device_graph(model, device_values), onnx_path.parent)

@@ -29,6 +29,8 @@ LANGUAGE = "language"
 PROGRAM_DIRS: dict[str, str] = {VISION: "vision", LANGUAGE: "lang"}
 
 KV_CACHE_DTYPES = ("float16", "mxint8")
+NODE_PRECISION_AUTO = "auto"
+NODE_PRECISION_NONE = "none"
 # "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass.
 AIC_HW_VERSIONS = ("ai100", "2.0")
 # One AI 100 SoC has up to 16 neural signal processors (cores).
@@ -55,6 +57,10 @@ class ProgramOptions:
         kv_cache_dtype: Element type of the KV cache held on the device, ``float16`` or ``mxint8``
             (language program only; it decides the custom IO of ``past_key.*``/``past_value.*``).
         timeout: Seconds the compiler may run before it is stopped; ``None`` waits forever.
+        node_precision: Node outputs kept in fp32 under ``-convert-to-fp16``
+            (``-node-precision-info``): ``auto`` computes the plan from calibration runs of the
+            fp32 graph (:mod:`qeff_vision.numerics.plan`), ``none`` passes no plan, any other
+            value is the path of a plan file in the compiler's format (relative to the spec).
     """
 
     num_cores: int = MAX_CORES_PER_DEVICE
@@ -67,6 +73,7 @@ class ProgramOptions:
     aic_hw_version: str = AIC_HW_VERSIONS[0]
     kv_cache_dtype: str = KV_CACHE_DTYPES[0]
     timeout: float | None = None
+    node_precision: str = NODE_PRECISION_AUTO
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary (for manifests and cache keys)."""
@@ -107,6 +114,44 @@ class CompCtxLengths:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Inputs of the calibration runs that find an ``auto`` precision plan (``compile.calibration``).
+
+    Attributes:
+        images: Image paths (relative to the spec) replacing the synthetic images at the spec's
+            resolutions.
+        prompts: Prompts replacing the default one.
+    """
+
+    images: tuple[str, ...] = ()
+    prompts: tuple[str, ...] = ()
+
+
+CALIBRATION_KEY = "calibration"
+
+
+def parse_calibration(value: Any, path: str) -> tuple[Calibration | None, list[str]]:
+    """Read ``calibration: {images: [paths], prompts: [texts]}`` (both optional, non-empty strings)."""
+    if not isinstance(value, Mapping):
+        return None, [f"{path}: must be a mapping with images and/or prompts lists"]
+    problems = [
+        f"{path}.{key}: unknown key; allowed: images, prompts"
+        for key in value
+        if key not in ("images", "prompts")
+    ]
+    lists = {}
+    for key in ("images", "prompts"):
+        items = value.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(i, str) and i.strip() for i in items):
+            problems.append(f"{path}.{key}: must be a list of non-empty strings")
+            continue
+        lists[key] = tuple(items)
+    if problems:
+        return None, problems
+    return Calibration(lists["images"], lists["prompts"]), []
+
+
+@dataclass(frozen=True)
 class CompileOptions:
     """Options of both programs. ``language`` defaults to MXFP6 matmuls, ``vision`` does not.
 
@@ -117,6 +162,7 @@ class CompileOptions:
     vision: ProgramOptions = field(default_factory=ProgramOptions)
     language: ProgramOptions = field(default_factory=_default_language)
     comp_ctx_lengths: CompCtxLengths | None = None
+    calibration: Calibration | None = None
 
     def program(self, name: str) -> ProgramOptions:
         """Options of ``name`` (``vision``/``language``, or the directory names ``vision``/``lang``)."""
@@ -131,6 +177,8 @@ class CompileOptions:
         data: dict[str, Any] = {VISION: self.vision.to_dict(), LANGUAGE: self.language.to_dict()}
         if self.comp_ctx_lengths is not None:
             data[CCL_KEY] = asdict(self.comp_ctx_lengths)
+        if self.calibration is not None:
+            data[CALIBRATION_KEY] = asdict(self.calibration)
         return data
 
 
@@ -218,6 +266,12 @@ def _timeout(value: Any) -> str | None:
     return None
 
 
+def _node_precision(value: Any) -> str | None:
+    if isinstance(value, str) and value.strip():
+        return None
+    return f"must be {NODE_PRECISION_AUTO}, {NODE_PRECISION_NONE} or the path of a node precision file"
+
+
 _CHECKS = {
     "num_cores": _cores,
     "num_devices": _positive_int,
@@ -229,6 +283,7 @@ _CHECKS = {
     "aic_hw_version": _choice(AIC_HW_VERSIONS),
     "kv_cache_dtype": _choice(KV_CACHE_DTYPES),
     "timeout": _timeout,
+    "node_precision": _node_precision,
 }
 assert set(_CHECKS) == {f.name for f in fields(ProgramOptions)}, "every option needs a check"
 PROGRAM_KEYS = tuple(_CHECKS)
@@ -288,8 +343,13 @@ def parse_compile_options(
     if data.get(CCL_KEY) is not None:
         ccl, found = parse_comp_ctx_lengths(data[CCL_KEY], f"{path}.{CCL_KEY}")
         problems += found
-    shared_data = {k: v for k, v in data.items() if k not in (VISION, LANGUAGE, CCL_KEY)}
-    shared, found = _read_program(shared_data, path, PROGRAM_KEYS + (VISION, LANGUAGE, CCL_KEY))
+    calibration = None
+    if data.get(CALIBRATION_KEY) is not None:
+        calibration, found = parse_calibration(data[CALIBRATION_KEY], f"{path}.{CALIBRATION_KEY}")
+        problems += found
+    sections = (VISION, LANGUAGE, CCL_KEY, CALIBRATION_KEY)
+    shared_data = {k: v for k, v in data.items() if k not in sections}
+    shared, found = _read_program(shared_data, path, PROGRAM_KEYS + sections)
     problems += found
     vision_keys = tuple(k for k in PROGRAM_KEYS if k not in LANGUAGE_ONLY_KEYS)
     programs: dict[str, ProgramOptions] = {}
@@ -308,5 +368,7 @@ def parse_compile_options(
         merged = {k: v for k, v in shared.items() if k in allowed}
         merged.update(own)
         programs[name] = replace(default, **merged)
-    options = CompileOptions(vision=programs[VISION], language=programs[LANGUAGE], comp_ctx_lengths=ccl)
+    options = CompileOptions(
+        vision=programs[VISION], language=programs[LANGUAGE], comp_ctx_lengths=ccl, calibration=calibration
+    )
     return options, problems

@@ -129,14 +129,50 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     )
 
 
-def open_programs(artifacts: Artifacts):
+PRECISIONS = ("fp32", "device")
+
+
+def device_plan(artifacts: Artifacts, program: str) -> list[str] | None:
+    """Node outputs ``program`` keeps in fp32 at device precision; None when it compiles in fp32.
+
+    Read from the plan file the manifest names (``node_precision.path``); no file means no node.
+    """
+    from qeff_vision.numerics.plan import read_plan
+
+    entry = artifacts.manifest["programs"][program]
+    if not (entry.get("options") or {}).get("convert_to_fp16", True):
+        return None
+    plan = entry.get("node_precision") or {}
+    if not plan.get("path"):
+        return []
+    path = Path(plan["path"])
+    return read_plan(path if path.is_absolute() else artifacts.out_dir / path)
+
+
+def open_programs(artifacts: Artifacts, precision: str | None = None):
     """(vision, language) program sessions for the artifacts' backend.
+
+    Args:
+        artifacts: The compile output.
+        precision: ``fp32`` runs the exported graphs as they are; ``device`` runs them as the
+            compiler will (fp16 with the plan's nodes in fp32, :mod:`qeff_vision.numerics.device`).
+            On a ``qaic`` backend the device computes, so only ``device`` applies. ``None``:
+            ``fp32`` on onnxruntime, ``device`` on qaic.
 
     Raises:
         UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
     """
     from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
 
+    if precision is None:
+        precision = "device" if artifacts.backend == QAIC else "fp32"
+    if precision not in PRECISIONS:
+        raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if artifacts.backend == QAIC and precision == "fp32":
+        raise UserError(
+            f"{artifacts.out_dir}: qaic programs run at device precision; --precision fp32 needs "
+            "the onnxruntime backend"
+        )
     if artifacts.backend == QAIC:
         require_qaic_runtime(artifacts.language_path)
         io = read_export(artifacts.export_dir)["programs"]
@@ -144,21 +180,33 @@ def open_programs(artifacts: Artifacts):
             QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
             QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
         )
+    device = precision == "device"
     return (
-        OnnxProgram(artifacts.vision_path, artifacts.vision_specializations),
-        OnnxProgram(artifacts.language_path, artifacts.language_specializations),
+        OnnxProgram(
+            artifacts.vision_path,
+            artifacts.vision_specializations,
+            fp32_values=device_plan(artifacts, "vision") if device else None,
+        ),
+        OnnxProgram(
+            artifacts.language_path,
+            artifacts.language_specializations,
+            fp32_values=device_plan(artifacts, "lang") if device else None,
+        ),
     )
 
 
 def generator_for_artifacts(
-    artifacts: Artifacts | str | Path, *, cache: EmbeddingCache | None = None
+    artifacts: Artifacts | str | Path, *, cache: EmbeddingCache | None = None, precision: str | None = None
 ) -> Generator:
-    """A :class:`Generator` over a compile output directory (or loaded :class:`Artifacts`)."""
+    """A :class:`Generator` over a compile output directory (or loaded :class:`Artifacts`).
+
+    ``precision`` is ``fp32`` or ``device`` (see :func:`open_programs`).
+    """
     from qeff_vision.export.exporter import load_adapter
 
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
-    vision, language = open_programs(artifacts)
+    vision, language = open_programs(artifacts, precision)
     model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
     adapter = load_adapter(artifacts.family)
     return Generator(

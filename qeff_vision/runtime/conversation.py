@@ -230,6 +230,7 @@ def open_conversation(
     cache_bytes: int | None = None,
     protocol: str = VisionProtocol.CHUNK.value,
     max_new_tokens: int = 32,
+    precision: str | None = None,
 ) -> Conversation:
     """A :class:`Conversation` over a compile output directory, with the checkpoint's own processor.
 
@@ -238,6 +239,7 @@ def open_conversation(
         cache_bytes: Bound of the per-image embedding cache (the runtime default if None).
         protocol: Default vision protocol.
         max_new_tokens: Default upper bound of generated tokens per turn.
+        precision: ``fp32`` (the exported graphs) or ``device`` (fp16 as compiled, with the plan).
 
     Raises:
         UserError: No manifest, a missing checkpoint, or a ``qaic`` artifact without the SDK runtime.
@@ -248,7 +250,7 @@ def open_conversation(
 
     artifacts = load_artifacts(artifacts_dir)
     cache = EmbeddingCache(cache_bytes) if cache_bytes is not None else None
-    generator = generator_for_artifacts(artifacts, cache=cache)
+    generator = generator_for_artifacts(artifacts, cache=cache, precision=precision)
     quiet_transformers()
     from transformers import AutoProcessor
 

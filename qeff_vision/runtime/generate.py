@@ -9,7 +9,7 @@ encoded when a chunk first needs them, through a per-conversation :class:`Embedd
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -489,11 +489,13 @@ def generator_for_export(
     vision_specializations: Sequence[Mapping[str, object]] | None = None,
     language_specializations: Sequence[Mapping[str, object]] | None = None,
     cache: EmbeddingCache | None = None,
+    fp32_values: Mapping[str, Collection[str]] | None = None,
 ) -> Generator:
     """A :class:`Generator` over an export directory's two graphs on onnxruntime.
 
     Without specializations any shape runs (a bare export); with them, the sessions reject the
-    shapes a compiled program would.
+    shapes a compiled program would. ``fp32_values`` (program -> precision plan) runs both
+    programs at device precision (see :mod:`qeff_vision.numerics.device`).
     """
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.export.record import read_export
@@ -502,6 +504,15 @@ def generator_for_export(
     manifest = read_export(export_dir)
     family = get_family(manifest["family"])
     model_config, eos_ids = checkpoint_settings(manifest["model"])
-    vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
-    language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
+    plans = fp32_values or {}
+    vision = OnnxProgram(
+        export_dir / manifest["programs"]["vision"]["path"],
+        vision_specializations,
+        fp32_values=plans.get("vision", ()) if fp32_values is not None else None,
+    )
+    language = OnnxProgram(
+        export_dir / manifest["programs"]["lang"]["path"],
+        language_specializations,
+        fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
+    )
     return Generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)

@@ -11,7 +11,7 @@ import importlib
 import platform
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +116,8 @@ class OnnxProgram(CompiledProgram):
         onnx_path: The program's model.onnx (external data beside it).
         specializations: Symbol -> value mappings the program was compiled for; None accepts any.
         threads: Intra-op threads (0 lets onnxruntime choose).
+        fp32_values: Run at device precision (fp16, as ``-convert-to-fp16`` compiles it) keeping
+            these node outputs in fp32 (the precision plan); None runs the fp32 graph as exported.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class OnnxProgram(CompiledProgram):
         onnx_path: str | Path,
         specializations: Sequence[Mapping[str, object]] | None = None,
         threads: int = 0,
+        fp32_values: Collection[str] | None = None,
     ):
         import onnxruntime as ort
 
@@ -131,18 +134,49 @@ class OnnxProgram(CompiledProgram):
         options.intra_op_num_threads = threads
         options.log_severity_level = 3
         try:
-            self.session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+            if fp32_values is None:
+                self.session = ort.InferenceSession(
+                    str(onnx_path), options, providers=["CPUExecutionProvider"]
+                )
+            else:
+                self.session = _device_session(Path(onnx_path), fp32_values, threads)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise UserError(
                 f"{onnx_path}: onnxruntime cannot load the graph ({str(exc).splitlines()[0]})"
             ) from exc
         self.path = Path(onnx_path)
+        self.fp32_values = None if fp32_values is None else list(fp32_values)
         self.input_dims = {i.name: list(i.shape) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.specializations = _as_int_specializations(specializations)
 
     def _execute(self, feeds, bound):
-        return dict(zip(self.output_names, self.session.run(self.output_names, dict(feeds))))
+        outputs = dict(zip(self.output_names, self.session.run(self.output_names, dict(feeds))))
+        if self.fp32_values is not None and not _finite(outputs.values()):
+            from qeff_vision.numerics.plan import overflow_message
+
+            where = f"{self.path.parent.name} at device precision"
+            raise DeviceOverflow(
+                overflow_message(self.path.parent.name, self.path, feeds, self.fp32_values, where)
+            )
+        return outputs
+
+
+class DeviceOverflow(UserError):
+    """A device-precision run produced inf/NaN (the message names the first node beyond fp16)."""
+
+
+def _finite(values) -> bool:
+    return all(np.isfinite(v).all() for v in values if np.issubdtype(v.dtype, np.floating))
+
+
+def _device_session(onnx_path: Path, fp32_values: Collection[str], threads: int):
+    import onnx
+
+    from qeff_vision.numerics.device import device_graph, session_for
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    return session_for(device_graph(model, fp32_values), onnx_path.parent, threads)
 
 
 def qaic_runtime_available() -> bool:

@@ -35,6 +35,7 @@ VALUE_FLAGS = {
     "-ols",
     "-mdp-load-partition-config",
     "-aic-binary-dir",
+    "-node-precision-info",
 }
 SWITCHES = {
     "-aic-hw",
@@ -147,6 +148,26 @@ def check_custom_io(path: Path, inputs: dict, outputs: dict) -> None:
             raise Refused(f"{path}: unknown precision {entry['Precision']!r}")
 
 
+def check_node_precision(path: Path, model_path: Path, switches: set[str]) -> None:
+    """A plan file lists node output names of the graph under FP32NodeInstanceNames."""
+    import onnx
+    import yaml
+
+    if "-convert-to-fp16" not in switches:
+        raise Refused("-node-precision-info without -convert-to-fp16")
+    if not path.is_file():
+        raise Refused(f"-node-precision-info: {path} does not exist")
+    data = yaml.safe_load(path.read_text())
+    names = data.get("FP32NodeInstanceNames") if isinstance(data, dict) else None
+    if not isinstance(names, list) or not names:
+        raise Refused(f"{path}: expected a non-empty FP32NodeInstanceNames list")
+    model = onnx.load(str(model_path), load_external_data=False)
+    outputs = {o for node in model.graph.node for o in node.output}
+    unknown = [n for n in names if n not in outputs]
+    if unknown:
+        raise Refused(f"{path}: {unknown[0]} is not a node output of the graph")
+
+
 def check_partition(path: Path, num_cores: int) -> int:
     if not path.is_file():
         raise Refused(f"-mdp-load-partition-config: {path} does not exist")
@@ -180,6 +201,8 @@ def compile_program(argv: list[str]) -> int:
     cores = int(values.get("-aic-num-cores", "16"))
     if not 1 <= cores <= 16:
         raise Refused(f"-aic-num-cores={cores} out of range")
+    if "-node-precision-info" in values:
+        check_node_precision(Path(values["-node-precision-info"]), Path(values["-m"]), switches)
     if "-mdp-load-partition-config" in values:
         check_partition(Path(values["-mdp-load-partition-config"]), cores)
     retained = [name for name in outputs if name.endswith("_RetainedState")]

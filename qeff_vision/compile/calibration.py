@@ -1,0 +1,103 @@
+"""Calibration runs for the precision plan: real prompts through the runtime, every node output recorded.
+
+Each program runs in fp32 with every float node output exposed (:class:`RecordingProgram`), inside
+the ordinary chunk-aware generation loop, on one prompt per (image, prompt) pair: the spec's
+resolutions as synthetic images (or the user's ``compile.calibration.images``) with a default
+prompt (or ``compile.calibration.prompts``), chunked over the compiled buckets and followed by a few
+decode steps. Token ids, image rows and positions are then those a user's request produces; the
+generated inputs of :func:`qeff_vision.compile.precision.calibration_feeds` (zero token ids, which
+are padding with a zero embedding in some families) complement them with every specialization's
+shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from qeff_vision.runtime.session import OnnxProgram
+
+DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
+DECODE_STEPS = 3
+
+
+class RecordingProgram(OnnxProgram):
+    """An fp32 :class:`OnnxProgram` that records the largest magnitude of every float node output."""
+
+    def __init__(self, onnx_path: str | Path, specializations=None):
+        import onnx
+
+        from qeff_vision.numerics.device import float_outputs, session_for, value_types
+        from qeff_vision.numerics.plan import exposed_model
+
+        super().__init__(onnx_path, specializations)
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        self.recorded = float_outputs(model, value_types(model))
+        self.recording_session = session_for(exposed_model(model, self.recorded), Path(onnx_path).parent)
+        self.ranges: dict[str, float] = dict.fromkeys(self.recorded, 0.0)
+
+    def _execute(self, feeds, bound):
+        from qeff_vision.numerics.plan import update_ranges
+
+        names = self.output_names + [n for n in self.recorded if n not in self.output_names]
+        values = self.recording_session.run(names, dict(feeds))
+        update_ranges(self.ranges, dict(zip(names, values)))
+        return dict(zip(self.output_names, values[: len(self.output_names)]))
+
+
+def prompt_ranges(
+    export_dir: Path,
+    vision_specializations: Sequence[Mapping[str, int]],
+    language_specializations: Sequence[Mapping[str, int]],
+    resolutions: Sequence[tuple[int, int]],
+    *,
+    images: Sequence[Path] = (),
+    prompts: Sequence[str] = (),
+) -> dict[str, dict[str, float]]:
+    """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
+
+    Args:
+        export_dir: The export (its ``export.json`` names the checkpoint and its processor).
+        vision_specializations: Compiled vision symbol values.
+        language_specializations: Compiled language symbol values.
+        resolutions: (height, width) of the spec's images; a synthetic image each unless ``images``.
+        images: The user's calibration images (replace the synthetic ones).
+        prompts: The user's calibration prompts (default: one descriptive prompt).
+    """
+    from PIL import Image
+
+    from qeff_vision.export.adapter import quiet_transformers
+    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.export.record import read_export
+    from qeff_vision.families import get_family
+    from qeff_vision.runtime.conversation import Conversation
+    from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
+
+    manifest = read_export(export_dir)
+    family = get_family(manifest["family"])
+    model_config, _ = checkpoint_settings(manifest["model"])
+    vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
+    language = RecordingProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
+    shape = LanguageShape.from_specializations(language_specializations)
+    # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
+    generator = Generator(family, load_adapter(family), model_config, vision, language, shape, [])
+    quiet_transformers()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(manifest["model"]))
+    if images:
+        pictures = [Image.open(path).convert("RGB") for path in images]
+    else:
+        rng = np.random.default_rng(0)
+        pictures = [
+            Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+            for height, width in resolutions
+        ]
+    for text in prompts or [DEFAULT_PROMPT]:
+        for picture in pictures:
+            chat = Conversation(generator, processor, max_new_tokens=DECODE_STEPS)
+            chat.ask([picture], text)
+        Conversation(generator, processor, max_new_tokens=DECODE_STEPS).ask([], text)
+    return {"vision": vision.ranges, "lang": language.ranges}

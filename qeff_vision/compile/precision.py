@@ -1,0 +1,227 @@
+"""The precision plan of each program: resolved from ``compile.node_precision`` and written under OUT.
+
+``auto`` (the default when converting to fp16) runs the fp32 graph once per specialization on
+calibration inputs and keeps in fp32 what would leave fp16's range
+(:func:`qeff_vision.numerics.plan.auto_plan`); ``none`` passes no plan; a path is a plan file in
+the compiler's format, checked against the graph's node outputs. The plan the compiler reads is
+always ``OUT/<program>/node_precision.yaml`` (absent when nothing needs fp32), and its hash is part
+of the program's cache key and manifest entry, so a changed plan recompiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qeff_vision.compile.graph_io import read_graph_io
+from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
+from qeff_vision.compile.options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
+from qeff_vision.numerics.plan import (
+    PLAN_FILE,
+    Overflow,
+    auto_plan,
+    check_plan_names,
+    first_overflow,
+    non_matmul_outputs,
+    plan_hash,
+    read_plan,
+    value_ranges,
+    write_plan,
+)
+
+
+@dataclass
+class PrecisionPlan:
+    """One program's plan.
+
+    Attributes:
+        mode: ``auto``, ``none``, ``path`` or ``fp32`` (no ``-convert-to-fp16``: nothing to plan).
+        path: The plan file the compiler reads, or ``None`` when there is none.
+        names: Node outputs kept in fp32 (``None`` for a dry run of ``auto``: not computed).
+        non_matmul_outputs: Size of the "every non-matmul output" plan, for comparison.
+        source: The user's plan file (mode ``path``).
+        overflow: For a plan not computed here (``none`` or a path), the first node output outside
+            it that the calibration prompts drove beyond fp16's range.
+    """
+
+    mode: str
+    path: Path | None = None
+    names: list[str] | None = field(default_factory=list)
+    non_matmul_outputs: int | None = None
+    source: Path | None = None
+    overflow: Overflow | None = None
+
+    @property
+    def device_values(self) -> list[str] | None:
+        """What device-precision sessions keep in fp32; ``None`` when the program runs in fp32."""
+        return None if self.mode == "fp32" else list(self.names or [])
+
+    def to_dict(self, relative) -> dict[str, Any]:
+        """Manifest entry; ``relative`` maps a path to its manifest spelling."""
+        return {
+            "mode": self.mode,
+            "path": relative(self.path) if self.path else None,
+            "sha256": plan_hash(self.path) if self.path and self.path.is_file() else None,
+            "nodes": None if self.names is None else len(self.names),
+            "non_matmul_outputs": self.non_matmul_outputs,
+        }
+
+
+def calibration_feeds(onnx_path: Path, specializations: Sequence[Mapping[str, int]], seed: int = 0):
+    """One generated input set per specialization (the shapes the program is compiled for)."""
+    graph = read_graph_io(onnx_path)
+    rng = np.random.default_rng(seed)
+    for index, values in enumerate(specializations):
+        where = f"calibration of specialization {index}"
+        yield {
+            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng)
+            for tensor in graph.inputs
+        }
+
+
+def resolve_plan(
+    onnx_path: Path,
+    options: ProgramOptions,
+    specializations: Sequence[Mapping[str, int]],
+    directory: Path,
+    spec_dir: Path,
+    *,
+    exported: bool,
+    dry_run: bool,
+    prompt_ranges: Mapping[str, float] | None = None,
+) -> PrecisionPlan:
+    """Write (or remove) ``directory/node_precision.yaml`` for this program and describe the plan.
+
+    A dry run (or a run before export) computes nothing: an ``auto`` plan keeps the file a previous
+    compile wrote, if any. A user's plan is checked against the graph when it is exported.
+    ``prompt_ranges`` (from :func:`qeff_vision.compile.calibration.prompt_ranges`) join the ranges
+    of the generated per-specialization inputs.
+    """
+    target = directory / PLAN_FILE
+    if not options.convert_to_fp16:
+        target.unlink(missing_ok=True)
+        return PrecisionPlan("fp32")
+    if options.node_precision == NODE_PRECISION_NONE:
+        target.unlink(missing_ok=True)
+        return _checked(PrecisionPlan(NODE_PRECISION_NONE), onnx_path, prompt_ranges)
+    if options.node_precision == NODE_PRECISION_AUTO:
+        if dry_run or not exported:
+            return PrecisionPlan(NODE_PRECISION_AUTO, target if target.is_file() else None, None)
+        return _auto(onnx_path, specializations, target, prompt_ranges or {})
+    source = Path(options.node_precision)
+    source = source if source.is_absolute() else spec_dir / source
+    names = read_plan(source)
+    if exported:
+        import onnx
+
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        check_plan_names(model, names, str(source))
+    write_plan(target, names)
+    return _checked(PrecisionPlan("path", target, names, source=source), onnx_path, prompt_ranges)
+
+
+def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] | None) -> PrecisionPlan:
+    """Record the first node outside a given plan that calibration saw beyond fp16's range."""
+    if ranges:
+        import onnx
+
+        model = onnx.load(str(onnx_path), load_external_data=False)
+        plan.overflow = first_overflow(model, ranges, plan.names or [])
+    return plan
+
+
+def _auto(
+    onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float]
+) -> PrecisionPlan:
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    ranges = value_ranges(model, onnx_path.parent, calibration_feeds(onnx_path, specializations))
+    for name, peak in prompt_ranges.items():
+        ranges[name] = max(ranges.get(name, 0.0), peak)
+    names = auto_plan(model, ranges)
+    if names:
+        write_plan(target, names)
+    else:
+        target.unlink(missing_ok=True)
+    return PrecisionPlan(NODE_PRECISION_AUTO, target if names else None, names, non_matmul_outputs(model))
+
+
+def resolve_plans(
+    plans: Mapping[str, Any],
+    spec: Any,
+    export_dir: Path,
+    export_manifest: Mapping[str, Any] | None,
+    *,
+    dry_run: bool,
+    say,
+) -> list[str]:
+    """Set ``plan.precision`` of every program (a driver ``ProgramPlan``); return lines for the user.
+
+    Programs converted to fp16 are calibrated once for both: prompts through the runtime
+    (:mod:`qeff_vision.compile.calibration`) when the export's checkpoint is here, plus, for ``auto``,
+    the generated inputs of every specialization. A plan not computed here (``none``, a path) is
+    checked against the prompts' ranges (``PrecisionPlan.overflow``).
+    """
+    exported = export_manifest is not None
+    prompts: dict[str, dict[str, float]] = {}
+    if any(p.options.convert_to_fp16 for p in plans.values()) and exported and not dry_run:
+        say("calibrating device precision: fp32 runs with every node output recorded")
+        prompts = _prompt_ranges(plans, spec, export_dir, export_manifest)
+    spec_dir = Path(spec.source).resolve().parent
+    notes = []
+    for plan in plans.values():
+        plan.precision = precision = resolve_plan(
+            plan.onnx,
+            plan.options,
+            plan.symbol_values(),
+            plan.directory,
+            spec_dir,
+            exported=exported,
+            dry_run=dry_run,
+            prompt_ranges=prompts.get(plan.program),
+        )
+        if precision.mode in ("fp32", NODE_PRECISION_NONE):
+            continue
+        target = precision.path or plan.directory / PLAN_FILE
+        if precision.names is None:
+            notes.append(
+                f"{plan.program}: node precision plan {target} ({precision.mode}: computed from "
+                "calibration runs when compiling; no flag when no node needs fp32)"
+            )
+            continue
+        kept = f"{len(precision.names)} node output(s) kept in fp32"
+        if precision.non_matmul_outputs is not None:
+            kept += f" (every non-matmul output would be {precision.non_matmul_outputs})"
+        notes.append(
+            f"{plan.program}: node precision plan {target if precision.path else '(none needed)'}: {kept}"
+        )
+    return notes
+
+
+def _prompt_ranges(plans, spec, export_dir: Path, export_manifest) -> dict[str, dict[str, float]]:
+    """Calibration prompts through the runtime (needs the checkpoint's processor; else none)."""
+    from qeff_vision.compile.calibration import prompt_ranges
+    from qeff_vision.errors import UserError
+
+    model = export_manifest.get("model")
+    if not model or not (Path(model) / "config.json").is_file():
+        return {}
+    calibration = spec.compile.calibration
+    spec_dir = Path(spec.source).resolve().parent
+    images = [spec_dir / image for image in calibration.images] if calibration else []
+    for image in images:
+        if not image.is_file():
+            raise UserError(f"compile.calibration.images: {image} does not exist")
+    return prompt_ranges(
+        export_dir,
+        plans["vision"].symbol_values(),
+        plans["lang"].symbol_values(),
+        [(image.height, image.width) for image in spec.vision.images],
+        images=images,
+        prompts=list(calibration.prompts) if calibration else [],
+    )

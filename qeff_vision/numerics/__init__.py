@@ -1,0 +1,1 @@
+"""Device numerics: the fp16 emulation of a compiled program and its fp32 precision plan."""

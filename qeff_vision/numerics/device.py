@@ -1,0 +1,150 @@
+"""Emulate what the device computes under ``-convert-to-fp16``: fp16 rounding of an fp32 graph.
+
+The AI 100 compiler runs an fp32 graph in fp16 when given ``-convert-to-fp16``, except for the node
+outputs its ``-node-precision-info`` file lists under ``FP32NodeInstanceNames`` (the precision
+plan, :mod:`qeff_vision.numerics.plan`). :func:`device_graph` rewrites a graph to do the same on
+onnxruntime, under these assumptions (stated in docs/design.md):
+
+* Every node outside the plan computes from fp16 values and rounds each float output to fp16 (a
+  value beyond 65,504 becomes infinite); the arithmetic inside one node is exact to fp32 (the
+  kernels accumulate in higher precision). Nodes in the plan keep fp32 outputs.
+* Graph IO keeps its types: float inputs are rounded to fp16 where they are read, float outputs
+  are whatever their producer computed (the compiler's IO conversion).
+* Weights are stored in fp16 (rounded where an fp16 node reads them, so external data is not
+  copied); a node in the plan reads its weights in fp32. Constants are rounded to fp16 and clamped
+  to its finite range (masks built from float32's minimum stay finite, as the compiler's
+  saturating conversion keeps them).
+* ``CustomRMSNorm`` computes in fp32 inside whatever its IO precision (one node, one rounding), as
+  the compiler's dedicated kernel is assumed to.
+
+The graph keeps its float32 types and the rounding is an explicit Cast to float16 and back after
+each value: onnxruntime's CPU float16 execution is not a model of the device (where a float16
+kernel is missing it computes whole chains of nodes in float32, hiding intermediate overflow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
+FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+def value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Element type of every named value of the main graph (onnx shape inference, functions included)."""
+    inferred = shape_inference.infer_shapes(model)
+    types = {}
+    for value in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output):
+        types[value.name] = value.type.tensor_type.elem_type
+    for tensor in model.graph.initializer:
+        types[tensor.name] = tensor.data_type
+    return types
+
+
+def float_outputs(model: onnx.ModelProto, types: dict[str, int] | None = None) -> list[str]:
+    """Names of the float node outputs of the main graph, in topological order."""
+    types = value_types(model) if types is None else types
+    return [o for node in model.graph.node for o in node.output if o and types.get(o) in FLOAT_TYPES]
+
+
+def _rounded_constant(node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """A float32 Constant / ConstantOfShape with its value rounded to fp16 (clamped), else None."""
+    if node.op_type not in ("Constant", "ConstantOfShape"):
+        return None
+    for attribute in node.attribute:
+        if attribute.name in ("value_float", "value_floats"):
+            values = [attribute.f] if attribute.name == "value_float" else list(attribute.floats)
+            array = np.array(values, dtype=np.float32)
+            rounded = np.clip(array, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            rewritten = _copy(node)
+            for target in rewritten.attribute:
+                if target.name == "value_float":
+                    target.f = float(rounded[0])
+                elif target.name == "value_floats":
+                    target.floats[:] = rounded.tolist()
+            return rewritten
+        if attribute.name == "value" and attribute.t.data_type == TensorProto.FLOAT:
+            array = numpy_helper.to_array(attribute.t)
+            rounded = np.clip(array, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            rewritten = _copy(node)
+            for target in rewritten.attribute:
+                if target.name == "value":
+                    target.t.CopyFrom(numpy_helper.from_array(rounded, attribute.t.name))
+            return rewritten
+    return None
+
+
+def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
+    """``target`` = ``source`` rounded to fp16 (Cast there and back)."""
+    half = f"{target}__fp16"
+    return [
+        helper.make_node("Cast", [source], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"),
+        helper.make_node("Cast", [half], [target], to=TensorProto.FLOAT, name=f"{target}__cast"),
+    ]
+
+
+def device_graph(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> onnx.ModelProto:
+    """The fp16 emulation of ``model`` (an fp32 graph), keeping ``fp32_values`` in fp32.
+
+    Args:
+        model: The exported graph; external data may stay unloaded (initializers are not copied).
+        fp32_values: Node output names kept in fp32 (the precision plan).
+
+    Returns:
+        A new model with the same IO names and types.
+    """
+    types = value_types(model)
+    keep = set(fp32_values)
+    graph = model.graph
+    # Graph inputs and weights read by an fp16 node go through a rounded copy (made once).
+    sources = {v.name for v in graph.input if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    sources |= {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
+    rounded: dict[str, str] = {}
+    nodes: list[onnx.NodeProto] = []
+    for node in graph.node:
+        fp32 = any(output in keep for output in node.output)
+        rewritten = (None if fp32 else _rounded_constant(node)) or _copy(node)
+        if not fp32:
+            for index, name in enumerate(rewritten.input):
+                if name in sources:
+                    if name not in rounded:
+                        rounded[name] = f"{name}__rounded"
+                        nodes.extend(_round_trip(name, rounded[name]))
+                    rewritten.input[index] = rounded[name]
+        # Constants are already rounded (and clamped) in place; fp32 nodes keep their outputs.
+        exact = fp32 or node.op_type in ("Constant", "ConstantOfShape")
+        outputs = [] if exact else [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
+        for index, name in enumerate(rewritten.output):
+            if name in outputs:
+                rewritten.output[index] = f"{name}__exact"
+        nodes.append(rewritten)
+        for name in outputs:
+            nodes.extend(_round_trip(f"{name}__exact", name))
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.node[:]
+    result.graph.node.extend(nodes)
+    del result.graph.value_info[:]
+    return result
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    copied = onnx.NodeProto()
+    copied.CopyFrom(node)
+    return copied
+
+
+def session_for(model: onnx.ModelProto, model_dir: Path, threads: int = 0):
+    """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

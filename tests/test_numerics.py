@@ -1,0 +1,104 @@
+"""The fp16 device emulation and precision plans on small hand-built graphs (no checkpoint).
+
+Graph: x -> Mul(x, 300) -> Mul(., 300) -> Div(., 1e4) -> y. With |x| = 1 the middle value is
+90,000, beyond fp16's 65,504: at device precision it is inf unless the plan keeps it in fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qeff_vision.errors import UserError
+from qeff_vision.numerics.device import FP16_MAX, device_graph, session_for
+from qeff_vision.numerics.plan import (
+    PLAN_KEY,
+    auto_plan,
+    check_plan_names,
+    first_overflow,
+    non_matmul_outputs,
+    read_plan,
+    value_ranges,
+    write_plan,
+)
+
+FEED = {"x": np.array([[1.0, -1.0, 0.5]], dtype=np.float32)}
+
+
+def _graph() -> onnx.ModelProto:
+    scale = numpy_helper.from_array(np.array(300.0, dtype=np.float32), "scale")
+    shrink = numpy_helper.from_array(np.array(1e4, dtype=np.float32), "shrink")
+    nodes = [
+        helper.make_node("Mul", ["x", "scale"], ["first"], name="first_mul"),
+        helper.make_node("Mul", ["first", "scale"], ["big"], name="big_mul"),
+        helper.make_node("Div", ["big", "shrink"], ["y"], name="shrink_div"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        initializer=[scale, shrink],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model, tmp_path):
+    return session_for(model, tmp_path).run(None, FEED)[0]
+
+
+def test_device_graph_keeps_io_types_and_overflows_without_a_plan(tmp_path):
+    device = device_graph(_graph())
+    assert device.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    assert device.graph.output[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    result = _run(device, tmp_path)
+    assert result.dtype == np.float32 and not np.isfinite(result[0, :2]).any()
+    assert np.isclose(result[0, 2], 4.5, rtol=1e-3)  # 0.5 * 9e4 = 45,000 stays in range
+
+
+def test_plan_keeps_the_overflowing_value_and_its_reader_in_fp32(tmp_path):
+    model = _graph()
+    ranges = value_ranges(model, tmp_path, [FEED])
+    assert ranges["big"] == pytest.approx(9e4)
+    plan = auto_plan(model, ranges)
+    # "big" overflows; "shrink_div" reads it, so its output stays fp32 too; "first" (300) is safe.
+    assert plan == ["big", "y"]
+    assert len(plan) < non_matmul_outputs(model) + 1
+    result = _run(device_graph(model, plan), tmp_path)
+    assert np.allclose(result, FEED["x"] * 9.0, rtol=1e-3)
+    overflow = first_overflow(model, ranges)
+    assert (overflow.node, overflow.output) == ("big_mul", "big")
+    assert "big_mul" in overflow.describe("lang") and f"{FP16_MAX:.0f}" in overflow.describe("lang")
+    assert first_overflow(model, ranges, plan) is None
+
+
+def test_mask_sentinels_are_not_overflow(tmp_path):
+    """float32's minimum (attention masks) saturates harmlessly; it must not enter the plan."""
+    nodes = [
+        helper.make_node("Constant", [], ["minimum"], value_float=float(np.finfo(np.float32).min)),
+        helper.make_node("Add", ["x", "minimum"], ["masked"], name="mask_add"),
+        helper.make_node("Softmax", ["masked"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert auto_plan(model, value_ranges(model, tmp_path, [FEED])) == []
+    assert np.isfinite(_run(device_graph(model), tmp_path)).all()
+
+
+def test_plan_file_is_the_compilers_format(tmp_path):
+    path = tmp_path / "node_precision.yaml"
+    write_plan(path, ["/a/Add_output_0", "/b/CustomRMSNorm_output_0"])
+    assert path.read_text().splitlines()[:3] == [f"{PLAN_KEY}:", "", "  - /a/Add_output_0"]
+    assert read_plan(path) == ["/a/Add_output_0", "/b/CustomRMSNorm_output_0"]
+    (tmp_path / "bad.yaml").write_text("- just a list\n")
+    with pytest.raises(UserError, match=PLAN_KEY):
+        read_plan(tmp_path / "bad.yaml")
+    with pytest.raises(UserError, match="not node outputs"):
+        check_plan_names(_graph(), ["big", "missing"], "plan.yaml")
