@@ -195,3 +195,21 @@ def test_plan_reaches_the_compiler_and_its_hash_recompiles(scaled, tmp_path, cap
     recompiled = calls(record)[before:]
     assert [("-retained-state" in c["argv"]) for c in recompiled] == [True]  # vision stayed cached
     assert read_plan(plan_file) == read_plan(tmp_path / "mine.yaml")
+
+
+def test_mx_formats_are_reported_on_top_of_fp16(scaled, tmp_path, capsys):
+    """-mxfp6-matmul (language default) and an MXINT8 KV cache: their deviation is in the report."""
+    checkpoint, export, _, _ = scaled
+    spec = _spec(tmp_path / "spec.yaml", checkpoint, "auto")
+    data = yaml.safe_load(spec.read_text())
+    data["compile"]["language"] = {"kv_cache_dtype": "mxint8"}
+    spec.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    assert (
+        main(["compile", str(spec), "-o", str(out), "--export", str(export), "--backend", "onnxruntime"]) == 0
+    )
+    assert "fp16 + mxfp6 fp6_e2m3 + mxint8 KV" in capsys.readouterr().out
+    runs = json.loads((out / "manifest.json").read_text())["programs"]["lang"]["verification"]["runs"]
+    for run in runs:
+        fp16, mx = run["device_precision"], run["device_precision_mx"]
+        assert mx["finite"] and mx["max_abs"] > fp16["max_abs"]  # the formats do round

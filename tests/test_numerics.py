@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from qeff_vision.errors import UserError
-from qeff_vision.numerics.device import FP16_MAX, device_graph, session_for
+from qeff_vision.numerics.device import FP16_MAX, MxEmulation, device_graph, device_session, session_for
+from qeff_vision.numerics.mx import FP6_E2M3, FP6_E3M2, INT8, mx_round, mxint8_nodes
 from qeff_vision.numerics.plan import (
     PLAN_KEY,
     auto_plan,
@@ -102,3 +103,53 @@ def test_plan_file_is_the_compilers_format(tmp_path):
         read_plan(tmp_path / "bad.yaml")
     with pytest.raises(UserError, match="not node outputs"):
         check_plan_names(_graph(), ["big", "missing"], "plan.yaml")
+
+
+def test_mx_rounding_follows_the_ocp_rules():
+    """One block of 8: the shared scale is 2^(floor(log2 100) - emax); elements round half to even."""
+    block = np.array([[0.0, 1.0, 7.5, 25.0, 0.3, -3.3, 100.0, 1e-3]], dtype=np.float32)
+    # FP6 E2M3: emax 2 -> scale 16; 1/16 is half the smallest subnormal (0.125) -> 0 (even).
+    assert mx_round(block, FP6_E2M3, block=8).tolist() == [[0, 0, 8, 24, 0, -4, 96, 0]]
+    # FP6 E3M2: emax 4 -> scale 4; 0.3/4 -> 0.0625 step grid -> 0.25 after scaling.
+    assert mx_round(block, FP6_E3M2, block=8).tolist() == [[0, 1, 8, 24, 0.25, -3.5, 96, 0]]
+    # MXINT8: emax 0 -> scale 64; elements are multiples of 2^-6 in [-2, 127/64].
+    assert mx_round(block, INT8, block=8).tolist() == [[0, 1, 8, 25, 0, -3, 100, 0]]
+    # Saturation: the block maximum never exceeds the element format's largest value times the scale.
+    assert mx_round(np.array([[7.9, 0.1]], dtype=np.float32), FP6_E2M3, block=2).tolist() == [[7.5, 0.125]]
+
+
+def test_mxint8_graph_matches_the_reference(tmp_path):
+    """The in-graph MXINT8 rounding of KV outputs equals mx_round along head_dim."""
+    keys = (np.random.default_rng(0).standard_normal((1, 2, 5, 16)) * 3).astype(np.float32)
+    graph = helper.make_graph(
+        mxint8_nodes("k", "y", "q_"),
+        "g",
+        [helper.make_tensor_value_info("k", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rounded = session_for(model, tmp_path).run(None, {"k": keys})[0]
+    assert np.array_equal(rounded, mx_round(keys, INT8))
+    assert 0 < np.abs(rounded - keys).max() < 0.05
+
+
+def test_mxfp6_weights_reach_the_session(tmp_path):
+    """MatMul weights are replaced by their MXFP6 rounding (constant folding must not undo it)."""
+    weight = np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8) + 0.013
+    model = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])],
+            initializer=[numpy_helper.from_array(weight, "w")],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    x = {"x": np.ones((1, 8), dtype=np.float32)}
+    plain = device_session(path).run(None, x)[0]
+    mx = device_session(path, mx=MxEmulation("fp6_e2m3")).run(None, x)[0]
+    expected = x["x"] @ mx_round(weight, FP6_E2M3, axis=0)
+    assert np.allclose(mx, expected, rtol=1e-3) and not np.allclose(plain, mx, rtol=1e-3)

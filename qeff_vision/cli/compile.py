@@ -81,34 +81,45 @@ def compile_command(
 def deviation_lines(manifest) -> list[str]:
     """The device-precision table of an onnxruntime verification (empty when nothing was compared).
 
-    One row per specialization: the plan's size, the largest deviation of device-precision outputs
-    from fp32 (absolute, and relative to that output's fp32 range) and whether any was inf/NaN.
+    One row per specialization and emulation (fp16, then fp16 with the microscaling formats the
+    options ask for): the plan's size, the largest deviation of the outputs from fp32 (absolute,
+    and relative to that output's fp32 range) and whether any was inf/NaN.
     """
-    header = ("program", "spec", "fp32 nodes", "max |dev|", "dev/range", "worst output", "inf/NaN")
+    header = (
+        "program",
+        "spec",
+        "emulation",
+        "fp32 nodes",
+        "max |dev|",
+        "dev/range",
+        "worst output",
+        "inf/NaN",
+    )
     rows = []
     for program, entry in manifest["programs"].items():
         plan = entry.get("node_precision") or {}
         kept = plan.get("nodes")
+        kept = "-" if kept is None else f"{kept}/{plan.get('non_matmul_outputs') or '?'}"
         for run in (entry.get("verification") or {}).get("runs", []):
-            device = run.get("device_precision")
-            if device is None:
-                continue
-            rows.append(
-                (
-                    program,
-                    str(run["index"]),
-                    "-" if kept is None else f"{kept}/{plan.get('non_matmul_outputs') or '?'}",
-                    f"{device['max_abs']:.3g}",
-                    f"{device['max_relative']:.2e}",
-                    device["worst_output"],
-                    "no" if device["finite"] else "yes",
+            for key in ("device_precision", "device_precision_mx"):
+                device = run.get(key)
+                if device is None:
+                    continue
+                rows.append(
+                    (
+                        program,
+                        str(run["index"]),
+                        device.get("formats", "fp16"),
+                        kept,
+                        f"{device['max_abs']:.3g}",
+                        f"{device['max_relative']:.2e}",
+                        device["worst_output"],
+                        "no" if device["finite"] else "yes",
+                    )
                 )
-            )
     if not rows:
         return []
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = ["device precision (fp16, plan nodes fp32) vs fp32 on calibration inputs:"]
-    lines += [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows)
-    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *rows)]
     return lines

@@ -19,7 +19,8 @@ HELP = {
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
     "precision": "fp32: run the exported graphs as they are (onnxruntime backend; its default). "
     "device: as the compiler will under -convert-to-fp16 (fp16, the precision plan's node outputs "
-    "in fp32); the qaic default.",
+    "in fp32); the qaic default. device-mx: device plus the MX formats the language program was "
+    "compiled with (-mxfp6-matmul weights as FP6 E2M3, an MXINT8 KV cache).",
     "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
     "tokens; exit code 1 when they differ.",
 }
@@ -39,7 +40,9 @@ HELP = {
     show_default=True,
     help=HELP["protocol"],
 )
-@click.option("--precision", type=click.Choice(["fp32", "device"]), default=None, help=HELP["precision"])
+@click.option(
+    "--precision", type=click.Choice(["fp32", "device", "device-mx"]), default=None, help=HELP["precision"]
+)
 @click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
 def run(artifacts, images, prompts, max_new_tokens, vision_protocol, precision, compare_hf) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).

@@ -18,6 +18,7 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
 from qeff_vision.errors import SpecError, UserError
+from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message
 
 
@@ -30,6 +31,8 @@ class SpecializationRun:
     latency_ms: float
     output_shapes: dict[str, list[int]]
     device: DeviceDeviation | None = None
+    device_mx: DeviceDeviation | None = None
+    mx_label: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary for the manifest."""
@@ -41,6 +44,8 @@ class SpecializationRun:
         }
         if self.device is not None:
             entry["device_precision"] = self.device.to_dict()
+        if self.device_mx is not None:
+            entry["device_precision_mx"] = {"formats": self.mx_label, **self.device_mx.to_dict()}
         return entry
 
 
@@ -130,6 +135,7 @@ def verify_program(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     device_values: Sequence[str] | None = None,
+    mx: MxEmulation | None = None,
 ) -> list[SpecializationRun]:
     """Run ``onnx_path`` once per specialization and check every output shape.
 
@@ -145,6 +151,8 @@ def verify_program(
         seed: Seed of the generated float inputs.
         progress: Called with one line per finished specialization.
         device_values: Node outputs kept in fp32 at device precision; ``None`` skips that check.
+        mx: Microscaling formats of the compile (``-mxfp6-matmul``, an MXINT8 KV cache): their
+            deviation is recorded too, on top of fp16 (a report, not a check).
 
     Raises:
         SpecError: A specialization misses a graph symbol or names one the graph lacks.
@@ -162,7 +170,11 @@ def verify_program(
         session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
         raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc
-    device = None if device_values is None else _device_session(Path(onnx_path), device_values)
+    device = device_mx = None
+    if device_values is not None:
+        device = device_session(Path(onnx_path), device_values)
+        if mx is not None and (mx.matmul_weights or mx.kv_mxint8):
+            device_mx = device_session(Path(onnx_path), device_values, mx)
     rng = np.random.default_rng(seed)
     runs = []
     for index, values in enumerate(specializations):
@@ -196,18 +208,12 @@ def verify_program(
             compared = deviation(names, results, device.run(names, feeds))
             if not compared.finite:
                 raise UserError(overflow_message(program, Path(onnx_path), feeds, device_values, where))
-        run = SpecializationRun(index, dict(values), latency_ms, shapes, compared)
+        with_mx = deviation(names, results, device_mx.run(names, feeds)) if device_mx is not None else None
+        run = SpecializationRun(
+            index, dict(values), latency_ms, shapes, compared, with_mx, mx.label() if with_mx else ""
+        )
         runs.append(run)
         if progress:
             shown = f", device precision max deviation {compared.max_relative:.2e}" if compared else ""
             progress(f"{program} specialization {index}: ok in {latency_ms:.1f} ms{shown} {dict(values)}")
     return runs
-
-
-def _device_session(onnx_path: Path, device_values: Sequence[str]):
-    import onnx
-
-    from qeff_vision.numerics.device import device_graph, session_for
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    return session_for(device_graph(model, device_values), onnx_path.parent)

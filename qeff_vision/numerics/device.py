@@ -24,7 +24,8 @@ kernel is missing it computes whole chains of nodes in float32, hiding intermedi
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,9 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+# The KV cache outputs (custom IO decides their device dtype): past_key.{i}_RetainedState, ...
+KV_PREFIXES = ("past_key.", "past_value.")
+RETAINED = "_RetainedState"
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -139,12 +143,90 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return copied
 
 
-def session_for(model: onnx.ModelProto, model_dir: Path, threads: int = 0):
-    """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``."""
+def session_for(
+    model: onnx.ModelProto,
+    model_dir: Path,
+    threads: int = 0,
+    initializers: Mapping[str, np.ndarray] | None = None,
+):
+    """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``.
+
+    ``initializers`` replace the named initializers' values (MX-rounded weights).
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    # onnxruntime takes only buffers the caller owns (and keeps alive): contiguous numpy arrays.
+    arrays = {name: np.ascontiguousarray(array) for name, array in (initializers or {}).items()}
+    values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    for name, value in values.items():
+        options.add_initializer(name, value)
+    # Constant folding would fold Cast(weight) from the model's own values, before the replacement.
+    disabled = ["ConstantFolding"] if values else None
+    session = ort.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+    )
+    session.replaced_initializers = (arrays, values)  # keep the buffers alive with the session
+    return session
+
+
+@dataclass(frozen=True)
+class MxEmulation:
+    """Microscaling formats the device applies on top of fp16 (see :mod:`qeff_vision.numerics.mx`).
+
+    Attributes:
+        matmul_weights: MX element format of MatMul/Gemm weights (``-mxfp6-matmul``:
+            ``fp6_e2m3`` or ``fp6_e3m2``), or ``None`` for fp16 weights.
+        kv_mxint8: The KV cache is stored as MXINT8 (``kv_cache_dtype: mxint8``): every
+            ``past_*_RetainedState`` output is rounded to it.
+    """
+
+    matmul_weights: str | None = None
+    kv_mxint8: bool = False
+
+    def label(self) -> str:
+        """Short description for reports: ``fp16``, ``fp16+mxfp6 (fp6_e2m3)``, ``+mxint8 KV``."""
+        parts = ["fp16"]
+        if self.matmul_weights:
+            parts.append(f"mxfp6 {self.matmul_weights}")
+        if self.kv_mxint8:
+            parts.append("mxint8 KV")
+        return " + ".join(parts)
+
+
+def device_session(
+    onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
+):
+    """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats)."""
+    from qeff_vision.numerics import mx as formats
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    mx = mx or MxEmulation()
+    graph = device_graph(model, fp32_values)
+    if mx.kv_mxint8:
+        graph = _kv_as_mxint8(graph)
+    weights = None
+    if mx.matmul_weights:
+        weights = formats.rounded_weights(model, onnx_path.parent, formats.FORMATS[mx.matmul_weights])
+    return session_for(graph, onnx_path.parent, threads, weights)
+
+
+def _kv_as_mxint8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Round every ``past_key``/``past_value`` retained-state output to MXINT8 along head_dim."""
+    from qeff_vision.numerics.mx import mxint8_nodes
+
+    kv = [o.name for o in model.graph.output if o.name.startswith(KV_PREFIXES) and o.name.endswith(RETAINED)]
+    renamed = {name: f"{name}__before_mxint8" for name in kv}
+    for node in model.graph.node:
+        for index, name in enumerate(node.output):
+            if name in renamed:
+                node.output[index] = renamed[name]
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+    for position, name in enumerate(kv):
+        model.graph.node.extend(mxint8_nodes(renamed[name], name, f"{name}__mxint8_{position}_"))
+    return model

@@ -129,7 +129,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     )
 
 
-PRECISIONS = ("fp32", "device")
+PRECISIONS = ("fp32", "device", "device-mx")
 
 
 def device_plan(artifacts: Artifacts, program: str) -> list[str] | None:
@@ -156,6 +156,8 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
         artifacts: The compile output.
         precision: ``fp32`` runs the exported graphs as they are; ``device`` runs them as the
             compiler will (fp16 with the plan's nodes in fp32, :mod:`qeff_vision.numerics.device`).
+            ``device-mx`` adds the microscaling formats the language program was compiled with
+            (``-mxfp6-matmul`` weights, an MXINT8 KV cache; :mod:`qeff_vision.numerics.mx`).
             On a ``qaic`` backend the device computes, so only ``device`` applies. ``None``:
             ``fp32`` on onnxruntime, ``device`` on qaic.
 
@@ -180,7 +182,8 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
             QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
         )
-    device = precision == "device"
+    device = precision != "fp32"
+    mx = _mx_of(artifacts) if precision == "device-mx" else None
     return (
         OnnxProgram(
             artifacts.vision_path,
@@ -191,7 +194,19 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             artifacts.language_path,
             artifacts.language_specializations,
             fp32_values=device_plan(artifacts, "lang") if device else None,
+            mx=mx,
         ),
+    )
+
+
+def _mx_of(artifacts: Artifacts):
+    """The microscaling formats of the compiled language program's options."""
+    from qeff_vision.numerics.device import MxEmulation
+
+    options = artifacts.manifest["programs"]["lang"].get("options") or {}
+    # The FP6 element of -mxfp6-matmul is not public; E2M3 is assumed (see numerics/mx.py).
+    return MxEmulation(
+        "fp6_e2m3" if options.get("mxfp6_matmul") else None, options.get("kv_cache_dtype") == "mxint8"
     )
 
 

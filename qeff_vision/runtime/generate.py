@@ -490,12 +490,15 @@ def generator_for_export(
     language_specializations: Sequence[Mapping[str, object]] | None = None,
     cache: EmbeddingCache | None = None,
     fp32_values: Mapping[str, Collection[str]] | None = None,
+    mx=None,
 ) -> Generator:
     """A :class:`Generator` over an export directory's two graphs on onnxruntime.
 
     Without specializations any shape runs (a bare export); with them, the sessions reject the
     shapes a compiled program would. ``fp32_values`` (program -> precision plan) runs both
-    programs at device precision (see :mod:`qeff_vision.numerics.device`).
+    programs at device precision (see :mod:`qeff_vision.numerics.device`); ``mx`` (a
+    :class:`~qeff_vision.numerics.device.MxEmulation`) adds microscaling formats to the language
+    program there (``-mxfp6-matmul`` and an MXINT8 KV cache are language-program options).
     """
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.export.record import read_export
@@ -514,5 +517,6 @@ def generator_for_export(
         export_dir / manifest["programs"]["lang"]["path"],
         language_specializations,
         fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
+        mx=mx,
     )
     return Generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)

@@ -118,6 +118,8 @@ class OnnxProgram(CompiledProgram):
         threads: Intra-op threads (0 lets onnxruntime choose).
         fp32_values: Run at device precision (fp16, as ``-convert-to-fp16`` compiles it) keeping
             these node outputs in fp32 (the precision plan); None runs the fp32 graph as exported.
+        mx: At device precision, the microscaling formats to emulate as well
+            (:class:`~qeff_vision.numerics.device.MxEmulation`); None for plain fp16.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class OnnxProgram(CompiledProgram):
         specializations: Sequence[Mapping[str, object]] | None = None,
         threads: int = 0,
         fp32_values: Collection[str] | None = None,
+        mx=None,
     ):
         import onnxruntime as ort
 
@@ -139,7 +142,9 @@ class OnnxProgram(CompiledProgram):
                     str(onnx_path), options, providers=["CPUExecutionProvider"]
                 )
             else:
-                self.session = _device_session(Path(onnx_path), fp32_values, threads)
+                from qeff_vision.numerics.device import device_session
+
+                self.session = device_session(Path(onnx_path), fp32_values, mx, threads)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise UserError(
                 f"{onnx_path}: onnxruntime cannot load the graph ({str(exc).splitlines()[0]})"
@@ -168,15 +173,6 @@ class DeviceOverflow(UserError):
 
 def _finite(values) -> bool:
     return all(np.isfinite(v).all() for v in values if np.issubdtype(v.dtype, np.floating))
-
-
-def _device_session(onnx_path: Path, fp32_values: Collection[str], threads: int):
-    import onnx
-
-    from qeff_vision.numerics.device import device_graph, session_for
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    return session_for(device_graph(model, fp32_values), onnx_path.parent, threads)
 
 
 def qaic_runtime_available() -> bool:
