@@ -374,6 +374,7 @@ def compile_spec(
 def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
     """Run every specialization of both programs once on onnxruntime; record them in the manifest."""
     from qeff_vision.compile.onnxruntime_backend import verify_program
+    from qeff_vision.numerics.device import MxEmulation
 
     programs = {}
     for plan in plans.values():
@@ -392,7 +393,7 @@ def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
             source=str(run.spec_path),
             progress=run.say,
             device_values=plan.precision.device_values if plan.precision else None,
-            mx=_mx_emulation(plan.options),
+            mx=MxEmulation.from_options(plan.options.mxfp6_matmul, plan.options.kv_cache_dtype),
         )
         entry = _program_entry(plan, run.out_dir, plan.onnx)
         entry["verification"] = {
@@ -404,14 +405,6 @@ def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
         programs[plan.program] = entry
     run.manifest["programs"] = programs
     run.manifest["vllm"] = {"available": False, "reason": "onnxruntime backend: there are no QPCs to serve"}
-
-
-def _mx_emulation(options: ProgramOptions):
-    """The microscaling formats a program's options ask of the device (reported by the backend)."""
-    from qeff_vision.numerics.device import MxEmulation
-
-    # The FP6 element of -mxfp6-matmul is not public; E2M3 is assumed (see numerics/mx.py).
-    return MxEmulation("fp6_e2m3" if options.mxfp6_matmul else None, options.kv_cache_dtype == "mxint8")
 
 
 def _compile(

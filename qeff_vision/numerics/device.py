@@ -187,6 +187,14 @@ class MxEmulation:
     matmul_weights: str | None = None
     kv_mxint8: bool = False
 
+    @classmethod
+    def from_options(cls, mxfp6_matmul: bool, kv_cache_dtype: str) -> MxEmulation:
+        """The formats a compile's options ask of the device.
+
+        The FP6 element of ``-mxfp6-matmul`` is not public; E2M3 is assumed (see numerics/mx.py).
+        """
+        return cls("fp6_e2m3" if mxfp6_matmul else None, kv_cache_dtype == "mxint8")
+
     def label(self) -> str:
         """Short description for reports: ``fp16``, ``fp16+mxfp6 (fp6_e2m3)``, ``+mxint8 KV``."""
         parts = ["fp16"]

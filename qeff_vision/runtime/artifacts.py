@@ -204,10 +204,7 @@ def _mx_of(artifacts: Artifacts):
     from qeff_vision.numerics.device import MxEmulation
 
     options = artifacts.manifest["programs"]["lang"].get("options") or {}
-    # The FP6 element of -mxfp6-matmul is not public; E2M3 is assumed (see numerics/mx.py).
-    return MxEmulation(
-        "fp6_e2m3" if options.get("mxfp6_matmul") else None, options.get("kv_cache_dtype") == "mxint8"
-    )
+    return MxEmulation.from_options(bool(options.get("mxfp6_matmul")), options.get("kv_cache_dtype", ""))
 
 
 def generator_for_artifacts(
