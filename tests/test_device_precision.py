@@ -181,10 +181,19 @@ def test_plan_reaches_the_compiler_and_its_hash_recompiles(scaled, tmp_path, cap
     vision_argv = next(c["argv"] for c in calls(record) if "-retained-state" not in c["argv"])
     assert not any(a.startswith("-node-precision-info") for a in vision_argv)
 
-    # --dry-run names the plan file; a user's plan (a subset) changes the language key only.
+    # The same compile again: the calibration is remembered, both programs come from the cache.
     capsys.readouterr()
     spec = tmp_path / "spec.yaml"
     again = ["compile", str(spec), "-o", str(out), "--export", str(scaled[1]), "--compiler", str(compiler)]
+    before = len(calls(record))
+    assert main(again) == 0
+    assert "calibrating" not in capsys.readouterr().err and len(calls(record)) == before
+    assert (
+        f"-node-precision-info={plan_file}"
+        in json.loads((out / "manifest.json").read_text())["programs"]["lang"]["argv"]
+    )
+
+    # --dry-run names the plan file; a user's plan (a subset) changes the language key only.
     assert main([*again, "--dry-run"]) == 0
     dry = capsys.readouterr()
     assert f"node precision plan {plan_file}" in dry.err and f"-node-precision-info={plan_file}" in dry.out

@@ -168,23 +168,31 @@ def resolve_plans(
     checked against the prompts' ranges (``PrecisionPlan.overflow``).
     """
     exported = export_manifest is not None
+    spec_dir = Path(spec.source).resolve().parent
+    calibrated = [p for p in plans.values() if p.options.convert_to_fp16 and exported and not dry_run]
+    keys = _calibration_keys(calibrated, spec, spec_dir)
+    reused = {p.program: _reuse(p, keys[p.program]) for p in calibrated}
     prompts: dict[str, dict[str, float]] = {}
-    if any(p.options.convert_to_fp16 for p in plans.values()) and exported and not dry_run:
+    if any(found is None for found in reused.values()):
         say("calibrating device precision: fp32 runs with every node output recorded")
         prompts = _prompt_ranges(plans, spec, export_dir, export_manifest)
-    spec_dir = Path(spec.source).resolve().parent
     notes = []
     for plan in plans.values():
-        plan.precision = precision = resolve_plan(
-            plan.onnx,
-            plan.options,
-            plan.symbol_values(),
-            plan.directory,
-            spec_dir,
-            exported=exported,
-            dry_run=dry_run,
-            prompt_ranges=prompts.get(plan.program),
-        )
+        precision = reused.get(plan.program)
+        if precision is None:
+            precision = resolve_plan(
+                plan.onnx,
+                plan.options,
+                plan.symbol_values(),
+                plan.directory,
+                spec_dir,
+                exported=exported,
+                dry_run=dry_run,
+                prompt_ranges=prompts.get(plan.program),
+            )
+            if plan.program in keys:
+                _remember(plan.directory, keys[plan.program], precision)
+        plan.precision = precision
         if precision.mode in ("fp32", NODE_PRECISION_NONE):
             continue
         target = precision.path or plan.directory / PLAN_FILE
@@ -224,4 +232,80 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest) -> dict[str, 
         [(image.height, image.width) for image in spec.vision.images],
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
+    )
+
+
+# What a calibration found, next to the plan: reused while its inputs are unchanged, so a cached
+# compile does not run the fp32 graphs again.
+RECORD_FILE = "node_precision.record.json"
+
+
+def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
+    """Per program, a hash of everything a calibration result depends on."""
+    from qeff_vision import __version__
+    from qeff_vision.compile import cache
+    from qeff_vision.numerics.plan import MASK_SENTINEL, SAFETY_MARGIN
+
+    if not plans:
+        return {}
+    hasher = cache.ContentHasher(plans[0].directory.parent / cache.HASH_MEMO_FILE)
+    calibration = spec.compile.calibration
+    images = [spec_dir / image for image in calibration.images] if calibration else []
+    common = {
+        "tool": __version__,
+        "rule": [SAFETY_MARGIN, MASK_SENTINEL],
+        "resolutions": [[image.height, image.width] for image in spec.vision.images],
+        "images": [hasher.file(image) if image.is_file() else str(image) for image in images],
+        "prompts": list(calibration.prompts) if calibration else [],
+        "onnx": {p.program: hasher.onnx(p.onnx) for p in plans},
+    }
+    keys = {}
+    for plan in plans:
+        mode = plan.options.node_precision
+        user_plan = None
+        if mode not in (NODE_PRECISION_AUTO, NODE_PRECISION_NONE):
+            source = Path(mode) if Path(mode).is_absolute() else spec_dir / mode
+            user_plan = hasher.file(source) if source.is_file() else str(source)
+        keys[plan.program] = cache.program_key(
+            {**common, "specializations": plan.specializations, "mode": mode, "user_plan": user_plan}
+        )
+    hasher.save()
+    return keys
+
+
+def _remember(directory: Path, key: str, precision: PrecisionPlan) -> None:
+    from qeff_vision.fsutil import atomic_write_json
+
+    overflow = precision.overflow
+    atomic_write_json(
+        directory / RECORD_FILE,
+        {
+            "key": key,
+            "mode": precision.mode,
+            "names": precision.names,
+            "non_matmul_outputs": precision.non_matmul_outputs,
+            "overflow": [overflow.node, overflow.output, overflow.peak] if overflow else None,
+            "source": str(precision.source) if precision.source else None,
+        },
+    )
+
+
+def _reuse(plan, key: str) -> PrecisionPlan | None:
+    """The recorded result when its key matches and the plan file it wrote is still there."""
+    import json
+
+    try:
+        record = json.loads((plan.directory / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    target = plan.directory / PLAN_FILE
+    names = record.get("names")
+    if record.get("key") != key or names is None or (bool(names) and not target.is_file()):
+        return None
+    if names and read_plan(target) != names:
+        return None
+    overflow = Overflow(*record["overflow"]) if record.get("overflow") else None
+    source = Path(record["source"]) if record.get("source") else None
+    return PrecisionPlan(
+        record["mode"], target if names else None, names, record.get("non_matmul_outputs"), source, overflow
     )
