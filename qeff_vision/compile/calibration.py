@@ -30,18 +30,19 @@ class RecordingProgram(OnnxProgram):
         import onnx
 
         from qeff_vision.numerics.device import float_outputs, session_for, value_types
-        from qeff_vision.numerics.plan import exposed_model
+        from qeff_vision.numerics.plan import PEAK_SUFFIX, probe_model
 
         super().__init__(onnx_path, specializations)
         model = onnx.load(str(onnx_path), load_external_data=False)
         self.recorded = float_outputs(model, value_types(model))
-        self.recording_session = session_for(exposed_model(model, self.recorded), Path(onnx_path).parent)
+        self.recording_session = session_for(probe_model(model, self.recorded), Path(onnx_path).parent)
+        self.peaks = [name + PEAK_SUFFIX for name in self.recorded]
         self.ranges: dict[str, float] = dict.fromkeys(self.recorded, 0.0)
 
     def _execute(self, feeds, bound):
         from qeff_vision.numerics.plan import update_ranges
 
-        names = self.output_names + [n for n in self.recorded if n not in self.output_names]
+        names = self.output_names + self.peaks
         values = self.recording_session.run(names, dict(feeds))
         update_ranges(self.ranges, dict(zip(names, values)))
         return dict(zip(self.output_names, values[: len(self.output_names)]))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper, numpy_helper
 
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_text
@@ -77,43 +77,73 @@ def check_plan_names(model: onnx.ModelProto, names: Iterable[str], source: str) 
         )
 
 
-def exposed_model(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose graph outputs also include ``names`` (node outputs)."""
-    types = value_types(model)
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(model)
-    declared = {value.name for value in exposed.graph.output}
-    for name in names:
-        if name not in declared:
-            exposed.graph.output.append(helper.make_tensor_value_info(name, types[name], None))
-    return exposed
+PEAK_SUFFIX = "__peak"
 
 
-def update_ranges(ranges: dict[str, float], values: Mapping[str, np.ndarray]) -> None:
-    """Raise ``ranges[name]`` to the largest magnitude of ``values[name]`` (for names in ``ranges``).
+def probe_model(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` with one scalar output ``<name>__peak`` per node output in ``names``.
 
-    Mask sentinels are left out: values at or beyond :data:`MASK_SENTINEL` (float32's minimum, which
-    attention masks add, and infinities) saturate to fp16's largest magnitude on the device, where
-    they still zero a softmax weight, so they say nothing about overflow.
+    Each peak is the largest magnitude of the value, computed in the graph so that a run keeps no
+    intermediate tensor alive (a 7B language program has thousands of them). Mask sentinels are
+    left out: magnitudes from :data:`MASK_SENTINEL` on (float32's minimum, which attention masks
+    add, and infinities) saturate to fp16's largest magnitude on the device, where they still zero
+    a softmax weight, so they say nothing about overflow; NaN is left out too.
     """
-    for name, value in values.items():
-        if name not in ranges or not value.size:
-            continue
-        magnitudes = np.abs(value.astype(np.float32))
-        magnitudes = magnitudes[magnitudes < MASK_SENTINEL]  # NaN compares False: dropped too
-        if magnitudes.size:
-            ranges[name] = max(ranges[name], float(magnitudes.max()))
+    probed = onnx.ModelProto()
+    probed.CopyFrom(model)
+    graph = probed.graph
+    # The exporter's value_info may name one symbol for two sizes (a CCL-long gather and ctx_len);
+    # onnxruntime's buffer reuse trusts it, and the probes' extra readers expose that: drop it.
+    del graph.value_info[:]
+    constants = {
+        "sentinel": np.array(MASK_SENTINEL, dtype=np.float32),
+        "zero": np.array(0.0, dtype=np.float32),
+        "zero_1d": np.zeros(1, dtype=np.float32),
+        "flat": np.array([-1], dtype=np.int64),
+    }
+    prefix = "__probe_"
+    for key, value in constants.items():
+        graph.node.append(
+            helper.make_node(
+                "Constant", [], [prefix + key], value=numpy_helper.from_array(value, prefix + key)
+            )
+        )
+    for index, name in enumerate(names):
+        p = f"{prefix}{index}_"
+        graph.node.extend(
+            [
+                helper.make_node("Cast", [name], [p + "float"], to=TensorProto.FLOAT),
+                helper.make_node("Abs", [p + "float"], [p + "abs"]),
+                helper.make_node("Less", [p + "abs", prefix + "sentinel"], [p + "kept"]),
+                helper.make_node("Where", [p + "kept", p + "abs", prefix + "zero"], [p + "masked"]),
+                helper.make_node("Reshape", [p + "masked", prefix + "flat"], [p + "row"]),
+                # A zero on the end: an empty tensor has peak 0 instead of no maximum.
+                helper.make_node("Concat", [p + "row", prefix + "zero_1d"], [p + "padded"], axis=0),
+                helper.make_node("ReduceMax", [p + "padded"], [name + PEAK_SUFFIX], keepdims=0),
+            ]
+        )
+        graph.output.append(helper.make_tensor_value_info(name + PEAK_SUFFIX, TensorProto.FLOAT, []))
+    return probed
+
+
+def update_ranges(ranges: dict[str, float], peaks: Mapping[str, np.ndarray]) -> None:
+    """Raise ``ranges[name]`` to each ``<name>__peak`` output of a :func:`probe_model` run."""
+    for output, peak in peaks.items():
+        name = output[: -len(PEAK_SUFFIX)]
+        if output.endswith(PEAK_SUFFIX) and name in ranges:
+            ranges[name] = max(ranges[name], float(peak))
 
 
 def value_ranges(
     model: onnx.ModelProto, model_dir: Path, feeds: Iterable[Mapping[str, np.ndarray]]
 ) -> dict[str, float]:
-    """Largest magnitude of every float node output over ``feeds`` (fp32 graph; see update_ranges)."""
+    """Largest magnitude of every float node output over ``feeds`` (fp32 graph; see probe_model)."""
     names = float_outputs(model)
-    session = session_for(exposed_model(model, names), model_dir)
+    session = session_for(probe_model(model, names), model_dir)
+    outputs = [name + PEAK_SUFFIX for name in names]
     ranges = dict.fromkeys(names, 0.0)
     for feed in feeds:
-        update_ranges(ranges, dict(zip(names, session.run(names, dict(feed)))))
+        update_ranges(ranges, dict(zip(outputs, session.run(outputs, dict(feed)))))
     return ranges
 
 
