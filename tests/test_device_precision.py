@@ -222,3 +222,23 @@ def test_mx_formats_are_reported_on_top_of_fp16(scaled, tmp_path, capsys):
     for run in runs:
         fp16, mx = run["device_precision"], run["device_precision_mx"]
         assert mx["finite"] and mx["max_abs"] > fp16["max_abs"]  # the formats do round
+
+
+def test_run_at_device_precision_from_the_cli(auto_plan, tmp_path, capsys):
+    """`run --precision device` uses the compiled plan and matches transformers' tokens here."""
+    out, _ = auto_plan
+    image = tmp_path / "image.png"
+    helpers.image(100, 150).save(image)
+    common = [
+        "run",
+        str(out),
+        "--image",
+        str(image),
+        "--prompt",
+        "Describe this image.",
+        "--max-new-tokens",
+        "4",
+    ]
+    assert main([*common, "--precision", "device", "--compare-hf"]) == 0
+    assert "compare-hf: tokens identical" in capsys.readouterr().err
+    assert main([*common, "--precision", "device-mx"]) == 0  # MXFP6 weights: runs, tokens may differ
