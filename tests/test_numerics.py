@@ -153,3 +153,23 @@ def test_mxfp6_weights_reach_the_session(tmp_path):
     mx = device_session(path, mx=MxEmulation("fp6_e2m3")).run(None, x)[0]
     expected = x["x"] @ mx_round(weight, FP6_E2M3, axis=0)
     assert np.allclose(mx, expected, rtol=1e-3) and not np.allclose(plain, mx, rtol=1e-3)
+
+
+def test_spec_names_missing_plan_files_and_images(tmp_path):
+    """`validate` reports a node precision file or calibration image that does not exist."""
+    from qeff_vision.errors import SpecError
+    from qeff_vision.spec import load_spec
+    from tests.compile_fixtures import write_spec
+
+    spec = write_spec(
+        tmp_path / "spec.yaml",
+        compile_section={
+            "language": {"node_precision": "missing.yaml"},
+            "calibration": {"images": ["nowhere.png"], "prompts": ["Describe."]},
+        },
+    )
+    with pytest.raises(SpecError) as error:
+        load_spec(spec)
+    text = str(error.value)
+    assert "compile.language.node_precision: no such plan file 'missing.yaml'" in text
+    assert "compile.calibration.images: no such image 'nowhere.png'" in text

@@ -25,6 +25,25 @@ from qeff_vision.spec.schema import (
 from qeff_vision.spec.strict_yaml import load_strict_yaml
 
 
+def check_compile_files(reader, options, section, spec_dir: Path) -> None:
+    """Files the compile section names (node precision plans, calibration images) exist."""
+    from qeff_vision.compile.options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE
+
+    section = section if isinstance(section, dict) else {}
+    missing = {}
+    for program in ("vision", "language"):
+        value = options.program(program).node_precision
+        if value in (NODE_PRECISION_AUTO, NODE_PRECISION_NONE) or (spec_dir / value).is_file():
+            continue
+        own = isinstance(section.get(program), dict) and "node_precision" in section[program]
+        missing[f"compile.{program + '.' if own else ''}node_precision"] = value
+    for where, value in missing.items():  # a shared value is reported once
+        reader.add(where, f"no such plan file {value!r}")
+    for image in options.calibration.images if options.calibration else ():
+        if not (spec_dir / image).is_file():
+            reader.add("compile.calibration.images", f"no such image {image!r}")
+
+
 def load_spec(path: str | Path) -> Spec:
     """Read, validate and check a spec file against its model's config.
 
@@ -78,6 +97,7 @@ def spec_from_data(data: object, source: Path) -> Spec:
         for phase, values in (("prefill", ccl.prefill), ("decode", ccl.decode)):
             if values[-1] > ctx_len:
                 reader.add(f"compile.comp_ctx_lengths.{phase}", f"{values[-1]} exceeds ctx_len {ctx_len}")
+    check_compile_files(reader, compile_options, top.get("compile"), source.parent)
 
     description = model_dir = config_path = None
     family = None
