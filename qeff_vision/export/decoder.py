@@ -13,8 +13,8 @@ It reuses the Hugging Face text model's own layers and replaces only what export
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +42,12 @@ class DecoderParts:
         mask_per_layer_type: The text model takes ``{layer_type: mask}`` (models with per-layer-type
             masks, e.g. Qwen2, Gemma 3). False: it takes one 4-D mask, which it passes through
             ``create_causal_mask`` unchanged (e.g. Llama); needs a single layer type.
+        stacked_rows: Extra inputs after ``vision_embeds`` (``Family.stacked_vision_rows``), each
+            [depth, vision_batch, vision_size, hidden]: name -> depth. Their rows are gathered by
+            the same merge rule as ``vision_embeds`` (a chunk's t-th placeholder takes row
+            ``image_idx + t``).
+        stacked_rows_kwargs: Turns (placeholder mask [batch, seq], {name: gathered rows
+            [depth, batch, seq, hidden]}) into keyword arguments of the text model.
     """
 
     embed_tokens: nn.Module
@@ -53,6 +59,8 @@ class DecoderParts:
     position_rows: int | None = None
     bidirectional_images: bool = False
     mask_per_layer_type: bool = True
+    stacked_rows: Mapping[str, int] = field(default_factory=dict)
+    stacked_rows_kwargs: Callable | None = None
 
 
 @dataclass
@@ -221,6 +229,19 @@ def same_image_links(input_ids: torch.Tensor, image_token_id: int) -> torch.Tens
     return same_run & is_image.unsqueeze(-1) & is_image.unsqueeze(-2)
 
 
+def vision_row_index(input_ids: torch.Tensor, image_idx: torch.Tensor, image_token_id: int, rows: int):
+    """(placeholder mask, row of the flattened vision rows each token takes) for one chunk.
+
+    Every gather index stays in range (no sentinel): non-placeholders are masked afterwards. A
+    decode step (seq_len 1, reserved for decode) merges nothing: a generated placeholder id is an
+    ordinary token to transformers, which merges image rows into the prompt only.
+    """
+    seq_len = torch.ones_like(input_ids).sum(dim=1, keepdim=True)  # a tensor, so tracing keeps it
+    is_image = (input_ids == image_token_id) & (seq_len > 1)
+    ordinal = torch.cumsum(is_image.to(torch.int64), dim=1) - 1
+    return is_image, torch.clamp(ordinal + image_idx.reshape(1, 1), min=0, max=rows - 1)
+
+
 def merge_vision_rows(
     input_ids: torch.Tensor,
     inputs_embeds: torch.Tensor,
@@ -231,14 +252,21 @@ def merge_vision_rows(
     """Replace placeholder embeddings with vision rows; return (embeds, image_idx_output)."""
     hidden = inputs_embeds.shape[-1]
     rows = vision_embeds.reshape(-1, hidden)
-    is_image = input_ids == image_token_id
-    ordinal = torch.cumsum(is_image.to(torch.int64), dim=1) - 1
-    # Every gather index stays in range (no sentinel): non-placeholders are masked afterwards.
-    row_index = torch.clamp(ordinal + image_idx.reshape(1, 1), min=0, max=rows.shape[0] - 1)
+    is_image, row_index = vision_row_index(input_ids, image_idx, image_token_id, rows.shape[0])
     gathered = rows[row_index]
     merged = torch.where(is_image.unsqueeze(-1), gathered.to(inputs_embeds.dtype), inputs_embeds)
     placeholders = is_image.to(torch.int64).sum(dim=1).max().reshape(1, 1)
     return merged, image_idx.reshape(1, 1) + placeholders
+
+
+def gather_stacked_rows(
+    input_ids: torch.Tensor, stacked: torch.Tensor, image_idx: torch.Tensor, image_token_id: int
+) -> torch.Tensor:
+    """[depth, batch, seq, hidden] rows of a stacked input [depth, vision_batch, vision_size, hidden]."""
+    depth, hidden = stacked.shape[0], stacked.shape[-1]
+    rows = stacked.reshape(depth, -1, hidden)
+    _, row_index = vision_row_index(input_ids, image_idx, image_token_id, rows.shape[1])
+    return rows[:, row_index]
 
 
 def _only_mask(masks: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -261,9 +289,15 @@ class LanguageDecoder(nn.Module):
         self.text_model = parts.text_model
         self.lm_head = parts.lm_head
 
-    def forward(self, input_ids, position_ids, vision_embeds, image_idx, *past):
-        """Run one chunk (prefill) or one token (decode); see the module docstring for the contract."""
+    def forward(self, input_ids, position_ids, vision_embeds, *rest):
+        """Run one chunk (prefill) or one token (decode); see the module docstring for the contract.
+
+        ``rest`` is the stacked row inputs (:attr:`DecoderParts.stacked_rows`, in order), then
+        ``image_idx``, then the KV caches (and ``comp_ctx_lengths`` with CCL).
+        """
         parts = self.parts
+        stacked = rest[: len(parts.stacked_rows)]
+        image_idx, *past = rest[len(parts.stacked_rows) :]
         read_len = None
         if self.comp_ctx_lengths:
             *past, ccl = past
@@ -295,15 +329,24 @@ class LanguageDecoder(nn.Module):
                 text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
             )
         cache = RetainedKVCache(past, write_slots, read_slots, rings, plan)
+        extra = {}
+        if stacked:
+            gathered = {
+                name: gather_stacked_rows(input_ids, tensor, image_idx, parts.image_token_id)
+                for name, tensor in zip(parts.stacked_rows, stacked)
+            }
+            is_image, _ = vision_row_index(input_ids, image_idx, parts.image_token_id, 1)
+            extra = parts.stacked_rows_kwargs(is_image, gathered)
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,
             attention_mask=masks if parts.mask_per_layer_type else _only_mask(masks),
             position_ids=position_ids,
             past_key_values=cache,
             use_cache=True,
+            **extra,
         )
         hidden = outputs.last_hidden_state
         last = text_positions.argmax(dim=1, keepdim=True)  # the last valid (largest) position
         batch = torch.arange(hidden.shape[0]).view(-1, 1)
         logits = self.lm_head(hidden[batch, last])
-        return (logits, vision_embeds, image_idx_output, *cache.retained())
+        return (logits, vision_embeds, *stacked, image_idx_output, *cache.retained())

@@ -217,6 +217,9 @@ def language_example(
     if position_rows is not None:
         positions = positions.unsqueeze(0).repeat(position_rows, 1, 1)
     vision_embeds = torch.randn(1, rows, config_dims.hidden_size)
+    stacked = [
+        torch.randn(depth, 1, rows, config_dims.hidden_size) for depth in adapter_parts.stacked_rows.values()
+    ]
     image_idx = torch.zeros(1, 1, dtype=torch.int64)
     slots = {symbols.CTX_LEN: ctx, symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN}
     past = [
@@ -224,7 +227,7 @@ def language_example(
         for symbol in (cache_symbols or [symbols.CTX_LEN] * num_layers)
         for _ in range(2)
     ]
-    return (input_ids, positions, vision_embeds, image_idx, *past)
+    return (input_ids, positions, vision_embeds, *stacked, image_idx, *past)
 
 
 def export_model(

@@ -199,6 +199,12 @@ class Family:
     image_token_key: str = "image_token_id"
     tokens_between_images: int = 0
     placeholders_in_runs: bool = False
+    #: Extra inputs of the language program that carry rows of the vision program's output sliced
+    #: per chunk exactly like ``vision_embeds`` (same rows, same ``vision_size``), stacked on a
+    #: leading axis: name -> symbol of that axis. Each is also a vision-program output of the same
+    #: name and has a ``_RetainedState`` output. Qwen3-VL's deepstack features are one.
+    #: (Stop-gap until the language IO is one declared table: this keeps the extra rows as data.)
+    stacked_vision_rows: Mapping[str, str] = {}
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 
@@ -250,6 +256,15 @@ class Family:
         """Problems with compiling ``image`` for this family (empty when fine)."""
         return []
 
+    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
+        """Values of family-specific language-program symbols (e.g. a stacked rows axis)."""
+        return {}
+
+    def stack_depths(self, model: ModelDescription) -> dict[str, int]:
+        """Leading-axis size of each :attr:`stacked_vision_rows` input, by input name."""
+        values = self.language_symbols(model)
+        return {name: int(values[symbol]) for name, symbol in self.stacked_vision_rows.items()}
+
     # ---- KV cache per layer (generic: read from the text config's layer types) ----
 
     def layer_types(self, model: ModelDescription) -> list[str]:
@@ -295,6 +310,10 @@ class Family:
             symbols.INPUT_IDS: {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN},
             symbols.POSITION_IDS: position_axes,
             symbols.VISION_EMBEDS: {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
+            **{
+                name: {0: stack, 1: symbols.VISION_BATCH_SIZE, 2: symbols.VISION_SIZE}
+                for name, stack in self.stacked_vision_rows.items()
+            },
             symbols.IMAGE_IDX: {},
         }
         for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):
@@ -312,6 +331,10 @@ class Family:
         axes: dict[str, dict[int, str]] = {
             symbols.LOGITS: {0: symbols.BATCH_SIZE},
             symbols.retained(symbols.VISION_EMBEDS): {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
+            **{
+                symbols.retained(name): {0: stack, 1: symbols.VISION_BATCH_SIZE, 2: symbols.VISION_SIZE}
+                for name, stack in self.stacked_vision_rows.items()
+            },
             symbols.IMAGE_IDX_OUTPUT: {},
         }
         for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):

@@ -201,6 +201,10 @@ class Generator:
         self.dims = dims
         self.image_token_id = family.image_token_id(_description(model_config))
         self.position_rows = family.position_id_rows
+        # Stacked row inputs (Qwen3-VL deepstack) travel with vision_embeds as extra columns of
+        # one wide row per placeholder, so the cache and the chunk slicing treat them as one.
+        self.stack_depths = family.stack_depths(_description(model_config))
+        self.row_width = dims.hidden_size * (1 + sum(self.stack_depths.values()))
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
 
@@ -243,12 +247,33 @@ class Generator:
                 while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
-                embeds += [output[symbols.VISION_EMBEDS][i] for i in range(size)]
+                embeds += [self._wide_rows(output, i) for i in range(size)]
                 pending = pending[size:]
             timer[0] += time.perf_counter() - start
             return embeds
 
         return encode
+
+    def _wide_rows(self, output: Mapping[str, np.ndarray], item: int) -> np.ndarray:
+        """[tokens, row_width]: image ``item``'s vision_embeds, then each stacked input's rows."""
+        embeds = output[symbols.VISION_EMBEDS][item]
+        columns = [embeds]
+        for name, depth in self.stack_depths.items():
+            stacked = output[name][:, item]  # [depth, tokens, hidden]
+            columns.append(np.moveaxis(stacked, 0, 1).reshape(embeds.shape[0], depth * embeds.shape[1]))
+        return np.concatenate(columns, axis=-1) if len(columns) > 1 else embeds
+
+    def _vision_feeds_of_rows(self, wide: np.ndarray) -> dict[str, np.ndarray]:
+        """Split [1, V, row_width] chunk rows into ``vision_embeds`` and the stacked inputs."""
+        hidden = self.dims.hidden_size
+        feeds = {symbols.VISION_EMBEDS: np.ascontiguousarray(wide[..., :hidden])}
+        offset = hidden
+        for name, depth in self.stack_depths.items():
+            block = wide[..., offset : offset + depth * hidden]
+            shaped = block.reshape(wide.shape[0], wide.shape[1], depth, hidden).transpose(2, 0, 1, 3)
+            feeds[name] = np.ascontiguousarray(shaped)
+            offset += depth * hidden
+        return feeds
 
     # ---- language ----
 
@@ -384,7 +409,7 @@ class Generator:
         images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
         encode_timer = [0.0]
         encoder = self._encoder(inputs_by_key, encode_timer)
-        hidden = self.dims.hidden_size
+        hidden = self.row_width
         records: list[ChunkRecord] = []
         outputs: dict[str, np.ndarray] = {}
         encoded_before, encode_before = self.cache.stats.images_encoded, 0.0
@@ -395,7 +420,7 @@ class Generator:
             feeds = {
                 symbols.INPUT_IDS: token_ids,
                 symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                symbols.VISION_EMBEDS: vision_embeds,
+                **self._vision_feeds_of_rows(vision_embeds),
                 symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             outputs = self._step(feeds, past)
@@ -434,7 +459,9 @@ class Generator:
     ) -> list[int]:
         """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given."""
         tokens = [token]
-        decode_embeds = np.zeros((1, self.shape.decode_vision_size, self.dims.hidden_size), dtype=np.float32)
+        decode_rows = self._vision_feeds_of_rows(
+            np.zeros((1, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
+        )
         image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
@@ -446,7 +473,7 @@ class Generator:
             }
             if not self.language.retains_state:
                 # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
-                feeds[symbols.VISION_EMBEDS] = decode_embeds
+                feeds.update(decode_rows)
             outputs = self._step(feeds, past)
             image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
             if kept is not None:

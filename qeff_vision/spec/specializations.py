@@ -224,6 +224,7 @@ def build_specializations(
         symbols.BATCH_SIZE: spec.batch_size,
         **family.kv_cache_lengths(model, spec.ctx_len),
         symbols.VISION_BATCH_SIZE: spec.batch_size,
+        **family.language_symbols(model),
     }
     where = f"family {family.name}, language program"
     # One specialization per (bucket, CCL) when the spec lists compute-context lengths.
@@ -264,6 +265,9 @@ def build_specializations(
     language_precision[symbols.VISION_EMBEDS] = language_dtype
     language_precision[symbols.retained(symbols.VISION_EMBEDS)] = language_dtype
     vision_precision = {symbols.PIXEL_VALUES: vision_dtype, symbols.VISION_EMBEDS: vision_dtype}
+    for name in family.stacked_vision_rows:  # vision rows in the compute dtype, like vision_embeds
+        language_precision[name] = language_precision[symbols.retained(name)] = language_dtype
+        vision_precision[name] = vision_dtype
 
     vision = ProgramFiles(
         VISION,

@@ -1,0 +1,102 @@
+"""Qwen3-VL: patch-16 ViT with interpolated learned positions, deepstack features, interleaved M-RoPE.
+
+Token math is Qwen2.5-VL's ``smart_resize`` with a 32-pixel factor (patch 16 x merge 2; ref:
+transformers v5 models/qwen2_vl/image_processing_qwen2_vl.py, which Qwen3-VL's processor uses with
+``patch_size`` 16), so the family reuses :class:`Qwen2_5_VL`'s resize and changes the defaults.
+
+Deepstack (ref: transformers v5 models/qwen3_vl/modeling_qwen3_vl.py, ``Qwen3VLVisionModel`` and
+``Qwen3VLTextModel._deepstack_process``): the vision tower also merges the hidden states of a few
+intermediate blocks (``deepstack_visual_indexes``) into decoder-width rows, and the decoder adds
+the k-th of them to the output of its k-th layer at the image positions. Both programs carry them
+as ``deepstack_features`` [num_feature_layers, batch, vision_size, hidden] (QEfficient's name and
+axes), sliced per chunk exactly like ``vision_embeds``.
+"""
+
+from __future__ import annotations
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.qwen2_5_vl import (
+    CHANNELS,
+    GRID_H,
+    GRID_HEIGHT,
+    GRID_W,
+    GRID_WIDTH,
+    IMAGE_GRID_THW,
+    Qwen2_5_VL,
+)
+
+DEEPSTACK_FEATURES = "deepstack_features"
+# QEfficient's symbols: the stack of deepstack layers, and grid_t on image_grid_thw's axis 1.
+NUM_FEATURE_LAYERS = "num_feature_layers"
+TIME = "time"
+
+# The published checkpoints' preprocessor_config.json: size {shortest_edge: 65536,
+# longest_edge: 16777216} (256^2 .. 4096^2 pixels), used when only a config snapshot is given.
+DEFAULT_MIN_PIXELS = 65536
+DEFAULT_MAX_PIXELS = 16777216
+
+
+@register
+class Qwen3_VL(Qwen2_5_VL):
+    """Qwen3-VL (2B/4B/8B/32B Instruct and Thinking; dense text models)."""
+
+    name = "qwen3_vl"
+    title = "Qwen3-VL"
+    architectures = ("Qwen3VLForConditionalGeneration",)
+    model_types = ("qwen3_vl",)
+    export_module = "qeff_vision.families.qwen3_vl.export"
+    position_id_rows = 4
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
+        multi_resolution=yes("one vision graph, a specialization per resolution"),
+        chunk_split=yes("causal attention over image tokens"),
+        video=no("video frames are not exported yet; images only"),
+    )
+    vision_input_axes = {
+        symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
+        IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
+    }
+    vision_output_axes = {
+        symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE},
+        DEEPSTACK_FEATURES: {0: NUM_FEATURE_LAYERS, 1: symbols.BATCH_SIZE, 2: symbols.VISION_SIZE},
+    }
+    stacked_vision_rows = {DEEPSTACK_FEATURES: NUM_FEATURE_LAYERS}
+
+    def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) from the processor config, or Qwen3-VL's published defaults."""
+        processor = model.processor
+        size = processor.get("size") or {}
+        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
+        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
+        return int(min_pixels), int(max_pixels)
+
+    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
+        """``num_feature_layers``: how many deepstack layers the vision tower feeds the decoder."""
+        return {NUM_FEATURE_LAYERS: len(self._vision(model).get("deepstack_visual_indexes") or ())}
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Qwen's processor rejects extreme aspect ratios; video is not exported yet."""
+        problems = super().validate_image(model, image)
+        return [p.replace("Qwen2.5-VL", "Qwen3-VL") for p in problems]
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """Qwen2.5-VL's grid symbols plus ``time`` (temporal patches) and ``num_feature_layers``."""
+        vision = self._vision(model)
+        patch = int(vision.get("patch_size", 16))
+        merge = int(vision.get("spatial_merge_size", 2))
+        temporal = int(vision.get("temporal_patch_size", 2))
+        height, width = self.resized(model, image)
+        grid_h, grid_w = height // patch, width // patch
+        grid_t = 1
+        return {
+            GRID_H: grid_h,
+            GRID_W: grid_w,
+            TIME: grid_t,
+            GRID_HEIGHT: grid_t * grid_h * grid_w,
+            GRID_WIDTH: CHANNELS * temporal * patch * patch,
+            symbols.VISION_SIZE: grid_t * grid_h * grid_w // (merge * merge),
+            **self.language_symbols(model),
+        }
