@@ -33,7 +33,9 @@ from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
 FAMILY = "qwen3_vl"
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 QWEN3_VL_8B = describe_checkpoint(SPECS / "configs" / "Qwen3-VL-8B-Instruct")
-LONG_TEXT = "The first picture was taken in the morning, long before the second one, and the light is softer. "
+LONG_TEXT = (
+    "The first picture was taken in the morning, long before the second one, and the light is softer. "
+)
 
 
 # ---- torch-free token math on the pinned Qwen3-VL-8B snapshot ----
@@ -60,7 +62,10 @@ def test_specializations_of_the_pinned_8b_spec():
     assert tokens == [64, 220, 2040, 4096]  # QEfficient's 354x536 reference is 187 (4B spec)
     for spec in (*result.vision.specializations, *result.language.specializations):
         assert spec.symbols[NUM_FEATURE_LAYERS] == "3"
-    lang = [(s.name, s.symbols["seq_len"], s.symbols[symbols.VISION_SIZE]) for s in result.language.specializations]
+    lang = [
+        (s.name, s.symbols["seq_len"], s.symbols[symbols.VISION_SIZE])
+        for s in result.language.specializations
+    ]
     assert lang == [
         ("Prefill-128", "128", "128"),
         ("Prefill-256", "256", "256"),
@@ -84,7 +89,11 @@ def test_language_program_declares_deepstack_features_like_qefficient(exported):
     graph = onnx.load(str(exported(FAMILY) / lang["path"]), load_external_data=False).graph
     inputs, outputs = [v.name for v in graph.input], [v.name for v in graph.output]
     assert inputs[:5] == ["input_ids", "position_ids", "vision_embeds", DEEPSTACK_FEATURES, "image_idx"]
-    assert outputs[1:4] == ["vision_embeds_RetainedState", "deepstack_features_RetainedState", "image_idx_output"]
+    assert outputs[1:4] == [
+        "vision_embeds_RetainedState",
+        "deepstack_features_RetainedState",
+        "image_idx_output",
+    ]
     axes = {"0": NUM_FEATURE_LAYERS, "1": symbols.VISION_BATCH_SIZE, "2": symbols.VISION_SIZE}
     assert lang["inputs"][DEEPSTACK_FEATURES]["axes"] == axes
     assert vision["outputs"][DEEPSTACK_FEATURES]["axes"] == {
@@ -163,7 +172,9 @@ def test_image_then_text_only_chunk_then_image(runtime):
 
 def test_three_turn_conversation(runtime):
     cache = EmbeddingCache(16 * 2**20)
-    chat = Conversation(runtime.generator([32, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS)
+    chat = Conversation(
+        runtime.generator([32, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS
+    )
     first, second = helpers.image(224, 224, 5), helpers.image(300, 120, 6)
     turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]
     results = []
@@ -177,7 +188,9 @@ def test_three_turn_conversation(runtime):
 def test_compile_onnxruntime_verifies_deepstack_specializations(tiny_checkpoint, tmp_path, capsys):
     spec = write_spec(tmp_path / "tiny.yaml", model=str(tiny_checkpoint(FAMILY)), config=None, ctx_len=512)
     out = tmp_path / "out"
-    assert main(["compile", str(spec), "-o", str(out), "--backend", "onnxruntime"]) == 0, capsys.readouterr().err
+    assert main(["compile", str(spec), "-o", str(out), "--backend", "onnxruntime"]) == 0, (
+        capsys.readouterr().err
+    )
     import json
 
     manifest = json.loads((out / "manifest.json").read_text())
