@@ -37,7 +37,9 @@ def test_vision_three_stage_parity(family, hf_model, exported):
         reference = adapter.hf_image_features(model, processed)[0].numpy()
         inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))[0]
         with torch.no_grad():
-            patched = encoder(*[torch.as_tensor(v) for v in inputs.values()])[0].numpy()
+            outputs = encoder(*[torch.as_tensor(v) for v in inputs.values()])
+        # A tower with several outputs (Qwen3-VL adds deepstack_features) lists vision_embeds first.
+        patched = (outputs[0] if isinstance(outputs, tuple) else outputs)[0].numpy()
         onnx = program.run(inputs)["vision_embeds"][0]
         assert patched.shape == reference.shape == onnx.shape
         assert np.abs(patched - reference).max() <= VISION_TOLERANCE, (height, width)
@@ -74,6 +76,10 @@ def test_patched_language_decoder_matches_transformers(family, hf_model):
         reference = model(**inputs).logits[0, -1].numpy()
     numpy_inputs = helpers.as_numpy(inputs)
     features = torch.cat(adapter.hf_image_features(model, inputs)).unsqueeze(0)
+    # Stacked row inputs (Qwen3-VL's deepstack_features) follow vision_embeds: [depth, 1, rows, hidden].
+    stacked = [
+        torch.cat(rows, dim=1).unsqueeze(1) for rows in adapter.hf_stacked_rows(model, inputs).values()
+    ]
     parts = adapter.decoder_parts(model)
     decoder = LanguageDecoder(parts).eval()
     length = inputs["input_ids"].shape[1]
@@ -83,11 +89,11 @@ def test_patched_language_decoder_matches_transformers(family, hf_model):
         len(parts.layer_types),
         adapter.family.position_id_rows,
     )
-    past = [torch.zeros(t.shape[0], t.shape[1], length + 8, t.shape[3]) for t in example[4:]]
+    past = [torch.zeros(t.shape[0], t.shape[1], length + 8, t.shape[3]) for t in example[4 + len(stacked) :]]
     positions = torch.as_tensor(adapter.prompt_positions(model.config.to_dict(), numpy_inputs))
     with torch.no_grad():
         logits = decoder(
-            inputs["input_ids"], positions, features, torch.zeros(1, 1, dtype=torch.int64), *past
+            inputs["input_ids"], positions, features, *stacked, torch.zeros(1, 1, dtype=torch.int64), *past
         )[0]
     assert np.abs(logits[0, -1].numpy() - reference).max() <= LOGIT_TOLERANCE
 

@@ -109,7 +109,9 @@ def test_one_vision_graph_serves_every_resolution_with_deepstack_rows(hf_model, 
     program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
     for height, width in ((100, 150), (224, 224), (300, 120), (500, 500)):
         processed = processor.image_processor(images=[helpers.image(height, width)], return_tensors="pt")
-        reference = adapter.hf_image_features(model, processed)[0].numpy()
+        embeds = adapter.hf_image_features(model, processed)[0].numpy()
+        stacked = adapter.hf_stacked_rows(model, processed)[DEEPSTACK_FEATURES][0].numpy()
+        reference = np.concatenate([embeds, *stacked], axis=-1)
         (inputs,) = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))
         output = program.run(inputs)
         stacked = output[DEEPSTACK_FEATURES][:, 0]

@@ -98,6 +98,12 @@ class ExportAdapter:
         """Transformers' own per-image features [tokens, hidden] for the processor outputs (parity)."""
         raise NotImplementedError
 
+    def hf_stacked_rows(
+        self, model: nn.Module, processed: Mapping[str, Any]
+    ) -> dict[str, list[torch.Tensor]]:
+        """Transformers' rows [depth, tokens, hidden] per image of each stacked vision-row input."""
+        return {}
+
     def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Split processor outputs into one vision-program input dict per image (batch axis 1).
 

@@ -70,8 +70,10 @@ class Qwen2_5_VL(Family):
         factor = int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))
         min_pixels, max_pixels = self.pixel_limits(model)
         height, width = image.height, image.width
-        h_bar = max(factor, round(height / factor) * factor)
-        w_bar = max(factor, round(width / factor) * factor)
+        # No floor at one factor here: a side under factor / 2 rounds to 0, and the min_pixels branch
+        # below then scales both sides up, as transformers does.
+        h_bar = round(height / factor) * factor
+        w_bar = round(width / factor) * factor
         if h_bar * w_bar > max_pixels:
             beta = math.sqrt((height * width) / max_pixels)
             h_bar = max(factor, math.floor(height / beta / factor) * factor)

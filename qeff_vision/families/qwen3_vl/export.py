@@ -161,17 +161,23 @@ class Adapter(Qwen2_5_VLAdapter):
             IMAGE_GRID_THW: torch.zeros(1, 1, grid_h, grid_w, dtype=torch.int64),
         }
 
-    def hf_image_features(self, model, processed):
-        """Transformers' vision tower per image: [tokens, hidden * (1 + deepstack layers)] rows.
-
-        The deepstack rows follow ``vision_embeds`` as extra columns, the layout the runtime caches.
-        """
+    def _hf_vision(self, model, processed):
         grid = torch.as_tensor(processed["image_grid_thw"])
         with torch.no_grad():
             output = model.model.visual(torch.as_tensor(processed["pixel_values"]), grid_thw=grid)
-        wide = torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
         counts = (grid.prod(dim=-1) // model.config.vision_config.spatial_merge_size**2).tolist()
-        return list(torch.split(wide, counts))
+        return output, counts
+
+    def hf_image_features(self, model, processed):
+        """Transformers' vision tower on the processor outputs, split per image."""
+        output, counts = self._hf_vision(model, processed)
+        return list(torch.split(output.pooler_output, counts))
+
+    def hf_stacked_rows(self, model, processed):
+        """Transformers' deepstack features per image: [num_feature_layers, tokens, hidden]."""
+        output, counts = self._hf_vision(model, processed)
+        stacked = torch.stack(list(output.deepstack_features))
+        return {DEEPSTACK_FEATURES: list(torch.split(stacked, counts, dim=1))}
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """The shared layout plus the deepstack rows and how the text model takes them."""
