@@ -129,10 +129,22 @@ class VisionEncoder(nn.Module):
         return attn.proj(output)
 
 
-def _add_deepstack(hidden_states, visual_pos_masks, visual_embeds):
-    """Qwen3VLTextModel._deepstack_process with dense rows [batch, seq, hidden] (traceable)."""
-    added = hidden_states + visual_embeds.to(hidden_states.dtype)
-    return torch.where(visual_pos_masks.unsqueeze(-1), added, hidden_states)
+def _dense_deepstack(text_model: nn.Module):
+    """``_deepstack_process`` that also takes dense rows [batch, seq, hidden] (traceable).
+
+    transformers passes the rows of the image positions only and assigns through a boolean index;
+    our decoder passes one (gathered) row per token and selects with ``torch.where``. Other calls
+    keep transformers' own behaviour, so patching a shared model does not change its ``generate``.
+    """
+    original = type(text_model)._deepstack_process.__get__(text_model)
+
+    def process(hidden_states, visual_pos_masks, visual_embeds):
+        if visual_embeds.dim() != hidden_states.dim():
+            return original(hidden_states, visual_pos_masks, visual_embeds)
+        added = hidden_states + visual_embeds.to(hidden_states.dtype)
+        return torch.where(visual_pos_masks.unsqueeze(-1), added, hidden_states)
+
+    return process
 
 
 def _deepstack_kwargs(is_image: torch.Tensor, gathered: Mapping[str, torch.Tensor]) -> dict:
@@ -184,5 +196,5 @@ class Adapter(Qwen2_5_VLAdapter):
         parts = super().decoder_parts(model)
         parts.stacked_rows = {DEEPSTACK_FEATURES: len(model.config.vision_config.deepstack_visual_indexes)}
         parts.stacked_rows_kwargs = _deepstack_kwargs
-        parts.text_model._deepstack_process = _add_deepstack
+        parts.text_model._deepstack_process = _dense_deepstack(parts.text_model)
         return parts
