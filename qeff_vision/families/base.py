@@ -252,6 +252,13 @@ class Family:
         """Placeholder tokens (= vision_embeds rows) one image of this size becomes."""
         return self.vision_symbols(model, image)[symbols.VISION_SIZE]
 
+    def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
+        """Prompt tokens from an image's first placeholder to its last.
+
+        Its placeholders, plus the break tokens between them in a family with ``placeholders_in_runs``.
+        """
+        return self.image_tokens(model, image)
+
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Problems with compiling ``image`` for this family (empty when fine)."""
         return []

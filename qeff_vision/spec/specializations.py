@@ -167,10 +167,16 @@ def _custom_io(names: Iterable[str], precision_of: Mapping[str, str]) -> tuple[t
     return tuple((name, precision_of[name]) for name in names if name in precision_of)
 
 
-def _span(tokens: int, capacity: int, splittable: bool) -> tuple[int, int]:
+def _span(tokens: int, extent: int, seq_len: int, vision_size: int, splittable: bool) -> tuple[int, int]:
+    """Chunks an image spans: its ``tokens`` placeholders need rows, its ``extent`` tokens need seq_len.
+
+    ``extent`` counts the tokens from its first to its last placeholder (Mistral 3's row breaks
+    included); for one contiguous run it equals ``tokens`` and this is chunk_span(tokens, min(S, V)).
+    """
     if splittable:
-        return chunk_span(tokens, capacity)
-    return (1, 1) if tokens <= capacity else (0, 0)
+        by_rows, by_tokens = chunk_span(tokens, min(seq_len, vision_size)), chunk_span(extent, seq_len)
+        return max(by_rows[0], by_tokens[0]), max(by_rows[1], by_tokens[1])
+    return (1, 1) if extent <= seq_len and tokens <= vision_size else (0, 0)
 
 
 def build_specializations(
@@ -290,7 +296,9 @@ def build_specializations(
             tokens,
             name,
             {
-                seq_len: _span(tokens, min(seq_len, prefill_sizes[seq_len]), splittable)
+                seq_len: _span(
+                    tokens, family.image_extent(model, image), seq_len, prefill_sizes[seq_len], splittable
+                )
                 for seq_len in seq_lens
             },
         )

@@ -104,3 +104,7 @@ class Mistral3(Family):
         height, width = self.resized(model, image)
         side = self.token_side(model)
         return (height // side) * (width // side + 1)
+
+    def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
+        """First to last ``[IMG]``: every token but the final ``[IMG_END]``."""
+        return self.prompt_tokens(model, image) - 1
