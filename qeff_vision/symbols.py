@@ -25,6 +25,11 @@ LOGITS = "logits"
 IMAGE_IDX_OUTPUT = "image_idx_output"
 RETAINED_SUFFIX = "_RetainedState"
 PIXEL_VALUES = "pixel_values"
+# Cross-attention decoder kind: which image (and which of its tiles) each token attends to,
+# [batch, seq_len, max_num_images, tiles] (QEfficient's and transformers' mllama name).
+CROSS_ATTENTION_MASK = "cross_attention_mask"
+# Image slots of one request in a cross-attention program (QEfficient's mllama axis name).
+MAX_NUM_IMAGES = "max_num_images"
 
 
 def past_key(layer: int) -> str:

@@ -17,7 +17,7 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
-from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
 from qeff_vision.families.base import Family
 
 
@@ -142,6 +142,20 @@ class ExportAdapter:
             bidirectional_images=self.bidirectional_images,
             mask_per_layer_type=not self.single_mask,
         )
+
+    def language_decoder(self, model: nn.Module, parts: DecoderParts, comp_ctx_lengths: bool) -> nn.Module:
+        """The language program's module: the generic token-merge decoder by default.
+
+        A family of another decoder kind overrides it (a cross-attention decoder reads image
+        states as retained K/V).
+        """
+        return LanguageDecoder(parts, comp_ctx_lengths).eval()
+
+    def language_example(
+        self, model: nn.Module, parts: DecoderParts, dims: Any, cache_symbols
+    ) -> tuple | None:
+        """Example inputs to trace the language program with; ``None``: the exporter's generic one."""
+        return None
 
     def prompt_positions(self, model_config: Any, processed: Mapping[str, Any]) -> np.ndarray:
         """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""

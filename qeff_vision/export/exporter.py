@@ -28,7 +28,6 @@ from onnx import external_data_helper
 from qeff_vision import __version__, symbols
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
@@ -281,20 +280,21 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
-        decoder = LanguageDecoder(parts, comp_ctx_lengths).eval()
+        decoder = adapter.language_decoder(model, parts, comp_ctx_lengths)
         timings["patch"] = time.perf_counter() - start
 
         start = time.perf_counter()
         say("export vision")
         vision_example = adapter.vision_example_inputs(model)
+        vision_outputs = family.vision_outputs(description)
         vision = _trace(
             staging,
             "vision",
             encoder,
             _cast(tuple(vision_example.values()), torch_dtype),
             list(vision_example),
-            list(family.vision_output_axes),
-            {**family.vision_input_axes, **family.vision_output_axes},
+            list(vision_outputs),
+            {**family.vision_input_axes, **vision_outputs},
         )
         timings["trace_vision"] = time.perf_counter() - start
 
@@ -303,7 +303,9 @@ def export_model(
         cache_symbols = family.kv_cache_symbols(description)
         in_axes = family.language_input_axes(dims.num_layers, cache_symbols, comp_ctx_lengths)
         out_axes = family.language_output_axes(dims.num_layers, cache_symbols)
-        example = language_example(parts, dims, dims.num_layers, family.position_id_rows, cache_symbols)
+        example = adapter.language_example(model, parts, dims, cache_symbols)
+        if example is None:
+            example = language_example(parts, dims, dims.num_layers, family.position_id_rows, cache_symbols)
         if comp_ctx_lengths:
             example = (*example, torch.zeros(EXAMPLE_CCL, dtype=torch.int64))
         example = _cast(example, torch_dtype)

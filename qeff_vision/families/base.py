@@ -22,6 +22,13 @@ from qeff_vision.errors import UserError
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
+# How a family's decoder sees images (``Family.decoder_kind``). Token-merge: the vision program's
+# rows replace the placeholder tokens' embeddings (``vision_embeds`` / ``image_idx``).
+# Cross-attention: the vision program produces key/value states that dedicated cross-attention
+# layers read as retained state; a prompt holds one placeholder per image and no image rows.
+TOKEN_MERGE = "token-merge"
+CROSS_ATTENTION = "cross-attention"
+
 
 @dataclass(frozen=True)
 class Support:
@@ -182,6 +189,8 @@ class Family:
         placeholders_in_runs: One image's placeholders are several runs with other tokens between
             them (Mistral 3 ends each row of image tokens with ``[IMG_BREAK]``); the host then
             joins consecutive runs into an image by its row count.
+        decoder_kind: ``token-merge`` (image rows replace placeholder embeddings) or
+            ``cross-attention`` (image states are cross-attention K/V, see :data:`CROSS_ATTENTION`).
     """
 
     name: str = ""
@@ -205,6 +214,7 @@ class Family:
     #: name and has a ``_RetainedState`` output. Qwen3-VL's deepstack features are one.
     #: (Stop-gap until the language IO is one declared table: this keeps the extra rows as data.)
     stacked_vision_rows: Mapping[str, str] = {}
+    decoder_kind: str = TOKEN_MERGE
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 
@@ -271,6 +281,14 @@ class Family:
         """Leading-axis size of each :attr:`stacked_vision_rows` input, by input name."""
         values = self.language_symbols(model)
         return {name: int(values[symbol]) for name, symbol in self.stacked_vision_rows.items()}
+
+    def request_symbols(self, model: ModelDescription, max_images: int) -> dict[str, int]:
+        """Language-program symbols fixed by how many images one request may carry (none by default).
+
+        A cross-attention family binds its image-slot axes here (``max_num_images`` and the rows
+        of the retained cross-attention states).
+        """
+        return {}
 
     # ---- KV cache per layer (generic: read from the text config's layer types) ----
 
@@ -349,6 +367,14 @@ class Family:
             axes[symbols.retained(symbols.past_key(layer))] = dict(kv_axes)
             axes[symbols.retained(symbols.past_value(layer))] = dict(kv_axes)
         return axes
+
+    def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
+        """Vision-program outputs and their axes for ``model`` (the class declaration by default).
+
+        A family whose output names depend on the config (one K/V pair per cross-attention layer)
+        overrides this.
+        """
+        return {name: dict(axes) for name, axes in self.vision_output_axes.items()}
 
     def vision_graph_symbols(self) -> set[str]:
         """Every symbol that appears on a vision-program input or output."""

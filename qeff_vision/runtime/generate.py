@@ -19,6 +19,7 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.families import Family, get_family
+from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
 from qeff_vision.runtime.planner import (
     ChunkPlan,
@@ -546,4 +547,10 @@ def generator_for_export(
         fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
         mx=mx,
     )
-    return Generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
+    args = (family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
+    if family.decoder_kind == CROSS_ATTENTION:
+        from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
+
+        mask = manifest["programs"]["lang"]["inputs"].get(symbols.CROSS_ATTENTION_MASK, {})
+        return CrossAttentionGenerator(*args, cross_mask_shape=mask.get("shape", ()))
+    return Generator(*args)

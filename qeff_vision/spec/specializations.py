@@ -199,7 +199,8 @@ def build_specializations(
     resolved = resolve_layout(layout or spec.layout)
     num_layers = family.text_dims(model).num_layers
 
-    vision_order = _graph_order([family.vision_input_axes, family.vision_output_axes])
+    vision_outputs = family.vision_outputs(model)
+    vision_order = _graph_order([family.vision_input_axes, vision_outputs])
     if symbols.BATCH_SIZE in vision_order:  # batch first: easier to read, same meaning
         vision_order.insert(0, vision_order.pop(vision_order.index(symbols.BATCH_SIZE)))
     vision_specs: list[Specialization] = []
@@ -231,6 +232,7 @@ def build_specializations(
         **family.kv_cache_lengths(model, spec.ctx_len),
         symbols.VISION_BATCH_SIZE: spec.batch_size,
         **family.language_symbols(model),
+        **family.request_symbols(model, spec.vision.max_images),
     }
     where = f"family {family.name}, language program"
     # One specialization per (bucket, CCL) when the spec lists compute-context lengths.
@@ -274,13 +276,16 @@ def build_specializations(
     for name in family.stacked_vision_rows:  # vision rows in the compute dtype, like vision_embeds
         language_precision[name] = language_precision[symbols.retained(name)] = language_dtype
         vision_precision[name] = vision_dtype
+    # Vision outputs the language program retains as cache inputs (cross-attention K/V) are
+    # produced in the cache's dtype, so they cross between the programs unconverted.
+    vision_precision.update({name: kv_dtype for name in vision_outputs if name in kv_names})
 
     vision = ProgramFiles(
         VISION,
         PROGRAM_DIRS[VISION],
         resolved,
         tuple(vision_specs),
-        _custom_io([*family.vision_input_axes, *family.vision_output_axes], vision_precision),
+        _custom_io([*family.vision_input_axes, *vision_outputs], vision_precision),
     )
     language = ProgramFiles(
         LANGUAGE,

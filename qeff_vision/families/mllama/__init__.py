@@ -1,0 +1,166 @@
+"""Llama 3.2 Vision (mllama): a tiled vision encoder feeding cross-attention layers (cross-attention kind).
+
+The decoder does not merge image rows into the token sequence. Every image is one ``<|image|>``
+token; dedicated cross-attention layers attend to the vision states of all the request's images,
+and the processor's ``cross_attention_mask`` [batch, tokens, images, tiles] says which image (and
+which of its real tiles) each text token sees (ref: transformers v5
+models/mllama/processing_mllama.py, ``get_cross_attention_token_mask``: a token sees the images
+from the last ``<|image|>`` run before it; tokens before the first image see none).
+
+Tiling (ref: models/mllama/image_processing_mllama.py, ``get_optimal_tiled_canvas``): the canvas is
+the tile arrangement (at most ``max_num_tiles`` tiles of ``image_size`` px) that upscales the image
+least, or else downscales it least; ties go to the smaller canvas. Whatever the arrangement, the
+vision program always takes ``max_num_tiles`` tiles per image (padding tiles masked by
+``aspect_ratio_mask``), so its shapes depend only on how many images a request may carry: the
+cross-attention states of one image are max_num_tiles * (patches + 1) rows (4 * 1,601 = 6,404 for
+Llama 3.2 11B Vision), independent of the image size.
+
+The vision program therefore produces, for every cross-attention layer, the key and value states
+[batch, kv_heads, max_num_images * max_num_tiles * (patches + 1), head_dim]; the language program
+takes them as retained state, so they cross to the device once per request and every prefill chunk
+and decode step reuses them. There is no ``vision_size`` axis.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import CROSS_ATTENTION, Family, Features, ImageSize, ModelDescription, no, yes
+
+# QEfficient's names (models/mllama/modeling_mllama.py, get_onnx_dynamic_axes).
+MAX_NUM_IMAGES = symbols.MAX_NUM_IMAGES
+ASPECT_RATIO_IDS = "aspect_ratio_ids"
+ASPECT_RATIO_MASK = "aspect_ratio_mask"
+CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
+# Rows of the cross-attention K/V: max_num_images * max_num_tiles * (patches + 1). QEfficient pins
+# it at export; here it is a symbol so one export serves any max_images.
+CROSS_STATES = "cross_states"
+
+# ref: transformers v5 MllamaVisionConfig defaults (image_size 448 there; Llama 3.2 Vision sets 560).
+VISION_DEFAULTS: dict[str, Any] = {"image_size": 448, "patch_size": 14, "max_num_tiles": 4}
+
+
+def supported_aspect_ratios(max_tiles: int) -> list[tuple[int, int]]:
+    """(columns, rows) arrangements of at most ``max_tiles`` tiles, in transformers' order; id = index + 1."""
+    return [(w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1) if w * h <= max_tiles]
+
+
+@lru_cache(maxsize=1024)
+def tiled_canvas(height: int, width: int, max_tiles: int, tile: int) -> tuple[int, int]:
+    """(canvas height, canvas width) the processor resizes an image of ``height`` x ``width`` into.
+
+    transformers treats each arrangement's first number as the canvas height (the set is symmetric).
+    """
+    canvases = [(a * tile, b * tile) for a, b in supported_aspect_ratios(max_tiles)]
+    scales = [min(ch / height, cw / width) for ch, cw in canvases]
+    upscales = [s for s in scales if s >= 1]
+    chosen = min(upscales) if upscales else max(s for s in scales if s < 1)
+    candidates = [c for c, s in zip(canvases, scales) if s == chosen]
+    return min(candidates, key=lambda c: c[0] * c[1])
+
+
+def cross_layers(text_config: dict[str, Any]) -> list[int]:
+    """Indices of the decoder's cross-attention layers (the text config's ``cross_attention_layers``)."""
+    return [int(i) for i in text_config.get("cross_attention_layers") or ()]
+
+
+@register
+class Mllama(Family):
+    """Llama 3.2 Vision (MllamaForConditionalGeneration), e.g. meta-llama/Llama-3.2-11B-Vision-Instruct."""
+
+    name = "mllama"
+    title = "Llama 3.2 Vision"
+    architectures = ("MllamaForConditionalGeneration",)
+    model_types = ("mllama",)
+    export_module = "qeff_vision.families.mllama.export"
+    decoder_kind = CROSS_ATTENTION
+    image_token_key = "image_token_index"
+    features = Features(
+        export=yes("dual program: vision -> cross-attention K/V, retained by the language program"),
+        dynamic_vision_size=no(
+            "cross-attention decoder: images enter as the cross-attention layers' key/value states, "
+            "never as rows in the token sequence, so the language program has no vision_size axis"
+        ),
+        multi_resolution=yes("any size: up to 4 tiles of 560 px, padded to 4 with an aspect-ratio id"),
+        chunk_split=yes("one <|image|> token per image; every chunk attends to whole images"),
+        video=no("Llama 3.2 Vision takes images only"),
+    )
+    vision_input_axes = {
+        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
+        ASPECT_RATIO_IDS: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
+        ASPECT_RATIO_MASK: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
+    }
+    vision_output_axes = {}
+
+    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
+        """The tower's config over transformers' defaults."""
+        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+
+    def tiles(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
+        """(tile rows, tile columns) of one image: its aspect-ratio arrangement."""
+        vision = self.vision_config(model)
+        tile = int(vision["image_size"])
+        canvas_h, canvas_w = tiled_canvas(image.height, image.width, int(vision["max_num_tiles"]), tile)
+        return canvas_h // tile, canvas_w // tile
+
+    def aspect_ratio_id(self, model: ModelDescription, image: ImageSize) -> int:
+        """The processor's ``aspect_ratio_ids`` value for this image (1-based; 0 pads)."""
+        max_tiles = int(self.vision_config(model)["max_num_tiles"])
+        return supported_aspect_ratios(max_tiles).index(self.tiles(model, image)) + 1
+
+    def states_per_image(self, model: ModelDescription) -> int:
+        """Cross-attention rows of one image: max_num_tiles * (patches + 1), whatever its size."""
+        vision = self.vision_config(model)
+        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2 + 1
+        return int(vision["max_num_tiles"]) * patches
+
+    def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """One ``<|image|>`` token per image, whatever its size."""
+        return 1
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """One image per vision call; its cross states; vision_size 1 (its one placeholder)."""
+        return {MAX_NUM_IMAGES: 1, CROSS_STATES: self.states_per_image(model), symbols.VISION_SIZE: 1}
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only."""
+        return [] if image.frames == 1 else ["frames must be 1: Llama 3.2 Vision takes images only"]
+
+    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
+        """``cross_states`` on cross-attention layers (the vision K/V), ``ctx_len`` elsewhere."""
+        cross = set(cross_layers(self.text_config(model)))
+        return [CROSS_STATES if i in cross else symbols.CTX_LEN for i in range(len(self.layer_types(model)))]
+
+    def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
+        """ctx_len, and one image's cross states (the host concatenates one block per image)."""
+        return {symbols.CTX_LEN: ctx_len, CROSS_STATES: self.states_per_image(model)}
+
+    def request_symbols(self, model: ModelDescription, max_images: int) -> dict[str, int]:
+        """max_num_images, and the cross states of that many images (QEfficient pins both at export)."""
+        return {MAX_NUM_IMAGES: max_images, CROSS_STATES: max_images * self.states_per_image(model)}
+
+    def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
+        """Key and value states of every cross-attention layer, QEfficient's names."""
+        axes = {0: symbols.BATCH_SIZE, 2: CROSS_STATES}
+        return {
+            name: dict(axes)
+            for layer in cross_layers(self.text_config(model))
+            for name in (symbols.past_key(layer), symbols.past_value(layer))
+        }
+
+    def language_input_axes(self, num_layers, cache_symbols=None, comp_ctx_lengths=False):
+        """input_ids, position_ids, cross_attention_mask, then each layer's K/V (no vision_embeds)."""
+        axes = super().language_input_axes(num_layers, cache_symbols, comp_ctx_lengths)
+        del axes[symbols.VISION_EMBEDS], axes[symbols.IMAGE_IDX]
+        mask = {CROSS_ATTENTION_MASK: {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN, 2: MAX_NUM_IMAGES}}
+        items = list(axes.items())
+        return dict(items[:2] + list(mask.items()) + items[2:])
+
+    def language_output_axes(self, num_layers, cache_symbols=None):
+        """Logits and the retained K/V of every layer (cross layers return theirs unchanged)."""
+        axes = super().language_output_axes(num_layers, cache_symbols)
+        del axes[symbols.retained(symbols.VISION_EMBEDS)], axes[symbols.IMAGE_IDX_OUTPUT]
+        return axes

@@ -1,0 +1,242 @@
+"""Llama 3.2 Vision export: the cross-attention decoder kind on retained state.
+
+Vision program (QEfficient's IO, ref: QEfficient/transformers/models/mllama/modeling_mllama.py,
+``get_onnx_dynamic_axes`` / ``get_output_names``): ``pixel_values`` [batch, max_num_images,
+max_num_tiles, 3, S, S], ``aspect_ratio_ids`` [batch, max_num_images], ``aspect_ratio_mask``
+[batch, max_num_images, max_num_tiles] -> for every cross-attention layer ``i``, ``past_key.{i}`` /
+``past_value.{i}`` [batch, kv_heads, cross_states, head_dim]: that layer's ``k_proj`` + ``k_norm``
+and ``v_proj`` over the projected vision states (ref: transformers v5
+models/mllama/modeling_mllama.py, ``MllamaTextCrossAttention.forward``, the
+``cross_attention_states is not None`` branch).
+
+Language program: ``input_ids``, ``position_ids``, ``cross_attention_mask`` [batch, seq_len,
+max_num_images, max_num_tiles] (the processor's, sliced per chunk; -1 marks an image slot the host
+padded), then every layer's K/V. Self-
+attention layers keep ``ctx_len`` slots (generic :class:`RetainedKVCache`); cross-attention layers
+take the vision K/V as retained inputs and return them unchanged, so they cross to the device once
+per request and every chunk and decode step reads them. Rows of tokens before the first image are
+masked out as transformers does (``full_text_row_masked_out_mask`` zeroes the cross MLP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, RetainedKVCache, attention_masks
+from qeff_vision.families import get_family
+from qeff_vision.families.mllama import ASPECT_RATIO_IDS, ASPECT_RATIO_MASK, CROSS_ATTENTION_MASK
+
+# Example sizes for tracing the language program (the axes are symbolic).
+EXAMPLE_SEQ_LEN = 8
+EXAMPLE_CTX_LEN = 16
+
+
+def cross_kv(attn: nn.Module, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One cross-attention layer's key and value states [batch, kv_heads, rows, head_dim]."""
+    batch = states.shape[0]
+    key = attn.k_proj(states).view(batch, -1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+    value = attn.v_proj(states).view(batch, -1, attn.num_key_value_heads, attn.head_dim).transpose(1, 2)
+    return attn.k_norm(key), value
+
+
+class VisionKV(nn.Module):
+    """pixel_values, aspect_ratio_ids, aspect_ratio_mask -> (key, value) of every cross layer."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.vision = model.model.vision_model
+        self.projector = model.model.multi_modal_projector
+        self.hidden = model.model.hidden_size
+        text = model.model.language_model
+        self.attns = nn.ModuleList(
+            text.layers[i].cross_attn for i in model.config.text_config.cross_attention_layers
+        )
+
+    def forward(self, pixel_values, aspect_ratio_ids, aspect_ratio_mask):
+        """Encode every tile of every image; project; key/value per cross layer."""
+        states = self.vision(
+            pixel_values=pixel_values, aspect_ratio_ids=aspect_ratio_ids, aspect_ratio_mask=aspect_ratio_mask
+        ).last_hidden_state
+        states = self.projector(states).reshape(pixel_values.shape[0], -1, self.hidden)
+        return tuple(tensor for attn in self.attns for tensor in cross_kv(attn, states))
+
+
+class CrossCache(RetainedKVCache):
+    """Retained cache whose cross-attention layers expose the vision K/V as HF's ``layers[i]``."""
+
+    def __init__(self, past, write_slots, read_slots, cross: set[int]):
+        super().__init__(past, write_slots, read_slots)
+        self.layers = [
+            SimpleNamespace(keys=self.keys[i], values=self.values[i]) if i in cross else None
+            for i in range(len(self.keys))
+        ]
+
+
+class CrossAttentionDecoder(nn.Module):
+    """input_ids, position_ids, cross_attention_mask, past_* -> logits, past_*_RetainedState."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.text = model.model.language_model
+        self.lm_head = model.lm_head
+        self.cross = set(model.config.text_config.cross_attention_layers)
+        self.patches = model.model.vision_model.num_patches
+        self.first_self = min(set(range(len(self.text.layers))) - self.cross)
+
+    def forward(self, input_ids, position_ids, cross_attention_mask, *past):
+        """Run one chunk or one decode step; cross layers read the retained vision K/V."""
+        from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
+
+        text = self.text
+        hidden = text.embed_tokens(input_ids)
+        ctx_len = past[2 * self.first_self].shape[2]
+        # Padding (position -1) writes the last slot, as in the generic decoder.
+        write = torch.where(position_ids >= 0, position_ids, torch.full_like(position_ids, ctx_len - 1))
+        read = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
+        cache = CrossCache(past, write, read, self.cross)
+        mask = attention_masks(position_ids, ctx_len, [FULL_ATTENTION], None, None, hidden.dtype)[
+            FULL_ATTENTION
+        ]
+        cross_mask, full_row = _prepare_cross_attention_mask(cross_attention_mask, self.patches, hidden.dtype)
+        # transformers lets a row that sees no image attend uniformly to every cross state (only the
+        # cross MLP is zeroed for it). Image slots the host padded (mask -1, a compiled program
+        # with more slots than the request has images) stay unseen even then, so such a row
+        # averages the request's own images, as transformers does without padded slots.
+        padded = (cross_attention_mask < 0).repeat_interleave(self.patches, dim=3)
+        padded = padded.view(padded.shape[0], padded.shape[1], -1).unsqueeze(1)
+        cross_mask = cross_mask.masked_fill(padded, torch.finfo(hidden.dtype).min)
+        rotary = text.rotary_emb(hidden, position_ids)
+        for layer in text.layers:
+            hidden = layer(
+                hidden,
+                cross_attention_states=None,
+                cross_attention_mask=cross_mask,
+                attention_mask=mask,
+                full_text_row_masked_out_mask=full_row,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=rotary,
+            )
+        hidden = text.norm(hidden)
+        last = position_ids.argmax(dim=1, keepdim=True)
+        logits = self.lm_head(hidden[torch.arange(hidden.shape[0]).view(-1, 1), last])
+        return (logits, *cache.retained())
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the Llama 3.2 Vision family."""
+
+    family = get_family("mllama")
+    # One tile, a 1x2 arrangement, a tall 3x1 one (the tiny tower's tiles are 56 px).
+    test_image_sizes = ((50, 50), (100, 150), (300, 120))
+    single_mask = True
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """Tower, projector and every cross layer's K/V projections."""
+        return VisionKV(model).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One image of one real tile, padded to max_num_tiles."""
+        vision = model.config.vision_config
+        tiles, side = vision.max_num_tiles, vision.image_size
+        generator = torch.Generator().manual_seed(0)
+        mask = torch.zeros(1, 1, tiles, dtype=torch.int64)
+        mask[..., 0] = 1
+        return {
+            symbols.PIXEL_VALUES: torch.randn(
+                1, 1, tiles, vision.num_channels, side, side, generator=generator
+            ),
+            ASPECT_RATIO_IDS: torch.ones(1, 1, dtype=torch.int64),
+            ASPECT_RATIO_MASK: mask,
+        }
+
+    def hf_image_features(self, model, processed) -> list[torch.Tensor]:
+        """Transformers' own cross K/V: what its cross layers cache after a forward with the image.
+
+        Per cross layer, key then value [kv_heads, rows, head_dim] of the first request.
+        """
+        from transformers import DynamicCache
+
+        ids = torch.full((1, 1), model.config.image_token_index, dtype=torch.int64)
+        images = torch.as_tensor(processed[symbols.PIXEL_VALUES]).shape[1]
+        tiles = model.config.vision_config.max_num_tiles
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(
+                input_ids=ids,
+                pixel_values=torch.as_tensor(processed[symbols.PIXEL_VALUES]),
+                aspect_ratio_ids=torch.as_tensor(processed[ASPECT_RATIO_IDS]),
+                aspect_ratio_mask=torch.as_tensor(processed[ASPECT_RATIO_MASK]),
+                cross_attention_mask=torch.ones(1, 1, images, tiles, dtype=torch.int64),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        out = []
+        for layer in model.config.text_config.cross_attention_layers:
+            out += [cache.layers[layer].keys[0], cache.layers[layer].values[0]]
+        return out
+
+    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """One dict per image: [1, 1, tiles, 3, S, S] pixels, its aspect-ratio id and tile mask."""
+        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
+        ids = np.asarray(processed[ASPECT_RATIO_IDS], dtype=np.int64)
+        mask = np.asarray(processed[ASPECT_RATIO_MASK], dtype=np.int64)
+        if pixels.ndim != 6 or pixels.shape[0] != 1:
+            raise UserError(f"expected pixel_values [1, images, tiles, 3, S, S], got {list(pixels.shape)}")
+        return [
+            {
+                symbols.PIXEL_VALUES: pixels[:, i : i + 1],
+                ASPECT_RATIO_IDS: ids[:, i : i + 1],
+                ASPECT_RATIO_MASK: mask[:, i : i + 1],
+            }
+            for i in range(pixels.shape[1])
+        ]
+
+    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
+        """One ``<|image|>`` token per image."""
+        ids = np.asarray(processed["input_ids"]).reshape(-1)
+        return [1] * int((ids == int(model_config["image_token_index"])).sum())
+
+    # ---- language program (cross-attention decoder kind) ----
+
+    def language_decoder(self, model: nn.Module, parts: DecoderParts, comp_ctx_lengths: bool) -> nn.Module:
+        """The cross-attention decoder (compute-context lengths are not supported for this kind)."""
+        if comp_ctx_lengths:
+            raise UserError(
+                "compute-context lengths are not supported for the cross-attention decoder kind yet"
+            )
+        return CrossAttentionDecoder(model).eval()
+
+    def language_example(self, model: nn.Module, parts: DecoderParts, dims, cache_symbols) -> tuple:
+        """A chunk with one image token, one image's cross K/V, a 16-slot self-attention cache."""
+        seq, ctx = EXAMPLE_SEQ_LEN, EXAMPLE_CTX_LEN
+        config = model.config
+        tiles = config.vision_config.max_num_tiles
+        rows = tiles * model.model.vision_model.num_patches
+        input_ids = torch.ones(1, seq, dtype=torch.int64)
+        input_ids[0, 1] = config.image_token_index
+        positions = torch.arange(seq, dtype=torch.int64).view(1, seq)
+        mask = torch.zeros(1, seq, 1, tiles, dtype=torch.int64)
+        mask[:, 1:, :, :2] = 1
+        cross = set(config.text_config.cross_attention_layers)
+        past = [
+            (torch.randn if layer in cross else torch.zeros)(
+                1, dims.num_kv_heads, rows if layer in cross else ctx, dims.head_dim
+            )
+            for layer in range(dims.num_layers)
+            for _ in range(2)
+        ]
+        return (input_ids, positions, mask, *past)
+
+
+__all__ = ["Adapter", "CROSS_ATTENTION_MASK", "CrossAttentionDecoder", "VisionKV"]
