@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qeff_vision import api
 from qeff_vision.errors import UserError
+from qeff_vision.families import get_family
 
 FAMILY = "qwen2_5_vl"
 # The demo spec: two chunk buckets, two resolutions, vision_size per chunk.
@@ -57,7 +58,10 @@ def run(out: Path, family: str) -> int:
         counts = f"{len(info['inputs'])} inputs, {len(info['outputs'])} outputs"
         print(f"         {counts}; symbolic: {', '.join(symbolic)}")
     lang_inputs = result.manifest["programs"]["lang"]["inputs"]
-    print(f"  vision_embeds input shape: {lang_inputs['vision_embeds']['shape']}  (vision_size is dynamic)")
+    if "vision_embeds" in lang_inputs:
+        print(
+            f"  vision_embeds input shape: {lang_inputs['vision_embeds']['shape']}  (vision_size is dynamic)"
+        )
     print("\nTiming")
     print(f"  tiny checkpoint {tiny_seconds:6.1f} s")
     print(
@@ -81,12 +85,12 @@ def run(out: Path, family: str) -> int:
         and max(report.vision_max_diff.values()) <= 1e-4
         and report.max_logit_diff <= 1e-3
     )
-    ok = _pipeline(out, checkpoint, result.out_dir) and ok
+    ok = _pipeline(out, checkpoint, result.out_dir, get_family(family)) and ok
     print("\nresult: " + ("PASS" if ok else "FAIL"))
     return 0 if ok else 1
 
 
-def _pipeline(out: Path, checkpoint: Path, export_dir: Path) -> bool:
+def _pipeline(out: Path, checkpoint: Path, export_dir: Path, family) -> bool:
     """Specialize and compile a demo spec on the onnxruntime backend, then run it chunk-aware."""
     import yaml
 
@@ -102,9 +106,10 @@ def _pipeline(out: Path, checkpoint: Path, export_dir: Path) -> bool:
         "vision": {
             "images": [{"height": h, "width": w} for h, w in DEMO_IMAGES],
             "max_images": 2,
-            "vision_size": "chunk",
         },
     }
+    if family.features.dynamic_vision_size.supported:  # a cross-attention family has none
+        spec["vision"]["vision_size"] = "chunk"
     header = "# qeff-vision compile demo-spec.yaml -o compiled --backend onnxruntime\n"
     spec_path.write_text(header + yaml.safe_dump(spec, sort_keys=False))
     print(f"\nSpecializations of {spec_path.name}")

@@ -59,10 +59,12 @@ def check_parity(
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from qeff_vision import symbols
     from qeff_vision.export.adapter import quiet_transformers
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.export.record import read_export
     from qeff_vision.families import get_family
+    from qeff_vision.families.base import CROSS_ATTENTION, ModelDescription
     from qeff_vision.runtime.generate import LanguageShape, generator_for_export
     from qeff_vision.runtime.planner import PrefillBucket
     from qeff_vision.runtime.session import OnnxProgram
@@ -70,7 +72,8 @@ def check_parity(
     quiet_transformers()
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)
-    adapter = load_adapter(get_family(manifest["family"]))
+    family = get_family(manifest["family"])
+    adapter = load_adapter(family)
     model = AutoModelForImageTextToText.from_pretrained(
         manifest["model"], dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -81,11 +84,17 @@ def check_parity(
         processed = processor.image_processor(
             images=[synthetic_image(height, width, seed)], return_tensors="pt"
         )
-        reference = adapter.hf_image_features(model, processed)[0].numpy()
-        numpy_inputs = {name: value.numpy() for name, value in processed.items()}
+        features = adapter.hf_image_features(model, processed)
+        numpy_inputs = {name: value.numpy() for name, value in processed.items() if torch.is_tensor(value)}
         inputs = adapter.vision_inputs(model.config.to_dict(), numpy_inputs)[0]
-        ours = vision.run(inputs)["vision_embeds"][0]
-        report.vision_max_diff[f"{height}x{width}"] = float(np.abs(ours - reference).max())
+        outputs = vision.run(inputs)
+        if family.decoder_kind == CROSS_ATTENTION:  # one reference per output: each cross layer's K, V
+            names = list(family.vision_outputs(ModelDescription(model.config.to_dict())))
+            pairs = [(outputs[name][0], ref.numpy()) for name, ref in zip(names, features)]
+        else:  # the first image's embedding rows
+            pairs = [(outputs[symbols.VISION_EMBEDS][0], features[0].numpy())]
+        worst = max(float(np.abs(ours - ref).max()) for ours, ref in pairs)
+        report.vision_max_diff[f"{height}x{width}"] = worst
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -104,7 +113,9 @@ def check_parity(
     shape = LanguageShape((bucket,), chunk_size, length + max_new_tokens + chunk_size)
     generator = generator_for_export(export_dir, shape)
     result = generator.generate(
-        {k: v.numpy() for k, v in inputs.items()}, max_new_tokens=max_new_tokens, keep_logits=True
+        {k: v.numpy() for k, v in inputs.items() if torch.is_tensor(v)},
+        max_new_tokens=max_new_tokens,
+        keep_logits=True,
     )
     report.onnx_tokens = result.tokens
     report.chunks = len(result.chunks)

@@ -258,3 +258,11 @@ def test_compiled_image_slots_pad_states_and_mask(runtime, exported):
     too_many = runtime.inputs(["<image>"] * 4 + ["Compare."], four)
     with pytest.raises(UserError, match="compiled for at most 3"):
         generator.generate(too_many, max_new_tokens=2)
+
+
+def test_specialize_compile_onnxruntime_and_run_match_transformers(tiny_checkpoint, exported, tmp_path):
+    """The demo pipeline on the cross-attention kind: a spec without vision_size, every specialization
+    run on onnxruntime, then ``run`` (two images padded to the compiled slots) against transformers."""
+    from qeff_vision.demo import _pipeline
+
+    assert _pipeline(tmp_path, tiny_checkpoint(FAMILY), exported(FAMILY), get_family(FAMILY))

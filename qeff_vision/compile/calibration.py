@@ -74,7 +74,7 @@ def prompt_ranges(
     from qeff_vision.export.record import read_export
     from qeff_vision.families import get_family
     from qeff_vision.runtime.conversation import Conversation
-    from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
+    from qeff_vision.runtime.generate import LanguageShape, checkpoint_settings, make_generator
 
     manifest = read_export(export_dir)
     family = get_family(manifest["family"])
@@ -83,7 +83,7 @@ def prompt_ranges(
     language = RecordingProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
     shape = LanguageShape.from_specializations(language_specializations)
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
-    generator = Generator(family, load_adapter(family), model_config, vision, language, shape, [])
+    generator = make_generator(family, load_adapter(family), model_config, vision, language, shape, [])
     quiet_transformers()
     from transformers import AutoProcessor
 

@@ -25,7 +25,7 @@ from qeff_vision.export.record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
+from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings, make_generator
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def generator_for_artifacts(
     vision, language = open_programs(artifacts, precision)
     model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
     adapter = load_adapter(artifacts.family)
-    return Generator(
+    return make_generator(
         artifacts.family, adapter, model_config, vision, language, artifacts.shape, eos_ids, cache
     )
 

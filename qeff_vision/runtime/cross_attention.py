@@ -37,12 +37,13 @@ CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 class CrossAttentionGenerator(Generator):
     """:class:`Generator` for cross-attention families (same constructor, same results).
 
-    ``cross_mask_shape`` is the language program's ``cross_attention_mask`` shape from the export
-    record (its last axis, tiles per image, is static).
+    ``cross_mask_shape`` is the language program's ``cross_attention_mask`` shape (its last axis,
+    tiles per image, is static); read from the program's inputs when not given.
     """
 
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
+        cross_mask_shape = cross_mask_shape or self.language.input_dims.get(CROSS_ATTENTION_MASK, ())
         description = _description(self.model_config)
         self.cross_names = list(self.family.vision_outputs(description))
         self.cross_mask_width = int(cross_mask_shape[-1]) if cross_mask_shape else 0

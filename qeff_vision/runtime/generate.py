@@ -49,7 +49,8 @@ class LanguageShape:
         prefill, decode = [], []
         ccls: dict[bool, set[int]] = {True: set(), False: set()}
         for spec in specializations:
-            seq_len, vision = int(spec[symbols.SEQ_LEN]), int(spec[symbols.VISION_SIZE])
+            # A cross-attention program has no vision_size (images are retained K/V): V = 0.
+            seq_len, vision = int(spec[symbols.SEQ_LEN]), int(spec.get(symbols.VISION_SIZE, 0))
             bucket = PrefillBucket(seq_len, vision)
             phase = decode if seq_len == 1 else prefill
             if bucket not in phase:  # one per bucket, whatever the CCLs
@@ -547,10 +548,16 @@ def generator_for_export(
         fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
         mx=mx,
     )
-    args = (family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
+    return make_generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
+
+
+def make_generator(family: Family, *args, **kwargs) -> Generator:
+    """The host of ``family``'s decoder kind: :class:`Generator` (token-merge) or the cross-attention one.
+
+    Arguments are :class:`Generator`'s.
+    """
     if family.decoder_kind == CROSS_ATTENTION:
         from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 
-        mask = manifest["programs"]["lang"]["inputs"].get(symbols.CROSS_ATTENTION_MASK, {})
-        return CrossAttentionGenerator(*args, cross_mask_shape=mask.get("shape", ()))
-    return Generator(*args)
+        return CrossAttentionGenerator(family, *args, **kwargs)
+    return Generator(family, *args, **kwargs)

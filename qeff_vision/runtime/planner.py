@@ -245,7 +245,9 @@ def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[Pre
         raise PlanError("no prefill buckets: compile at least one prefill specialization")
     seen: dict[int, int] = {}
     for bucket in buckets:
-        if bucket.seq_len < 1 or bucket.vision_size < 1:
+        # vision_size 0 is a bucket without image rows (a cross-attention program): fine while
+        # the prompt has no placeholder spans to carry.
+        if bucket.seq_len < 1 or bucket.vision_size < (1 if spans else 0):
             raise PlanError(f"bucket {bucket}: seq_len and vision_size must be positive")
         if seen.setdefault(bucket.seq_len, bucket.vision_size) != bucket.vision_size:
             raise PlanError(f"two prefill buckets with seq_len {bucket.seq_len} and different vision_size")
