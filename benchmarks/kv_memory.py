@@ -8,8 +8,11 @@ same data the exporter, the specializations and the runtime size caches from. QE
 is computed from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py,
 ``get_onnx_dynamic_axes`` and ``get_specializations``: sliding layers' cache axis is the symbol
 ``sliding_window``, bound to ``config.sliding_window`` in every specialization; other layers
-``ctx_len``). Full ctx gives every layer ``ctx_len`` slots. Bytes count keys and values of every
-layer for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
+``ctx_len``). Full ctx gives every self-attention layer ``ctx_len`` slots. Bytes count keys and
+values of every layer for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
+
+A cross-attention family's cross layers hold the vision K/V of ``--images`` image slots
+(``Family.request_symbols``), the same rows in every layout (QEfficient pins them at export too).
 """
 
 from __future__ import annotations
@@ -29,16 +32,22 @@ def kv_bytes_per_slot(dims, kv_bytes: int, batch: int) -> int:
     return 2 * batch * dims.num_kv_heads * dims.head_dim * kv_bytes
 
 
-def layouts(family, description, ctx_len: int) -> dict[str, int]:
+def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int]:
     """Slots over all layers per layout."""
     cache_symbols = family.kv_cache_symbols(description)
-    lengths = family.kv_cache_lengths(description, ctx_len)
+    lengths = {**family.kv_cache_lengths(description, ctx_len), **family.request_symbols(description, images)}
     window = family.text_config(description).get("sliding_window")
-    qefficient = sum(int(window) if s == symbols.SLIDING_WINDOW else ctx_len for s in cache_symbols)
+    self_attention = (symbols.CTX_LEN, symbols.SLIDING_WINDOW)
+
+    def slots(symbol: str, self_slots: int) -> int:
+        return self_slots if symbol in self_attention else lengths[symbol]
+
     return {
         "ours": sum(lengths[s] for s in cache_symbols),
-        "QEfficient": qefficient,
-        "full ctx": ctx_len * len(cache_symbols),
+        "QEfficient": sum(
+            slots(s, int(window) if s == symbols.SLIDING_WINDOW else ctx_len) for s in cache_symbols
+        ),
+        "full ctx": sum(slots(s, ctx_len) for s in cache_symbols),
     }
 
 
@@ -48,6 +57,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 32768])
     parser.add_argument("--kv-bytes", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
     args = parser.parse_args()
     description = describe_checkpoint(args.config.parent, args.config)
     family = family_for(description)
@@ -59,10 +69,14 @@ def main() -> None:
         f"sliding_window {family.text_config(description).get('sliding_window')}), "
         f"{dims.num_kv_heads} KV heads x {dims.head_dim}, {args.kv_bytes}-byte KV, batch {args.batch}"
     )
+    cross = [s for s in cache_symbols if s not in (symbols.CTX_LEN, symbols.SLIDING_WINDOW)]
+    if cross:
+        rows = family.request_symbols(description, args.images)[cross[0]]
+        print(f"{len(cross)} cross-attention layers: {rows:,} K/V rows each for {args.images} image slot(s)")
     per_slot = kv_bytes_per_slot(dims, args.kv_bytes, args.batch)
     print(f"{'ctx_len':>8} {'ours MiB':>10} {'QEfficient MiB':>15} {'full ctx MiB':>13} {'ours/full':>10}")
     for ctx_len in args.ctx:
-        slots = layouts(family, description, ctx_len)
+        slots = layouts(family, description, ctx_len, args.images)
         mib = {name: count * per_slot / 2**20 for name, count in slots.items()}
         assert slots["ours"] <= slots["QEfficient"], (ctx_len, slots)
         print(
