@@ -18,6 +18,9 @@ split tensors) is refused with one clear line, since no supported family needs o
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,34 +59,94 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+# safetensors dtype codes (ref: the safetensors format: 8-byte little-endian header length, a JSON
+# header of {name: {dtype, shape, data_offsets}}, then the data).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset of the data in the file
+    length: int
+
+
+def read_header(path: Path) -> dict[str, _Entry]:
+    """The tensors of one safetensors file (name -> where its bytes are), without reading them.
+
+    Raises:
+        UserError: The file is not a readable safetensors file.
+    """
+    try:
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_len))
+            size = os.fstat(handle.fileno()).st_size
+        entries = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            entry = _Entry(
+                path,
+                SAFETENSORS_DTYPES[info["dtype"]],
+                tuple(info["shape"]),
+                8 + header_len + begin,
+                end - begin,
+            )
+            if entry.start + entry.length > size:
+                raise ValueError(f"tensor {key!r} runs past the end of the file")
+            entries[key] = entry
+        return entries
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
+
+
 class Checkpoint:
-    """The tensors of a checkpoint's ``*.safetensors`` files, read one at a time on request."""
+    """The tensors of a checkpoint's ``*.safetensors`` files, read one at a time on request.
+
+    Reads use plain file I/O, not a memory map: mapped pages would stay resident in this process
+    and count towards its memory until the map is closed.
+    """
 
     def __init__(self, model_dir: Path):
-        from safetensors import safe_open
-
         self.model_dir = model_dir
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise UserError(f"{model_dir}: no *.safetensors weight files")
-        self._handles = {}
-        self.location: dict[str, Path] = {}
+        self.entries: dict[str, _Entry] = {}
         for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt")
-                keys = list(handle.keys())
-            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-                raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
-            self._handles[path] = handle
-            self.location.update(dict.fromkeys(keys, path))
+            self.entries.update(read_header(path))
+
+    @property
+    def location(self) -> dict[str, Path]:
+        """Tensor name -> the file holding it."""
+        return {key: entry.path for key, entry in self.entries.items()}
 
     def read(self, key: str) -> torch.Tensor:
-        """One tensor, copied out of its file."""
-        path = self.location[key]
-        try:
-            return self._handles[path].get_tensor(key)
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
+        """One tensor, read from its file into fresh memory."""
+        entry = self.entries[key]
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        with open(entry.path, "rb") as handle:
+            handle.seek(entry.start)
+            got = handle.readinto(buffer)
+        if got != entry.length or buffer.nbytes != entry.length:
+            raise UserError(f"{entry.path}: cannot load the checkpoint weights (tensor {key!r} is truncated)")
+        return tensor
 
 
 def _first_line(exc: BaseException) -> str:
@@ -262,27 +325,18 @@ def write_weights(model: onnx.ModelProto, params: Mapping[str, torch.Tensor], pl
 
 def _mapped_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file as a read-only view of the memory-mapped file."""
-    import json
     import mmap
-    import struct
     import warnings
 
+    entries = read_header(path)
     with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(header_len))
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
     tensors = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that the buffer is not writable; we never write
-        for key, entry in header.items():
-            if key == "__metadata__":
-                continue
-            begin, end = entry["data_offsets"]
-            dtype = dtypes[entry["dtype"]]
-            count = (end - begin) // torch.tensor([], dtype=dtype).element_size()
-            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=8 + header_len + begin)
-            tensors[key] = flat.view(entry["shape"])
+        for key, entry in entries.items():
+            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.length, offset=entry.start)
+            tensors[key] = flat.view(entry.dtype).view(entry.shape)
     return tensors
 
 
