@@ -83,3 +83,51 @@ def test_unknown_export_dtype_is_a_user_error(tiny_checkpoint, tmp_path):
     with pytest.raises(UserError, match="dtype"):
         export_model(tiny_checkpoint("qwen2_5_vl"), tmp_path / "x", dtype="bfloat16", progress=None)
     assert not (tmp_path / "x").exists()
+
+
+class _Mixed(torch.nn.Module):
+    """Two linears with placeholder weights around a product with a real (non-placeholder) buffer."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.first, self.last = torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)
+        self.register_buffer("real", torch.randn(64, 96, dtype=dtype))
+        for layer in (self.first, self.last):
+            for name, param in list(layer._parameters.items()):
+                if param is not None:
+                    zero = torch.zeros((), dtype=dtype).expand(param.shape)
+                    layer._parameters[name] = torch.nn.Parameter(zero, requires_grad=False)
+
+    def forward(self, x):
+        return self.last(torch.nn.functional.silu(self.first(x)) + x @ self.real), x @ self.real
+
+
+def test_placeholder_linears_run_dense_without_changing_the_graph(tmp_path):
+    module = _Mixed(torch.float16)
+    x = torch.randn(1, 5, 64, dtype=torch.float16)
+    with torch.no_grad():
+        expected = module(x)
+        with weights.dense_placeholder_linears(module):
+            got = module(x)
+    assert "forward" not in vars(module)  # the wrapper is removed afterwards
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))  # same values: zeros are zeros
+    graphs = []
+    for skipped in (False, True):
+        path = tmp_path / f"skipped-{skipped}.onnx"
+        with weights.dense_placeholder_linears(module) if skipped else torch.no_grad(), torch.no_grad():
+            torch.onnx.export(
+                module,
+                (x,),
+                str(path),
+                input_names=["x"],
+                dynamo=False,
+                export_params=False,
+                keep_initializers_as_inputs=True,
+            )
+        graph = onnx.load(str(path)).graph
+        graphs.append(
+            ([(n.op_type, list(n.input), list(n.output)) for n in graph.node], [i.name for i in graph.input])
+        )
+    assert graphs[0] == graphs[1]  # the linears still read the weight inputs; no constant added
+    assert [op for op, _, _ in graphs[1][0]].count("MatMul") == 3
+    assert len(graphs[1][1]) == 5 and "Constant" not in [op for op, _, _ in graphs[1][0]]  # x, real, 3 params

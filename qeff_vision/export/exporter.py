@@ -36,6 +36,7 @@ from qeff_vision.export.weights import (
     WeightPlan,
     append_tensor,
     build_without_weights,
+    dense_placeholder_linears,
     parameter_inputs,
     write_weights,
 )
@@ -365,9 +366,10 @@ def _trace(staging: Path, program: str, module, example, input_names, output_nam
     directory = staging / program
     directory.mkdir()
     raw = directory / "traced.onnx"
-    _torch_export(module, example, raw, input_names, output_names, axes, custom=program == "lang")
-    with torch.no_grad():
-        outputs = module(*example)
+    with dense_placeholder_linears(module):
+        _torch_export(module, example, raw, input_names, output_names, axes, custom=program == "lang")
+        with torch.no_grad():
+            outputs = module(*example)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     return _Traced(program, raw, [tuple(o.shape) for o in outputs], axes, parameter_inputs(module))
 
