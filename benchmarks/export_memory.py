@@ -135,6 +135,68 @@ def weight_bytes(header_params: int, dtype: str) -> int:
     return header_params * (4 if dtype == "float32" else 2)
 
 
+def measure(config: str, dtypes, work: Path, keep: bool = False) -> tuple[dict, list[dict]]:
+    """Write the checkpoint of ``config`` under ``work``, then export and check it once per dtype.
+
+    Returns:
+        The checkpoint writer's report (``weight_params``, ``peak_rss``) and one dict per dtype:
+        ``dtype``, ``weight_bytes``, ``peak_rss``, ``timings`` (seconds per export stage) and
+        ``parity`` (``max_abs``, ``relative``, ``top1_same``).
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint"
+    if config == "tiny":
+        import math
+
+        from safetensors import safe_open
+
+        from qeff_vision import api
+
+        api.tiny("qwen2_5_vl", checkpoint, force=True)
+        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+            params = sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
+        writer = {"weight_params": params, "peak_rss": 0}
+    else:
+        writer = _child(WRITE_RANDOM, str(CONFIGS[config]), str(checkpoint))
+    rows = []
+    for dtype in dtypes:
+        out = work / f"export-{dtype}"
+        exported = _child(EXPORT, str(checkpoint), str(out), dtype)
+        parity = _child(PARITY, str(checkpoint), str(out), str(PROMPT_TOKENS))
+        rows.append(
+            {
+                "dtype": dtype,
+                "weight_bytes": weight_bytes(writer["weight_params"], dtype),
+                "peak_rss": exported["peak_rss"],
+                "timings": exported["timings"],
+                "parity": parity,
+            }
+        )
+        if not keep:
+            shutil.rmtree(out)
+    return writer, rows
+
+
+def table(rows: list[dict]) -> str:
+    """The printed table: one line per dtype."""
+    lines = [
+        f"{'dtype':<8} {'weights GiB':>11} {'peak RSS GiB':>12} {'RSS/weights':>11}  "
+        f"{'stage seconds':<72} {'lang logits vs transformers'}"
+    ]
+    for row in rows:
+        stages = " ".join(f"{k} {v:.1f}" for k, v in row["timings"].items())
+        parity = row["parity"]
+        check = (
+            f"max |d| {parity['max_abs']:.2e} ({parity['relative']:.1e} of range), "
+            f"top-1 {'same' if parity['top1_same'] else 'DIFFERS'}"
+        )
+        lines.append(
+            f"{row['dtype']:<8} {row['weight_bytes'] / 2**30:>11.2f} {row['peak_rss'] / 2**30:>12.2f} "
+            f"{row['peak_rss'] / row['weight_bytes']:>11.2f}  {stages:<72} {check}"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny", choices=["tiny", *CONFIGS])
@@ -143,48 +205,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and exports")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-export-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    checkpoint = work / "checkpoint"
-    if args.config == "tiny":
-        from qeff_vision import api
-
-        api.tiny("qwen2_5_vl", checkpoint, force=True)
-        import math
-
-        from safetensors import safe_open
-
-        with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
-            params = sum(math.prod(handle.get_slice(k).get_shape()) for k in handle.keys())
-        writer = {"weight_params": params, "peak_rss": 0}
-    else:
-        writer = _child(WRITE_RANDOM, str(CONFIGS[args.config]), str(checkpoint))
+    writer, rows = measure(args.config, args.dtypes, work, args.keep)
     print(
         f"{args.config}: {writer['weight_params'] / 1e9:.3f} B parameters; random checkpoint writer "
         f"peak RSS {writer['peak_rss'] / 2**30:.2f} GiB"
     )
-    header = (
-        f"{'dtype':<8} {'weights GiB':>11} {'peak RSS GiB':>12} {'RSS/weights':>11}  "
-        f"{'stage seconds':<72} {'lang logits vs transformers'}"
-    )
-    rows = []
-    for dtype in args.dtypes:
-        out = work / f"export-{dtype}"
-        exported = _child(EXPORT, str(checkpoint), str(out), dtype)
-        parity = _child(PARITY, str(checkpoint), str(out), str(PROMPT_TOKENS))
-        weights = weight_bytes(writer["weight_params"], dtype)
-        stages = " ".join(f"{k} {v:.1f}" for k, v in exported["timings"].items())
-        check = (
-            f"max |d| {parity['max_abs']:.2e} ({parity['relative']:.1e} of range), "
-            f"top-1 {'same' if parity['top1_same'] else 'DIFFERS'}"
-        )
-        rows.append(
-            f"{dtype:<8} {weights / 2**30:>11.2f} {exported['peak_rss'] / 2**30:>12.2f} "
-            f"{exported['peak_rss'] / weights:>11.2f}  {stages:<72} {check}"
-        )
-        if not args.keep:
-            shutil.rmtree(out)
-    print(header)
-    print("\n".join(rows))
+    print(table(rows))
     if not args.keep and args.work is None:
         shutil.rmtree(work)
 

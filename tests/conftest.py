@@ -1,7 +1,7 @@
 """Shared fixtures. The default tier builds tiny random checkpoints on the fly (no downloads).
 
-Tiers: plain ``pytest`` runs the fast tier; ``pytest -m slow`` adds larger random configurations
-and long sweeps (see the ``slow`` marker in pyproject.toml).
+Tiers: plain ``pytest`` runs the fast tier (pyproject's addopts deselect ``slow``); ``pytest -m
+slow`` runs the larger random configurations and long sweeps, ``make test-all`` both.
 """
 
 from __future__ import annotations
