@@ -75,10 +75,11 @@ def test_one_specialization_per_bucket_and_ccl_lists_completed_to_ctx_len(tmp_pa
     assert all(s.symbols[symbols.CTX_LEN] == str(CTX_LEN) for s in language)
 
 
-def test_onnxruntime_backend_verifies_every_bucket_and_ccl(tiny_checkpoint, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoint, tmp_path, capsys):
     path = write_spec(
         tmp_path / "tiny.yaml",
-        model=str(tiny_checkpoint("qwen2_5_vl")),
+        model=str(tiny_checkpoint(family)),
         config=None,
         ctx_len=CTX_LEN,
         compile_section={"comp_ctx_lengths": CCL},
@@ -95,9 +96,13 @@ def test_onnxruntime_backend_verifies_every_bucket_and_ccl(tiny_checkpoint, tmp_
     assert {name for name, _ in ran} == {f"Prefill-{s}-ccl{c}" for s in (64, 128) for c in (64, 256, 512)} | {
         f"Decode-ccl{c}" for c in (128, 256, 512)
     }
-    assert all(
-        run["output_shapes"]["past_key.0_RetainedState"][2] == CTX_LEN for run in lang["verification"]["runs"]
-    )
+    # Every cache keeps its declared length whatever the CCL (a window layer its ring, others ctx_len).
+    inputs = export["programs"]["lang"]["inputs"]
+    for run in lang["verification"]["runs"]:
+        for index in range(export["num_layers"]):
+            declared = inputs[symbols.past_key(index)]["shape"][2]
+            expected = int(run["symbols"][declared])  # ctx_len, or the window ring's bound length
+            assert run["output_shapes"][f"{symbols.past_key(index)}_RetainedState"][2] == expected
     assert load_spec(path).compile.comp_ctx_lengths.prefill == (64, 256)
 
 
