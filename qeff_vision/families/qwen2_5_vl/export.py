@@ -6,9 +6,13 @@ Python loops over ``grid_thw.tolist()`` (ref: transformers v5 vision_utils.py,
 the example image. Here every index comes from tensor arithmetic on the *shape* of
 ``image_grid_thw`` [batch, 1, grid_h, grid_w], so one graph serves every resolution.
 
-Window attention is expressed as a mask instead of a permutation: tokens keep the processor's
-order, and a patch attends to patches with the same window id. Attention is permutation-
-equivariant, so this equals transformers' "reorder, attend per window, reorder back".
+Window blocks attend at window cost: each patch gets a slot in a [windows, window_patches] grid
+(window-major, every window padded to the full window, padding masked as keys), queries, keys and
+values are gathered into that grid, attention runs batched over windows, and the rows are gathered
+back into the processor's order. Attention is permutation-equivariant, so this equals
+transformers' "reorder, attend per window, reorder back" (``get_vision_window_index``), with
+O(P x window) work instead of the O(P^2) of a masked full attention. ``windowed=False`` keeps the
+masked-full form (a patch attends to patches with the same window id) for comparison.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class VisionEncoder(nn.Module):
     """pixel_values [B*gh*gw, C*T*P*P], image_grid_thw [B, 1, gh, gw] -> vision_embeds [B, tokens, hidden]."""
 
-    def __init__(self, visual: nn.Module):
+    def __init__(self, visual: nn.Module, windowed: bool = True):
         super().__init__()
         self.visual = visual
+        self.windowed = windowed
         config = visual.config
         self.merge = config.spatial_merge_size
         # Window side in merged tokens (112 px / 14 px / 2 = 4 in the published checkpoints).
@@ -67,32 +72,79 @@ class VisionEncoder(nn.Module):
         windows_h = (grid_h // merge + self.window - 1) // self.window
         window = (token_row // self.window) * windows_w + token_col // self.window
         window = window + image * (windows_h * windows_w)
-        return image, row, col, window
+        # Slot inside the padded window: (merged row, merged col) within the window, then the
+        # merge x merge patches of that merged token.
+        in_window = (token_row % self.window) * self.window + token_col % self.window
+        slot = window * (self.window * self.window * merge * merge) + in_window * (merge * merge) + inner
+        return image, row, col, window, slot, batch * windows_h * windows_w
+
+    def _window_layout(self, slot: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype):
+        """(gather index into [patches + 1 zero row], additive key mask [windows, 1, 1, S], slot)."""
+        patches = slot.shape[0]
+        size = self.window * self.window * self.merge * self.merge
+        # Padding slots point at the appended zero row (index == patches).
+        gather = torch.full((windows * size,), patches, dtype=torch.int64)
+        gather = gather.scatter(0, slot, torch.arange(patches))
+        valid = (gather < patches).reshape(-1, 1, 1, size)
+        mask = torch.where(valid, 0.0, torch.finfo(dtype).min).to(dtype)
+        return gather, mask, slot
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode a batch of same-resolution images."""
         visual = self.visual
-        image, row, col, window = self._grid_indices(image_grid_thw)
+        image, row, col, window, slot, windows = self._grid_indices(image_grid_thw)
         hidden = visual.patch_embed(pixel_values)
         cos, sin = visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
         full_mask = _segment_mask(image, hidden.dtype)
-        window_mask = _segment_mask(window, hidden.dtype)
+        if self.windowed:
+            layout = self._window_layout(slot, windows, hidden.dtype)
+        else:
+            window_mask = _segment_mask(window, hidden.dtype)
         for index, block in enumerate(visual.blocks):
-            mask = full_mask if index in self.full_attention_blocks else window_mask
-            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, mask)
+            normed = block.norm1(hidden)
+            if index in self.full_attention_blocks:
+                hidden = hidden + self._attention(block.attn, normed, cos, sin, full_mask)
+            elif self.windowed:
+                hidden = hidden + self._window_attention(block.attn, normed, cos, sin, *layout)
+            else:
+                hidden = hidden + self._attention(block.attn, normed, cos, sin, window_mask)
             hidden = hidden + block.mlp(block.norm2(hidden))
         merged = visual.merger(hidden)
         return merged.reshape(image_grid_thw.shape[0], -1, self.out_hidden)
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+    def _rotated_qkv(attn: nn.Module, hidden, cos, sin):
+        """Query, key, value [heads, N, head_dim] with the 2-D rotary applied to query and key."""
         length = hidden.shape[0]
         qkv = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 2, 0, 3)
-        query, key, value = qkv[0], qkv[1], qkv[2]  # [heads, N, head_dim]
+        query, key, value = qkv[0], qkv[1], qkv[2]
         cos_h, sin_h = cos.transpose(0, 1), sin.transpose(0, 1)
         query = query * cos_h + _rotate_half(query) * sin_h
         key = key * cos_h + _rotate_half(key) * sin_h
+        return query, key, value
+
+    def _window_attention(self, attn: nn.Module, hidden, cos, sin, gather, mask, slot) -> torch.Tensor:
+        """Attention batched over padded windows: scores [windows, heads, S, S]."""
+        size = self.window * self.window * self.merge * self.merge
+        query, key, value = self._rotated_qkv(attn, hidden, cos, sin)
+        # [N, 3, heads, head_dim] plus one zero row for the padding slots, gathered window-major.
+        stacked = torch.stack([query, key, value]).permute(2, 0, 1, 3)
+        stacked = torch.cat([stacked, torch.zeros_like(stacked[:1])], dim=0)[gather]
+        stacked = stacked.reshape(-1, size, 3, attn.num_heads, stacked.shape[-1]).permute(2, 0, 3, 1, 4)
+        query, key, value = stacked[0], stacked[1], stacked[2]  # [windows, heads, S, head_dim]
+        scores = torch.matmul(query, key.transpose(-1, -2)) * attn.scaling + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        output = (
+            torch.matmul(weights, value).permute(0, 2, 1, 3).reshape(-1, value.shape[1] * value.shape[-1])
+        )
+        # Back to the processor's order: patch i sits at slot[i].
+        return attn.proj(output[slot])
+
+    @classmethod
+    def _attention(cls, attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+        length = hidden.shape[0]
+        query, key, value = cls._rotated_qkv(attn, hidden, cos, sin)
         scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
