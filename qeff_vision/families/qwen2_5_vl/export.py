@@ -78,8 +78,13 @@ class VisionEncoder(nn.Module):
         slot = window * (self.window * self.window * merge * merge) + in_window * (merge * merge) + inner
         return image, row, col, window, slot, batch * windows_h * windows_w
 
-    def _window_layout(self, slot: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype):
-        """(gather index into [patches + 1 zero row], additive key mask [windows, 1, 1, S], slot)."""
+    def _window_layout(self, slot: torch.Tensor, windows, cos, sin, dtype: torch.dtype):
+        """Padded window-major layout shared by every window block.
+
+        Returns (cos, sin) as [windows, 1, S, head_dim], the gather index into [patches + 1 zero
+        row] (padding slots point at the zero row), the additive key mask [windows, 1, 1, S] and
+        ``slot`` (where each patch sits in the layout).
+        """
         patches = slot.shape[0]
         size = self.window * self.window * self.merge * self.merge
         # Padding slots point at the appended zero row (index == patches).
@@ -87,7 +92,12 @@ class VisionEncoder(nn.Module):
         gather = gather.scatter(0, slot, torch.arange(patches))
         valid = (gather < patches).reshape(-1, 1, 1, size)
         mask = torch.where(valid, 0.0, torch.finfo(dtype).min).to(dtype)
-        return gather, mask, slot
+
+        def padded(table: torch.Tensor) -> torch.Tensor:  # [N, 1, head_dim] -> [windows, 1, S, head_dim]
+            table = torch.cat([table, torch.zeros_like(table[:1])], dim=0)[gather]
+            return table.reshape(-1, size, 1, table.shape[-1]).transpose(1, 2)
+
+        return padded(cos), padded(sin), gather, mask, slot
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode a batch of same-resolution images."""
@@ -98,7 +108,7 @@ class VisionEncoder(nn.Module):
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
         full_mask = _segment_mask(image, hidden.dtype)
         if self.windowed:
-            layout = self._window_layout(slot, windows, hidden.dtype)
+            layout = self._window_layout(slot, windows, cos, sin, hidden.dtype)
         else:
             window_mask = _segment_mask(window, hidden.dtype)
         for index, block in enumerate(visual.blocks):
@@ -106,7 +116,7 @@ class VisionEncoder(nn.Module):
             if index in self.full_attention_blocks:
                 hidden = hidden + self._attention(block.attn, normed, cos, sin, full_mask)
             elif self.windowed:
-                hidden = hidden + self._window_attention(block.attn, normed, cos, sin, *layout)
+                hidden = hidden + self._window_attention(block.attn, normed, *layout)
             else:
                 hidden = hidden + self._attention(block.attn, normed, cos, sin, window_mask)
             hidden = hidden + block.mlp(block.norm2(hidden))
@@ -125,19 +135,20 @@ class VisionEncoder(nn.Module):
         return query, key, value
 
     def _window_attention(self, attn: nn.Module, hidden, cos, sin, gather, mask, slot) -> torch.Tensor:
-        """Attention batched over padded windows: scores [windows, heads, S, S]."""
+        """Attention batched over padded windows: scores [windows, heads, S, S].
+
+        ``cos``/``sin`` are already in the padded layout [windows, 1, S, head_dim]. Padding rows
+        are zeros; as keys they are masked, as queries their outputs are never gathered back.
+        """
         size = self.window * self.window * self.merge * self.merge
-        query, key, value = self._rotated_qkv(attn, hidden, cos, sin)
-        # [N, 3, heads, head_dim] plus one zero row for the padding slots, gathered window-major.
-        stacked = torch.stack([query, key, value]).permute(2, 0, 1, 3)
-        stacked = torch.cat([stacked, torch.zeros_like(stacked[:1])], dim=0)[gather]
-        stacked = stacked.reshape(-1, size, 3, attn.num_heads, stacked.shape[-1]).permute(2, 0, 3, 1, 4)
-        query, key, value = stacked[0], stacked[1], stacked[2]  # [windows, heads, S, head_dim]
+        padded = torch.cat([hidden, torch.zeros_like(hidden[:1])], dim=0)[gather]
+        qkv = attn.qkv(padded).reshape(-1, size, 3, attn.num_heads, cos.shape[-1]).permute(2, 0, 3, 1, 4)
+        query, key, value = qkv[0], qkv[1], qkv[2]  # [windows, heads, S, head_dim]
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
         scores = torch.matmul(query, key.transpose(-1, -2)) * attn.scaling + mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        output = (
-            torch.matmul(weights, value).permute(0, 2, 1, 3).reshape(-1, value.shape[1] * value.shape[-1])
-        )
+        output = torch.matmul(weights, value).permute(0, 2, 1, 3).reshape(gather.shape[0], -1)
         # Back to the processor's order: patch i sits at slot[i].
         return attn.proj(output[slot])
 

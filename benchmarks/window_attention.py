@@ -1,0 +1,164 @@
+"""Qwen2.5-VL vision tower: window blocks at window cost vs masked full attention.
+
+    .venv/bin/python benchmarks/window_attention.py [--reps N]
+
+A random tower with the published block pattern (8 blocks, full attention at blocks 3 and 7,
+112-px windows of 14-px patches merged 2x2) but small widths (hidden 64, 2 heads) runs
+:class:`~qeff_vision.families.qwen2_5_vl.export.VisionEncoder` in both forms on one image at
+224x224, 640x480, 1280x720 and 1920x1080 (the processor's own resize: 256, 1,564, 4,784 and
+10,764 patches):
+
+- ``masked``: every block attends over all patches, window blocks through a window-id mask
+  (scores [heads, P, P]);
+- ``windowed``: window blocks gather the patches into padded windows and attend batched over
+  windows (scores [windows, heads, 64, 64]); blocks 3 and 7 stay full attention.
+
+Each (form, resolution) runs in its own process (torch CPU, one thread) so its peak RSS is its
+own. The table gives the whole tower's time, the mean time of one window block per patch, the
+peak RSS, and the largest difference between the two forms' output rows. Targets (issue 14):
+outputs equal within 1e-4, window-block time per patch flat within 1.5x across resolutions in the
+windowed form, whole tower at 1080p at least 3x faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESOLUTIONS = ((224, 224), (480, 640), (720, 1280), (1080, 1920))
+FULL_BLOCKS = (3, 7)
+VISION = dict(
+    depth=8,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    fullatt_block_indexes=list(FULL_BLOCKS),
+)
+TOLERANCE = 1e-4
+FLAT_RATIO = 1.5
+SPEEDUP = 3.0
+
+
+def _grid(height: int, width: int) -> tuple[int, int]:
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    resized_h, resized_w = smart_resize(height, width, 28, 56 * 56, 10**9)
+    return resized_h // 14, resized_w // 14
+
+
+def _one(form: str, height: int, width: int, reps: int, out: Path) -> dict:
+    """Run one form at one resolution in this process; write the rows to ``out``."""
+    import torch
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from qeff_vision.families.qwen2_5_vl.export import VisionEncoder
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    visual = Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**VISION)).eval()
+    encoder = VisionEncoder(visual, windowed=form == "windowed").eval()
+    grid_h, grid_w = _grid(height, width)
+    patches = grid_h * grid_w
+    pixels = torch.randn(patches, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    grid = torch.zeros(1, 1, grid_h, grid_w, dtype=torch.int64)
+    block_times: dict[int, list[float]] = {index: [] for index in range(len(visual.blocks))}
+    starts: dict[int, float] = {}
+    for index, block in enumerate(visual.blocks):
+        # norm1 opens a block and mlp closes it in VisionEncoder.forward.
+        block.norm1.register_forward_pre_hook(lambda *_, i=index: starts.__setitem__(i, time.perf_counter()))
+        block.mlp.register_forward_hook(
+            lambda *_, i=index: block_times[i].append(time.perf_counter() - starts[i])
+        )
+    totals = []
+    with torch.no_grad():
+        for _ in range(reps):
+            start = time.perf_counter()
+            rows = encoder(pixels, grid)
+            totals.append(time.perf_counter() - start)
+    np.save(out, rows.numpy())
+    window_blocks = [i for i in block_times if i not in FULL_BLOCKS]
+    window_time = float(np.mean([np.median(block_times[i]) for i in window_blocks]))
+    return {
+        "form": form,
+        "resolution": f"{width}x{height}",
+        "patches": patches,
+        "total_s": float(np.median(totals)),
+        "window_block_us_per_patch": 1e6 * window_time / patches,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _spawn(form: str, height: int, width: int, reps: int, out: Path) -> dict:
+    argv = [sys.executable, __file__, "--one", form, str(height), str(width), "--reps", str(reps)]
+    argv += ["--rows", str(out)]
+    result = subprocess.run(argv, check=True, capture_output=True, text=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the masked-vs-windowed table; exit 1 when a target is missed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per point (median)")
+    parser.add_argument("--one", nargs=3, metavar=("FORM", "H", "W"), help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        form, height, width = args.one
+        print(json.dumps(_one(form, int(height), int(width), args.reps, args.rows)))
+        return 0
+    header = (
+        f"{'resolution':>10} {'patches':>7} | {'masked s':>9} {'windowed s':>10} {'speedup':>7} | "
+        f"{'win-block us/patch m/w':>22} | {'peak RSS MB m/w':>15} | {'max |diff|':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    per_patch, speedups, diffs = [], [], []
+    with tempfile.TemporaryDirectory() as work:
+        for height, width in RESOLUTIONS:
+            runs = {}
+            for form in ("masked", "windowed"):
+                runs[form] = _spawn(form, height, width, args.reps, Path(work) / f"{form}.npy")
+            masked, windowed = runs["masked"], runs["windowed"]
+            diff = float(
+                np.abs(np.load(Path(work) / "masked.npy") - np.load(Path(work) / "windowed.npy")).max()
+            )
+            speedup = masked["total_s"] / windowed["total_s"]
+            per_patch.append(windowed["window_block_us_per_patch"])
+            speedups.append(speedup)
+            diffs.append(diff)
+            block_us = masked["window_block_us_per_patch"], windowed["window_block_us_per_patch"]
+            print(
+                f"{masked['resolution']:>10} {masked['patches']:>7} | {masked['total_s']:>9.3f} "
+                f"{windowed['total_s']:>10.3f} {speedup:>6.1f}x | "
+                f"{block_us[0]:>10.2f} / {block_us[1]:<9.2f} | "
+                f"{masked['peak_rss_mb']:>6.0f} / {windowed['peak_rss_mb']:<6.0f} | {diff:>10.2e}",
+                flush=True,
+            )
+    flat = max(per_patch) / min(per_patch)
+    checks = {
+        f"outputs equal (max |diff| {max(diffs):.1e} <= {TOLERANCE:g})": max(diffs) <= TOLERANCE,
+        f"window-block time/patch flat ({flat:.2f}x <= {FLAT_RATIO}x)": flat <= FLAT_RATIO,
+        f"1080p tower speedup ({speedups[-1]:.1f}x >= {SPEEDUP}x)": speedups[-1] >= SPEEDUP,
+    }
+    print()
+    for text, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
