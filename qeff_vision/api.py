@@ -190,6 +190,8 @@ def run(
     on_text=None,
     on_turn=None,
     on_done=None,
+    videos=(),
+    fps: float | None = None,
 ):
     """Generate on compiled artifacts: one turn per prompt, the images shown in the first turn.
 
@@ -205,6 +207,8 @@ def run(
         on_text: Called with each completed piece of reply text (streaming).
         on_turn: Called with (turn index, prompt) before each turn.
         on_done: Called with (turn index, :class:`~qeff_vision.runtime.conversation.Turn`) after it.
+        videos: Clips of the first turn: directories of frame images or video files.
+        fps: Frame rate of the clips' frames (a directory) or to sample a file at.
 
     Returns:
         One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
@@ -213,12 +217,20 @@ def run(
         UserError: No manifest, a missing or unreadable image, a prompt that does not fit
             ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
     """
-    from qeff_vision.runtime.conversation import load_image, run_turns
+    from qeff_vision.runtime.conversation import load_image, load_video, run_turns
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     for image in images:
         load_image(image)  # fail on a bad image before loading anything heavy
+    clips = [load_video(video, fps) for video in videos]
     chat = conversation(artifacts_dir, protocol=protocol, max_new_tokens=max_new_tokens, precision=precision)
     return run_turns(
-        chat, images, prompts, compare_hf=compare_hf, on_text=on_text, on_turn=on_turn, on_done=on_done
+        chat,
+        images,
+        prompts,
+        compare_hf=compare_hf,
+        on_text=on_text,
+        on_turn=on_turn,
+        on_done=on_done,
+        videos=clips,
     )

@@ -14,6 +14,9 @@ from qeff_vision.runtime.planner import VisionProtocol
 
 HELP = {
     "image": "An image of the first turn (repeat for several, in prompt order).",
+    "video": "A clip of the first turn, after the images: a directory of frame images (sorted by name) "
+    "or a video file (decoded with PyAV).",
+    "fps": "Frame rate of a frame directory (default 2), or the rate to sample a video file at.",
     "prompt": "The user's text after the images; repeat for further turns of the same conversation.",
     "max_new_tokens": "Upper bound of generated tokens per turn.",
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
@@ -29,6 +32,8 @@ HELP = {
 @click.command(name="run")
 @click.argument("artifacts", type=click.Path(file_okay=False))
 @click.option("--image", "images", multiple=True, metavar="IMG", help=HELP["image"])
+@click.option("--video", "videos", multiple=True, metavar="FILE_OR_FRAME_DIR", help=HELP["video"])
+@click.option("--fps", type=float, default=None, metavar="N", help=HELP["fps"])
 @click.option("--prompt", "prompts", multiple=True, required=True, metavar="TEXT", help=HELP["prompt"])
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help=HELP["max_new_tokens"]
@@ -44,7 +49,9 @@ HELP = {
     "--precision", type=click.Choice(["fp32", "device", "device-mx"]), default=None, help=HELP["precision"]
 )
 @click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
-def run(artifacts, images, prompts, max_new_tokens, vision_protocol, precision, compare_hf) -> None:
+def run(
+    artifacts, images, videos, fps, prompts, max_new_tokens, vision_protocol, precision, compare_hf
+) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
     Uses the checkpoint's own processor and chat template. Several --prompt options make one
@@ -81,6 +88,8 @@ def run(artifacts, images, prompts, max_new_tokens, vision_protocol, precision, 
         on_text=on_text,
         on_turn=on_turn,
         on_done=on_done,
+        videos=list(videos),
+        fps=fps,
     )
     if compare_hf and not all(turn.comparison.identical for turn in turns):
         # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.

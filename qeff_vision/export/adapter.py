@@ -141,6 +141,11 @@ class ExportAdapter:
             position_rows=self.family.position_id_rows,
             bidirectional_images=self.bidirectional_images,
             mask_per_layer_type=not self.single_mask,
+            video_token_id=(
+                getattr(model.config, self.family.video_token_key)
+                if self.family.video_token_key and self.family.features.video.supported
+                else None
+            ),
         )
 
     def language_decoder(self, model: nn.Module, parts: DecoderParts, comp_ctx_lengths: bool) -> nn.Module:

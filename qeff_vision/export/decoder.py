@@ -46,6 +46,7 @@ class DecoderParts:
             [depth, vision_batch, vision_size, hidden]: name -> depth. Their rows are gathered by
             the same merge rule as ``vision_embeds`` (a chunk's t-th placeholder takes row
             ``image_idx + t``).
+        video_token_id: Video placeholder id (families with video): its tokens take rows too.
         stacked_rows_kwargs: Turns (placeholder mask [batch, seq], {name: gathered rows
             [depth, batch, seq, hidden]}) into keyword arguments of the text model.
     """
@@ -61,6 +62,16 @@ class DecoderParts:
     mask_per_layer_type: bool = True
     stacked_rows: Mapping[str, int] = field(default_factory=dict)
     stacked_rows_kwargs: Callable | None = None
+    video_token_id: int | None = None
+
+    @property
+    def placeholder_ids(self) -> tuple[int, ...]:
+        """Ids whose tokens take vision rows in prompt order: images, then video frames if any."""
+        return (
+            (self.image_token_id,)
+            if self.video_token_id is None
+            else (self.image_token_id, self.video_token_id)
+        )
 
 
 @dataclass
@@ -229,7 +240,7 @@ def same_image_links(input_ids: torch.Tensor, image_token_id: int) -> torch.Tens
     return same_run & is_image.unsqueeze(-1) & is_image.unsqueeze(-2)
 
 
-def vision_row_index(input_ids: torch.Tensor, image_idx: torch.Tensor, image_token_id: int, rows: int):
+def vision_row_index(input_ids: torch.Tensor, image_idx: torch.Tensor, image_token_id, rows: int):
     """(placeholder mask, row of the flattened vision rows each token takes) for one chunk.
 
     Every gather index stays in range (no sentinel): non-placeholders are masked afterwards. A
@@ -237,7 +248,11 @@ def vision_row_index(input_ids: torch.Tensor, image_idx: torch.Tensor, image_tok
     ordinary token to transformers, which merges image rows into the prompt only.
     """
     seq_len = torch.ones_like(input_ids).sum(dim=1, keepdim=True)  # a tensor, so tracing keeps it
-    is_image = (input_ids == image_token_id) & (seq_len > 1)
+    ids = (image_token_id,) if isinstance(image_token_id, int) else tuple(image_token_id)
+    is_placeholder = input_ids == ids[0]
+    for other in ids[1:]:
+        is_placeholder = is_placeholder | (input_ids == other)
+    is_image = is_placeholder & (seq_len > 1)
     ordinal = torch.cumsum(is_image.to(torch.int64), dim=1) - 1
     return is_image, torch.clamp(ordinal + image_idx.reshape(1, 1), min=0, max=rows - 1)
 
@@ -247,7 +262,7 @@ def merge_vision_rows(
     inputs_embeds: torch.Tensor,
     vision_embeds: torch.Tensor,
     image_idx: torch.Tensor,
-    image_token_id: int,
+    image_token_id,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace placeholder embeddings with vision rows; return (embeds, image_idx_output)."""
     hidden = inputs_embeds.shape[-1]
@@ -305,7 +320,7 @@ class LanguageDecoder(nn.Module):
         text_positions = position_ids if parts.position_rows is None else position_ids[0]
         inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds, image_idx_output = merge_vision_rows(
-            input_ids, inputs_embeds, vision_embeds, image_idx, parts.image_token_id
+            input_ids, inputs_embeds, vision_embeds, image_idx, parts.placeholder_ids
         )
         rings = ring_layers(parts)
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
@@ -332,10 +347,10 @@ class LanguageDecoder(nn.Module):
         extra = {}
         if stacked:
             gathered = {
-                name: gather_stacked_rows(input_ids, tensor, image_idx, parts.image_token_id)
+                name: gather_stacked_rows(input_ids, tensor, image_idx, parts.placeholder_ids)
                 for name, tensor in zip(parts.stacked_rows, stacked)
             }
-            is_image, _ = vision_row_index(input_ids, image_idx, parts.image_token_id, 1)
+            is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
             extra = parts.stacked_rows_kwargs(is_image, gathered)
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,

@@ -65,6 +65,8 @@ class Features:
         chunk_split: An image's placeholder tokens may be split across prefill chunks. False for
             families whose image tokens attend to each other bidirectionally.
         video: Video inputs are exported and specialized.
+        deepstack: The vision program also returns features of intermediate layers that the decoder
+            adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
     """
 
     export: Support
@@ -72,6 +74,7 @@ class Features:
     multi_resolution: Support
     chunk_split: Support
     video: Support
+    deepstack: Support = Support(False, "the architecture has no deepstack layers")
 
     def rows(self) -> list[tuple[str, Support]]:
         """Feature name and support, in table order."""
@@ -81,6 +84,7 @@ class Features:
             ("multi-resolution", self.multi_resolution),
             ("chunk split allowed", self.chunk_split),
             ("video", self.video),
+            ("deepstack", self.deepstack),
         ]
 
 
@@ -91,6 +95,7 @@ class ImageSize:
     height: int
     width: int
     frames: int = 1
+    video: bool = False  # a clip of ``frames`` frames (``vision.videos``), not a still image
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,7 @@ class ModelDescription:
     config: Mapping[str, Any]
     processor: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
+    video_processor: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def architectures(self) -> tuple[str, ...]:
@@ -155,6 +161,7 @@ def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = 
     else:
         raise UserError(f"{model_dir}: not a checkpoint directory (expected config.json inside)")
     processor: dict[str, Any] = {}
+    video: dict[str, Any] = {}
     if model_dir.is_dir():
         # Older checkpoints keep the image processor in preprocessor_config.json; transformers v5
         # saves it as the "image_processor" entry of processor_config.json.
@@ -163,7 +170,12 @@ def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = 
             processor = read_json(legacy)
         elif combined.exists():
             processor = dict(read_json(combined).get("image_processor") or {})
-    return ModelDescription(read_json(config_file), processor, str(config_file))
+        video_file = model_dir / "video_preprocessor_config.json"
+        if video_file.exists():
+            video = read_json(video_file)
+        elif combined.exists():
+            video = dict(read_json(combined).get("video_processor") or {})
+    return ModelDescription(read_json(config_file), processor, str(config_file), video)
 
 
 class Family:
@@ -206,6 +218,8 @@ class Family:
     }
     text_config_key: str = "text_config"
     image_token_key: str = "image_token_id"
+    #: Config key of the video placeholder id (families with video support).
+    video_token_key: str | None = None
     tokens_between_images: int = 0
     placeholders_in_runs: bool = False
     #: Extra inputs of the language program that carry rows of the vision program's output sliced
@@ -248,6 +262,13 @@ class Family:
         if value is None:
             raise UserError(f"{model.source}: config lacks {self.image_token_key!r}")
         return int(value)
+
+    def placeholder_token_ids(self, model: ModelDescription) -> tuple[int, ...]:
+        """Every placeholder id whose tokens take vision rows: the image id, then the video id."""
+        ids = [self.image_token_id(model)]
+        if self.video_token_key and self.features.video.supported:
+            ids.append(int(model.config[self.video_token_key]))
+        return tuple(ids)
 
     # ---- token math (subclasses) ----
 

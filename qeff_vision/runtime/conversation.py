@@ -44,6 +44,75 @@ def load_image(source: ImageSource):
         raise UserError(f"{path}: not a readable image ({reason})") from exc
 
 
+FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+DEFAULT_FPS = 2.0
+
+
+@dataclass
+class Clip:
+    """A video as the processor takes it: RGB frames and the rate they were sampled at.
+
+    Attributes:
+        frames: PIL images, in order.
+        fps: Frames per second of ``frames`` (Qwen-VL times its temporal positions by it).
+        source: Where it came from, for messages.
+    """
+
+    frames: list
+    fps: float = DEFAULT_FPS
+    source: str = "<clip>"
+
+
+def load_video(source: Any, fps: float | None = None) -> Clip:
+    """A :class:`Clip` from a directory of frame images (sorted by name) or a video file.
+
+    Video files are decoded with PyAV (``av``: FFmpeg's decoders in a wheel, no system FFmpeg;
+    transformers' own video loader uses it too), keeping every frame, or every n-th to reach
+    ``fps`` when given. A directory's frames are taken at ``fps`` (2 when not given, Qwen-VL's
+    sampling rate).
+
+    Raises:
+        UserError: A missing path, a directory without frames, an unreadable frame or file.
+    """
+    if isinstance(source, Clip):
+        return source
+    if fps is not None and fps <= 0:
+        raise UserError(f"--fps must be positive, got {fps}")
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
+        if not files:
+            raise UserError(f"{path}: no frame images ({', '.join(FRAME_SUFFIXES)}) in the directory")
+        return Clip([load_image(file) for file in files], fps or DEFAULT_FPS, str(path))
+    if not path.is_file():
+        raise UserError(f"{path}: no such video file or frame directory")
+    return _decode_video_file(path, fps)
+
+
+def _decode_video_file(path: Path, fps: float | None) -> Clip:
+    try:
+        import av
+    except ImportError:
+        raise UserError(
+            f"{path}: reading video files needs PyAV (pip install av); or pass a directory of frames"
+        ) from None
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or 0) or DEFAULT_FPS
+            frames = [frame.to_image().convert("RGB") for frame in container.decode(stream)]
+    except (av.FFmpegError, IndexError, OSError, ValueError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"{path}: not a readable video ({reason})") from exc
+    if not frames:
+        raise UserError(f"{path}: not a readable video (no frames decoded)")
+    if fps is None or fps >= rate:
+        return Clip(frames, rate, str(path))
+    step = rate / fps
+    kept = [frames[int(i * step)] for i in range(int(len(frames) / step))]
+    return Clip(kept, fps, str(path))
+
+
 class TextStream:
     """Incremental detokenization: the text each new token adds, once it is complete.
 
@@ -94,11 +163,13 @@ class PromptInputs:
     images: list[Any]
     processed: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    videos: list[Clip] = field(default_factory=list)
 
 
-def user_message(image_count: int, text: str) -> dict:
-    """One user turn: the images first, then the text."""
+def user_message(image_count: int, text: str, video_count: int = 0) -> dict:
+    """One user turn: the images first, then the videos, then the text."""
     content: list[dict] = [{"type": "image"} for _ in range(image_count)]
+    content += [{"type": "video"} for _ in range(video_count)]
     content.append({"type": "text", "text": text})
     return {"role": "user", "content": content}
 
@@ -139,6 +210,7 @@ class Conversation:
         self.max_new_tokens = max_new_tokens
         self.messages: list[dict] = []
         self.images: list[Any] = []
+        self.videos: list[Clip] = []
         self.last_inputs: PromptInputs | None = None
 
     @property
@@ -146,11 +218,11 @@ class Conversation:
         """The embedding cache shared by the turns."""
         return self.generator.cache
 
-    def prepare(self, images: Sequence[ImageSource], text: str) -> PromptInputs:
+    def prepare(self, images: Sequence[ImageSource], text: str, videos: Sequence[Any] = ()) -> PromptInputs:
         """Render and process the conversation plus one new user turn (the history is unchanged).
 
         Raises:
-            UserError: A missing or unreadable image.
+            UserError: A missing or unreadable image or clip, or a clip the family cannot take.
         """
         notes: list[str] = []
         new_images = []
@@ -162,17 +234,59 @@ class Conversation:
                     label = source if isinstance(source, (str, Path)) else f"image {len(new_images)}"
                     notes.append(f"{label}: {note}")
             new_images.append(image)
-        messages = [*self.messages, user_message(len(new_images), text)]
+        new_videos = [load_video(video) for video in videos]
+        for clip in new_videos:
+            self._check_clip(clip)
+        messages = [*self.messages, user_message(len(new_images), text, len(new_videos))]
         all_images = [*self.images, *new_images]
+        all_videos = [*self.videos, *new_videos]
         rendered = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="np")
-        return PromptInputs(messages, rendered, all_images, dict(processed), notes)
+        kwargs = {}
+        if all_videos:
+            from transformers.video_utils import VideoMetadata
+
+            kwargs = {
+                "videos": [clip.frames for clip in all_videos],
+                # The frames are the clip as sampled: keep them all, time them at the clip's rate.
+                "video_metadata": [
+                    VideoMetadata(
+                        total_num_frames=len(c.frames), fps=c.fps, frames_indices=list(range(len(c.frames)))
+                    )
+                    for c in all_videos
+                ],
+                "do_sample_frames": False,
+            }
+        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="np", **kwargs)
+        return PromptInputs(messages, rendered, all_images, dict(processed), notes, all_videos)
+
+    def _check_clip(self, clip: Clip) -> None:
+        """The family's clip rules (e.g. whole temporal patches) and the compiled frame counts."""
+        from qeff_vision.families.base import ImageSize, ModelDescription
+
+        generator = self.generator
+        first = clip.frames[0]
+        size = ImageSize(first.height, first.width, len(clip.frames), video=True)
+        family = generator.family
+        if not family.features.video.supported:
+            raise UserError(
+                f"{clip.source}: {family.title} does not take video ({family.features.video.note})"
+            )
+        problems = generator.family.validate_image(ModelDescription(generator.model_config), size)
+        if problems:
+            raise UserError(f"{clip.source}: {problems[0]}")
+        compiled = getattr(generator, "compiled_frames", None)
+        if compiled and len(clip.frames) > max(compiled):
+            raise UserError(
+                f"{clip.source}: {len(clip.frames)} frames, more than the compiled clips hold "
+                f"(at most {max(compiled)}; compile a vision.videos entry with more frames or pass --fps)"
+            )
 
     def ask(
         self,
         images: Sequence[ImageSource],
         text: str,
         *,
+        videos: Sequence[Any] = (),
         max_new_tokens: int | None = None,
         protocol: str | None = None,
         on_text: Callable[[str], None] | None = None,
@@ -194,7 +308,7 @@ class Conversation:
         Returns:
             The generation result; ``text`` holds the reply, ``notes`` anything worth telling.
         """
-        inputs = self.prepare(images, text)
+        inputs = self.prepare(images, text, videos)
         stream = TextStream(self.processor.tokenizer)
 
         def on_token(token: int) -> None:
@@ -216,12 +330,13 @@ class Conversation:
         result.notes = list(inputs.notes)
         self.messages = [*inputs.messages, assistant_message(result.text)]
         self.images = inputs.images
+        self.videos = inputs.videos
         self.last_inputs = inputs
         return result
 
     def reset(self) -> None:
         """Forget the history (the embedding cache keeps its entries)."""
-        self.messages, self.images, self.last_inputs = [], [], None
+        self.messages, self.images, self.videos, self.last_inputs = [], [], [], None
 
 
 def open_conversation(
@@ -289,6 +404,7 @@ def run_turns(
     on_text: Callable[[str], None] | None = None,
     on_turn: Callable[[int, str], None] | None = None,
     on_done: Callable[[int, Turn], None] | None = None,
+    videos: Sequence[Any] = (),
 ) -> list[Turn]:
     """Ask ``prompts`` in order (``images`` with the first), optionally checking each against transformers.
 
@@ -301,7 +417,9 @@ def run_turns(
     for index, prompt in enumerate(prompts):
         if on_turn:
             on_turn(index, prompt)
-        result = chat.ask(images if index == 0 else [], prompt, on_text=on_text)
+        result = chat.ask(
+            images if index == 0 else [], prompt, on_text=on_text, videos=videos if index == 0 else ()
+        )
         comparison = None
         if compare_hf:
             if chat.model_dir is None:

@@ -202,6 +202,8 @@ class Generator:
         dims = family.text_dims(_description(model_config))
         self.dims = dims
         self.image_token_id = family.image_token_id(_description(model_config))
+        # Image and video placeholders both take vision rows, in prompt order.
+        self.placeholder_ids = family.placeholder_token_ids(_description(model_config))
         self.position_rows = family.position_id_rows
         # Stacked row inputs (Qwen3-VL deepstack) travel with vision_embeds as extra columns of
         # one wide row per placeholder, so the cache and the chunk slicing treat them as one.
@@ -322,10 +324,10 @@ class Generator:
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """The chunk plan of a processed prompt."""
-        has_images = "pixel_values" in processed
+        has_images = "pixel_values" in processed or "pixel_values_videos" in processed
         counts = self.adapter.placeholder_counts(self.model_config, processed) if has_images else []
         spans = find_image_spans(
-            input_ids, self.image_token_id, counts, multi_run=self.family.placeholders_in_runs
+            input_ids, list(self.placeholder_ids), counts, multi_run=self.family.placeholders_in_runs
         )
         return plan_chunks(
             len(input_ids),

@@ -480,7 +480,7 @@ def _with_lifetimes(
 
 def find_image_spans(
     token_ids: Sequence[int] | np.ndarray,
-    image_token_id: int,
+    image_token_id: int | Sequence[int],
     rows_per_image: Sequence[int] | None = None,
     *,
     multi_run: bool = False,
@@ -496,7 +496,7 @@ def find_image_spans(
 
     Args:
         token_ids: The prompt's token ids, 1-D.
-        image_token_id: The family's image placeholder id.
+        image_token_id: The family's placeholder id, or its ids (image, video: one row each).
         rows_per_image: Embedding rows of each image, in prompt order, when known.
         multi_run: One image may cover several runs (needs ``rows_per_image``).
 
@@ -507,7 +507,7 @@ def find_image_spans(
         PlanError: The runs cannot be cut into images of the given sizes.
     """
     ids = np.asarray(token_ids).reshape(-1)
-    is_placeholder = np.concatenate(([False], ids == image_token_id, [False]))
+    is_placeholder = np.concatenate(([False], np.isin(ids, np.asarray(image_token_id).reshape(-1)), [False]))
     edges = np.flatnonzero(np.diff(is_placeholder.astype(np.int8)))
     runs = [(int(start), int(stop)) for start, stop in zip(edges[0::2], edges[1::2])]
     if rows_per_image is None:

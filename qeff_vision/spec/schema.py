@@ -30,7 +30,8 @@ TOP_KEYS = (
     "compile",
 )
 PREFILL_KEYS = ("seq_lens",)
-VISION_KEYS = ("images", "max_images", "vision_size")
+VISION_KEYS = ("images", "videos", "max_images", "vision_size")
+VIDEO_KEYS = ("height", "width", "frames")
 IMAGE_KEYS = ("height", "width", "frames")
 # Generous bounds: they only keep arithmetic finite and messages sane for absurd input.
 MAX_IMAGE_SIDE = 100_000
@@ -168,7 +169,9 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
     if value is MISSING:
         return None
     before = len(reader.problems)
-    vision = reader.mapping(value, "vision", VISION_KEYS, required=("images",))
+    vision = reader.mapping(value, "vision", VISION_KEYS)
+    if isinstance(vision, dict) and "images" not in vision and "videos" not in vision:
+        reader.add("vision", "needs images or videos (a list of {height, width} / {height, width, frames})")
     max_images = reader.integer(vision, "max_images", "vision", default=1, maximum=MAX_IMAGES_PER_REQUEST)
     given = "vision_size" in vision
     policy = read_policy(reader, vision["vision_size"], ctx_len) if given else VisionSizePolicy()
@@ -190,9 +193,27 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
             reader.add(here, f"duplicate image {image_label(image)} (also vision.images[{first}])")
             continue
         images.append((index, image))
+    raw_videos = vision.get("videos")
+    if "videos" in vision and (not isinstance(raw_videos, list) or not raw_videos):
+        reader.add(
+            "vision.videos", f"must be a non-empty list of {{height, width, frames}} (got {raw_videos!r})"
+        )
+    for index, item in enumerate(raw_videos if isinstance(raw_videos, list) else []):
+        here = yaml_path("vision.videos", index)
+        entry = reader.mapping(item, here, VIDEO_KEYS, required=("height", "width", "frames"))
+        height = reader.integer(entry, "height", here, maximum=MAX_IMAGE_SIDE)
+        width = reader.integer(entry, "width", here, maximum=MAX_IMAGE_SIDE)
+        frames = reader.integer(entry, "frames", here, maximum=MAX_FRAMES)
+        if None in (height, width, frames):
+            continue
+        video = ImageSize(height, width, frames, video=True)
+        if any(seen == video for _, seen in images):
+            reader.add(here, f"duplicate video {image_label(video)}")
+            continue
+        images.append((len(images), video))
     return VisionInput(images, max_images, policy, given, complete=len(reader.problems) == before)
 
 
 def image_label(image: ImageSize) -> str:
     """``1080x1920`` (``x8f`` appended for 8 frames), as messages and tables show an image."""
-    return f"{image.height}x{image.width}" + (f"x{image.frames}f" if image.frames != 1 else "")
+    return f"{image.height}x{image.width}" + (f"x{image.frames}f" if image.frames != 1 or image.video else "")

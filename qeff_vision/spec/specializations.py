@@ -142,7 +142,9 @@ class ProgramSpecializations:
 
 
 def _image_name(image: ImageSize) -> str:
-    return f"Vision-{image.height}x{image.width}" + (f"x{image.frames}" if image.frames != 1 else "")
+    return f"Vision-{image.height}x{image.width}" + (
+        f"x{image.frames}" if image.frames != 1 or image.video else ""
+    )
 
 
 def _graph_order(axes_maps: Iterable[Mapping[str, Mapping[int, str]]]) -> list[str]:

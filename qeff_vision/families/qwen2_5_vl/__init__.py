@@ -12,17 +12,24 @@ import math
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, yes
 
 GRID_H = "grid_h"
 GRID_W = "grid_w"
 GRID_HEIGHT = "grid_height"
 GRID_WIDTH = "grid_width"
 IMAGE_GRID_THW = "image_grid_thw"
+# Temporal patches on image_grid_thw's axis 1 (QEfficient's name): 1 for an image, frames / 2 for a clip.
+TIME = "time"
 
 # The published checkpoints' preprocessor_config.json (used when only a config snapshot is given).
 DEFAULT_MIN_PIXELS = 4 * 28 * 28
 DEFAULT_MAX_PIXELS = 16384 * 28 * 28
+# Qwen2VLVideoProcessor's class defaults (ref: transformers v5
+# models/qwen2_vl/video_processing_qwen2_vl.py), used when neither a video processor config nor an
+# image processor config names the pixel bounds.
+DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
+DEFAULT_VIDEO_MAX_PIXELS = 768 * 28 * 28
 MAX_ASPECT_RATIO = 200
 CHANNELS = 3
 
@@ -37,19 +44,20 @@ class Qwen2_5_VL(Family):
     model_types = ("qwen2_5_vl",)
     export_module = "qeff_vision.families.qwen2_5_vl.export"
     position_id_rows = 4
+    video_token_key = "video_token_id"
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
-        video=no("video frames are not exported yet; images only"),
+        video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
     )
     # The grid dims ride on the *shape* of image_grid_thw [batch, 1, grid_h, grid_w], so one graph
     # serves every resolution and the compiler sees them as specialization symbols (QEfficient's
     # layout, which vLLM's qaic backend feeds).
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
-        IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 2: GRID_H, 3: GRID_W},
+        IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
     vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
 
@@ -64,12 +72,34 @@ class Qwen2_5_VL(Family):
         max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
         return int(min_pixels), int(max_pixels)
 
-    def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
-        """Height and width after the processor's smart resize."""
+    def video_pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of the video processor.
+
+        transformers reads the video processor from its own config when the checkpoint has one and
+        otherwise from preprocessor_config.json (the published Qwen2.5-VL checkpoints), so the
+        image bounds apply there; the class defaults when neither names them.
+        """
+        for config in (model.video_processor, model.processor):
+            size = config.get("size") or {}
+            low = config.get("min_pixels") or size.get("shortest_edge")
+            high = config.get("max_pixels") or size.get("longest_edge")
+            if low and high:
+                return int(low), int(high)
+        return DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS
+
+    def _factor(self, model: ModelDescription) -> int:
         vision = self._vision(model)
-        factor = int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))
-        min_pixels, max_pixels = self.pixel_limits(model)
-        height, width = image.height, image.width
+        return int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))
+
+    def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
+        """Height and width after the processor's smart resize (the video processor's for a clip)."""
+        factor = self._factor(model)
+        limits = self.video_pixel_limits(model) if image.video else self.pixel_limits(model)
+        return self._smart_resize(image.height, image.width, factor, *limits)
+
+    @staticmethod
+    def _smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int):
+        """Transformers' ``smart_resize`` of the Qwen2-VL image and video processors."""
         # No floor at one factor here: a side under factor / 2 rounds to 0, and the min_pixels branch
         # below then scales both sides up, as transformers does.
         h_bar = round(height / factor) * factor
@@ -85,13 +115,25 @@ class Qwen2_5_VL(Family):
         return h_bar, w_bar
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
-        """Qwen's processor rejects extreme aspect ratios; video is not exported yet."""
+        """Qwen's processor rejects extreme aspect ratios; a clip has whole temporal patches."""
         problems = []
         if max(image.height, image.width) / min(image.height, image.width) > MAX_ASPECT_RATIO:
             problems.append(f"aspect ratio of {image.height}x{image.width} exceeds {MAX_ASPECT_RATIO}")
-        if image.frames != 1:
-            problems.append("frames must be 1: Qwen2.5-VL video export is not supported yet")
+        temporal = int(self._vision(model).get("temporal_patch_size", 2))
+        if image.video and (image.frames < temporal or image.frames % temporal):
+            problems.append(
+                f"a {self.title} clip needs a multiple of {temporal} frames "
+                f"(one temporal patch per {temporal}), got {image.frames}"
+            )
+        if not image.video and image.frames != 1:
+            problems.append("an image has 1 frame; list clips under vision.videos")
         return problems
+
+    def temporal_patches(self, model: ModelDescription, image: ImageSize) -> int:
+        """grid_t: 1 for an image, frames / temporal_patch_size for a clip (2 frames per patch)."""
+        if not image.video:
+            return 1
+        return image.frames // int(self._vision(model).get("temporal_patch_size", 2))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """grid_h, grid_w (patches), grid_height (patch rows), grid_width (patch features), vision_size."""
@@ -101,10 +143,12 @@ class Qwen2_5_VL(Family):
         temporal = int(vision.get("temporal_patch_size", 2))
         height, width = self.resized(model, image)
         grid_h, grid_w = height // patch, width // patch
+        grid_t = self.temporal_patches(model, image)
         return {
             GRID_H: grid_h,
             GRID_W: grid_w,
-            GRID_HEIGHT: grid_h * grid_w * image.frames,
+            TIME: grid_t,
+            GRID_HEIGHT: grid_t * grid_h * grid_w,
             GRID_WIDTH: CHANNELS * temporal * patch * patch,
-            symbols.VISION_SIZE: grid_h * grid_w * image.frames // (merge * merge),
+            symbols.VISION_SIZE: grid_t * grid_h * grid_w // (merge * merge),
         }

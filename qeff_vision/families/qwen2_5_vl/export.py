@@ -27,6 +27,7 @@ from torch import nn
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
+from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
 
 
@@ -56,12 +57,17 @@ class VisionEncoder(nn.Module):
         self.out_hidden = config.out_hidden_size
 
     def _grid_indices(self, image_grid_thw: torch.Tensor):
-        """Per-patch (image, row, column, window) ids in the processor's block-major patch order."""
-        batch, grid_h, grid_w = image_grid_thw.shape[0], image_grid_thw.shape[2], image_grid_thw.shape[3]
+        """Per-patch (frame, row, column, window) ids in the processor's block-major patch order.
+
+        A clip's temporal patches are frames of their own (transformers attends per frame:
+        ``cu_seqlens`` repeats h * w for each of the t patches, windows likewise).
+        """
+        batch, time = image_grid_thw.shape[0], image_grid_thw.shape[1]
+        grid_h, grid_w = image_grid_thw.shape[2], image_grid_thw.shape[3]
         merge = self.merge
         merged_w = grid_w // merge
         patches_per_image = grid_h * grid_w
-        patch = torch.arange(batch * patches_per_image)
+        patch = torch.arange(batch * time * patches_per_image)
         image = patch // patches_per_image
         local = patch % patches_per_image
         token, inner = local // (merge * merge), local % (merge * merge)
@@ -172,14 +178,14 @@ class Adapter(ExportAdapter):
         return VisionEncoder(model.model.visual).eval()
 
     def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """One 8x12-patch image: two windows wide so window math is exercised, tiny in memory."""
+        """A two-temporal-patch 8x12-patch clip: two windows wide and two frames, tiny in memory."""
         config = model.config.vision_config
         grid_h, grid_w = 2 * config.spatial_merge_size * 2, 3 * config.spatial_merge_size * 2
         features = config.in_channels * config.temporal_patch_size * config.patch_size**2
         generator = torch.Generator().manual_seed(0)
         return {
-            symbols.PIXEL_VALUES: torch.randn(grid_h * grid_w, features, generator=generator),
-            IMAGE_GRID_THW: torch.zeros(1, 1, grid_h, grid_w, dtype=torch.int64),
+            symbols.PIXEL_VALUES: torch.randn(2 * grid_h * grid_w, features, generator=generator),
+            IMAGE_GRID_THW: torch.zeros(1, 2, grid_h, grid_w, dtype=torch.int64),
         }
 
     def hf_image_features(self, model, processed):
@@ -191,54 +197,117 @@ class Adapter(ExportAdapter):
         counts = (grid.prod(dim=-1) // model.config.vision_config.spatial_merge_size**2).tolist()
         return list(torch.split(merged, counts))
 
+    # ---- images and clips in prompt order (host side, numpy only) ----
+
+    @staticmethod
+    def _grids(processed: Mapping[str, Any], key: str) -> list[tuple[int, int, int]]:
+        grids = np.asarray(processed.get(key, np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
+        return [tuple(int(x) for x in grid) for grid in grids.tolist()]
+
+    def vision_items(self, model_config, processed: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """(``image`` | ``video``, index) of every image and clip, in prompt order.
+
+        Walks the placeholders: the first placeholder of a kind with none pending starts that
+        kind's next item, which then owns its t * h * w / merge^2 placeholders (a Qwen3-VL clip's
+        are several runs, one per temporal patch, with timestamp text between them).
+        """
+        merge = model_config["vision_config"]["spatial_merge_size"]
+        kinds = {model_config["image_token_id"]: "image"}
+        if "pixel_values_videos" in processed:
+            kinds[model_config["video_token_id"]] = "video"
+        counts = {
+            kind: [t * h * w // (merge * merge) for t, h, w in self._grids(processed, f"{kind}_grid_thw")]
+            for kind in ("image", "video")
+        }
+        order: list[tuple[str, int]] = []
+        taken, pending = {"image": 0, "video": 0}, {"image": 0, "video": 0}
+        for token in np.asarray(processed["input_ids"]).reshape(-1).tolist():
+            kind = kinds.get(token)
+            if kind is None:
+                continue
+            if not pending[kind]:
+                if taken[kind] >= len(counts[kind]):
+                    break  # more placeholders than items: find_image_spans reports it
+                order.append((kind, taken[kind]))
+                pending[kind] = counts[kind][taken[kind]]
+                taken[kind] += 1
+            pending[kind] -= 1
+        return order
+
     def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Slice pixel_values by each image's patch count; encode the grid in image_grid_thw's shape."""
-        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
-        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        inputs, start = [], 0
-        for grid_t, grid_h, grid_w in grids.tolist():
-            count = grid_t * grid_h * grid_w
+        """Pixel rows per image or clip in prompt order; the grid (t, h, w) in image_grid_thw's shape."""
+        sources = {}
+        for kind, pixels_key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+            pixels = np.asarray(processed.get(pixels_key, np.zeros((0, 1))), dtype=np.float32)
+            grids = self._grids(processed, f"{kind}_grid_thw")
+            starts = np.cumsum([0] + [t * h * w for t, h, w in grids]).tolist()
+            sources[kind] = (pixels, grids, starts)
+        inputs = []
+        for kind, index in self.vision_items(model_config, processed):
+            pixels, grids, starts = sources[kind]
+            grid_t, grid_h, grid_w = grids[index]
             inputs.append(
                 {
-                    symbols.PIXEL_VALUES: pixels[start : start + count],
+                    symbols.PIXEL_VALUES: pixels[starts[index] : starts[index + 1]],
                     IMAGE_GRID_THW: np.zeros((1, grid_t, grid_h, grid_w), dtype=np.int64),
                 }
             )
-            start += count
         return inputs
 
     def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """grid_t * grid_h * grid_w / merge^2 per image."""
+        """grid_t * grid_h * grid_w / merge^2 per image or clip, in prompt order."""
         merge = model_config["vision_config"]["spatial_merge_size"]
-        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64)
-        return [int(t * h * w) // (merge * merge) for t, h, w in grids.tolist()]
+        grids = {kind: self._grids(processed, f"{kind}_grid_thw") for kind in ("image", "video")}
+        return [
+            int(np.prod(grids[kind][index])) // (merge * merge)
+            for kind, index in self.vision_items(model_config, processed)
+        ]
+
+    def position_items(self, model_config, processed) -> list[tuple[tuple[int, int, int], np.ndarray]]:
+        """Per placeholder item in prompt order: its (t, h, w) grid and the temporal offset of each t.
+
+        Qwen2.5-VL spaces a clip's temporal patches by ``tokens_per_second * second_per_grid_t``
+        (float32, truncated; ref: Qwen2_5_VLModel.get_rope_index / get_vision_position_ids); an
+        image has one temporal patch at offset 0.
+        """
+        videos = self._grids(processed, "video_grid_thw")
+        images = self._grids(processed, "image_grid_thw")
+        seconds = np.asarray(processed.get("second_per_grid_ts", np.ones(len(videos))), dtype=np.float32)
+        per_second = np.float32(model_config["vision_config"].get("tokens_per_second", 4))
+        items = []
+        for kind, index in self.vision_items(model_config, processed):
+            if kind == "image":
+                items.append((images[index], np.zeros(1, np.int64)))
+            else:
+                grid = videos[index]
+                interval = per_second * np.float32(seconds.reshape(-1)[index])
+                items.append((grid, (np.arange(grid[0], dtype=np.float32) * interval).astype(np.int64)))
+        return items
 
     def prompt_positions(self, model_config, processed) -> np.ndarray:
         """Row 0: text position (the KV slot); rows 1-3: M-RoPE t/h/w (ref: Qwen2_5_VLModel.get_rope_index).
 
-        Text tokens advance all three rows together; an image of merged grid (h, w) starting at
-        offset s takes t = s, h = s + row, w = s + column, and the next text token starts at
-        max(those) + 1.
+        Text tokens advance all three rows together; an item of merged grid (t, h, w) starting at
+        offset s takes t = s + temporal offset, h = s + row, w = s + column, and the next text token
+        starts at s + max(h, w) (transformers v5's rule, which for images equals the largest
+        position + 1).
         """
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64)[0]
-        grids = np.asarray(processed.get("image_grid_thw", np.zeros((0, 3))), dtype=np.int64).tolist()
         merge = model_config["vision_config"]["spatial_merge_size"]
-        image_token = model_config["image_token_id"]
+        placeholder = np.isin(input_ids, self.family.placeholder_token_ids(_description(model_config)))
+        items = iter(self.position_items(model_config, processed) if placeholder.any() else [])
         length = input_ids.shape[0]
         rope = np.zeros((3, length), dtype=np.int64)
-        index, next_position, image = 0, 0, 0
+        index, next_position = 0, 0
         while index < length:
-            if input_ids[index] == image_token:
-                grid_t, grid_h, grid_w = grids[image]
+            if placeholder[index]:
+                (grid_t, grid_h, grid_w), offsets = next(items)
                 merged_h, merged_w = grid_h // merge, grid_w // merge
                 count = grid_t * merged_h * merged_w
-                t, h, w = np.meshgrid(
-                    np.arange(grid_t), np.arange(merged_h), np.arange(merged_w), indexing="ij"
-                )
+                t, h, w = np.meshgrid(offsets, np.arange(merged_h), np.arange(merged_w), indexing="ij")
                 rope[:, index : index + count] = np.stack([t.ravel(), h.ravel(), w.ravel()]) + next_position
-                next_position = int(rope[:, index : index + count].max()) + 1
+                next_position += max(merged_h, merged_w)
                 index += count
-                image += 1
             else:
                 rope[:, index] = next_position
                 next_position += 1
@@ -254,3 +323,7 @@ class Adapter(ExportAdapter):
         text = prompt_positions[0, :, -1:] + 1 + step
         rope = np.broadcast_to(prompt_positions[1:].max() + 1 + step, (3, 1, 1))
         return np.concatenate([text[None], rope], axis=0).astype(np.int64)
+
+
+def _description(model_config) -> ModelDescription:
+    return ModelDescription(model_config)

@@ -14,7 +14,7 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 
-# Qwen's ChatML layout with the vision markers around each image placeholder.
+# Qwen's ChatML layout with the vision markers around each image or video placeholder.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -23,6 +23,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"

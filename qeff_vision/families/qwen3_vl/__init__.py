@@ -14,9 +14,11 @@ axes), sliced per chunk exactly like ``vision_embeds``.
 
 from __future__ import annotations
 
+import math
+
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import Features, ImageSize, ModelDescription, yes
 from qeff_vision.families.qwen2_5_vl import (
     CHANNELS,
     GRID_H,
@@ -24,18 +26,22 @@ from qeff_vision.families.qwen2_5_vl import (
     GRID_W,
     GRID_WIDTH,
     IMAGE_GRID_THW,
+    TIME,
     Qwen2_5_VL,
 )
 
 DEEPSTACK_FEATURES = "deepstack_features"
-# QEfficient's symbols: the stack of deepstack layers, and grid_t on image_grid_thw's axis 1.
+# QEfficient's symbol for the stack of deepstack layers.
 NUM_FEATURE_LAYERS = "num_feature_layers"
-TIME = "time"
 
 # The published checkpoints' preprocessor_config.json: size {shortest_edge: 65536,
 # longest_edge: 16777216} (256^2 .. 4096^2 pixels), used when only a config snapshot is given.
 DEFAULT_MIN_PIXELS = 65536
 DEFAULT_MAX_PIXELS = 16777216
+# Qwen3VLVideoProcessor's class defaults (ref: transformers v5
+# models/qwen3_vl/video_processing_qwen3_vl.py), used when the checkpoint has no video processor config.
+DEFAULT_VIDEO_MIN_PIXELS = 128 * 32 * 32
+DEFAULT_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
 @register
@@ -53,8 +59,11 @@ class Qwen3_VL(Qwen2_5_VL):
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
-        video=no("video frames are not exported yet; images only"),
+        video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
     )
+    # A clip is one placeholder run per temporal patch, each after its "<t seconds>" text.
+    placeholders_in_runs = True
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
@@ -73,14 +82,42 @@ class Qwen3_VL(Qwen2_5_VL):
         max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
         return int(min_pixels), int(max_pixels)
 
+    def video_pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of the video processor (its own config, else its class defaults)."""
+        size = model.video_processor.get("size") or {}
+        low, high = size.get("shortest_edge"), size.get("longest_edge")
+        if low and high:
+            return int(low), int(high)
+        return DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS
+
+    def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
+        """The image processor's smart resize, or for a clip the video processor's.
+
+        The video budget covers all frames (ref: video_processing_qwen3_vl.py ``smart_resize``).
+        """
+        if not image.video:
+            return super().resized(model, image)
+        factor, temporal = self._factor(model), int(self._vision(model).get("temporal_patch_size", 2))
+        min_pixels, max_pixels = self.video_pixel_limits(model)
+        frames, height, width = image.frames, image.height, image.width
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        t_bar = round(frames / temporal) * temporal
+        if t_bar * h_bar * w_bar > max_pixels:
+            beta = math.sqrt((frames * height * width) / max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif t_bar * h_bar * w_bar < min_pixels:
+            beta = math.sqrt(min_pixels / (frames * height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """``num_feature_layers``: how many deepstack layers the vision tower feeds the decoder."""
         return {NUM_FEATURE_LAYERS: len(self._vision(model).get("deepstack_visual_indexes") or ())}
-
-    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
-        """Qwen's processor rejects extreme aspect ratios; video is not exported yet."""
-        problems = super().validate_image(model, image)
-        return [p.replace("Qwen2.5-VL", "Qwen3-VL") for p in problems]
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """Qwen2.5-VL's grid symbols plus ``time`` (temporal patches) and ``num_feature_layers``."""
@@ -90,7 +127,7 @@ class Qwen3_VL(Qwen2_5_VL):
         temporal = int(vision.get("temporal_patch_size", 2))
         height, width = self.resized(model, image)
         grid_h, grid_w = height // patch, width // patch
-        grid_t = 1
+        grid_t = self.temporal_patches(model, image)
         return {
             GRID_H: grid_h,
             GRID_W: grid_w,
