@@ -261,7 +261,7 @@ def _common_manifest(spec: Any, out_dir: Path, export: _Export, backend: str, sd
             "batch_size": spec.batch_size,
             "ctx_len": spec.ctx_len,
             "prefill_seq_lens": list(spec.prefill.seq_lens),
-            "images": [{"height": i.height, "width": i.width} for i in spec.vision.images],
+            "images": [{"height": i.height, "width": i.width} for i in spec.vision.images if not i.video],
             "max_images": spec.vision.max_images,
             "vision_size": str(spec.vision.vision_size),
             "specialization_layout": None,
@@ -508,7 +508,9 @@ def _handoff(spec: Any, out_dir: Path, entries: Mapping[str, dict]) -> dict:
         ctx_len=spec.ctx_len,
         batch_size=spec.batch_size,
         prefill_seq_lens=list(spec.prefill.seq_lens),
-        images=[(i.height, i.width) for i in spec.vision.images] if _multi_resolution(spec.family) else [],
+        images=[(i.height, i.width) for i in spec.vision.images if not i.video]
+        if _multi_resolution(spec.family)
+        else [],
         max_images=spec.vision.max_images,
         vision_devices=spec.compile.vision.num_devices,
         language_devices=spec.compile.language.num_devices,

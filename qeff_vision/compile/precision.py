@@ -229,7 +229,7 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest) -> dict[str, 
         export_dir,
         plans["vision"].symbol_values(),
         plans["lang"].symbol_values(),
-        [(image.height, image.width) for image in spec.vision.images],
+        [(image.height, image.width) for image in spec.vision.images if not image.video],  # stills only
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
     )
@@ -254,7 +254,7 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
     common = {
         "tool": __version__,
         "rule": [SAFETY_MARGIN, MASK_SENTINEL],
-        "resolutions": [[image.height, image.width] for image in spec.vision.images],
+        "resolutions": [[image.height, image.width] for image in spec.vision.images if not image.video],
         "images": [hasher.file(image) if image.is_file() else str(image) for image in images],
         "prompts": list(calibration.prompts) if calibration else [],
         "onnx": {p.program: hasher.onnx(p.onnx) for p in plans},

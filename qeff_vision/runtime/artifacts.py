@@ -221,9 +221,11 @@ def generator_for_artifacts(
     vision, language = open_programs(artifacts, precision)
     model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
     adapter = load_adapter(artifacts.family)
-    return make_generator(
+    generator = make_generator(
         artifacts.family, adapter, model_config, vision, language, artifacts.shape, eos_ids, cache
     )
+    generator.compiled_vision = list(artifacts.vision_specializations)
+    return generator
 
 
 def _compiled(image_symbols: Mapping[str, int], specializations) -> bool:

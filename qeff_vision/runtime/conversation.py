@@ -274,12 +274,33 @@ class Conversation:
         problems = generator.family.validate_image(ModelDescription(generator.model_config), size)
         if problems:
             raise UserError(f"{clip.source}: {problems[0]}")
-        compiled = getattr(generator, "compiled_frames", None)
-        if compiled and len(clip.frames) > max(compiled):
-            raise UserError(
-                f"{clip.source}: {len(clip.frames)} frames, more than the compiled clips hold "
-                f"(at most {max(compiled)}; compile a vision.videos entry with more frames or pass --fps)"
+        compiled = generator.compiled_vision
+        if not compiled:
+            return  # a bare export takes any clip
+        description = ModelDescription(generator.model_config, video_processor=self._video_config())
+
+        def fits(frames: int) -> bool:
+            wanted = family.vision_symbols(
+                description, ImageSize(size.height, size.width, frames, video=True)
             )
+            return any(all(str(spec.get(k, v)) == str(v) for k, v in wanted.items()) for spec in compiled)
+
+        if fits(size.frames):
+            return
+        shorter = [frames for frames in range(size.frames - 1, 0, -1) if fits(frames)]
+        if shorter:
+            raise UserError(
+                f"{clip.source}: {size.frames} frames, more than the compiled clips hold at "
+                f"{size.height}x{size.width} (at most {shorter[0]}; sample fewer with --fps)"
+            )
+        raise UserError(
+            f"{clip.source}: no compiled clip specialization takes {size.frames} frames of "
+            f"{size.height}x{size.width} (compile it under vision.videos)"
+        )
+
+    def _video_config(self) -> dict:
+        video = getattr(self.processor, "video_processor", None)
+        return video.to_dict() if video is not None else {}
 
     def ask(
         self,

@@ -209,6 +209,8 @@ class Generator:
         # one wide row per placeholder, so the cache and the chunk slicing treat them as one.
         self.stack_depths = family.stack_depths(_description(model_config))
         self.row_width = dims.hidden_size * (1 + sum(self.stack_depths.values()))
+        #: Compiled vision specializations (symbol values), when known: clips are checked against them.
+        self.compiled_vision: list[Mapping[str, object]] = []
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
 
