@@ -2,7 +2,7 @@
 
 They stand in for the exported Qwen2.5-VL programs in compile tests that do not need real weights:
 the vision graph maps pixel_values [grid_height, grid_width] and image_grid_thw
-[batch_size, 1, grid_h, grid_w] to vision_embeds [batch_size, vision_size, hidden] with
+[batch_size, time, grid_h, grid_w] to vision_embeds [batch_size, vision_size, hidden] with
 vision_size = grid_height / 4; the language graph has every input and output of
 Family.language_input_axes / language_output_axes for a given number of layers.
 """
@@ -150,6 +150,7 @@ def language_graph(path, *, num_layers=2, rename=None, external_data=True):
 def vision_specialization(grid_h, grid_w, batch_size=1, grid_width=1176):
     return {
         "batch_size": batch_size,
+        "time": 1,
         "grid_h": grid_h,
         "grid_w": grid_w,
         "grid_height": grid_h * grid_w,

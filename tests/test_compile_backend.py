@@ -30,7 +30,7 @@ def test_graph_io_reads_symbols_without_external_data(graphs):
     assert [t.name for t in lang.inputs][:4] == ["input_ids", "position_ids", "vision_embeds", "image_idx"]
     assert lang.where("ctx_len") == "input past_key.0 axis 2"
     vision = read_graph_io(graphs["vision"])
-    assert vision.input_symbols() == {"grid_height", "grid_width", "batch_size", "grid_h", "grid_w"}
+    assert vision.input_symbols() == {"grid_height", "grid_width", "batch_size", "time", "grid_h", "grid_w"}
     assert vision.all_symbols() - vision.input_symbols() == {"vision_size"}  # only on the output
 
 

@@ -186,3 +186,25 @@ def test_video_specializations_of_the_pinned_qwen2_5_vl_spec():
         ("Vision-360x640x16", "8", "2392"),
         ("Vision-720x1280x8", "4", "4784"),
     ]
+
+
+def test_video_files_decode_with_pyav_and_sample_to_fps(tmp_path):
+    """An 8-frame 4 fps file: every frame at its own rate, or every second frame at --fps 2."""
+    import av
+
+    from qeff_vision.runtime.conversation import load_video
+
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 160, 112, "yuv420p"
+        for index in range(8):
+            pixels = np.asarray(helpers.image(112, 160, index))
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    every = load_video(path)
+    assert (len(every.frames), every.fps, every.frames[0].size) == (8, 4.0, (160, 112))
+    sampled = load_video(path, fps=2)
+    assert (len(sampled.frames), sampled.fps) == (4, 2)
