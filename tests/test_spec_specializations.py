@@ -45,6 +45,7 @@ def test_reference_vision_symbols_of_354x536(tmp_path):
         "batch_size": "1",
         "grid_height": "988",
         "grid_width": "1176",
+        "time": "1",
         "grid_h": "26",
         "grid_w": "38",
         "vision_size": "247",

@@ -219,6 +219,10 @@ class Adapter(ExportAdapter):
             kind: [t * h * w // (merge * merge) for t, h, w in self._grids(processed, f"{kind}_grid_thw")]
             for kind in ("image", "video")
         }
+        if "input_ids" not in processed:  # an image processor's output alone: its own order
+            return [("image", i) for i in range(len(counts["image"]))] + [
+                ("video", i) for i in range(len(counts["video"]))
+            ]
         order: list[tuple[str, int]] = []
         taken, pending = {"image": 0, "video": 0}, {"image": 0, "video": 0}
         for token in np.asarray(processed["input_ids"]).reshape(-1).tolist():
