@@ -34,7 +34,12 @@ def test_export_writes_both_programs_and_manifest(exported):
     assert lang["inputs"]["position_ids"]["shape"][0] == 4
     assert "past_key.0_RetainedState" in lang["outputs"]
     vision = manifest["programs"]["vision"]
-    assert vision["inputs"]["image_grid_thw"]["axes"] == {"0": "batch_size", "1": "time", "2": "grid_h", "3": "grid_w"}
+    assert vision["inputs"]["image_grid_thw"]["axes"] == {
+        "0": "batch_size",
+        "1": "time",
+        "2": "grid_h",
+        "3": "grid_w",
+    }
     for program in ("vision", "lang"):
         assert (out / program / "model.onnx").exists() and (out / program / "model.onnx.data").exists()
 
