@@ -38,3 +38,21 @@ def test_windowed_and_masked_encoders_match_transformers(hf_model, sizes):
             rows = encoder(*inputs).numpy()
         assert rows.shape == reference.shape
         assert np.abs(rows - reference).max() <= TOLERANCE, (sizes, windowed)
+
+
+def test_windowed_encoder_matches_transformers_on_a_clip(hf_model):
+    """A 4-frame clip (2 temporal patches, padded windows): each frame is windowed on its own."""
+    model, processor = hf_model("qwen2_5_vl")
+    frames = [np.asarray(helpers.image(60, 250, seed)) for seed in range(4)]
+    processed = processor.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+    grid = processed["video_grid_thw"]
+    with torch.no_grad():
+        reference = model.model.visual(processed["pixel_values_videos"], grid_thw=grid).pooler_output
+    grid_t, grid_h, grid_w = grid[0].tolist()
+    assert grid_t == 2
+    inputs = (processed["pixel_values_videos"], torch.zeros(1, grid_t, grid_h, grid_w, dtype=torch.int64))
+    for windowed in (True, False):
+        with torch.no_grad():
+            rows = VisionEncoder(model.model.visual, windowed=windowed).eval()(*inputs)[0]
+        assert rows.shape == reference.shape
+        assert (rows - reference).abs().max().item() <= TOLERANCE, windowed

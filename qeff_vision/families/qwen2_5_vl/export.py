@@ -43,7 +43,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionEncoder(nn.Module):
-    """pixel_values [B*gh*gw, C*T*P*P], image_grid_thw [B, 1, gh, gw] -> vision_embeds [B, tokens, hidden]."""
+    """pixel_values [B*t*gh*gw, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds [B, tokens, hidden]."""
 
     def __init__(self, visual: nn.Module, windowed: bool = True):
         super().__init__()
@@ -82,7 +82,7 @@ class VisionEncoder(nn.Module):
         # merge x merge patches of that merged token.
         in_window = (token_row % self.window) * self.window + token_col % self.window
         slot = window * (self.window * self.window * merge * merge) + in_window * (merge * merge) + inner
-        return image, row, col, window, slot, batch * windows_h * windows_w
+        return image, row, col, window, slot, batch * time * windows_h * windows_w
 
     def _window_layout(self, slot: torch.Tensor, windows, cos, sin, dtype: torch.dtype):
         """Padded window-major layout shared by every window block.
