@@ -43,7 +43,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class VisionEncoder(nn.Module):
-    """pixel_values [B*t*gh*gw, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds [B, tokens, hidden]."""
+    """pixel_values [B*t*gh*gw, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds [B, tokens, D]."""
 
     def __init__(self, visual: nn.Module, windowed: bool = True):
         super().__init__()
