@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -283,9 +286,52 @@ def test_duplicate_and_non_string_keys_are_rejected_with_their_path(tmp_path):
     assert one(problems, "ctx_len:") == "ctx_len: duplicate key (first at line 2, again at line 3, column 1)"
     assert one(problems, "vision.images[0].height:").startswith("vision.images[0].height: duplicate key")
     assert one(problems, "<top level>:").startswith("<top level>: key '1' must be a string")
-    # Aliases are fine, and recursive ones do not hang the duplicate-key walk.
+    # Anchors and aliases are refused (a recursive one included) before anything is composed.
     data, found = load_strict_yaml("a: &x {b: 1}\nc: *x\nd: &y [*y]\n")
-    assert found == [] and data["c"] == {"b": 1}
+    assert data is None and found == ["YAML anchor &x is not allowed in a spec (line 1, column 4)"]
+    data, found = load_strict_yaml("a: *nowhere\n")
+    assert data is None and found == ["YAML alias *nowhere is not allowed in a spec (line 1, column 4)"]
+
+
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A spec whose ``ctx_len`` is ``width`` ** ``levels`` values through nested aliases."""
+    lines = ["model: Qwen/Qwen2.5-VL-3B-Instruct", f"l0: &l0 [{', '.join(['1'] * width)}]"]
+    for level in range(1, levels):
+        lines.append(f"l{level}: &l{level} [{', '.join([f'*l{level - 1}'] * width)}]")
+    lines.append(f"ctx_len: [{', '.join([f'*l{levels - 1}'] * width)}]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("command", ["validate", "specialize"])
+def test_an_alias_bomb_is_answered_within_a_second_in_one_line(tmp_path, command):
+    spec = tmp_path / "bomb.yaml"
+    spec.write_text(alias_bomb())
+    argv = [sys.executable, "-m", "qeff_vision", command, str(spec)]
+    if command == "specialize":
+        argv += ["-o", str(tmp_path / "out")]
+    started = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    answered = time.perf_counter() - started
+    problems = [line for line in done.stderr.splitlines() if "anchor &l0 is not allowed" in line]
+    assert done.returncode == 2, done.stderr
+    assert len(problems) == 1, done.stderr
+    assert len(done.stderr) < 400 and "Traceback" not in done.stderr
+    if command == "specialize":
+        assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    # The interpreter start and CLI import take part of the second; the answer itself is instant.
+    assert answered < 1.0 + _python_startup(), answered
+
+
+def _python_startup() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import qeff_vision.cli"], check=True, timeout=60)
+    return time.perf_counter() - started
+
+
+def test_messages_quote_a_huge_value_in_bounded_text(tmp_path):
+    huge = [list(range(row, row + 1000)) for row in range(100)]
+    problems = problems_of(write_spec(tmp_path, spec_data(ctx_len=huge)))
+    assert len(one(problems, "ctx_len:")) < 200
 
 
 def test_several_errors_in_one_file_are_reported_at_once(tmp_path):

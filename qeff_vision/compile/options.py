@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from qeff_vision.errors import shown
+
 VISION = "vision"
 LANGUAGE = "language"
 # YAML section name -> directory name of the program under the output directory.
@@ -248,7 +250,7 @@ def _choice(choices: tuple[str, ...]):
     def check(value: Any) -> str | None:
         if isinstance(value, str) and value in choices:
             return None
-        return "must be one of " + ", ".join(choices) + f" (got {value!r})"
+        return "must be one of " + ", ".join(choices) + f" (got {shown(value)})"
 
     return check
 

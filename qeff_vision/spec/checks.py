@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from qeff_vision import families
-from qeff_vision.errors import UserError
+from qeff_vision.errors import UserError, shown
 from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
 from qeff_vision.spec.policy import FIXED, chunk_span
 from qeff_vision.spec.schema import Reader, VisionInput, image_label
@@ -45,7 +45,9 @@ def describe_model(
     candidate = _local(spec_dir, model)
     model_dir = candidate if _exists(candidate, "dir") else None
     if model_dir is None and not HUB_ID_PATTERN.fullmatch(model):
-        reader.add("model", f"{model!r} is neither a directory (relative to the spec) nor a Hugging Face id")
+        reader.add(
+            "model", f"{shown(model)} is neither a directory (relative to the spec) nor a Hugging Face id"
+        )
         return None, None, None
     if config is not None:
         config_path = _local(spec_dir, config)
@@ -62,7 +64,7 @@ def describe_model(
         if config_path is None:
             reader.add(
                 "model",
-                f"{model!r} is a Hugging Face id with no local copy; add `config:` with a "
+                f"{shown(model)} is a Hugging Face id with no local copy; add `config:` with a "
                 "pinned config.json snapshot so the spec works offline",
             )
             return None, None, None

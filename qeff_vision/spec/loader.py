@@ -22,7 +22,7 @@ from qeff_vision.spec.schema import (
     read_prefill,
     read_vision,
 )
-from qeff_vision.spec.strict_yaml import load_strict_yaml
+from qeff_vision.spec.strict_yaml import load_strict_yaml, shown
 
 
 def check_compile_files(reader, options, section, spec_dir: Path) -> None:
@@ -79,7 +79,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
     name = reader.text(top, "name", "", default=source.stem)
     if name is not None and not NAME_PATTERN.fullmatch(name):
         reader.add(
-            "name", f"must be letters, digits, '.', '_' or '-' (it names the golden directory); got {name!r}"
+            "name",
+            f"must be letters, digits, '.', '_' or '-' (it names the golden directory); got {shown(name)}",
         )
     model = reader.text(top, "model", "")
     family_name = reader.text(top, "family", "", default=None)

@@ -14,7 +14,7 @@ from typing import Any
 from qeff_vision.families.base import ImageSize
 from qeff_vision.spec.model import VisionSpec
 from qeff_vision.spec.policy import FIXED, POLICY_NAMES, VisionSizePolicy
-from qeff_vision.spec.strict_yaml import yaml_path
+from qeff_vision.spec.strict_yaml import shown, yaml_path
 
 TOP_KEYS = (
     "name",
@@ -77,7 +77,7 @@ class Reader:
             return None
         here = yaml_path(path, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            self.add(here, f"must be a positive integer (got {value!r})")
+            self.add(here, f"must be a positive integer (got {shown(value)})")
             return None
         if value > maximum:
             self.add(here, f"must be at most {maximum} (got {value})")
@@ -91,10 +91,10 @@ class Reader:
             return None
         here = yaml_path(path, key)
         if choices and value not in choices:
-            self.add(here, f"must be one of {', '.join(choices)} (got {value!r})")
+            self.add(here, f"must be one of {', '.join(choices)} (got {shown(value)})")
             return None
         if not isinstance(value, str) or not value.strip():
-            self.add(here, f"must be a non-empty string (got {value!r})")
+            self.add(here, f"must be a non-empty string (got {shown(value)})")
             return None
         return value
 
@@ -108,7 +108,7 @@ def read_prefill(reader: Reader, value: Any, ctx_len: int | None) -> tuple[int, 
     if "seq_lens" not in prefill:
         return None
     if not isinstance(raw, list) or not raw:
-        reader.add("prefill.seq_lens", f"must be a non-empty list of chunk sizes (got {raw!r})")
+        reader.add("prefill.seq_lens", f"must be a non-empty list of chunk sizes (got {shown(raw)})")
         return None
     before = len(reader.problems)
     seen: dict[int, int] = {}
@@ -134,7 +134,7 @@ def read_policy(reader: Reader, value: Any, ctx_len: int | None) -> VisionSizePo
     if isinstance(value, str) and value in POLICY_NAMES:
         return VisionSizePolicy(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        reader.add(here, f"must be {' or '.join(POLICY_NAMES)} or a positive integer (got {value!r})")
+        reader.add(here, f"must be {' or '.join(POLICY_NAMES)} or a positive integer (got {shown(value)})")
         return None
     if ctx_len is not None and value >= ctx_len:
         reader.add(here, f"vision_size {value} must be smaller than ctx_len {ctx_len}")
@@ -178,7 +178,7 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
     raw = vision.get("images")
     images: list[tuple[int, ImageSize]] = []
     if "images" in vision and (not isinstance(raw, list) or not raw):
-        reader.add("vision.images", f"must be a non-empty list of {{height, width}} (got {raw!r})")
+        reader.add("vision.images", f"must be a non-empty list of {{height, width}} (got {shown(raw)})")
     for index, item in enumerate(raw if isinstance(raw, list) else []):
         here = yaml_path("vision.images", index)
         entry = reader.mapping(item, here, IMAGE_KEYS, required=("height", "width"))

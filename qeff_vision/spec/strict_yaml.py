@@ -4,11 +4,20 @@ PyYAML's safe loader silently keeps the last of two equal keys (``ctx_len: 4096`
 ``ctx_len: 8192`` gives 8192), which hides typos in hand-edited specs. Here the document is first
 composed into nodes, the node tree is walked once to find duplicate and non-string keys (reported
 by YAML path, like every other spec problem), and only then constructed into Python objects.
+
+Anchors and aliases (``&a`` / ``*a``) are refused before anything is composed: nine levels of
+nine aliases are a few hundred bytes of text but 9**9 values once constructed (the "billion
+laughs"), and a spec never needs them. Values go into messages through
+:func:`qeff_vision.errors.shown`, which bounds their length whatever their size.
 """
 
 from __future__ import annotations
 
 import yaml
+
+from qeff_vision.errors import shown
+
+__all__ = ["load_strict_yaml", "shown", "yaml_path"]
 
 
 def yaml_path(parent: str, key: str | int) -> str:
@@ -64,6 +73,21 @@ def _key_problems(root: yaml.Node) -> list[str]:
     return sorted(problems)
 
 
+def _alias_problem(loader: yaml.SafeLoader) -> str | None:
+    """The first anchor or alias in the document's events, as a problem, or None.
+
+    Reads only the event stream (linear in the text), so it answers before any alias is expanded.
+    """
+    while loader.check_event():
+        event = loader.get_event()
+        if isinstance(event, yaml.AliasEvent):
+            return f"YAML alias *{event.anchor[:40]} is not allowed in a spec ({_where(event.start_mark)})"
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            return f"YAML anchor &{anchor[:40]} is not allowed in a spec ({_where(event.start_mark)})"
+    return None
+
+
 def load_strict_yaml(text: str) -> tuple[object, list[str]]:
     """Parse one YAML document strictly.
 
@@ -72,11 +96,16 @@ def load_strict_yaml(text: str) -> tuple[object, list[str]]:
 
     Returns:
         The constructed data (``None`` when there were problems or the document is empty) and the
-        problems found: syntax errors with their position, duplicate keys and non-string keys with
-        their YAML path. Never raises for bad input.
+        problems found: syntax errors with their position, anchors and aliases, duplicate keys
+        and non-string keys with their YAML path. Never raises for bad input.
     """
     loader = None
     try:
+        loader = yaml.SafeLoader(text)
+        alias = _alias_problem(loader)
+        if alias is not None:
+            return None, [alias]
+        loader.dispose()
         loader = yaml.SafeLoader(text)
         node = loader.get_single_node()
         if node is None:
