@@ -108,12 +108,8 @@ def test_corrupt_cache_is_rebuilt(setup, tmp_path, how):
 
 def test_failure_exits_2_with_log_tail_and_leaves_nothing_valid(setup, tmp_path, capsys):
     spec, export, out = setup
-    good, _ = stand_in(tmp_path)
-    assert run(spec, out, export, good).manifest is not None
     bad, _ = stand_in(tmp_path, mode="fail-vision")
-    code = main(
-        ["compile", str(spec), "-o", str(out), "--compiler", str(bad), "--export", str(export), "--force"]
-    )
+    code = main(["compile", str(spec), "-o", str(out), "--compiler", str(bad), "--export", str(export)])
     err = capsys.readouterr().err
     assert code == 2
     assert "Error: stand-in failure requested" in err
@@ -125,6 +121,62 @@ def test_failure_exits_2_with_log_tail_and_leaves_nothing_valid(setup, tmp_path,
     assert "failure detail 39" in (out / "vision" / "compile.log").read_text()
     # The language compile was still running: it is stopped, and its log says so.
     assert "compiler killed (stopped)" in (out / "lang" / "compile.log").read_text()
+
+
+def test_a_failed_forced_recompile_keeps_the_previous_result(setup, tmp_path):
+    spec, export, out = setup
+    good, _ = stand_in(tmp_path)
+    before = run(spec, out, export, good).manifest
+    programs = {p: out / before["programs"][p]["path"] for p in ("vision", "lang")}
+    binaries = {p: (path / cache.QPC_FILE).read_bytes() for p, path in programs.items()}
+    bad, _ = stand_in(tmp_path, mode="fail-vision")
+    with pytest.raises(CompileFailed, match="compiler exited with code 1"):
+        run(spec, out, export, bad, force=True)
+    assert json.loads((out / "manifest.json").read_text()) == before
+    for program, path in programs.items():
+        assert cache.cached_program(path, before["programs"][program]["cache_key"]) is not None
+        assert (path / cache.QPC_FILE).read_bytes() == binaries[program]
+        assert [p.name for p in (out / program).glob("qpc-*")] == [path.name], "staging left behind"
+    assert "failure detail 39" in (out / "vision" / "compile.log").read_text()  # the failure's log stays
+    # A forced recompile that succeeds swaps the new programs in under the same names.
+    again = run(spec, out, export, good, force=True).manifest
+    assert again["programs"]["lang"]["path"] == before["programs"]["lang"]["path"]
+    assert again["programs"]["lang"]["cached"] is False
+    for program, path in programs.items():
+        assert cache.cached_program(path, before["programs"][program]["cache_key"]) is not None
+        assert [p.name for p in (out / program).glob("qpc-*")] == [path.name]
+
+
+def _corrupt_graph(export: Path) -> None:
+    (export / "lang" / "model.onnx").write_bytes(b"not a protobuf at all")
+
+
+def _other_family(export: Path) -> None:
+    record = json.loads((export / "export.json").read_text())
+    (export / "export.json").write_text(json.dumps(dict(record, family="llava")))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [(_corrupt_graph, "not a readable ONNX model"), (_other_family, "exported family 'llava'")],
+)
+@pytest.mark.parametrize("previous", ["none", "valid"])
+def test_an_input_error_leaves_out_as_it_was(tmp_path, damage, message, previous):
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    compiler, record = stand_in(tmp_path)
+    if previous == "valid":
+        run(spec, out, synthetic_export(tmp_path / "good-export"), compiler)
+        before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    bad_export = synthetic_export(tmp_path / "bad-export")
+    damage(bad_export)
+    with pytest.raises(UserError, match=message):
+        run(spec, out, bad_export, compiler)
+    if previous == "none":
+        assert not out.exists(), sorted(out.rglob("*"))
+    else:
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+    assert len(calls(record)) == (2 if previous == "valid" else 0)
 
 
 def test_timeout_kills_a_hanging_compiler(setup, tmp_path):

@@ -101,3 +101,37 @@ def test_uncompiled_shape_is_refused_before_the_device(qaic_out, device_runtime)
     with pytest.raises(session.ShapeMismatch, match="seq_len=24"):
         generator.language.run(feeds)
     assert len(device_runtime.LOG) == calls_before  # nothing reached the device
+
+
+def test_run_still_works_after_a_failed_forced_recompile(
+    tmp_path, tiny_checkpoint, exported, device_runtime, hf_model
+):
+    """Issue 15 item 4: ``compile --force`` with a failing compiler keeps the previous result servable."""
+    from qeff_vision import api
+    from qeff_vision.compile.driver import CompileFailed
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tiny_checkpoint(FAMILY)),
+                "ctx_len": 256,
+                "prefill": {"seq_lens": [32]},
+                "vision": {"images": [{"height": 112, "width": 112}]},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    good, _ = stand_in(tmp_path)
+    bad, _ = stand_in(tmp_path, mode="fail")
+    quiet = {"progress": None, "status_stream": None, "export_dir": exported(FAMILY)}
+    api.compile(spec, out, compiler=str(good), **quiet)
+    with pytest.raises(CompileFailed):
+        api.compile(spec, out, compiler=str(bad), force=True, **quiet)
+    model, processor = hf_model(FAMILY)
+    inputs = helpers.process(
+        processor, helpers.user_turn("<image>", "Name it."), [helpers.image(112, 112, 7)]
+    )
+    expected, _ = helpers.hf_generate(model, inputs, max_new_tokens=4)
+    result = generator_for_artifacts(out).generate(helpers.as_numpy(inputs), max_new_tokens=4)
+    assert result.tokens == expected

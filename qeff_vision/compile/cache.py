@@ -27,6 +27,7 @@ QPC_FILE = "programqpc.bin"
 RECORD_FORMAT = 1
 HASH_MEMO_FILE = ".content-hashes.json"
 LOCK_FILE = ".compile.lock"
+STAGING_SUFFIX = ".staging"  # a --force recompile of a valid program is built here, then swapped in
 KEY_LENGTH = 16  # hex digits in directory names; the record keeps the full key
 _CHUNK = 1 << 20
 
@@ -161,6 +162,19 @@ def write_record(binary_dir: Path, record: Mapping[str, Any]) -> dict:
 def discard(directory: Path) -> None:
     """Remove a program directory that must not look valid (failed, cancelled or stale)."""
     shutil.rmtree(directory, ignore_errors=True)
+
+
+def replace_program(staging: Path, binary_dir: Path) -> None:
+    """Swap a complete ``staging`` program into ``binary_dir``; the old one is removed after.
+
+    Two renames: between them ``binary_dir`` is briefly absent, never half-written.
+    """
+    retired = binary_dir.with_name(binary_dir.name + ".retired")
+    discard(retired)
+    if binary_dir.exists():
+        os.replace(binary_dir, retired)
+    os.replace(staging, binary_dir)
+    discard(retired)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ the ONNX files.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -151,24 +152,35 @@ class _Run:
     say: Progress
 
 
+def given_export(spec: Any, export_dir: Path) -> _Export:
+    """The export ``--export DIR`` names, checked against the spec; reads only, writes nothing.
+
+    Raises:
+        UserError: Not an export, an export of another family, or one without (or with) the
+            compute-context-length input the spec needs.
+    """
+    manifest = read_export(export_dir)
+    if manifest.get("family") != spec.family:
+        raise UserError(
+            f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
+        )
+    ccl = spec.compile.comp_ctx_lengths is not None
+    if bool(manifest.get("comp_ctx_lengths")) != ccl:
+        wanted = "with" if ccl else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} the comp_ctx_lengths input "
+            f"(`qeff-vision export{' --comp-ctx-lengths' if ccl else ''}`)"
+        )
+    return _Export(export_dir, manifest)
+
+
 def locate_export(
     spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
 ) -> _Export:
     """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
     ccl = spec.compile.comp_ctx_lengths is not None
     if export_dir is not None:
-        manifest = read_export(export_dir)
-        if manifest.get("family") != spec.family:
-            raise UserError(
-                f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
-            )
-        if bool(manifest.get("comp_ctx_lengths")) != ccl:
-            wanted = "with" if ccl else "without"
-            raise UserError(
-                f"{export_dir}: the spec needs an export {wanted} the comp_ctx_lengths input "
-                f"(`qeff-vision export{' --comp-ctx-lengths' if ccl else ''}`)"
-            )
-        return _Export(export_dir, manifest)
+        return given_export(spec, export_dir)
     directory = out_dir / EXPORT_SUBDIR
     manifest = read_export(directory) if (directory / EXPORT_FILE).is_file() else None
     stale = (
@@ -191,6 +203,9 @@ def locate_export(
             f"model {spec.model!r} is not a local checkpoint directory, so it cannot be exported here; "
             "export it where the weights are (`qeff-vision export`) and pass --export DIR"
         )
+    if manifest is not None:
+        # The export a previous manifest names is replaced now: that manifest stops being true.
+        (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
     return _Export(directory, _run_export(spec.model_dir, directory, say, ccl))
 
@@ -200,6 +215,19 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> d
     from qeff_vision.spec import write_specializations
 
     write_specializations(generated, out_dir)
+    plans = plan_inputs(generated, spec, out_dir, export)
+    for plan in plans.values():
+        partition = plan.directory / PARTITION_FILE_NAME
+        if plan.partition_file is not None:
+            options = plan.options
+            atomic_write_json(partition, mdp_partition_config(options.num_devices, options.num_cores))
+        else:
+            partition.unlink(missing_ok=True)
+    return plans
+
+
+def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> dict[str, ProgramPlan]:
+    """Each program's plan: where its inputs go under OUT (nothing is written)."""
     plans = {}
     for section, files in ((VISION, generated.vision), (LANGUAGE, generated.language)):
         program = SECTIONS[section]
@@ -208,10 +236,6 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> d
         custom_io_file = directory / "custom_io.yaml"
         has_custom_io = bool(files.custom_io)
         partition = directory / PARTITION_FILE_NAME
-        if options.num_devices > 1:
-            atomic_write_json(partition, mdp_partition_config(options.num_devices, options.num_cores))
-        else:
-            partition.unlink(missing_ok=True)
         plans[program] = ProgramPlan(
             program=program,
             section=section,
@@ -344,30 +368,43 @@ def compile_spec(
     layout = resolve_layout(spec.layout, sdk.specialization_layout if sdk else None)
     generated = build_specializations(spec, layout=layout)
     outcome = CompileOutcome(out_dir, backend, dry_run)
-    with cache.output_lock(out_dir, say):
-        if not dry_run:
-            # From here until the new manifest is written, OUT does not claim to be complete.
-            (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
-        export = locate_export(
-            spec, out_dir, Path(export_dir) if export_dir else None, dry_run=dry_run, say=say
-        )
-        plans = write_inputs(generated, spec, out_dir, export)
-        if export.manifest is not None:
-            check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
-        outcome.notes += resolve_plans(
-            plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
-        )
-        manifest = _common_manifest(spec, out_dir, export, backend, sdk)
-        manifest["shapes"]["specialization_layout"] = layout
-        run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
-        if backend == ONNXRUNTIME:
-            _verify(run, plans)
-        else:
-            _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
-        if dry_run:
-            return outcome
-        atomic_write_json(out_dir / MANIFEST_FILE, manifest)
-        outcome.manifest = manifest
+    # Inputs are checked before OUT is touched: an export of another model or a corrupt graph
+    # must not leave a fresh OUT (lock, specializations) behind, nor disturb a valid one.
+    export = given_export(spec, Path(export_dir)) if export_dir else None
+    if export is not None:
+        plans = plan_inputs(generated, spec, out_dir, export)
+        check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+    created = not out_dir.exists()
+    try:
+        with cache.output_lock(out_dir, say):
+            # The previous manifest.json (and the programs it names) stays until the new one
+            # replaces it atomically: a failed or interrupted recompile leaves the last good
+            # result servable.
+            if export is None:
+                export = locate_export(spec, out_dir, None, dry_run=dry_run, say=say)
+                plans = write_inputs(generated, spec, out_dir, export)
+                if export.manifest is not None:
+                    check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+            else:
+                plans = write_inputs(generated, spec, out_dir, export)
+            outcome.notes += resolve_plans(
+                plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
+            )
+            manifest = _common_manifest(spec, out_dir, export, backend, sdk)
+            manifest["shapes"]["specialization_layout"] = layout
+            run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
+            if backend == ONNXRUNTIME:
+                _verify(run, plans)
+            else:
+                _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
+            if dry_run:
+                return outcome
+            atomic_write_json(out_dir / MANIFEST_FILE, manifest)
+            outcome.manifest = manifest
+    except UserError as error:
+        if created and not isinstance(error, CompileFailed):
+            shutil.rmtree(out_dir, ignore_errors=True)  # nothing this run made is worth keeping
+        raise
     return outcome
 
 
@@ -421,7 +458,7 @@ def _compile(
     compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
     argv0 = compiler_path or sdk_lookup.DEFAULT_COMPILERS[0]
     hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE)
-    jobs, records, entries, binary_dirs = [], {}, {}, {}
+    jobs, records, entries, binary_dirs, final_dirs = [], {}, {}, {}, {}
     for plan in plans.values():
         if plan.precision and plan.precision.overflow:
             outcome.notes.append(
@@ -429,6 +466,7 @@ def _compile(
             )
         key, key_inputs, argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
         outcome.commands[plan.program] = format_command(argv)
+        final_dirs[plan.program] = binary_dir
         entry = _program_entry(plan, run.out_dir, binary_dir)
         entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, run.out_dir))
         entries[plan.program] = entry
@@ -441,10 +479,19 @@ def _compile(
             outcome.cached[plan.program] = True
             entry["cached"] = True
             continue
-        cache.discard(binary_dir)  # a leftover from a crash, or --force
+        job_argv = argv
+        if cache.cached_program(binary_dir, key) is not None:
+            # --force over a valid program (perhaps the one the current manifest names): compile
+            # beside it and swap only when the new one is complete, so a failure keeps the old.
+            staging = binary_dir.with_name(binary_dir.name + cache.STAGING_SUFFIX)
+            job_argv = [staging_flag(a, binary_dir, staging) for a in argv]
+            binary_dirs[plan.program] = staging
+            cache.discard(staging)
+        else:
+            cache.discard(binary_dir)  # a leftover from a crash
         outcome.cached[plan.program] = False
         entry["cached"] = False
-        jobs.append(Job(plan.program, argv, plan.directory / LOG_FILE, _timeout(plan.options, timeout)))
+        jobs.append(Job(plan.program, job_argv, plan.directory / LOG_FILE, _timeout(plan.options, timeout)))
     hasher.save()
     if outcome.dry_run:
         if run.export.manifest is None:
@@ -463,6 +510,9 @@ def _compile(
             cache.discard(binary_dirs[job.program])
         raise
     _finish(results, jobs, binary_dirs, records, entries)
+    for job in jobs:
+        if binary_dirs[job.program] != final_dirs[job.program]:
+            cache.replace_program(binary_dirs[job.program], final_dirs[job.program])
     run.manifest["programs"] = entries
     run.manifest["vllm"] = _handoff(run.spec, run.out_dir, entries)
 
@@ -497,6 +547,11 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
         argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version
     )
     return key, key_inputs, argv, binary_dir
+
+
+def staging_flag(argument: str, binary_dir: Path, staging: Path) -> str:
+    """``argument`` with the ``-aic-binary-dir`` flag pointed at ``staging``; others unchanged."""
+    return f"-aic-binary-dir={staging}" if argument == f"-aic-binary-dir={binary_dir}" else argument
 
 
 def _handoff(spec: Any, out_dir: Path, entries: Mapping[str, dict]) -> dict:
