@@ -27,6 +27,7 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator, _description
 from qeff_vision.runtime.planner import VisionProtocol, plan_chunks
@@ -105,26 +106,44 @@ class CrossAttentionGenerator(Generator):
         protocol: str = VisionProtocol.CHUNK.value,
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
+        history: Continuation | None = None,
     ) -> GenerationResult:
-        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`."""
+        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
+
+        A continued turn (``history``) keeps the first turn's cross states and extends its mask
+        with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
+        ``cross_attention_mask`` for mllama; it cannot add images.
+        """
         started = time.perf_counter()
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if length + max_new_tokens > self.shape.ctx_len:
+        if history is not None and "pixel_values" in processed:
+            raise UserError("a continued turn of a cross-attention model cannot add images")
+        positions = self.adapter.prompt_positions(self.model_config, processed)
+        used = 0
+        if history is not None:
+            past = history.past
+            first = self._feed_history(history, past)
+            positions = continued_positions(positions, first)
+            used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
+        if used + length + max_new_tokens > self.shape.ctx_len:
             raise UserError(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
                 f"ctx_len {self.shape.ctx_len}"
             )
         plan = plan_chunks(length, [], self.shape.buckets, protocol=protocol)
-        positions = self.adapter.prompt_positions(self.model_config, processed)
         calls_before = self.vision.calls
         encode_start = time.perf_counter()
-        cross, images_encoded = self._cross_states(processed)
+        if history is None:
+            cross, images_encoded = self._cross_states(processed)
+            mask = self._cross_mask(processed, length)
+            past = {**self._empty_cache(), **cross}
+        else:
+            images_encoded = 0
+            mask = np.repeat(history.decode_feeds[CROSS_ATTENTION_MASK], length, axis=1)
         encode_seconds = time.perf_counter() - encode_start
-        mask = self._cross_mask(processed, length)
-        past = {**self._empty_cache(), **cross}
         records, outputs = [], {}
         for chunk in plan.chunks:
             chunk_start = time.perf_counter()
@@ -161,12 +180,8 @@ class CrossAttentionGenerator(Generator):
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            feeds = {
-                symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
-                symbols.POSITION_IDS: self.adapter.decode_positions(positions, step),
-                CROSS_ATTENTION_MASK: last_row,
-            }
-            outputs = self._run(feeds, past)
+            position = self.adapter.decode_positions(positions, step)
+            outputs = self._feed_token(token, position, past, {CROSS_ATTENTION_MASK: last_row})
             if kept is not None:
                 kept.append(outputs[symbols.LOGITS][0, -1].copy())
             token = int(outputs[symbols.LOGITS][0, -1].argmax())
@@ -188,7 +203,19 @@ class CrossAttentionGenerator(Generator):
             else 0,
             image_rows=0,
             images_encoded=images_encoded,
+            continuation=Continuation(
+                past, positions, len(tokens) - 1, (tokens[-1],), {CROSS_ATTENTION_MASK: last_row}
+            ),
         )
+
+    def _feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
+        """One decode step: ``token`` at ``position`` with ``extra`` (the cross-attention mask row)."""
+        feeds = {
+            symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
+            symbols.POSITION_IDS: position,
+            **(extra or {}),
+        }
+        return self._run(feeds, past)
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call. A device keeps retained inputs resident: send the cross states once."""

@@ -20,6 +20,7 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import CROSS_ATTENTION
+from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
 from qeff_vision.runtime.planner import (
     ChunkPlan,
@@ -132,6 +133,7 @@ class GenerationResult:
         image_rows: Embedding rows of all images (placeholder tokens in the prompt).
         images_encoded: Images the vision program encoded for this prompt.
         notes: Things worth telling the user (e.g. an image resized to a compiled resolution).
+        continuation: Where the language program stopped; pass it as ``history=`` to continue.
     """
 
     prompt_tokens: int
@@ -148,6 +150,7 @@ class GenerationResult:
     image_rows: int = 0
     images_encoded: int = 0
     notes: list[str] = field(default_factory=list)
+    continuation: Continuation | None = None
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -346,6 +349,7 @@ class Generator:
         protocol: str = VisionProtocol.CHUNK.value,
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
+        history: Continuation | None = None,
     ) -> GenerationResult:
         """Greedy generation for one processed prompt (batch 1).
 
@@ -355,6 +359,9 @@ class Generator:
             protocol: ``chunk`` or ``full``.
             on_token: Called with each token id as soon as it is known (streaming).
             keep_logits: Keep each step's logits row in the result (parity checks).
+            history: A previous result's ``continuation``: ``processed`` is then only the new
+                turn's tokens and images, run after that history's KV cache (see
+                :mod:`qeff_vision.runtime.continuation`). The history is consumed.
 
         Raises:
             UserError: The prompt and the new tokens do not fit ``ctx_len``, no plan fits the
@@ -367,17 +374,22 @@ class Generator:
         length = len(input_ids)
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if length + max_new_tokens > self.shape.ctx_len:
-            room = self.shape.ctx_len - length
+        past = history.past if history is not None else self._empty_cache()
+        positions = self.adapter.prompt_positions(self.model_config, processed)
+        used = 0
+        if history is not None:
+            first = self._feed_history(history, past)
+            positions = continued_positions(positions, first)
+            used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
+        if used + length + max_new_tokens > self.shape.ctx_len:
+            room = self.shape.ctx_len - used - length
             hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
             raise UserError(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
                 f"ctx_len {self.shape.ctx_len} ({hint})"
             )
         plan = self.plan(input_ids, processed, protocol)
-        positions = self.adapter.prompt_positions(self.model_config, processed)
         stats_before, calls_before = self.cache.stats, self.vision.calls
-        past = self._empty_cache()
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
         kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else None
         token = int(outputs[symbols.LOGITS][0, -1].argmax())
@@ -385,7 +397,7 @@ class Generator:
         if on_token:
             on_token(token)
         decode_start = time.perf_counter()
-        tokens = self._decode(token, positions, outputs, past, max_new_tokens, on_token, kept)
+        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept)
         decode_seconds = time.perf_counter() - decode_start
         stats_after = self.cache.stats
         return GenerationResult(
@@ -401,7 +413,42 @@ class Generator:
             images=len(plan.image_spans),
             image_rows=plan.total_rows,
             images_encoded=stats_after.images_encoded - stats_before.images_encoded,
+            continuation=Continuation(past, positions, len(tokens) - 1, (tokens[-1],)),
         )
+
+    def _feed_history(self, history: Continuation, past: dict[str, np.ndarray]) -> np.ndarray:
+        """Feed a history's unfed generated tokens; the position of the next token."""
+        steps = history.fed_steps
+        for token in history.unfed:
+            position = self.adapter.decode_positions(history.positions, steps)
+            self._feed_token(token, position, past, history.decode_feeds)
+            steps += 1
+        return self.adapter.decode_positions(history.positions, steps)
+
+    def _feed_token(
+        self, token: int, position: np.ndarray, past: dict[str, np.ndarray], extra: Mapping | None = None
+    ) -> dict:
+        """One decode-shaped step: ``token`` at ``position``, taking no image row.
+
+        A seq_len-1 step merges no row (:func:`qeff_vision.export.decoder.vision_row_index`), so a
+        placeholder id the model generated keeps its token embedding, as in transformers;
+        ``image_idx`` points past the decode rows all the same. ``extra`` holds further inputs
+        of every decode step (:attr:`Continuation.decode_feeds`).
+        """
+        feeds = {
+            symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
+            symbols.POSITION_IDS: position,
+            symbols.IMAGE_IDX: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
+        }
+        if not self.language.retains_state:
+            # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
+            feeds.update(
+                self._vision_feeds_of_rows(
+                    np.zeros((1, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
+                )
+            )
+        feeds.update(extra or {})
+        return self._step(feeds, past)
 
     def _prefill(
         self,
@@ -457,7 +504,6 @@ class Generator:
         self,
         token: int,
         positions: np.ndarray,
-        outputs: dict[str, np.ndarray],
         past: dict[str, np.ndarray],
         max_new_tokens: int,
         on_token: Callable[[int], None] | None,
@@ -465,23 +511,10 @@ class Generator:
     ) -> list[int]:
         """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given."""
         tokens = [token]
-        decode_rows = self._vision_feeds_of_rows(
-            np.zeros((1, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
-        )
-        image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            feeds = {
-                symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
-                symbols.POSITION_IDS: self.adapter.decode_positions(positions, step),
-                symbols.IMAGE_IDX: image_idx,
-            }
-            if not self.language.retains_state:
-                # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
-                feeds.update(decode_rows)
-            outputs = self._step(feeds, past)
-            image_idx = outputs[symbols.IMAGE_IDX_OUTPUT]
+            outputs = self._feed_token(token, self.adapter.decode_positions(positions, step), past)
             if kept is not None:
                 kept.append(outputs[symbols.LOGITS][0, -1].copy())
             token = int(outputs[symbols.LOGITS][0, -1].argmax())
