@@ -77,7 +77,9 @@ def chat_factory(artifacts_dir):
 def test_artifacts_read_the_manifest(artifacts_dir, tiny_checkpoint):
     artifacts = load_artifacts(artifacts_dir)
     assert artifacts.backend == "onnxruntime"
-    assert artifacts.model_dir.resolve() == tiny_checkpoint(FAMILY).resolve()
+    # Runtime files come from OUT's copy; the checkpoint (weights) is still known for references.
+    assert artifacts.model_dir == artifacts_dir / "model"
+    assert artifacts.checkpoint_dir.resolve() == tiny_checkpoint(FAMILY).resolve()
     # vision_size chunk with two images of at most 35 rows: V(S) = min(S, 70).
     assert artifacts.shape == LanguageShape((PrefillBucket(32, 32), PrefillBucket(64, 64)), 64, CTX_LEN)
     assert [s[symbols.VISION_SIZE] for s in artifacts.vision_specializations] == [16, 35]

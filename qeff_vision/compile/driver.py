@@ -266,6 +266,19 @@ def _timeout(options: ProgramOptions, override: float | None) -> float | None:
     return override if override is not None else options.timeout
 
 
+def _copy_runtime_files(spec: Any, export: _Export, out_dir: Path, outcome: CompileOutcome) -> str | None:
+    """Copy the checkpoint's runtime files into OUT (spec's checkpoint, else the export's)."""
+    from qeff_vision.compile.runtime_files import copy_first_checkpoint
+
+    recorded = (export.manifest or {}).get("model")
+    copied = copy_first_checkpoint((spec.model_dir, recorded), out_dir)
+    if copied is None:
+        outcome.notes.append(
+            "note: no local checkpoint to copy into OUT; `run` needs the one the export names"
+        )
+    return copied
+
+
 def _common_manifest(spec: Any, out_dir: Path, export: _Export, backend: str, sdk: SdkInfo | None) -> dict:
     return {
         "format": MANIFEST_FORMAT,
@@ -391,6 +404,8 @@ def compile_spec(
                 plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
             )
             manifest = _common_manifest(spec, out_dir, export, backend, sdk)
+            if not dry_run:
+                manifest["runtime_model"] = _copy_runtime_files(spec, export, out_dir, outcome)
             manifest["shapes"]["specialization_layout"] = layout
             run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
             if backend == ONNXRUNTIME:

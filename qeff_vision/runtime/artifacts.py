@@ -37,7 +37,10 @@ class Artifacts:
         manifest: ``OUT/manifest.json``.
         backend: ``qaic`` or ``onnxruntime``.
         family: The model family.
-        model_dir: The checkpoint the export came from (config, processor, chat template).
+        model_dir: Where the runtime reads config, processor and chat template: ``OUT/model``
+            (copied by compile), else the checkpoint the export came from.
+        checkpoint_dir: The checkpoint with its weights (a transformers reference loads it);
+            ``None`` when it is not here (OUT moved to another machine, checkpoint deleted).
         export_dir: The export directory.
         vision_path: The vision program (QPC directory or ONNX file).
         language_path: The language program.
@@ -53,6 +56,7 @@ class Artifacts:
     family: Family
     model_dir: Path
     export_dir: Path
+    checkpoint_dir: Path | None
     vision_path: Path
     language_path: Path
     vision_specializations: tuple[dict[str, int], ...]
@@ -77,19 +81,32 @@ def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
     return directory if directory.is_absolute() else out_dir / directory
 
 
-def _model_dir(export_dir: Path, manifest: Mapping[str, Any]) -> Path:
+def _checkpoint_dir(export_dir: Path, manifest: Mapping[str, Any]) -> str | None:
     """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
     try:
         model = read_export(export_dir).get("model")
     except UserError:
         model = None
-    model = model or manifest.get("model_dir")
+    return model or manifest.get("model_dir")
+
+
+def _model_dir(out_dir: Path, export_dir: Path, manifest: Mapping[str, Any]) -> Path:
+    """OUT's copy of the runtime files (``manifest["runtime_model"]``), else the checkpoint."""
+    copied = manifest.get("runtime_model")
+    if copied and (out_dir / copied / "config.json").is_file():
+        return out_dir / copied
+    model = _checkpoint_dir(export_dir, manifest)
     if not model or not (Path(model) / "config.json").is_file():
         raise UserError(
             f"{export_dir}: the checkpoint the programs were exported from ({model or 'not recorded'}) "
             "is not a checkpoint directory here; the runtime needs its config, processor and chat template"
         )
     return Path(model)
+
+
+def _weights_dir(model: str | None) -> Path | None:
+    """``model`` if it is a checkpoint directory here (with config.json), else None."""
+    return Path(model) if model and (Path(model) / "config.json").is_file() else None
 
 
 def load_artifacts(out_dir: str | Path) -> Artifacts:
@@ -118,8 +135,9 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         manifest=manifest,
         backend=backend,
         family=get_family(manifest["family"]),
-        model_dir=_model_dir(export_dir, manifest),
+        model_dir=_model_dir(out_dir, export_dir, manifest),
         export_dir=export_dir,
+        checkpoint_dir=_weights_dir(_checkpoint_dir(export_dir, manifest)),
         vision_path=program_path(manifest, out_dir, "vision"),
         language_path=program_path(manifest, out_dir, "lang"),
         vision_specializations=vision,

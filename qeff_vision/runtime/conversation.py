@@ -397,7 +397,7 @@ def open_conversation(
         fit_image=image_fitter(artifacts),
         protocol=protocol,
         max_new_tokens=max_new_tokens,
-        model_dir=artifacts.model_dir,
+        model_dir=artifacts.checkpoint_dir,
     )
 
 
@@ -444,7 +444,10 @@ def run_turns(
         comparison = None
         if compare_hf:
             if chat.model_dir is None:
-                raise UserError("comparing with transformers needs the conversation's model_dir")
+                raise UserError(
+                    "comparing with transformers needs the checkpoint with its weights, "
+                    "which is not here (OUT holds only its config, tokenizer and processor)"
+                )
             if reference is None:
                 reference = load_reference_model(chat.model_dir)
             theirs = reference_generate(
