@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 from qeff_vision.cli import main
 from qeff_vision.compile import cache, sdk
 from qeff_vision.compile.driver import CompileFailed, compile_spec
-from qeff_vision.compile.manifest import serve_text
+from qeff_vision.compile.vllm_handoff import QPC_PLACEHOLDER, golden_serve_text, serve_text
 from qeff_vision.errors import SpecError, UserError
+from qeff_vision.spec import load_spec
 from tests.compile_fixtures import REPO, calls, stand_in, synthetic_export, write_spec
 
 
@@ -55,8 +57,8 @@ def test_compile_writes_both_programs_logs_and_manifest(setup, tmp_path):
         "Decode",
     ]
     assert len(calls(record)) == 2
-    vision, lang = (out / manifest["programs"][p]["path"] for p in ("vision", "lang"))
-    assert manifest["vllm"]["qpc_path"] == f"{vision.resolve()}:{lang.resolve()}"
+    vision, lang = (manifest["programs"][p]["path"] for p in ("vision", "lang"))
+    assert manifest["vllm"]["qpc_path"] == f"{vision}:{lang}"  # relative to OUT, vision first
 
 
 def test_cache_hit_miss_and_force(setup, tmp_path):
@@ -318,12 +320,14 @@ def test_qaic_compile_name_and_multi_device_language(tmp_path):
     partition = json.loads((tmp_path / "out" / lang["partition_file"]).read_text())
     assert [d["deviceId"] for d in partition["partitions"][0]["devices"]] == [0, 1, 2, 3]
     assert "Precision: mxint8" in (tmp_path / "out" / lang["custom_io_file"]).read_text()
-    overrides = outcome.manifest["vllm"]["override_qaic_config"]
-    assert overrides["prefill_decode"]["device_group"] == [1, 2, 3, 4] and overrides["encode"]["skip_lang"]
-    assert "--kv-cache-dtype mxint8" in outcome.manifest["vllm"]["commands"]["single"]
+    commands = outcome.manifest["vllm"]["commands"]
+    assert "--encode-device-group 0 --decode-device-group 1,2,3,4" in commands["epd"]
+    assert "--device-group 0,1,2,3" in commands["dual_qpc"]
+    assert all("--kv-cache-dtype mxint8" in command for command in commands.values())
 
 
-def test_print_serve_prints_three_vllm_commands(setup, tmp_path, capsys):
+def test_print_serve_prints_the_golden_vllm_commands(setup, tmp_path, capsys):
+    """Issue 15 item 7: what --print-serve prints is the spec's golden text with the real QPC keys."""
     spec, export, out = setup
     compiler, _ = stand_in(tmp_path)
     code = main(
@@ -341,11 +345,27 @@ def test_print_serve_prints_three_vllm_commands(setup, tmp_path, capsys):
     )
     stdout = capsys.readouterr().out
     assert code == 0
-    serve = [line for line in stdout.splitlines() if line.startswith("VLLM_QAIC_QPC_PATH=")]
-    assert len(serve) == 3
-    assert "--runner pooling" in serve[1] and '"skip_lang":true' in serve[1]
-    assert "--enable-mm-embeds" in serve[2] and '"skip_vision":true' in serve[2]
-    assert all('"kv_offload":true' in line and '"height":[224,354]' in line for line in serve)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["runtime_model"] is None  # the synthetic spec names no local checkpoint
+
+    def words(text, real=False):
+        # Shell words of each command line (quoting aside); golden <hash> keys become the real ones.
+        if real:
+            for program in ("vision", "lang"):
+                text = text.replace(f"{program}/{QPC_PLACEHOLDER}", manifest["programs"][program]["path"])
+        return [shlex.split(line) for line in text.splitlines() if not line.startswith("#")]
+
+    loaded = load_spec(spec)
+    printed = stdout[stdout.index("# dual QPC") :]
+    golden = golden_serve_text(loaded).replace(" --model model ", f" --model {loaded.model} ")
+    golden = golden.replace(" serve model ", f" serve {loaded.model} ")
+    assert words(printed) == words(golden, real=True)
+    dual, epd = words(printed)
+    assert dual[0] == f"VLLM_QAIC_QPC_PATH={manifest['vllm']['qpc_path']}" and dual[1:3] == ["vllm", "serve"]
+    assert dual[-2:] == ["--override-qaic-config", '{"kv_offload": true}']
+    assert epd[0] == "qaic-disagg"
+    encode = epd[epd.index("--encode-override-qaic-config") + 1]
+    assert encode == f"height=224 width=224 kv_offload=True qpc_path={manifest['programs']['vision']['path']}"
 
 
 def test_onnxruntime_backend_on_synthetic_graphs(setup):

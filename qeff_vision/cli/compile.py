@@ -40,7 +40,7 @@ def compile_command(
     """
     from qeff_vision import api
     from qeff_vision.compile.driver import CompileFailed
-    from qeff_vision.compile.manifest import serve_text
+    from qeff_vision.compile.vllm_handoff import serve_text
 
     if print_serve and dry_run:
         raise click.UsageError("--print-serve needs compiled programs; drop --dry-run")

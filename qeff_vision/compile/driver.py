@@ -44,7 +44,6 @@ from qeff_vision.compile.manifest import (
     relative_to,
     spec_hash,
     tool_name,
-    vllm_handoff,
 )
 from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
 from qeff_vision.compile.precision import PrecisionPlan, resolve_plans
@@ -529,7 +528,7 @@ def _compile(
         if binary_dirs[job.program] != final_dirs[job.program]:
             cache.replace_program(binary_dirs[job.program], final_dirs[job.program])
     run.manifest["programs"] = entries
-    run.manifest["vllm"] = _handoff(run.spec, run.out_dir, entries)
+    run.manifest["vllm"] = _handoff(run.spec, run.manifest, entries)
 
 
 def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, hasher) -> tuple:
@@ -569,30 +568,12 @@ def staging_flag(argument: str, binary_dir: Path, staging: Path) -> str:
     return f"-aic-binary-dir={staging}" if argument == f"-aic-binary-dir={binary_dir}" else argument
 
 
-def _handoff(spec: Any, out_dir: Path, entries: Mapping[str, dict]) -> dict:
-    """The vLLM hand-off block of the manifest for compiled QPCs."""
-    return vllm_handoff(
-        model=str(spec.model_dir.resolve()) if spec.model_dir else spec.model,
-        vision_path=out_dir / entries["vision"]["path"],
-        language_path=out_dir / entries["lang"]["path"],
-        ctx_len=spec.ctx_len,
-        batch_size=spec.batch_size,
-        prefill_seq_lens=list(spec.prefill.seq_lens),
-        images=[(i.height, i.width) for i in spec.vision.images if not i.video]
-        if _multi_resolution(spec.family)
-        else [],
-        max_images=spec.vision.max_images,
-        vision_devices=spec.compile.vision.num_devices,
-        language_devices=spec.compile.language.num_devices,
-        mxfp6_matmul=spec.compile.language.mxfp6_matmul,
-        kv_cache_dtype=spec.compile.language.kv_cache_dtype,
-    )
+def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]) -> dict:
+    """The vLLM hand-off block of the manifest for compiled QPCs (paths relative to OUT)."""
+    from qeff_vision.compile.vllm_handoff import handoff_for_spec
 
-
-def _multi_resolution(family_name: str) -> bool:
-    from qeff_vision.families import get_family
-
-    return get_family(family_name).features.multi_resolution.supported
+    model = manifest.get("runtime_model")
+    return handoff_for_spec(spec, entries["vision"]["path"], entries["lang"]["path"], model)
 
 
 def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries) -> None:

@@ -14,10 +14,12 @@ Layout (format 1)::
                    "specializations": [{"name": ..., "symbols": {...}}], ...},
         "lang": {...}
       },
+      "runtime_model": "model",
       "vllm": {"qpc_path": "<vision>:<lang>", "override_qaic_config": {...}, "commands": {...}}
     }
 
-Paths inside OUT are relative to the manifest's directory; others are absolute. The manifest is
+Paths inside OUT are relative to the manifest's directory; others are absolute. ``vllm`` is
+written by :mod:`qeff_vision.compile.vllm_handoff`. The manifest is
 written last and atomically: a directory without one has not finished compiling.
 """
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,6 @@ PROGRAMS = ("vision", "lang")
 QAIC = "qaic"
 ONNXRUNTIME = "onnxruntime"
 BACKENDS = (QAIC, ONNXRUNTIME)
-QPC_PATH_ENV = "VLLM_QAIC_QPC_PATH"
-SERVE_PORTS = {"single": 8000, "encode": 8001, "prefill_decode": 8002}
 
 
 def relative_to(path: Path, base: Path) -> str:
@@ -58,94 +57,6 @@ def spec_hash(spec_file: Path, config_file: Path | None) -> str:
     if config_file is not None and Path(config_file).is_file():
         digest.update(b"\0" + Path(config_file).read_bytes())
     return digest.hexdigest()
-
-
-def vllm_handoff(
-    *,
-    model: str,
-    vision_path: Path,
-    language_path: Path,
-    ctx_len: int,
-    batch_size: int,
-    prefill_seq_lens: list[int],
-    images: list[tuple[int, int]],
-    max_images: int,
-    vision_devices: int,
-    language_devices: int,
-    mxfp6_matmul: bool,
-    kv_cache_dtype: str,
-) -> dict[str, Any]:
-    """The values vLLM's qaic backend needs to serve the two programs, and the commands to start it.
-
-    ``VLLM_QAIC_QPC_PATH`` holds both program directories, vision first: with ``kv_offload`` the
-    backend picks index 0 for the encoder (pooling runner) and 1 for the language model
-    (ref: qualcomm/vllm-qaic, model loader ``_get_qaic_compile_config``). ``override_qaic_config``
-    goes in ``--additional-config`` (older vLLM forks took ``--override-qaic-config``). ``images``
-    (height, width) are listed only for multi-resolution families; pass an empty list otherwise. Device
-    groups are a starting point: the encoder on the first devices, the language model after them.
-    """
-    qpc_path = f"{Path(vision_path).resolve()}:{Path(language_path).resolve()}"
-    common: dict[str, Any] = {"kv_offload": True}
-    if images:  # compiled resolutions, for families whose one vision graph serves several
-        common["height"] = [height for height, _ in images]
-        common["width"] = [width for _, width in images]
-    common.update(prefill_seq_len=max(prefill_seq_lens), ctx_len=ctx_len)
-    vision_group = list(range(vision_devices))
-    language_group = list(range(vision_devices, vision_devices + language_devices))
-    overrides = {
-        "single": dict(common),
-        "encode": {**common, "skip_lang": True, "device_group": vision_group},
-        "prefill_decode": {**common, "skip_vision": True, "device_group": language_group},
-    }
-    base = [
-        "vllm",
-        "serve",
-        model,
-        "--max-model-len",
-        str(ctx_len),
-        "--max-num-seqs",
-        str(batch_size),
-        "--long-prefill-token-threshold",
-        str(max(prefill_seq_lens)),
-        "--limit-mm-per-prompt",
-        json.dumps({"image": max_images}),
-    ]
-    if kv_cache_dtype == "mxint8":
-        base += ["--kv-cache-dtype", "mxint8"]
-    if mxfp6_matmul:
-        base += ["--quantization", "mxfp6"]
-    extra = {"single": [], "encode": ["--runner", "pooling"], "prefill_decode": ["--enable-mm-embeds"]}
-    commands = {}
-    for role, override in overrides.items():
-        argv = [
-            *base,
-            *extra[role],
-            "--port",
-            str(SERVE_PORTS[role]),
-            "--additional-config",
-            json.dumps({"override_qaic_config": override}, separators=(",", ":")),
-        ]
-        commands[role] = f"{QPC_PATH_ENV}={shlex.quote(qpc_path)} " + shlex.join(argv)
-    return {
-        "available": True,
-        "qpc_path": qpc_path,
-        "env": {QPC_PATH_ENV: qpc_path},
-        "override_qaic_config": overrides,
-        "commands": commands,
-    }
-
-
-def serve_text(manifest: Mapping[str, Any]) -> str:
-    """The vLLM command lines of a manifest, for ``--print-serve``."""
-    vllm = manifest.get("vllm") or {}
-    if not vllm.get("available"):
-        raise UserError(f"no vLLM hand-off: {vllm.get('reason', 'the manifest has none')}")
-    titles = {
-        "single": "# one endpoint: encoder and language model in one server",
-        "encode": "# disaggregated: encode server (vision program, pooling runner)",
-        "prefill_decode": "# disaggregated: prefill-decode server (language program, takes image embeddings)",
-    }
-    return "\n".join(f"{titles[role]}\n{command}" for role, command in vllm["commands"].items()) + "\n"
 
 
 def tool_name() -> str:

@@ -1,8 +1,9 @@
 """Golden files: every spec under a directory regenerated in memory and compared with its committed output.
 
 Layout: ``<root>/**/<spec>.yaml`` (any depth, ``<root>/golden`` excluded) and
-``<root>/golden/<spec name>/{vision,lang}/{specializations.json,custom_io.yaml}``. ``auto`` layouts
-are generated as ``flat`` here so golden files never depend on the machine's SDK.
+``<root>/golden/<spec name>/{vision,lang}/{specializations.json,custom_io.yaml}`` and
+``<root>/golden/<spec name>/vllm_serve.txt`` (the vLLM commands ``compile --print-serve``
+prints). ``auto`` layouts are generated as ``flat`` here so golden files never depend on the machine's SDK.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, golden_serve_text
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.loader import load_spec
@@ -100,6 +102,7 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
             continue
         owners[spec.name] = spec_path
         files = build_specializations(spec).files()
+        files[GOLDEN_FILE] = golden_serve_text(spec)  # the vLLM commands compile prints
         spec_golden = golden_root / spec.name
         for relative, fresh in files.items():
             golden_path = spec_golden / relative
