@@ -11,8 +11,10 @@ safetensors files, casting it to the export dtype and appending it to ``model.on
 
 Checkpoint keys are mapped to model parameters with transformers' own loading rules (its weight
 renamings and base-model-prefix handling, ref: transformers v5 core_model_loading.py
-``convert_and_load_state_dict_in_model``); a checkpoint that needs a value conversion (fused or
-split tensors) is refused with one clear line, since no supported family needs one.
+``convert_and_load_state_dict_in_model``). The one value conversion done is an axis swap (a
+``WeightConverter`` whose only operation is ``Transpose``: Qwen3-VL-MoE's published expert tensors
+are stored [experts, in, out] and transformers v5 swaps them on load); any other conversion (fused
+or split tensors) is refused with one clear line, since no supported family needs one.
 """
 
 from __future__ import annotations
@@ -156,11 +158,47 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
-    """Model state-dict key -> checkpoint key, by transformers' loading rules.
+@dataclass(frozen=True)
+class Source:
+    """A parameter's checkpoint tensor and the axis swap transformers applies to it on load.
+
+    Attributes:
+        key: The checkpoint key.
+        swap: ``(dim0, dim1)`` of a ``Transpose`` conversion, or None.
+        always: Swap even when the stored shape already equals the parameter's (``check_dims`` off).
+    """
+
+    key: str
+    swap: tuple[int, int] | None = None
+    always: bool = False
+
+    def load(self, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """``tensor`` as the parameter holds it (transformers' ``Transpose.convert`` rule)."""
+        if self.swap is not None and (self.always or tuple(tensor.shape) != tuple(shape)):
+            return tensor.transpose(*self.swap)
+        return tensor
+
+
+def _swap_of(converters, pattern: str) -> tuple[tuple[int, int], bool] | None:
+    """The (dims, always) of the converter for ``pattern`` when a single ``Transpose`` is all it does."""
+    from transformers.core_model_loading import Transpose
+
+    for converter in converters:
+        if pattern in converter.source_patterns:
+            operations = list(converter.operations)
+            if len(operations) == 1 and isinstance(operations[0], Transpose):
+                operation = operations[0]
+                return (operation.dim0, operation.dim1), not operation.check_dims
+            return None
+    return None
+
+
+def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Source]:
+    """Model state-dict key -> its checkpoint source, by transformers' loading rules.
 
     Raises:
-        UserError: A weight the model needs is absent, or a key needs a value conversion.
+        UserError: A weight the model needs is absent, or a key needs a value conversion other
+            than an axis swap.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -170,18 +208,22 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, s
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     wanted = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
-    found: dict[str, str] = {}
+    found: dict[str, Source] = {}
     for key in checkpoint.location:
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
         if renamed not in wanted and key in wanted:
             renamed, pattern = rename_source_key(key, [], [], prefix, wanted)
         if renamed not in wanted:
             continue
-        if pattern is not None:
+        if pattern is None:
+            found[renamed] = Source(key)
+            continue
+        swap = _swap_of(converters, pattern)
+        if swap is None:
             raise UserError(
                 f"{checkpoint.model_dir}: weight {key!r} needs a conversion that streaming export does not do"
             )
-        found[renamed] = key
+        found[renamed] = Source(key, *swap)
     return found
 
 
@@ -191,17 +233,18 @@ class WeightPlan:
 
     Attributes:
         checkpoint: The checkpoint files.
-        sources: ``id(parameter)`` -> checkpoint key.
+        sources: ``id(parameter)`` -> its checkpoint source.
         dtype: Export dtype every weight is cast to.
     """
 
     checkpoint: Checkpoint
-    sources: dict[int, str]
+    sources: dict[int, Source]
     dtype: torch.dtype
 
     def read(self, param: torch.Tensor) -> torch.Tensor:
         """The real values of a placeholder parameter, in the export dtype."""
-        return self.checkpoint.read(self.sources[id(param)]).to(self.dtype)
+        source = self.sources[id(param)]
+        return source.load(self.checkpoint.read(source.key), param.shape).to(self.dtype)
 
 
 def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype) -> WeightPlan:
@@ -217,7 +260,7 @@ def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype)
     keys = checkpoint_keys_for(model, checkpoint)
     placeholders: dict[int, nn.Parameter] = {}
     originals: list[nn.Parameter] = []  # keep the meta objects alive so their ids stay unique
-    sources: dict[int, str] = {}
+    sources: dict[int, Source] = {}
     missing = []
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
@@ -237,7 +280,7 @@ def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype)
         for name, buffer in list(module._buffers.items()):
             key = keys.get(prefix + name)
             if buffer is not None and key is not None:
-                module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
+                module._buffers[name] = key.load(checkpoint.read(key.key), buffer.shape).to(buffer.dtype)
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         missing += [
@@ -421,13 +464,15 @@ def assign_mapped_weights(model_dir: Path, model: nn.Module) -> nn.Module:
         for name, param in module._parameters.items()
         if param is not None
     ]
-    key_of: dict[int, str] = {}
+    key_of: dict[int, Source] = {}
     for _, _, param, full_name in slots:  # a tied parameter's key comes from whichever name has one
         if full_name in keys:
             key_of.setdefault(id(param), keys[full_name])
     done: dict[int, nn.Parameter] = {}
     for module, name, param, _ in slots:
         if id(param) not in done:
-            done[id(param)] = nn.Parameter(mapped[key_of[id(param)]].to(param.dtype), requires_grad=False)
+            source = key_of[id(param)]
+            tensor = source.load(mapped[source.key], param.shape)
+            done[id(param)] = nn.Parameter(tensor.to(param.dtype), requires_grad=False)
         module._parameters[name] = done[id(param)]
     return model

@@ -58,14 +58,15 @@ MAX_PIXELS = 256 * 32 * 32
 
 def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     """Write config, safetensors weights, tokenizer and processor of a tiny Qwen3-VL to ``out_dir``."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    return write_checkpoint(out_dir, seed, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TEXT)
+
+
+def write_checkpoint(out_dir: str | Path, seed: int, config_class, model_class, text: dict) -> Path:
+    """A tiny checkpoint of a Qwen3-VL architecture (dense or MoE) with text config ``text``."""
     import torch
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLConfig,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     from qeff_vision.tiny import build_byte_tokenizer
 
@@ -79,9 +80,9 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
         extra_attributes={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
     )
     ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
-    config = Qwen3VLConfig(
+    config = config_class(
         text_config=dict(
-            TEXT,
+            text,
             vocab_size=len(tokenizer),
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
@@ -95,7 +96,7 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.save_pretrained(out_dir, safe_serialization=True)

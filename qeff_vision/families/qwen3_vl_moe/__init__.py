@@ -1,0 +1,36 @@
+"""Qwen3-VL-MoE: Qwen3-VL's vision tower and deepstack over a mixture-of-experts text model.
+
+Everything the token math, the vision program and the deepstack rows depend on is Qwen3-VL's
+(ref: transformers v5 models/qwen3_vl_moe/modeling_qwen3_vl_moe.py, whose vision model and
+``_deepstack_process`` are copies of Qwen3-VL's), so the family only changes its names. The text
+model differs in its feed-forward: a top-k router over ``num_experts`` experts
+(``Qwen3VLMoeTextSparseMoeBlock``) in every layer not listed in ``mlp_only_layers``. Its export
+(:mod:`qeff_vision.families.qwen3_vl_moe.export`) computes the experts densely, because
+transformers' loop over the experts a batch happens to hit is data-dependent control flow that
+tracing would freeze to the example's routing.
+"""
+
+from __future__ import annotations
+
+from qeff_vision.families import register
+from qeff_vision.families.base import Features, yes
+from qeff_vision.families.qwen3_vl import Qwen3_VL
+
+
+@register
+class Qwen3_VL_MoE(Qwen3_VL):
+    """Qwen3-VL-30B-A3B and 235B-A22B (Instruct and Thinking; mixture-of-experts text models)."""
+
+    name = "qwen3_vl_moe"
+    title = "Qwen3-VL-MoE"
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    model_types = ("qwen3_vl_moe",)
+    export_module = "qeff_vision.families.qwen3_vl_moe.export"
+    features = Features(
+        export=yes("experts computed densely: every expert on every token, weighted by the router's top-k"),
+        dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
+        multi_resolution=yes("one vision graph, a specialization per resolution"),
+        chunk_split=yes("causal attention over image tokens"),
+        video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
+    )
