@@ -10,6 +10,7 @@ its own placeholder run after a "<t seconds>" timestamp.
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -208,3 +209,23 @@ def test_video_files_decode_with_pyav_and_sample_to_fps(tmp_path):
     assert (len(every.frames), every.fps, every.frames[0].size) == (8, 4.0, (160, 112))
     sampled = load_video(path, fps=2)
     assert (len(sampled.frames), sampled.fps) == (4, 2)
+
+
+def test_families_table_shows_video_and_deepstack_per_family_with_reasons():
+    from qeff_vision import api
+    from qeff_vision.families import all_families
+
+    table = api.families_table()
+    for family in all_families():
+        rows = dict(family.features.rows())
+        for feature in ("video", "deepstack"):
+            support = rows[feature]
+            assert support.supported or support.note, (family.name, feature)
+            assert re.search(rf"\b{feature} +{re.escape(support.cell())}$", table, re.MULTILINE), feature
+    supported = {
+        family.name: (family.features.video.supported, family.features.deepstack.supported)
+        for family in all_families()
+    }
+    assert supported["qwen2_5_vl"] == (True, False)
+    assert supported["qwen3_vl"] == supported["qwen3_vl_moe"] == (True, True)
+    assert not any(video for name, (video, _) in supported.items() if not name.startswith("qwen"))
