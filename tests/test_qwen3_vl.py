@@ -205,3 +205,12 @@ def test_compile_onnxruntime_verifies_deepstack_specializations(tiny_checkpoint,
     ]
     vision = manifest["programs"]["vision"]["verification"]["runs"]
     assert [run["output_shapes"][DEEPSTACK_FEATURES][2] for run in vision] == [49, 187]
+    # The compiled artifacts generate like transformers: the 187-row image straddles chunks of
+    # 128, then a text-only second turn reuses the cached rows.
+    image = tmp_path / "image.png"
+    helpers.image(354, 536).save(image)
+    turns = ["--prompt", "Describe it.", "--prompt", "Which colour?"]
+    code = main(["run", str(out), "--image", str(image), *turns, "--max-new-tokens", "4", "--compare-hf"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("compare-hf: tokens identical to transformers generate") == 2, err
