@@ -234,3 +234,44 @@ def run(
         on_done=on_done,
         videos=clips,
     )
+
+
+def run_requests(
+    artifacts_dir,
+    requests_file,
+    *,
+    max_new_tokens: int = 32,
+    protocol: str = "chunk",
+    compare_hf: bool = False,
+    precision: str | None = None,
+    on_finish=None,
+):
+    """Serve a JSON-lines request file through the batched engine (``run --requests``).
+
+    Args:
+        artifacts_dir: OUT of ``qeff-vision compile``.
+        requests_file: One JSON object a line: ``prompt``, ``images``, ``max_new_tokens``,
+            ``arrival_step`` (see :mod:`qeff_vision.runtime.requests`).
+        max_new_tokens: For requests that do not set it.
+        protocol: ``chunk`` or ``full``.
+        compare_hf: Also run transformers generate alone on each request and compare tokens.
+        precision: ``fp32`` or ``device``.
+        on_finish: Called with (request, result) as each request completes.
+
+    Returns:
+        :class:`qeff_vision.runtime.batch_run.BatchRun`.
+
+    Raises:
+        UserError: A bad request file or image, a request that does not fit, no manifest.
+    """
+    from qeff_vision.runtime.batch_run import run_requests as serve
+
+    return serve(
+        artifacts_dir,
+        requests_file,
+        max_new_tokens=max_new_tokens,
+        protocol=protocol,
+        compare_hf=compare_hf,
+        precision=precision,
+        on_finish=on_finish,
+    )

@@ -25,7 +25,10 @@ HELP = {
     "in fp32); the qaic default. device-mx: device plus the MX formats the language program was "
     "compiled with (-mxfp6-matmul weights as FP6 E2M3, an MXINT8 KV cache).",
     "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
-    "tokens; exit code 1 when they differ.",
+    "tokens; exit code 1 when they differ. With --requests, each request alone.",
+    "requests": "Serve a JSON-lines request file through the batched engine instead of --prompt: one object "
+    "a line with keys prompt, images (paths relative to the file, may be empty), max_new_tokens and "
+    "arrival_step (the engine step it arrives at). Requests share the program's full_batch_size KV slots.",
 }
 
 
@@ -34,7 +37,14 @@ HELP = {
 @click.option("--image", "images", multiple=True, metavar="IMG", help=HELP["image"])
 @click.option("--video", "videos", multiple=True, metavar="FILE_OR_FRAME_DIR", help=HELP["video"])
 @click.option("--fps", type=float, default=None, metavar="N", help=HELP["fps"])
-@click.option("--prompt", "prompts", multiple=True, required=True, metavar="TEXT", help=HELP["prompt"])
+@click.option("--prompt", "prompts", multiple=True, metavar="TEXT", help=HELP["prompt"])
+@click.option(
+    "--requests",
+    "requests_file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE.jsonl",
+    help=HELP["requests"],
+)
 @click.option(
     "--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True, help=HELP["max_new_tokens"]
 )
@@ -50,15 +60,35 @@ HELP = {
 )
 @click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
 def run(
-    artifacts, images, videos, fps, prompts, max_new_tokens, vision_protocol, precision, compare_hf
+    artifacts,
+    images,
+    videos,
+    fps,
+    prompts,
+    requests_file,
+    max_new_tokens,
+    vision_protocol,
+    precision,
+    compare_hf,
 ) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
     Uses the checkpoint's own processor and chat template. Several --prompt options make one
     conversation: each turn re-runs the history, and images already shown are not encoded again.
+    --requests serves a file of requests arriving at different steps through the batched engine.
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
     from qeff_vision import api
+
+    if requests_file is not None:
+        if prompts or images or videos:
+            raise click.UsageError(
+                "--requests takes prompts and images from the file; drop --prompt/--image/--video"
+            )
+        _run_requests(artifacts, requests_file, max_new_tokens, vision_protocol, precision, compare_hf)
+        return
+    if not prompts:
+        raise click.UsageError("give --prompt TEXT (or --requests FILE.jsonl)")
 
     several = len(prompts) > 1
 
@@ -131,3 +161,30 @@ def report_lines(result) -> list[str]:
         f"{result.cache_hits} cache hit(s)"
     )
     return lines
+
+
+def _run_requests(artifacts, requests_file, max_new_tokens, protocol, precision, compare_hf) -> None:
+    """``run --requests``: each reply on stdout as its request finishes, the table on stderr."""
+    from qeff_vision import api
+    from qeff_vision.runtime.batch_run import report_table
+
+    def on_finish(request, done) -> None:
+        click.echo(f"[request {request.index}] {done.result.text}")
+        for note in done.result.notes:
+            click.echo(f"note: request {request.index}: {note}", err=True)
+
+    batch = api.run_requests(
+        artifacts,
+        requests_file,
+        max_new_tokens=max_new_tokens,
+        protocol=protocol,
+        compare_hf=compare_hf,
+        precision=precision,
+        on_finish=on_finish,
+    )
+    for line in report_table(batch):
+        click.echo(line, err=True)
+    for request, comparison in zip(batch.requests, batch.comparisons):
+        click.echo(f"compare-hf: request {request.index}: {comparison.describe()}", err=True)
+    if compare_hf and not batch.identical:
+        click.get_current_context().exit(1)

@@ -56,9 +56,9 @@ class CrossAttentionGenerator(Generator):
         slots = {s.get(symbols.MAX_NUM_IMAGES) for s in self.language.specializations or ()} - {None}
         self.image_slots = slots.pop() if len(slots) == 1 else None
 
-    def _empty_cache(self) -> dict[str, np.ndarray]:
+    def _empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """Zeroed self-attention KV; cross layers are filled per request by :meth:`_cross_states`."""
-        past = super()._empty_cache()
+        past = super()._empty_cache(slots)
         for name in self.cross_names:
             past.pop(name, None)
         return past

@@ -23,6 +23,7 @@ from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
 from qeff_vision.runtime.planner import (
+    Chunk,
     ChunkPlan,
     PrefillBucket,
     VisionProtocol,
@@ -286,11 +287,12 @@ class Generator:
 
     # ---- language ----
 
-    def _empty_cache(self) -> dict[str, np.ndarray]:
+    def _empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """Zeroed KV inputs the host feeds back each call; none when the device retains them.
 
         A device reuses its resident cache across requests without clearing it: positions restart
         at 0 and the masks only read slots a request has written, so stale slots are never seen.
+        ``slots`` is the cache's batch axis (``full_batch_size`` for a continuous-batching program).
         """
         if self.language.retains_state:
             return {}
@@ -299,7 +301,7 @@ class Generator:
         lengths = self.family.kv_cache_lengths(description, self.shape.ctx_len)
         past = {}
         for layer, symbol in enumerate(self.family.kv_cache_symbols(description)):
-            shape = (1, dims.num_kv_heads, lengths[symbol], dims.head_dim)
+            shape = (slots, dims.num_kv_heads, lengths[symbol], dims.head_dim)
             past[symbols.past_key(layer)] = np.zeros(shape, np.float32)
             past[symbols.past_value(layer)] = np.zeros(shape, np.float32)
         return past
@@ -326,6 +328,18 @@ class Generator:
         for name in past:
             past[name] = outputs[symbols.retained(name)]
         return outputs
+
+    def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
+        """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if used + length + max_new_tokens > self.shape.ctx_len:
+            room = self.shape.ctx_len - used - length
+            hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
+            raise UserError(
+                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
+                f"ctx_len {self.shape.ctx_len} ({hint})"
+            )
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """The chunk plan of a processed prompt."""
@@ -372,8 +386,6 @@ class Generator:
         self.ccl_history = []
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         past = history.past if history is not None else self._empty_cache()
         positions = self.adapter.prompt_positions(self.model_config, processed)
         used = 0
@@ -381,13 +393,7 @@ class Generator:
             first = self._feed_history(history, past)
             positions = continued_positions(positions, first)
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
-        if used + length + max_new_tokens > self.shape.ctx_len:
-            room = self.shape.ctx_len - used - length
-            hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
-            raise UserError(
-                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
-                f"ctx_len {self.shape.ctx_len} ({hint})"
-            )
+        self.check_fits(length, max_new_tokens, used)
         plan = self.plan(input_ids, processed, protocol)
         stats_before, calls_before = self.cache.stats, self.vision.calls
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
@@ -442,11 +448,7 @@ class Generator:
         }
         if not self.language.retains_state:
             # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
-            feeds.update(
-                self._vision_feeds_of_rows(
-                    np.zeros((1, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
-                )
-            )
+            feeds.update(self.decode_vision_feeds())
         feeds.update(extra or {})
         return self._step(feeds, past)
 
@@ -468,21 +470,9 @@ class Generator:
         encoded_before, encode_before = self.cache.stats.images_encoded, 0.0
         for chunk, vision_embeds in feed_chunks(plan, images, self.cache, encoder, hidden, np.float32):
             chunk_start = time.perf_counter()
-            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-            token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
-            feeds = {
-                symbols.INPUT_IDS: token_ids,
-                symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                **self._vision_feeds_of_rows(vision_embeds),
-                symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
-            }
-            outputs = self._step(feeds, past)
+            outputs = self._step(self.chunk_feeds(chunk, vision_embeds, input_ids, positions), past)
             seconds = time.perf_counter() - chunk_start
-            returned = int(outputs[symbols.IMAGE_IDX_OUTPUT].reshape(-1)[0])
-            if returned != chunk.image_idx_output:
-                raise RuntimeError(
-                    f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
-                )
+            self.check_chunk_outputs(chunk, outputs)
             encoded_now = self.cache.stats.images_encoded
             records.append(
                 ChunkRecord(
@@ -499,6 +489,33 @@ class Generator:
             )
             encoded_before, encode_before = encoded_now, encode_timer[0]
         return outputs, records
+
+    def chunk_feeds(
+        self, chunk: Chunk, vision_embeds: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller)."""
+        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+        token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+        return {
+            symbols.INPUT_IDS: token_ids,
+            symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+            **self._vision_feeds_of_rows(vision_embeds),
+            symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
+        }
+
+    @staticmethod
+    def check_chunk_outputs(chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
+        """The program's image counter after a chunk must be the plan's."""
+        returned = int(outputs[symbols.IMAGE_IDX_OUTPUT].reshape(-1)[0])
+        if returned != chunk.image_idx_output:
+            raise RuntimeError(
+                f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
+            )
+
+    def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
+        """Zero vision rows of a decode call (decode merges no row; onnxruntime needs the input)."""
+        rows = np.zeros((batch, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
+        return self._vision_feeds_of_rows(rows)
 
     def _decode(
         self,

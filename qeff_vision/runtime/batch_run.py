@@ -1,0 +1,159 @@
+"""``qeff-vision run ART --requests FILE.jsonl``: a request file through the batched engine.
+
+Each request is rendered with the checkpoint's chat template and processor exactly as a one-turn
+:class:`~qeff_vision.runtime.conversation.Conversation` would render it (images resized to a
+compiled resolution when needed), then the engine serves all of them through the program's KV
+slots. With ``compare_hf`` each request is also run alone through transformers generate on the
+same processed inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
+from qeff_vision.runtime.planner import VisionProtocol
+from qeff_vision.runtime.requests import Request, read_requests
+
+
+@dataclass
+class BatchRun:
+    """What :func:`run_requests` returns.
+
+    Attributes:
+        requests: The parsed request file.
+        report: The engine's report (per-request results in file order).
+        notes: Per request, things worth telling the user (e.g. an image resized).
+        comparisons: Per request, tokens against transformers alone (with ``compare_hf``).
+    """
+
+    requests: list[Request]
+    report: EngineReport
+    notes: list[list[str]] = field(default_factory=list)
+    comparisons: list[Any] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        """Every compared request matched transformers."""
+        return all(comparison.identical for comparison in self.comparisons)
+
+
+def run_requests(
+    artifacts_dir: str | Path,
+    requests_file: str | Path,
+    *,
+    max_new_tokens: int = 32,
+    protocol: str = VisionProtocol.CHUNK.value,
+    compare_hf: bool = False,
+    precision: str | None = None,
+    on_finish: Callable[[Request, RequestResult], None] | None = None,
+) -> BatchRun:
+    """Serve a request file on compiled artifacts.
+
+    Args:
+        artifacts_dir: OUT of ``qeff-vision compile``.
+        requests_file: The JSON-lines request file (see :mod:`qeff_vision.runtime.requests`).
+        max_new_tokens: ``max_new_tokens`` of requests that do not set it.
+        protocol: ``chunk`` or ``full``.
+        compare_hf: Also run transformers generate alone on each request and compare tokens.
+        precision: ``fp32`` or ``device`` (see :func:`~qeff_vision.runtime.artifacts.open_programs`).
+        on_finish: Called with (request, result) as each request frees its slot; ``result.result.text``
+            holds the reply.
+
+    Raises:
+        UserError: A bad request file or image (checked before the programs are loaded), a
+            request that does not fit the compiled shapes, no manifest.
+    """
+    from qeff_vision.runtime.conversation import load_image, open_conversation
+
+    requests = read_requests(requests_file, max_new_tokens)
+    for request in requests:
+        for image in request.images:
+            load_image(image)  # a bad image fails before anything heavy loads
+    chat = open_conversation(artifacts_dir, protocol=protocol, precision=precision)
+    prepared = [chat.prepare(list(request.images), request.prompt) for request in requests]
+    tokenizer = chat.processor.tokenizer
+
+    def finished(result: RequestResult) -> None:
+        result.result.text = tokenizer.decode(result.result.tokens, skip_special_tokens=True)
+        result.result.notes = list(prepared[result.number].notes)
+        if on_finish:
+            on_finish(requests[result.number], result)
+
+    engine = BatchedEngine(chat.generator, protocol=protocol)
+    report = engine.run(
+        [EngineRequest(p.processed, r.max_new_tokens, r.arrival_step) for p, r in zip(prepared, requests)],
+        on_finish=finished,
+    )
+    run = BatchRun(requests, report, [p.notes for p in prepared])
+    if compare_hf:
+        from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
+
+        reference = load_reference_model(chat.model_dir)
+        eos = sorted(chat.generator.eos_token_ids)
+        for inputs, request, done in zip(prepared, requests, report.requests):
+            theirs = reference_generate(reference, inputs.processed, request.max_new_tokens, eos)
+            run.comparisons.append(TokenComparison(tuple(done.result.tokens), tuple(theirs)))
+    return run
+
+
+def report_table(run: BatchRun) -> list[str]:
+    """The per-request table and the engine summary ``run --requests`` prints."""
+    header = (
+        "request",
+        "slot",
+        "arrive",
+        "admit",
+        "first",
+        "done",
+        "prompt",
+        "images",
+        "chunks",
+        "vision rows",
+        "encoder calls",
+        "cache hits",
+        "TTFT ms",
+        "decode tok/s",
+        "occupancy",
+        "tokens",
+    )
+    rows = [header]
+    for done in run.report.requests:
+        result = done.result
+        rows.append(
+            (
+                str(done.number),
+                str(done.slot),
+                str(done.arrival_step),
+                str(done.admitted_step),
+                str(done.first_token_step),
+                str(done.finished_step),
+                str(result.prompt_tokens),
+                str(result.images),
+                str(len(result.chunks)),
+                str(sum(chunk.rows for chunk in result.chunks)),
+                str(result.encoder_calls),
+                str(result.cache_hits),
+                f"{result.ttft * 1e3:.1f}",
+                f"{result.decode_tokens_per_second:.1f}",
+                f"{done.mean_occupancy:.2f}",
+                str(len(result.tokens)),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    report = run.report
+    kind = "one batched call per decode step" if report.batched else "one call per request per decode step"
+    lines.append(
+        f"engine: full_batch_size {report.full_batch_size} ({kind}); {report.steps} step(s), "
+        f"{report.prefill_calls} prefill chunk(s), {len(report.decode_batches)} decode call(s) at mean "
+        f"occupancy {report.mean_occupancy:.2f}, {report.decode_tokens_per_second:.1f} decode tokens/s"
+    )
+    lines.append(
+        f"vision: {report.vision_bytes:,} bytes of vision inputs sent; "
+        f"{report.encoder_calls} encoder call(s) (the embedding cache is shared by all requests)"
+    )
+    return lines

@@ -1,0 +1,464 @@
+"""Batched engine: several requests share the language program's KV slots (continuous batching).
+
+The host step of docs/design.md "Continuous batching protocol", scheduled by
+:class:`~qeff_vision.runtime.scheduler.Scheduler`: each step admits arrived requests into free
+slots, runs one prefilling request's next chunk (batch 1, into its slot) and one decode call for
+every running request. Each request is planned, encoded and fed exactly as
+:class:`~qeff_vision.runtime.generate.Generator` does it alone (same chunk plan, same positions,
+same chunk-local vision rows), so its tokens are the single-sequence ones; images come from one
+:class:`~qeff_vision.runtime.embedding_cache.EmbeddingCache` shared by all requests (an image two
+requests show is encoded once).
+
+Two ways to hold the slots:
+
+- :class:`BatchedSlots`: a continuous-batching program (``batch_index`` input, KV dim 0 =
+  ``full_batch_size``): prefill writes slot ``batch_index``; one decode call at batch
+  ``full_batch_size`` serves every running request, idle slots fed position -1 (they write
+  nothing; their logits are ignored).
+- :class:`SequentialSlots`: a single-sequence program on onnxruntime: each slot is its own
+  batch-1 cache on the host and a decode step is one call per running request. Same schedule and
+  tokens, none of the batching speed-up; a device keeps one resident cache, so a ``qaic`` program
+  without continuous batching has one slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.families.base import CROSS_ATTENTION
+from qeff_vision.runtime.embedding_cache import feed_chunks
+from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
+from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
+from qeff_vision.runtime.scheduler import Scheduler, StepPlan
+
+BATCH_INDEX = "batch_index"
+FULL_BATCH_SIZE = "full_batch_size"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request for the engine.
+
+    Attributes:
+        processed: Processor outputs as numpy arrays (what :meth:`Generator.generate` takes).
+        max_new_tokens: Upper bound of generated tokens.
+        arrival_step: The engine step at which the request arrives.
+    """
+
+    processed: Mapping[str, Any]
+    max_new_tokens: int = 32
+    arrival_step: int = 0
+
+
+@dataclass
+class RequestResult:
+    """One request's generation and where the schedule put it.
+
+    Attributes:
+        number: The request's index in the list given to :meth:`BatchedEngine.run`.
+        arrival_step: When it arrived.
+        slot: The KV slot it held.
+        admitted_step: When it took the slot.
+        first_token_step: When its last prefill chunk produced the first token.
+        finished_step: When it freed the slot.
+        result: Tokens, chunks and timings as a lone :meth:`Generator.generate` reports them;
+            ``ttft`` counts from the arrival (queueing included), ``decode_seconds`` from the
+            first token to the last.
+        decode_batches: Requests served by each decode call this request was part of.
+    """
+
+    number: int
+    arrival_step: int
+    slot: int
+    admitted_step: int
+    first_token_step: int
+    finished_step: int
+    result: GenerationResult
+    decode_batches: list[int] = field(default_factory=list)
+
+    @property
+    def mean_occupancy(self) -> float:
+        """Mean requests per decode call over this request's decode steps (0 without any)."""
+        return sum(self.decode_batches) / len(self.decode_batches) if self.decode_batches else 0.0
+
+
+@dataclass
+class EngineReport:
+    """A whole run: per-request results and the engine's totals.
+
+    Attributes:
+        requests: One result per request, in the order given.
+        full_batch_size: Slots.
+        steps: Engine steps that ran a call.
+        decode_batches: Requests served by each decode call, in order.
+        decode_seconds: Wall time of the decode calls.
+        prefill_calls: Prefill chunks run.
+        vision_bytes: ``vision_embeds`` bytes sent by every call (prefill chunks and decode steps).
+        encoder_calls: Vision-program calls over the run.
+        batched: Whether one call served a whole decode step (:class:`BatchedSlots`).
+    """
+
+    requests: list[RequestResult]
+    full_batch_size: int
+    steps: int = 0
+    decode_batches: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+    prefill_calls: int = 0
+    vision_bytes: int = 0
+    encoder_calls: int = 0
+    batched: bool = False
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens produced by decode calls per second of decode calls."""
+        return sum(self.decode_batches) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def mean_occupancy(self) -> float:
+        """Mean fraction of the slots a decode call served."""
+        if not self.decode_batches:
+            return 0.0
+        return sum(self.decode_batches) / (len(self.decode_batches) * self.full_batch_size)
+
+
+class SequentialSlots:
+    """Slots for a single-sequence program: one batch-1 host cache per slot, one call per request.
+
+    Args:
+        generator: The single-sequence host (its language program has no ``batch_index``).
+        full_batch_size: Slots to emulate.
+
+    Raises:
+        UserError: The program keeps its cache on the device (one cache: one slot only).
+    """
+
+    batched = False
+
+    def __init__(self, generator: Generator, full_batch_size: int):
+        if generator.language.retains_state and full_batch_size > 1:
+            raise UserError(
+                "this language program was compiled without full_batch_size and keeps one KV cache "
+                "on the device: it serves one request at a time (compile with full_batch_size)"
+            )
+        self.generator = generator
+        self.full_batch_size = full_batch_size
+        self.past = [generator._empty_cache() for _ in range(full_batch_size)]
+
+    def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One chunk of the request in ``slot``."""
+        return self.generator._step(feeds, self.past[slot])
+
+    def decode(self, feeds_by_slot: Mapping[int, dict[str, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
+        """One lone decode step per running slot; (last-position logits by slot, vision bytes)."""
+        generator = self.generator
+        rows = {} if generator.language.retains_state else generator.decode_vision_feeds()
+        logits = {}
+        for slot, feeds in feeds_by_slot.items():
+            token = int(feeds[symbols.INPUT_IDS][0, 0])
+            outputs = generator._feed_token(token, feeds[symbols.POSITION_IDS], self.past[slot])
+            logits[slot] = outputs[symbols.LOGITS][0, -1]
+        return logits, len(feeds_by_slot) * sum(array.nbytes for array in rows.values())
+
+
+class BatchedSlots:
+    """Slots of a continuous-batching program: one cache with ``full_batch_size`` rows, one decode call.
+
+    Args:
+        generator: The host of the program (its language program has a ``batch_index`` input).
+        full_batch_size: The program's ``full_batch_size``.
+    """
+
+    batched = True
+
+    def __init__(self, generator: Generator, full_batch_size: int):
+        self.generator = generator
+        self.full_batch_size = full_batch_size
+        self.past = generator._empty_cache(full_batch_size)
+        self.decode_rows = {} if generator.language.retains_state else generator.decode_vision_feeds()
+
+    def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
+        return self.generator._step({**feeds, BATCH_INDEX: np.array([[slot]], np.int64)}, self.past)
+
+    def decode(self, feeds_by_slot: Mapping[int, dict[str, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
+        """One call at batch ``full_batch_size``; (last-position logits by running slot, vision bytes)."""
+        slots = self.full_batch_size
+        some = next(iter(feeds_by_slot.values()))
+        idle_positions = np.full_like(some[symbols.POSITION_IDS], -1)
+        feeds = {
+            symbols.INPUT_IDS: np.concatenate(
+                [
+                    feeds_by_slot.get(s, {}).get(symbols.INPUT_IDS, np.zeros((1, 1), np.int64))
+                    for s in range(slots)
+                ]
+            ),
+            # Batch is the second-to-last axis of position_ids ([B, 1] or M-RoPE's [R, B, 1]).
+            symbols.POSITION_IDS: np.concatenate(
+                [
+                    feeds_by_slot[s][symbols.POSITION_IDS] if s in feeds_by_slot else idle_positions
+                    for s in range(slots)
+                ],
+                axis=-2,
+            ),
+            # A seq_len-1 call merges no vision row; the cursor points past the decode rows as in
+            # Generator._feed_token.
+            symbols.IMAGE_IDX: np.array([[self.generator.shape.decode_vision_size]], np.int64),
+            BATCH_INDEX: np.arange(slots, dtype=np.int64).reshape(slots, 1),
+            **self.decode_rows,
+        }
+        outputs = self.generator._step(feeds, self.past)
+        sent = sum(array.nbytes for array in self.decode_rows.values())
+        return {slot: outputs[symbols.LOGITS][slot, -1] for slot in feeds_by_slot}, sent
+
+
+class _Sequence:
+    """A request's host state while it runs (plan, positions, chunk feed, tokens, timings)."""
+
+    def __init__(self, number: int, request: EngineRequest, generator: Generator, plan: ChunkPlan):
+        self.number = number
+        self.request = request
+        self.plan = plan
+        self.input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
+        self.positions = generator.adapter.prompt_positions(generator.model_config, request.processed)
+        self.chunks: Iterator[tuple[Chunk, np.ndarray]] | None = None
+        self.encode_timer = [0.0]
+        self.slot = -1
+        self.admitted_step = self.first_token_step = -1
+        self.arrived_at = self.first_token_at = self.last_token_at = 0.0
+        self.tokens: list[int] = []
+        self.logits: list[np.ndarray] = []
+        self.records: list[ChunkRecord] = []
+        self.encoder_calls = self.cache_hits = self.images_encoded = 0
+        self.decode_batches: list[int] = []
+
+    def admit(self, generator: Generator, slot: int, step: int) -> None:
+        """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
+        self.slot, self.admitted_step = slot, step
+        processed = self.request.processed
+        images, inputs_by_key = generator._prepare_images(processed) if self.plan.image_spans else ([], {})
+        encoder = generator._encoder(inputs_by_key, self.encode_timer)
+        self.chunks = feed_chunks(
+            self.plan, images, generator.cache, encoder, generator.row_width, np.float32
+        )
+
+    def emit(self, token: int, logits: np.ndarray | None, eos: set[int]) -> bool:
+        """Record a generated token; True when the request is complete."""
+        now = time.perf_counter()
+        if not self.tokens:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.tokens.append(token)
+        if logits is not None:
+            self.logits.append(logits.copy())
+        return token in eos or len(self.tokens) >= self.request.max_new_tokens
+
+
+class BatchedEngine:
+    """Runs requests arriving at different steps through shared KV slots (see the module docstring).
+
+    Args:
+        generator: The single-request host of the two programs; the engine uses its planning,
+            image encoding, feeds and embedding cache, so every request is fed as it would be alone.
+        full_batch_size: Slots. For a continuous-batching program, its ``full_batch_size`` (read
+            from the compiled specializations when None); otherwise 1 unless given.
+        protocol: Vision protocol of every request (``chunk`` or ``full``).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        full_batch_size: int | None = None,
+        protocol: str = VisionProtocol.CHUNK.value,
+    ):
+        if generator.family.decoder_kind == CROSS_ATTENTION:
+            raise UserError(
+                f"{generator.family.name}: the batched engine feeds token-merge programs; cross-attention "
+                "states are per-request retained inputs the continuous-batching program does not slot"
+            )
+        self.generator = generator
+        self.protocol = protocol
+        batched = BATCH_INDEX in generator.language.input_dims
+        if full_batch_size is None:
+            full_batch_size = compiled_full_batch_size(generator.language.specializations) if batched else 1
+        if full_batch_size < 1:
+            raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
+        self.slots = (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
+
+    @property
+    def full_batch_size(self) -> int:
+        """Slots."""
+        return self.slots.full_batch_size
+
+    def run(
+        self,
+        requests: Sequence[EngineRequest],
+        *,
+        keep_logits: bool = False,
+        on_finish: Callable[[RequestResult], None] | None = None,
+    ) -> EngineReport:
+        """Serve ``requests`` to completion.
+
+        Args:
+            requests: The requests, each with its arrival step.
+            keep_logits: Keep every step's logits row per request (parity checks).
+            on_finish: Called with each request's result as soon as it frees its slot.
+
+        Raises:
+            UserError: A request does not fit ``ctx_len`` or the buckets (checked for every
+                request before any call), or a shape was not compiled.
+        """
+        generator = self.generator
+        sequences = []
+        for number, request in enumerate(requests):
+            input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
+            try:
+                generator.check_fits(len(input_ids), request.max_new_tokens)
+                plan = generator.plan(input_ids, request.processed, self.protocol)
+            except UserError as exc:
+                raise UserError(f"request {number}: {exc}") from None
+            sequences.append(_Sequence(number, request, generator, plan))
+        scheduler = Scheduler([r.arrival_step for r in requests], self.full_batch_size)
+        report = EngineReport([], self.full_batch_size, batched=self.slots.batched)
+        results: dict[int, RequestResult] = {}
+        vision_calls = generator.vision.calls
+        while not scheduler.done:
+            step = scheduler.plan_step()
+            now = time.perf_counter()
+            for sequence in sequences:
+                if not sequence.arrived_at and sequence.request.arrival_step <= step.step:
+                    sequence.arrived_at = now
+            for number, slot in step.admitted:
+                sequences[number].admit(generator, slot, step.step)
+            finished = []
+            if step.prefill is not None:
+                complete = self._prefill(sequences[step.prefill], step, report, keep_logits)
+                if complete is not None:  # the prompt's last chunk ran
+                    scheduler.prefill_finished(step.prefill)
+                if complete:
+                    finished.append(step.prefill)
+            if step.decode:
+                finished += self._decode([sequences[n] for n in step.decode], step, report, keep_logits)
+            if step.prefill is not None or step.decode:
+                report.steps += 1
+            for number in finished:
+                scheduler.finish(number)
+                results[number] = self._result(sequences[number], step.step)
+                if on_finish:
+                    on_finish(results[number])
+            scheduler.advance()
+        report.requests = [results[n] for n in range(len(requests))]
+        report.encoder_calls = generator.vision.calls - vision_calls
+        return report
+
+    def _prefill(
+        self, sequence: _Sequence, step: StepPlan, report: EngineReport, keep_logits: bool
+    ) -> bool | None:
+        """Run the sequence's next chunk: None when chunks remain, else whether the request is complete."""
+        generator = self.generator
+        calls, stats, encode_before = generator.vision.calls, generator.cache.stats, sequence.encode_timer[0]
+        chunk, rows = next(sequence.chunks)
+        after = generator.cache.stats
+        sequence.encoder_calls += generator.vision.calls - calls
+        sequence.cache_hits += after.hits - stats.hits
+        sequence.images_encoded += after.images_encoded - stats.images_encoded
+        started = time.perf_counter()
+        feeds = generator.chunk_feeds(chunk, rows, sequence.input_ids, sequence.positions)
+        outputs = self.slots.prefill(sequence.slot, feeds)
+        generator.check_chunk_outputs(chunk, outputs)
+        sequence.records.append(
+            ChunkRecord(
+                tokens=chunk.tokens,
+                seq_len=chunk.seq_len,
+                vision_size=chunk.vision_size,
+                rows=chunk.rows,
+                vision_bytes=rows.nbytes,
+                seconds=time.perf_counter() - started,
+                encode_seconds=sequence.encode_timer[0] - encode_before,
+                images_encoded=after.images_encoded - stats.images_encoded,
+                start=chunk.start,
+            )
+        )
+        report.prefill_calls += 1
+        report.vision_bytes += rows.nbytes
+        if chunk.index < len(sequence.plan.chunks) - 1:
+            return None
+        sequence.chunks.close()  # unpins the images the last chunk sent
+        sequence.first_token_step = step.step
+        logits = outputs[symbols.LOGITS][0, -1]
+        return sequence.emit(
+            int(logits.argmax()), logits if keep_logits else None, self.generator.eos_token_ids
+        )
+
+    def _decode(
+        self, running: list[_Sequence], step: StepPlan, report: EngineReport, keep_logits: bool
+    ) -> list[int]:
+        """One token for every running request; the numbers of those now complete."""
+        adapter = self.generator.adapter
+        feeds = {
+            sequence.slot: {
+                symbols.INPUT_IDS: np.array([[sequence.tokens[-1]]], dtype=np.int64),
+                symbols.POSITION_IDS: adapter.decode_positions(sequence.positions, len(sequence.tokens) - 1),
+            }
+            for sequence in running
+        }
+        started = time.perf_counter()
+        logits, sent = self.slots.decode(feeds)
+        report.decode_seconds += time.perf_counter() - started
+        report.decode_batches.append(len(running))
+        report.vision_bytes += sent
+        finished = []
+        for sequence in running:
+            sequence.decode_batches.append(len(running))
+            row = logits[sequence.slot]
+            if sequence.emit(int(row.argmax()), row if keep_logits else None, self.generator.eos_token_ids):
+                finished.append(sequence.number)
+        return finished
+
+    def _result(self, sequence: _Sequence, step: int) -> RequestResult:
+        plan = sequence.plan
+        result = GenerationResult(
+            prompt_tokens=len(sequence.input_ids),
+            tokens=sequence.tokens,
+            chunks=sequence.records,
+            ttft=sequence.first_token_at - sequence.arrived_at,
+            decode_seconds=sequence.last_token_at - sequence.first_token_at,
+            encoder_calls=sequence.encoder_calls,
+            cache_hits=sequence.cache_hits,
+            logits=sequence.logits,
+            protocol=plan.protocol.value,
+            images=len(plan.image_spans),
+            image_rows=plan.total_rows,
+            images_encoded=sequence.images_encoded,
+        )
+        return RequestResult(
+            number=sequence.number,
+            arrival_step=sequence.request.arrival_step,
+            slot=sequence.slot,
+            admitted_step=sequence.admitted_step,
+            first_token_step=sequence.first_token_step,
+            finished_step=step,
+            result=result,
+            decode_batches=sequence.decode_batches,
+        )
+
+
+def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:
+    """The ``full_batch_size`` of compiled language specializations.
+
+    Raises:
+        UserError: None is recorded (a bare export: pass it), or several differ.
+    """
+    values = {int(s[FULL_BATCH_SIZE]) for s in specializations or () if FULL_BATCH_SIZE in s}
+    if len(values) != 1:
+        raise UserError(
+            "the language program's specializations record "
+            + ("no full_batch_size" if not values else f"several full_batch_size values {sorted(values)}")
+        )
+    return values.pop()
