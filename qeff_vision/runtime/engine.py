@@ -155,16 +155,18 @@ class SequentialSlots:
         """One chunk of the request in ``slot``."""
         return self.generator._step(feeds, self.past[slot])
 
-    def decode(self, feeds_by_slot: Mapping[int, dict[str, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
-        """One lone decode step per running slot; (last-position logits by slot, vision bytes)."""
+    def decode(self, tokens: Mapping[int, tuple[int, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
+        """One lone decode step per running slot, given slot -> (last token, its position ids).
+
+        Returns:
+            (last-position logits by slot, vision bytes sent).
+        """
         generator = self.generator
-        rows = {} if generator.language.retains_state else generator.decode_vision_feeds()
         logits = {}
-        for slot, feeds in feeds_by_slot.items():
-            token = int(feeds[symbols.INPUT_IDS][0, 0])
-            outputs = generator._feed_token(token, feeds[symbols.POSITION_IDS], self.past[slot])
+        for slot, (token, positions) in tokens.items():
+            outputs = generator._feed_token(token, positions, self.past[slot])
             logits[slot] = outputs[symbols.LOGITS][0, -1]
-        return logits, len(feeds_by_slot) * sum(array.nbytes for array in rows.values())
+        return logits, len(tokens) * _vision_bytes(generator)
 
 
 class BatchedSlots:
@@ -181,41 +183,44 @@ class BatchedSlots:
         self.generator = generator
         self.full_batch_size = full_batch_size
         self.past = generator._empty_cache(full_batch_size)
-        self.decode_rows = {} if generator.language.retains_state else generator.decode_vision_feeds()
 
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
         return self.generator._step({**feeds, BATCH_INDEX: np.array([[slot]], np.int64)}, self.past)
 
-    def decode(self, feeds_by_slot: Mapping[int, dict[str, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
-        """One call at batch ``full_batch_size``; (last-position logits by running slot, vision bytes)."""
-        slots = self.full_batch_size
-        some = next(iter(feeds_by_slot.values()))
-        idle_positions = np.full_like(some[symbols.POSITION_IDS], -1)
-        feeds = {
-            symbols.INPUT_IDS: np.concatenate(
-                [
-                    feeds_by_slot.get(s, {}).get(symbols.INPUT_IDS, np.zeros((1, 1), np.int64))
-                    for s in range(slots)
-                ]
-            ),
-            # Batch is the second-to-last axis of position_ids ([B, 1] or M-RoPE's [R, B, 1]).
-            symbols.POSITION_IDS: np.concatenate(
-                [
-                    feeds_by_slot[s][symbols.POSITION_IDS] if s in feeds_by_slot else idle_positions
-                    for s in range(slots)
-                ],
-                axis=-2,
-            ),
-            # A seq_len-1 call merges no vision row; the cursor points past the decode rows as in
-            # Generator._feed_token.
-            symbols.IMAGE_IDX: np.array([[self.generator.shape.decode_vision_size]], np.int64),
-            BATCH_INDEX: np.arange(slots, dtype=np.int64).reshape(slots, 1),
-            **self.decode_rows,
-        }
-        outputs = self.generator._step(feeds, self.past)
-        sent = sum(array.nbytes for array in self.decode_rows.values())
-        return {slot: outputs[symbols.LOGITS][slot, -1] for slot in feeds_by_slot}, sent
+    def decode(self, tokens: Mapping[int, tuple[int, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
+        """One call at batch ``full_batch_size`` for slot -> (last token, its position ids).
+
+        A slot nobody decodes in (free, or its request still prefilling) gets token 0 at position
+        -1 (M-RoPE: every row -1); its logits are dropped.
+
+        Returns:
+            (last-position logits by running slot, vision bytes sent).
+        """
+        generator, slots = self.generator, self.full_batch_size
+        template = next(iter(tokens.values()))[1]
+        token_ids = np.zeros((slots, 1), np.int64)
+        positions = []
+        for slot in range(slots):
+            if slot in tokens:
+                token_ids[slot, 0] = tokens[slot][0]
+                positions.append(tokens[slot][1])
+            else:
+                positions.append(np.full_like(template, -1))
+        # Batch is the second-to-last axis of position_ids ([B, 1] or M-RoPE's [R, B, 1]).
+        feeds = generator.decode_step_feeds(
+            token_ids, np.ascontiguousarray(np.concatenate(positions, axis=-2))
+        )
+        feeds[BATCH_INDEX] = np.arange(slots, dtype=np.int64).reshape(slots, 1)
+        logits = generator._step(feeds, self.past)[symbols.LOGITS]
+        return {slot: logits[slot, -1] for slot in tokens}, _vision_bytes(generator)
+
+
+def _vision_bytes(generator: Generator) -> int:
+    """Bytes of vision rows one decode call sends (none when the device keeps them resident)."""
+    if generator.language.retains_state:
+        return 0
+    return sum(array.nbytes for array in generator.decode_vision_feeds().values())
 
 
 class _Sequence:
@@ -401,15 +406,15 @@ class BatchedEngine:
     ) -> list[int]:
         """One token for every running request; the numbers of those now complete."""
         adapter = self.generator.adapter
-        feeds = {
-            sequence.slot: {
-                symbols.INPUT_IDS: np.array([[sequence.tokens[-1]]], dtype=np.int64),
-                symbols.POSITION_IDS: adapter.decode_positions(sequence.positions, len(sequence.tokens) - 1),
-            }
+        tokens = {
+            sequence.slot: (
+                sequence.tokens[-1],
+                adapter.decode_positions(sequence.positions, len(sequence.tokens) - 1),
+            )
             for sequence in running
         }
         started = time.perf_counter()
-        logits, sent = self.slots.decode(feeds)
+        logits, sent = self.slots.decode(tokens)
         report.decode_seconds += time.perf_counter() - started
         report.decode_batches.append(len(running))
         report.vision_bytes += sent

@@ -441,16 +441,24 @@ class Generator:
         ``image_idx`` points past the decode rows all the same. ``extra`` holds further inputs
         of every decode step (:attr:`Continuation.decode_feeds`).
         """
+        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position)
+        feeds.update(extra or {})
+        return self._step(feeds, past)
+
+    def decode_step_feeds(self, token_ids: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """Inputs of a decode-shaped call (seq_len 1, one row per sequence), the KV cache excluded.
+
+        ``image_idx`` points past the decode rows (the call merges none); the decode rows are
+        zeros sent on onnxruntime only (a device keeps the last chunk's vision_embeds resident).
+        """
         feeds = {
-            symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
-            symbols.POSITION_IDS: position,
+            symbols.INPUT_IDS: token_ids,
+            symbols.POSITION_IDS: positions,
             symbols.IMAGE_IDX: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
         }
         if not self.language.retains_state:
-            # A device keeps the last chunk's vision_embeds resident; decode reads no rows of it.
             feeds.update(self.decode_vision_feeds())
-        feeds.update(extra or {})
-        return self._step(feeds, past)
+        return feeds
 
     def _prefill(
         self,
