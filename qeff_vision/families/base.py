@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import language_io
 from qeff_vision.errors import UserError
 
 # Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
@@ -348,46 +349,17 @@ class Family:
         ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
         ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports).
         """
-        if self.position_id_rows is None:
-            position_axes = {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}
-        else:
-            position_axes = {1: symbols.BATCH_SIZE, 2: symbols.SEQ_LEN}
-        axes: dict[str, dict[int, str]] = {
-            symbols.INPUT_IDS: {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN},
-            symbols.POSITION_IDS: position_axes,
-            symbols.VISION_EMBEDS: {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
-            **{
-                name: {0: stack, 1: symbols.VISION_BATCH_SIZE, 2: symbols.VISION_SIZE}
-                for name, stack in self.stacked_vision_rows.items()
-            },
-            symbols.IMAGE_IDX: {},
-        }
-        for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):
-            kv_axes = {0: symbols.BATCH_SIZE, 2: slots}
-            axes[symbols.past_key(layer)] = dict(kv_axes)
-            axes[symbols.past_value(layer)] = dict(kv_axes)
-        if comp_ctx_lengths:
-            axes[symbols.COMP_CTX_LENGTHS] = {0: symbols.COMP_CTX_LENGTHS}
-        return axes
+        return language_io(
+            num_layers, self.position_id_rows, cache_symbols, comp_ctx_lengths, self.stacked_vision_rows
+        ).input_axes()
 
     def language_output_axes(
         self, num_layers: int, cache_symbols: list[str] | None = None
     ) -> dict[str, dict[int, str]]:
         """Symbolic axes of every language-program output, in graph output order."""
-        axes: dict[str, dict[int, str]] = {
-            symbols.LOGITS: {0: symbols.BATCH_SIZE},
-            symbols.retained(symbols.VISION_EMBEDS): {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE},
-            **{
-                symbols.retained(name): {0: stack, 1: symbols.VISION_BATCH_SIZE, 2: symbols.VISION_SIZE}
-                for name, stack in self.stacked_vision_rows.items()
-            },
-            symbols.IMAGE_IDX_OUTPUT: {},
-        }
-        for layer, slots in enumerate(cache_symbols or [symbols.CTX_LEN] * num_layers):
-            kv_axes = {0: symbols.BATCH_SIZE, 2: slots}
-            axes[symbols.retained(symbols.past_key(layer))] = dict(kv_axes)
-            axes[symbols.retained(symbols.past_value(layer))] = dict(kv_axes)
-        return axes
+        return language_io(
+            num_layers, self.position_id_rows, cache_symbols, stacked_rows=self.stacked_vision_rows
+        ).output_axes()
 
     def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
         """Vision-program outputs and their axes for ``model`` (the class declaration by default).
