@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from qeff_vision import symbols
+from qeff_vision.contract.language_io import KV_ROLES
 from qeff_vision.export.decoder import LanguageDecoder
-from qeff_vision.export.exporter import language_example, load_adapter
+from qeff_vision.export.exporter import example_values, load_adapter
 from qeff_vision.families import all_families
 from qeff_vision.families.base import TOKEN_MERGE as TOKEN_MERGE_KIND
 from qeff_vision.runtime.generate import LanguageShape, generator_for_export
@@ -85,15 +87,16 @@ def test_patched_language_decoder_matches_transformers(family, hf_model):
         torch.cat(rows, dim=1).unsqueeze(1) for rows in adapter.hf_stacked_rows(model, inputs).values()
     ]
     parts = adapter.decoder_parts(model)
-    decoder = LanguageDecoder(parts).eval()
+    io = adapter.family.language_table(_description(model))
+    decoder = LanguageDecoder(parts, io).eval()
     length = inputs["input_ids"].shape[1]
-    example = language_example(
-        parts,
-        adapter.family.text_dims(_description(model)),
-        len(parts.layer_types),
-        adapter.family.position_id_rows,
-    )
-    past = [torch.zeros(t.shape[0], t.shape[1], length + 8, t.shape[3]) for t in example[4 + len(stacked) :]]
+    # Zero caches of every layer, shaped by the table (window layers keep their ring length).
+    values = {
+        **example_values(adapter.family, _description(model)),
+        symbols.CTX_LEN: length + 8,
+        symbols.SLIDING_WINDOW: length + 8,
+    }
+    past = [torch.zeros(row.concrete_shape(values)) for row in io.rows(*KV_ROLES)]
     positions = torch.as_tensor(adapter.prompt_positions(model.config.to_dict(), numpy_inputs))
     with torch.no_grad():
         logits = decoder(

@@ -19,7 +19,7 @@ from qeff_vision.cli import main
 from qeff_vision.errors import UserError
 from qeff_vision.export.exporter import load_adapter
 from qeff_vision.families import get_family
-from qeff_vision.families.base import CROSS_ATTENTION, ImageSize, describe_checkpoint
+from qeff_vision.families.base import CROSS_ATTENTION, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.mllama import tiled_canvas
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
@@ -142,7 +142,8 @@ def test_patched_decoder_matches_transformers(hf_model):
         else:
             past += [torch.zeros(1, config.num_key_value_heads, length + 8, head_dim)] * 2
     with torch.no_grad():
-        logits = CrossAttentionDecoder(model).eval()(
+        io = get_family(FAMILY).language_table(ModelDescription(model.config.to_dict()))
+        logits = CrossAttentionDecoder(model, io).eval()(
             inputs["input_ids"], torch.arange(length).view(1, -1), inputs["cross_attention_mask"], *past
         )[0]
     assert np.abs(logits[0, -1].numpy() - reference).max() <= 1e-3

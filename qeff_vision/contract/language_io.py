@@ -1,27 +1,34 @@
 """The language program's IO declared once, as rows of a table (torch-free).
 
-Every consumer of the language IO (export dynamic axes, the decoder wrapper's signature, runtime
-feeds, specialization symbols, custom IO) is meant to derive from :func:`language_io`, so a
-family that adds or reshapes an input declares a row instead of editing generic code. Names and
-axes follow QEfficient's dual-QPC VLM export so vLLM's qaic backend loads our programs.
+Every consumer of the language IO derives from one :class:`LanguageIO`: the export's input and
+output names, dynamic axes and example inputs, the decoder wrapper's argument order, the runtime's
+feeds, the specialization symbols and ``custom_io.yaml``. A family that adds or reshapes an input
+declares a row (:attr:`Family.extra_language_inputs <qeff_vision.families.base.Family>`, a stacked
+vision row, a per-layer cache symbol) instead of editing generic code. Names and axes follow
+QEfficient's dual-QPC VLM export so vLLM's qaic backend loads our programs.
+
+A row's shape lists every dimension: a symbol (a dynamic axis a specialization binds), a
+:class:`Fixed` model dimension (static in the graph, read from the text config), or an int.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from qeff_vision import symbols
 
 
 class Role(Enum):
-    """What a row carries, independent of its name."""
+    """What a row carries, independent of its name (the host fills inputs by role)."""
 
     TOKEN_IDS = "token_ids"
     POSITIONS = "positions"
     VISION_ROWS = "vision_rows"
     VISION_CURSOR = "vision_cursor"
+    CROSS_MASK = "cross_mask"
     KV_KEY = "kv_key"
     KV_VALUE = "kv_value"
     COMP_CTX_LENGTHS = "comp_ctx_lengths"
@@ -36,6 +43,19 @@ class DType(Enum):
     KV = "kv"
 
 
+class Fixed(str):
+    """A static dimension named by a model dimension (``hidden_size``), resolved from values."""
+
+    __slots__ = ()
+
+
+HIDDEN_SIZE = Fixed("hidden_size")
+NUM_KV_HEADS = Fixed("num_kv_heads")
+HEAD_DIM = Fixed("head_dim")
+VOCAB_SIZE = Fixed("vocab_size")
+KV_ROLES = (Role.KV_KEY, Role.KV_VALUE)
+
+
 @dataclass(frozen=True)
 class IORow:
     """One graph input (or output) of the language program.
@@ -44,17 +64,35 @@ class IORow:
         name: ONNX name.
         role: What it carries.
         dtype: Element type class.
-        axes: Symbolic axes by dimension index (empty for a fixed-shape tensor).
-        retained: Name of the ``_RetainedState`` output paired with this input, if any.
+        shape: Every dimension: a symbol, a :class:`Fixed` model dimension or an int. Outputs
+            only need their symbolic dimensions to be right (the rest is read from the graph).
+        retained: On an input, the ``_RetainedState`` output paired with it; on that output, the
+            input it returns. None for a row that is not retained state.
         layer: Decoder layer of a per-layer row, else None.
     """
 
     name: str
     role: Role
     dtype: DType
-    axes: dict[int, str] = field(default_factory=dict)
+    shape: tuple[str | int, ...] = ()
     retained: str | None = None
     layer: int | None = None
+
+    @property
+    def axes(self) -> dict[int, str]:
+        """Symbolic axes by dimension index (the dynamic axes of the export)."""
+        return {i: d for i, d in enumerate(self.shape) if isinstance(d, str) and not isinstance(d, Fixed)}
+
+    def concrete_shape(self, values: Mapping[str, int]) -> tuple[int, ...]:
+        """The shape with every symbol and model dimension bound from ``values``.
+
+        Raises:
+            KeyError: ``values`` lacks a symbol or model dimension of this row.
+        """
+        try:
+            return tuple(d if isinstance(d, int) else int(values[d]) for d in self.shape)
+        except KeyError as exc:
+            raise KeyError(f"{self.name}: no value for dimension {exc.args[0]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -64,85 +102,168 @@ class LanguageIO:
     inputs: tuple[IORow, ...]
     outputs: tuple[IORow, ...]
 
+    @property
+    def input_names(self) -> list[str]:
+        """Graph input names, in order (the decoder wrapper's positional arguments)."""
+        return [row.name for row in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        """Graph output names, in order (what the decoder wrapper returns)."""
+        return [row.name for row in self.outputs]
+
     def input_axes(self) -> dict[str, dict[int, str]]:
         """Symbolic axes of every input, in graph input order."""
-        return {row.name: dict(row.axes) for row in self.inputs}
+        return {row.name: row.axes for row in self.inputs}
 
     def output_axes(self) -> dict[str, dict[int, str]]:
         """Symbolic axes of every output, in graph output order."""
-        return {row.name: dict(row.axes) for row in self.outputs}
+        return {row.name: row.axes for row in self.outputs}
 
     def symbols(self) -> set[str]:
         """Every symbol that appears on an input or output."""
         return {sym for row in (*self.inputs, *self.outputs) for sym in row.axes.values()}
 
+    def rows(self, *roles: Role) -> list[IORow]:
+        """Input rows of any of ``roles``, in graph order."""
+        return [row for row in self.inputs if row.role in roles]
+
+    def name(self, role: Role, output: bool = False) -> str:
+        """Name of the one input (or ``output``) of ``role``.
+
+        Raises:
+            KeyError: No row, or several rows, of that role.
+        """
+        found = [row.name for row in (self.outputs if output else self.inputs) if row.role is role]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} language rows of role {role.value}, expected one")
+        return found[0]
+
+    def has(self, role: Role) -> bool:
+        """Whether an input of ``role`` exists."""
+        return any(row.role is role for row in self.inputs)
+
+    def output_of(self, row: IORow) -> str:
+        """The output name that returns input ``row`` (its retained pair)."""
+        if row.retained is None:
+            raise KeyError(f"{row.name} is not retained state")
+        return row.retained
+
+    def custom_io(self, precision: Mapping[DType, str]) -> list[tuple[str, str]]:
+        """(name, precision) of every retained row whose dtype class has a precision, inputs first.
+
+        Retained state is what the compiler keeps on the device, so its precision is declared;
+        logits and int64 inputs keep the graph's types.
+        """
+        return [
+            (row.name, precision[row.dtype])
+            for row in (*self.inputs, *self.outputs)
+            if row.retained is not None and row.dtype in precision
+        ]
+
+    def feeds(self, by_role: Mapping[Role, Any], skip: Iterable[str] = ()) -> dict[str, Any]:
+        """One call's inputs in graph order from values by role.
+
+        Args:
+            by_role: Role -> array for a role with one row; role -> {name: array} for a role with
+                several (vision rows, KV caches). A role absent here is not fed (retained state a
+                device keeps resident, or an input another caller adds).
+            skip: Input names not to feed even if given.
+
+        Raises:
+            KeyError: A multi-row role lacks one of its rows, or a value is given for a role the
+                graph does not have.
+        """
+        unknown = [role.value for role in by_role if not self.has(role)]
+        if unknown:
+            raise KeyError(f"no language input of role(s) {', '.join(unknown)}")
+        skipped = set(skip)
+        feeds = {}
+        for row in self.inputs:
+            if row.role not in by_role or row.name in skipped:
+                continue
+            value = by_role[row.role]
+            if isinstance(value, Mapping):
+                if row.name not in value:
+                    raise KeyError(f"no value for language input {row.name}")
+                value = value[row.name]
+            feeds[row.name] = value
+        return feeds
+
+
+def is_kv_name(name: str) -> bool:
+    """Whether ``name`` is a per-layer KV cache input or its retained output (any layer)."""
+    base = name[: -len(symbols.RETAINED_SUFFIX)] if name.endswith(symbols.RETAINED_SUFFIX) else name
+    _, _, layer = base.rpartition(".")
+    return layer.isdigit() and base in (symbols.past_key(int(layer)), symbols.past_value(int(layer)))
+
 
 def language_io(
     num_layers: int,
     position_id_rows: int | None = None,
-    cache_symbols: list[str] | None = None,
+    cache_symbols: Sequence[str] | None = None,
     comp_ctx_lengths: bool = False,
     stacked_rows: Mapping[str, str] | None = None,
+    *,
+    merges_vision_rows: bool = True,
+    extra_inputs: Sequence[IORow] = (),
 ) -> LanguageIO:
     """The language program's IO table.
 
     Args:
         num_layers: Decoder layers (one key and one value cache row each).
         position_id_rows: Leading rows of ``position_ids`` (3 for M-RoPE), None for [batch, seq].
-        cache_symbols: Each layer's slot-axis symbol (``sliding_window`` for a ring layer);
-            ``ctx_len`` for every layer when omitted.
+        cache_symbols: Each layer's slot-axis symbol (``sliding_window`` for a ring layer, a
+            family's own symbol for cross-attention states); ``ctx_len`` for every layer when omitted.
         comp_ctx_lengths: Add the compute-context-length input last.
         stacked_rows: Extra vision inputs after ``vision_embeds`` (Qwen3-VL ``deepstack_features``),
             name -> symbol of their leading stack axis; each is retained like ``vision_embeds``.
+        merges_vision_rows: The token-merge decoder kind (``vision_embeds``, stacked rows and the
+            ``image_idx`` cursor); False for a cross-attention decoder, which has none of them.
+        extra_inputs: A family's own inputs, after ``position_ids`` (mllama's
+            ``cross_attention_mask``); a row with ``retained`` set gets its output too.
 
     Returns:
         The table; outputs pair each retained input with its ``_RetainedState`` output.
     """
-    position_axes = (
-        {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}
-        if position_id_rows is None
-        else {1: symbols.BATCH_SIZE, 2: symbols.SEQ_LEN}
-    )
-    vision_axes = {0: symbols.VISION_BATCH_SIZE, 1: symbols.VISION_SIZE}
+    batch, seq = symbols.BATCH_SIZE, symbols.SEQ_LEN
+    positions = (batch, seq) if position_id_rows is None else (position_id_rows, batch, seq)
     inputs = [
-        IORow(symbols.INPUT_IDS, Role.TOKEN_IDS, DType.INT64, {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN}),
-        IORow(symbols.POSITION_IDS, Role.POSITIONS, DType.INT64, position_axes),
-        IORow(
-            symbols.VISION_EMBEDS,
-            Role.VISION_ROWS,
-            DType.COMPUTE,
-            vision_axes,
-            retained=symbols.retained(symbols.VISION_EMBEDS),
-        ),
-        *(
-            IORow(
-                name,
-                Role.VISION_ROWS,
-                DType.COMPUTE,
-                {0: stack, 1: symbols.VISION_BATCH_SIZE, 2: symbols.VISION_SIZE},
-                retained=symbols.retained(name),
-            )
-            for name, stack in (stacked_rows or {}).items()
-        ),
-        IORow(symbols.IMAGE_IDX, Role.VISION_CURSOR, DType.INT64, retained=symbols.IMAGE_IDX_OUTPUT),
+        IORow(symbols.INPUT_IDS, Role.TOKEN_IDS, DType.INT64, (batch, seq)),
+        IORow(symbols.POSITION_IDS, Role.POSITIONS, DType.INT64, positions),
+        *extra_inputs,
     ]
-    slots = cache_symbols or [symbols.CTX_LEN] * num_layers
+    if merges_vision_rows:
+        vision = (symbols.VISION_BATCH_SIZE, symbols.VISION_SIZE, HIDDEN_SIZE)
+        inputs.append(IORow(symbols.VISION_EMBEDS, Role.VISION_ROWS, DType.COMPUTE, vision))
+        inputs += [
+            IORow(name, Role.VISION_ROWS, DType.COMPUTE, (stack, *vision))
+            for name, stack in (stacked_rows or {}).items()
+        ]
+        # image_idx_output is a running cursor returned under its own name, not X_RetainedState.
+        inputs.append(IORow(symbols.IMAGE_IDX, Role.VISION_CURSOR, DType.INT64, (1, 1)))
+    slots = list(cache_symbols or [symbols.CTX_LEN] * num_layers)
     if len(slots) != num_layers:
         raise ValueError(f"{len(slots)} cache symbols for {num_layers} layers")
     for layer, slot in enumerate(slots):
-        kv_axes = {0: symbols.BATCH_SIZE, 2: slot}
-        for name, role in (
-            (symbols.past_key(layer), Role.KV_KEY),
-            (symbols.past_value(layer), Role.KV_VALUE),
-        ):
-            inputs.append(IORow(name, role, DType.KV, kv_axes, retained=symbols.retained(name), layer=layer))
+        shape = (batch, NUM_KV_HEADS, slot, HEAD_DIM)
+        inputs.append(IORow(symbols.past_key(layer), Role.KV_KEY, DType.KV, shape, layer=layer))
+        inputs.append(IORow(symbols.past_value(layer), Role.KV_VALUE, DType.KV, shape, layer=layer))
     if comp_ctx_lengths:
-        inputs.append(
-            IORow(symbols.COMP_CTX_LENGTHS, Role.COMP_CTX_LENGTHS, DType.INT64, {0: symbols.COMP_CTX_LENGTHS})
-        )
-    by_retained = {row.retained: row for row in inputs if row.retained}
-    outputs = [IORow(symbols.LOGITS, Role.LOGITS, DType.COMPUTE, {0: symbols.BATCH_SIZE})]
-    for name, row in by_retained.items():
-        # image_idx_output is a running cursor, not a resident copy: it has no axes.
-        outputs.append(IORow(name, row.role, row.dtype, dict(row.axes), layer=row.layer))
+        ccl = symbols.COMP_CTX_LENGTHS
+        inputs.append(IORow(ccl, Role.COMP_CTX_LENGTHS, DType.INT64, (ccl,)))
+    # Vision rows and caches are retained state: the compiler pairs input X with X_RetainedState.
+    retained_roles = (Role.VISION_ROWS, *KV_ROLES)
+    inputs = [
+        IORow(row.name, row.role, row.dtype, row.shape, symbols.retained(row.name), row.layer)
+        if row.retained is None and row.role in retained_roles
+        else row
+        for row in inputs
+    ]
+    outputs = [IORow(symbols.LOGITS, Role.LOGITS, DType.COMPUTE, (batch, 1, VOCAB_SIZE))]
+    for row in inputs:
+        if row.role is Role.VISION_CURSOR:
+            outputs.append(IORow(symbols.IMAGE_IDX_OUTPUT, row.role, row.dtype, ()))
+        elif row.retained is not None:
+            outputs.append(IORow(row.retained, row.role, row.dtype, row.shape, row.name, row.layer))
     return LanguageIO(tuple(inputs), tuple(outputs))

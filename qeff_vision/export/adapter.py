@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
 from qeff_vision.families.base import Family
@@ -148,19 +149,13 @@ class ExportAdapter:
             ),
         )
 
-    def language_decoder(self, model: nn.Module, parts: DecoderParts, comp_ctx_lengths: bool) -> nn.Module:
-        """The language program's module: the generic token-merge decoder by default.
+    def language_decoder(self, model: nn.Module, parts: DecoderParts, io: LanguageIO) -> nn.Module:
+        """The language program's module over the rows of ``io``: the token-merge decoder by default.
 
         A family of another decoder kind overrides it (a cross-attention decoder reads image
         states as retained K/V).
         """
-        return LanguageDecoder(parts, comp_ctx_lengths).eval()
-
-    def language_example(
-        self, model: nn.Module, parts: DecoderParts, dims: Any, cache_symbols
-    ) -> tuple | None:
-        """Example inputs to trace the language program with; ``None``: the exporter's generic one."""
-        return None
+        return LanguageDecoder(parts, io).eval()
 
     def prompt_positions(self, model_config: Any, processed: Mapping[str, Any]) -> np.ndarray:
         """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
 from qeff_vision.export.kv_ops import CtxGatherFunction, CtxScatterFunction
 from qeff_vision.families.base import FULL_ATTENTION, SLIDING_ATTENTION
 
@@ -291,32 +292,31 @@ def _only_mask(masks: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 class LanguageDecoder(nn.Module):
-    """The language program: input_ids, position_ids, vision_embeds, image_idx, past_* -> logits, ..."""
+    """The language program of the token-merge kind; its inputs and outputs are the rows of ``io``."""
 
-    def __init__(self, parts: DecoderParts, comp_ctx_lengths: bool = False):
+    def __init__(self, parts: DecoderParts, io: LanguageIO):
         super().__init__()
         self.parts = parts
-        # With CCL the last input is ``comp_ctx_lengths``: full-context layers read only as many
-        # leading slots as it has elements (QEfficient's mechanism; the host picks a length that
-        # covers every position written so far).
-        self.comp_ctx_lengths = comp_ctx_lengths
+        self.io = io
         self.embed_tokens = parts.embed_tokens
         self.text_model = parts.text_model
         self.lm_head = parts.lm_head
 
-    def forward(self, input_ids, position_ids, vision_embeds, *rest):
+    def forward(self, *inputs):
         """Run one chunk (prefill) or one token (decode); see the module docstring for the contract.
 
-        ``rest`` is the stacked row inputs (:attr:`DecoderParts.stacked_rows`, in order), then
-        ``image_idx``, then the KV caches (and ``comp_ctx_lengths`` with CCL).
+        ``inputs`` are the table's input rows in graph order; returns its output rows in order.
         """
-        parts = self.parts
-        stacked = rest[: len(parts.stacked_rows)]
-        image_idx, *past = rest[len(parts.stacked_rows) :]
-        read_len = None
-        if self.comp_ctx_lengths:
-            *past, ccl = past
-            read_len = ccl.shape[0]
+        parts, io = self.parts, self.io
+        named = dict(zip(io.input_names, inputs, strict=True))
+        input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
+        vision_row, *stacked_rows = io.rows(Role.VISION_ROWS)  # vision_embeds first, then stacked
+        vision_embeds, image_idx = named[vision_row.name], named[io.name(Role.VISION_CURSOR)]
+        past = [named[row.name] for row in io.rows(*KV_ROLES)]
+        # With CCL, full-context layers read only as many leading slots as ``comp_ctx_lengths`` has
+        # elements (QEfficient's mechanism; the host picks a length that covers every position
+        # written so far).
+        read_len = named[io.name(Role.COMP_CTX_LENGTHS)].shape[0] if io.has(Role.COMP_CTX_LENGTHS) else None
         text_positions = position_ids if parts.position_rows is None else position_ids[0]
         inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds, image_idx_output = merge_vision_rows(
@@ -345,10 +345,10 @@ class LanguageDecoder(nn.Module):
             )
         cache = RetainedKVCache(past, write_slots, read_slots, rings, plan)
         extra = {}
-        if stacked:
+        if stacked_rows:
             gathered = {
-                name: gather_stacked_rows(input_ids, tensor, image_idx, parts.placeholder_ids)
-                for name, tensor in zip(parts.stacked_rows, stacked)
+                row.name: gather_stacked_rows(input_ids, named[row.name], image_idx, parts.placeholder_ids)
+                for row in stacked_rows
             }
             is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
             extra = parts.stacked_rows_kwargs(is_image, gathered)
@@ -364,4 +364,10 @@ class LanguageDecoder(nn.Module):
         last = text_positions.argmax(dim=1, keepdim=True)  # the last valid (largest) position
         batch = torch.arange(hidden.shape[0]).view(-1, 1)
         logits = self.lm_head(hidden[batch, last])
-        return (logits, vision_embeds, *stacked, image_idx_output, *cache.retained())
+        results = {io.name(Role.LOGITS, output=True): logits}
+        results[io.name(Role.VISION_CURSOR, output=True)] = image_idx_output
+        for row in (vision_row, *stacked_rows):  # returned unchanged: the device keeps them resident
+            results[io.output_of(row)] = named[row.name]
+        for row, tensor in zip(io.rows(*KV_ROLES), cache.retained(), strict=True):
+            results[io.output_of(row)] = tensor
+        return tuple(results[name] for name in io.output_names)

@@ -26,6 +26,7 @@ import torch
 from onnx import external_data_helper
 
 from qeff_vision import __version__, symbols
+from qeff_vision.contract.language_io import DType, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
@@ -41,6 +42,7 @@ from qeff_vision.export.weights import (
     write_weights,
 )
 from qeff_vision.families import Family, describe_checkpoint, family_for
+from qeff_vision.families.base import ModelDescription
 from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
 
 OPSET = 17
@@ -52,6 +54,16 @@ EXAMPLE_CTX_LEN = 16
 EXAMPLE_RING_LEN = 6
 # Elements of the example ``comp_ctx_lengths`` (fewer than the example context).
 EXAMPLE_CCL = 12
+# Every generic symbol of the language table at trace size.
+EXAMPLE_SYMBOLS = {
+    symbols.BATCH_SIZE: 1,
+    symbols.SEQ_LEN: EXAMPLE_SEQ_LEN,
+    symbols.VISION_BATCH_SIZE: 1,
+    symbols.VISION_SIZE: EXAMPLE_VISION_ROWS,
+    symbols.CTX_LEN: EXAMPLE_CTX_LEN,
+    symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN,
+    symbols.COMP_CTX_LENGTHS: EXAMPLE_CCL,
+}
 # Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
 EXTERNAL_THRESHOLD = 1024
 
@@ -206,28 +218,39 @@ def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[
     return described
 
 
-def language_example(
-    adapter_parts, config_dims, num_layers: int, position_rows: int | None, cache_symbols=None
-) -> tuple:
-    """Small example inputs of the language program (a chunk with a few placeholders)."""
-    seq, rows, ctx = EXAMPLE_SEQ_LEN, EXAMPLE_VISION_ROWS, EXAMPLE_CTX_LEN
-    input_ids = torch.ones(1, seq, dtype=torch.int64)
-    input_ids[0, 2 : 2 + rows - 1] = adapter_parts.image_token_id
-    positions = torch.arange(seq, dtype=torch.int64).view(1, seq)
-    if position_rows is not None:
-        positions = positions.unsqueeze(0).repeat(position_rows, 1, 1)
-    vision_embeds = torch.randn(1, rows, config_dims.hidden_size)
-    stacked = [
-        torch.randn(depth, 1, rows, config_dims.hidden_size) for depth in adapter_parts.stacked_rows.values()
-    ]
-    image_idx = torch.zeros(1, 1, dtype=torch.int64)
-    slots = {symbols.CTX_LEN: ctx, symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN}
-    past = [
-        torch.zeros(1, config_dims.num_kv_heads, slots[symbol], config_dims.head_dim)
-        for symbol in (cache_symbols or [symbols.CTX_LEN] * num_layers)
-        for _ in range(2)
-    ]
-    return (input_ids, positions, vision_embeds, *stacked, image_idx, *past)
+def example_values(family: Family, model: ModelDescription) -> dict[str, int]:
+    """Every symbol and model dimension of the language table at trace size (one image slot)."""
+    return {
+        **EXAMPLE_SYMBOLS,
+        **family.language_dims(model),
+        **family.request_symbols(model, 1),
+    }
+
+
+def language_example(io: LanguageIO, values: Mapping[str, int], image_token_id: int) -> tuple:
+    """Small example inputs of the language program, one per row of ``io`` in graph order.
+
+    Filled by role: a chunk with a few placeholders after two text tokens, positions counting up,
+    random vision rows, zero caches and cursors; a cross-attention mask lets every token but the
+    first see the images (both branches of the mask exist in the graph either way).
+    """
+    example = []
+    for row in io.inputs:
+        shape = row.concrete_shape(values)
+        if row.role is Role.TOKEN_IDS:
+            tensor = torch.ones(shape, dtype=torch.int64)
+            tensor[..., 2 : 2 + values[symbols.VISION_SIZE] - 1] = image_token_id
+        elif row.role is Role.POSITIONS:
+            tensor = torch.arange(shape[-1], dtype=torch.int64).expand(shape).clone()
+        elif row.role is Role.CROSS_MASK:
+            tensor = torch.zeros(shape, dtype=torch.int64)
+            tensor[:, 1:] = 1
+        elif row.dtype is DType.INT64 or row.dtype is DType.KV:
+            tensor = torch.zeros(shape, dtype=torch.int64 if row.dtype is DType.INT64 else torch.float32)
+        else:
+            tensor = torch.randn(shape)
+        example.append(tensor)
+    return tuple(example)
 
 
 def export_model(
@@ -281,7 +304,8 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
-        decoder = adapter.language_decoder(model, parts, comp_ctx_lengths)
+        io = family.language_table(description, comp_ctx_lengths)
+        decoder = adapter.language_decoder(model, parts, io)
         timings["patch"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -301,15 +325,9 @@ def export_model(
 
         start = time.perf_counter()
         say("export language")
-        cache_symbols = family.kv_cache_symbols(description)
-        in_axes = family.language_input_axes(dims.num_layers, cache_symbols, comp_ctx_lengths)
-        out_axes = family.language_output_axes(dims.num_layers, cache_symbols)
-        example = adapter.language_example(model, parts, dims, cache_symbols)
-        if example is None:
-            example = language_example(parts, dims, dims.num_layers, family.position_id_rows, cache_symbols)
-        if comp_ctx_lengths:
-            example = (*example, torch.zeros(EXAMPLE_CCL, dtype=torch.int64))
+        example = language_example(io, example_values(family, description), parts.image_token_id)
         example = _cast(example, torch_dtype)
+        in_axes, out_axes = io.input_axes(), io.output_axes()
         lang = _trace(
             staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
         )

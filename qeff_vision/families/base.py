@@ -10,13 +10,21 @@ imported only when a graph is built (see :attr:`Family.export_module`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import language_io
+from qeff_vision.contract.language_io import (
+    HEAD_DIM,
+    HIDDEN_SIZE,
+    NUM_KV_HEADS,
+    VOCAB_SIZE,
+    IORow,
+    LanguageIO,
+    language_io,
+)
 from qeff_vision.errors import UserError
 
 # Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
@@ -227,8 +235,13 @@ class Family:
     #: per chunk exactly like ``vision_embeds`` (same rows, same ``vision_size``), stacked on a
     #: leading axis: name -> symbol of that axis. Each is also a vision-program output of the same
     #: name and has a ``_RetainedState`` output. Qwen3-VL's deepstack features are one.
-    #: (Stop-gap until the language IO is one declared table: this keeps the extra rows as data.)
+    #: They become rows of the language IO table (:meth:`language_io`).
     stacked_vision_rows: Mapping[str, str] = {}
+    #: A family's own language inputs, rows of the IO table placed after ``position_ids``
+    #: (mllama's ``cross_attention_mask``). Their symbols are bound by :meth:`language_symbols` or
+    #: :meth:`request_symbols`, their :class:`~qeff_vision.contract.language_io.Fixed` dimensions
+    #: by :meth:`language_symbols`.
+    extra_language_inputs: tuple[IORow, ...] = ()
     decoder_kind: str = TOKEN_MERGE
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
@@ -339,27 +352,55 @@ class Family:
             values[symbols.SLIDING_WINDOW] = min(int(self.text_config(model)["sliding_window"]), ctx_len)
         return values
 
-    # ---- language IO (generic; position_ids rank comes from position_id_rows) ----
+    # ---- language IO (one table: qeff_vision/contract/language_io.py) ----
 
-    def language_input_axes(
-        self, num_layers: int, cache_symbols: list[str] | None = None, comp_ctx_lengths: bool = False
-    ) -> dict[str, dict[int, str]]:
-        """Symbolic axes of every language-program input, in graph input order.
+    def language_io(
+        self, num_layers: int, cache_symbols: Sequence[str] | None = None, comp_ctx_lengths: bool = False
+    ) -> LanguageIO:
+        """The language program's IO table, from which every consumer derives its names and shapes.
 
         ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
-        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports).
+        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports). A family
+        reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
+        :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`kv_cache_symbols`.
         """
         return language_io(
-            num_layers, self.position_id_rows, cache_symbols, comp_ctx_lengths, self.stacked_vision_rows
-        ).input_axes()
+            num_layers,
+            self.position_id_rows,
+            cache_symbols,
+            comp_ctx_lengths,
+            self.stacked_vision_rows,
+            merges_vision_rows=self.decoder_kind == TOKEN_MERGE,
+            extra_inputs=self.extra_language_inputs,
+        )
+
+    def language_table(self, model: ModelDescription, comp_ctx_lengths: bool = False) -> LanguageIO:
+        """:meth:`language_io` for ``model`` (its layer count and per-layer cache symbols)."""
+        layers = self.text_dims(model).num_layers
+        return self.language_io(layers, self.kv_cache_symbols(model), comp_ctx_lengths)
+
+    def language_dims(self, model: ModelDescription) -> dict[str, int]:
+        """Values of the table's fixed model dimensions (:class:`~qeff_vision.contract.language_io.Fixed`)."""
+        dims = self.text_dims(model)
+        return {
+            HIDDEN_SIZE: dims.hidden_size,
+            NUM_KV_HEADS: dims.num_kv_heads,
+            HEAD_DIM: dims.head_dim,
+            VOCAB_SIZE: dims.vocab_size,
+            **self.language_symbols(model),
+        }
+
+    def language_input_axes(
+        self, num_layers: int, cache_symbols: Sequence[str] | None = None, comp_ctx_lengths: bool = False
+    ) -> dict[str, dict[int, str]]:
+        """Symbolic axes of every language-program input, in graph input order (from the table)."""
+        return self.language_io(num_layers, cache_symbols, comp_ctx_lengths).input_axes()
 
     def language_output_axes(
-        self, num_layers: int, cache_symbols: list[str] | None = None
+        self, num_layers: int, cache_symbols: Sequence[str] | None = None
     ) -> dict[str, dict[int, str]]:
-        """Symbolic axes of every language-program output, in graph output order."""
-        return language_io(
-            num_layers, self.position_id_rows, cache_symbols, stacked_rows=self.stacked_vision_rows
-        ).output_axes()
+        """Symbolic axes of every language-program output, in graph output order (from the table)."""
+        return self.language_io(num_layers, cache_symbols).output_axes()
 
     def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
         """Vision-program outputs and their axes for ``model`` (the class declaration by default).

@@ -32,11 +32,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from qeff_vision import symbols
+from qeff_vision.contract.language_io import is_kv_name
+
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
-# The KV cache outputs (custom IO decides their device dtype): past_key.{i}_RetainedState, ...
-KV_PREFIXES = ("past_key.", "past_value.")
-RETAINED = "_RetainedState"
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -226,7 +226,9 @@ def _kv_as_mxint8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Round every ``past_key``/``past_value`` retained-state output to MXINT8 along head_dim."""
     from qeff_vision.numerics.mx import mxint8_nodes
 
-    kv = [o.name for o in model.graph.output if o.name.startswith(KV_PREFIXES) and o.name.endswith(RETAINED)]
+    # The KV cache outputs (custom IO decides their device dtype), named by the language IO table.
+    outputs = [o.name for o in model.graph.output]
+    kv = [name for name in outputs if is_kv_name(name) and name.endswith(symbols.RETAINED_SUFFIX)]
     renamed = {name: f"{name}__before_mxint8" for name in kv}
     for node in model.graph.node:
         for index, name in enumerate(node.output):

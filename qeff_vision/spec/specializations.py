@@ -16,6 +16,7 @@ from pathlib import Path
 
 from qeff_vision import symbols
 from qeff_vision.compile.options import LANGUAGE, PROGRAM_DIRS, VISION
+from qeff_vision.contract.language_io import KV_ROLES, DType
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
@@ -226,9 +227,8 @@ def build_specializations(
     cache_symbols = family.kv_cache_symbols(model)
     ccl = spec.compile.comp_ctx_lengths
     ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
-    language_in = family.language_input_axes(num_layers, cache_symbols, comp_ctx_lengths=ccl is not None)
-    language_out = family.language_output_axes(num_layers, cache_symbols)
-    language_order = _graph_order([language_in, language_out])
+    language_io = family.language_io(num_layers, cache_symbols, comp_ctx_lengths=ccl is not None)
+    language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
     common = {
         symbols.BATCH_SIZE: spec.batch_size,
         **family.kv_cache_lengths(model, spec.ctx_len),
@@ -267,20 +267,14 @@ def build_specializations(
 
     vision_dtype, language_dtype = spec.compute_dtype(VISION), spec.compute_dtype(LANGUAGE)
     kv_dtype = spec.compile.language.kv_cache_dtype
-    kv_names = [
-        name for layer in range(num_layers) for name in (symbols.past_key(layer), symbols.past_value(layer))
-    ]
-    language_precision = {name: kv_dtype for name in kv_names}
-    language_precision.update({symbols.retained(name): kv_dtype for name in kv_names})
-    language_precision[symbols.VISION_EMBEDS] = language_dtype
-    language_precision[symbols.retained(symbols.VISION_EMBEDS)] = language_dtype
+    language_custom_io = language_io.custom_io({DType.COMPUTE: language_dtype, DType.KV: kv_dtype})
     vision_precision = {symbols.PIXEL_VALUES: vision_dtype, symbols.VISION_EMBEDS: vision_dtype}
     for name in family.stacked_vision_rows:  # vision rows in the compute dtype, like vision_embeds
-        language_precision[name] = language_precision[symbols.retained(name)] = language_dtype
         vision_precision[name] = vision_dtype
     # Vision outputs the language program retains as cache inputs (cross-attention K/V) are
     # produced in the cache's dtype, so they cross between the programs unconverted.
-    vision_precision.update({name: kv_dtype for name in vision_outputs if name in kv_names})
+    caches = {row.name for row in language_io.rows(*KV_ROLES)}
+    vision_precision.update({name: kv_dtype for name in vision_outputs if name in caches})
 
     vision = ProgramFiles(
         VISION,
@@ -294,7 +288,7 @@ def build_specializations(
         PROGRAM_DIRS[LANGUAGE],
         resolved,
         tuple(language_specs),
-        _custom_io([*language_in, *language_out], language_precision),
+        tuple(language_custom_io),
     )
     splittable = family.features.chunk_split.supported
     images = tuple(

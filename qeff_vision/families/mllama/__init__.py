@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import DType, Fixed, IORow, Role
 from qeff_vision.families import register
 from qeff_vision.families.base import CROSS_ATTENTION, Family, Features, ImageSize, ModelDescription, no, yes
 
@@ -38,6 +39,8 @@ CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 # Rows of the cross-attention K/V: max_num_images * max_num_tiles * (patches + 1). QEfficient pins
 # it at export; here it is a symbol so one export serves any max_images.
 CROSS_STATES = "cross_states"
+# Tiles per image: static in the graph (every image is padded to max_num_tiles).
+MAX_NUM_TILES = Fixed("max_num_tiles")
 
 # ref: transformers v5 MllamaVisionConfig defaults (image_size 448 there; Llama 3.2 Vision sets 560).
 VISION_DEFAULTS: dict[str, Any] = {"image_size": 448, "patch_size": 14, "max_num_tiles": 4}
@@ -94,6 +97,15 @@ class Mllama(Family):
         ASPECT_RATIO_MASK: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
     }
     vision_output_axes = {}
+    # Which image (and tile) each token sees; no vision_embeds / image_idx (decoder_kind).
+    extra_language_inputs = (
+        IORow(
+            CROSS_ATTENTION_MASK,
+            Role.CROSS_MASK,
+            DType.INT64,
+            (symbols.BATCH_SIZE, symbols.SEQ_LEN, MAX_NUM_IMAGES, MAX_NUM_TILES),
+        ),
+    )
 
     def vision_config(self, model: ModelDescription) -> dict[str, Any]:
         """The tower's config over transformers' defaults."""
@@ -151,16 +163,6 @@ class Mllama(Family):
             for name in (symbols.past_key(layer), symbols.past_value(layer))
         }
 
-    def language_input_axes(self, num_layers, cache_symbols=None, comp_ctx_lengths=False):
-        """input_ids, position_ids, cross_attention_mask, then each layer's K/V (no vision_embeds)."""
-        axes = super().language_input_axes(num_layers, cache_symbols, comp_ctx_lengths)
-        del axes[symbols.VISION_EMBEDS], axes[symbols.IMAGE_IDX]
-        mask = {CROSS_ATTENTION_MASK: {0: symbols.BATCH_SIZE, 1: symbols.SEQ_LEN, 2: MAX_NUM_IMAGES}}
-        items = list(axes.items())
-        return dict(items[:2] + list(mask.items()) + items[2:])
-
-    def language_output_axes(self, num_layers, cache_symbols=None):
-        """Logits and the retained K/V of every layer (cross layers return theirs unchanged)."""
-        axes = super().language_output_axes(num_layers, cache_symbols)
-        del axes[symbols.retained(symbols.VISION_EMBEDS)], axes[symbols.IMAGE_IDX_OUTPUT]
-        return axes
+    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
+        """Tiles per image: the static last axis of ``cross_attention_mask``."""
+        return {MAX_NUM_TILES: int(self.vision_config(model)["max_num_tiles"])}

@@ -29,15 +29,12 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, RetainedKVCache, attention_masks
 from qeff_vision.families import get_family
 from qeff_vision.families.mllama import ASPECT_RATIO_IDS, ASPECT_RATIO_MASK, CROSS_ATTENTION_MASK
-
-# Example sizes for tracing the language program (the axes are symbolic).
-EXAMPLE_SEQ_LEN = 8
-EXAMPLE_CTX_LEN = 16
 
 
 def cross_kv(attn: nn.Module, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,20 +79,29 @@ class CrossCache(RetainedKVCache):
 
 
 class CrossAttentionDecoder(nn.Module):
-    """input_ids, position_ids, cross_attention_mask, past_* -> logits, past_*_RetainedState."""
+    """The cross-attention kind's language program; inputs and outputs are the rows of ``io``.
 
-    def __init__(self, model: nn.Module):
+    (input_ids, position_ids, cross_attention_mask, past_* -> logits, past_*_RetainedState.)
+    """
+
+    def __init__(self, model: nn.Module, io: LanguageIO):
         super().__init__()
+        self.io = io
         self.text = model.model.language_model
         self.lm_head = model.lm_head
         self.cross = set(model.config.text_config.cross_attention_layers)
         self.patches = model.model.vision_model.num_patches
         self.first_self = min(set(range(len(self.text.layers))) - self.cross)
 
-    def forward(self, input_ids, position_ids, cross_attention_mask, *past):
+    def forward(self, *inputs):
         """Run one chunk or one decode step; cross layers read the retained vision K/V."""
         from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_mask
 
+        io = self.io
+        named = dict(zip(io.input_names, inputs, strict=True))
+        input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
+        cross_attention_mask = named[io.name(Role.CROSS_MASK)]
+        past = [named[row.name] for row in io.rows(*KV_ROLES)]
         text = self.text
         hidden = text.embed_tokens(input_ids)
         ctx_len = past[2 * self.first_self].shape[2]
@@ -130,7 +136,10 @@ class CrossAttentionDecoder(nn.Module):
         hidden = text.norm(hidden)
         last = position_ids.argmax(dim=1, keepdim=True)
         logits = self.lm_head(hidden[torch.arange(hidden.shape[0]).view(-1, 1), last])
-        return (logits, *cache.retained())
+        results = {io.name(Role.LOGITS, output=True): logits}
+        for row, tensor in zip(io.rows(*KV_ROLES), cache.retained(), strict=True):
+            results[io.output_of(row)] = tensor
+        return tuple(results[name] for name in io.output_names)
 
 
 class Adapter(ExportAdapter):
@@ -209,34 +218,13 @@ class Adapter(ExportAdapter):
 
     # ---- language program (cross-attention decoder kind) ----
 
-    def language_decoder(self, model: nn.Module, parts: DecoderParts, comp_ctx_lengths: bool) -> nn.Module:
+    def language_decoder(self, model: nn.Module, parts: DecoderParts, io: LanguageIO) -> nn.Module:
         """The cross-attention decoder (compute-context lengths are not supported for this kind)."""
-        if comp_ctx_lengths:
+        if io.has(Role.COMP_CTX_LENGTHS):
             raise UserError(
                 "compute-context lengths are not supported for the cross-attention decoder kind yet"
             )
-        return CrossAttentionDecoder(model).eval()
-
-    def language_example(self, model: nn.Module, parts: DecoderParts, dims, cache_symbols) -> tuple:
-        """A chunk with one image token, one image's cross K/V, a 16-slot self-attention cache."""
-        seq, ctx = EXAMPLE_SEQ_LEN, EXAMPLE_CTX_LEN
-        config = model.config
-        tiles = config.vision_config.max_num_tiles
-        rows = tiles * model.model.vision_model.num_patches
-        input_ids = torch.ones(1, seq, dtype=torch.int64)
-        input_ids[0, 1] = config.image_token_index
-        positions = torch.arange(seq, dtype=torch.int64).view(1, seq)
-        mask = torch.zeros(1, seq, 1, tiles, dtype=torch.int64)
-        mask[:, 1:, :, :2] = 1
-        cross = set(config.text_config.cross_attention_layers)
-        past = [
-            (torch.randn if layer in cross else torch.zeros)(
-                1, dims.num_kv_heads, rows if layer in cross else ctx, dims.head_dim
-            )
-            for layer in range(dims.num_layers)
-            for _ in range(2)
-        ]
-        return (input_ids, positions, mask, *past)
+        return CrossAttentionDecoder(model, io).eval()
 
 
 __all__ = ["Adapter", "CROSS_ATTENTION_MASK", "CrossAttentionDecoder", "VisionKV"]
