@@ -14,6 +14,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from qeff_vision.families import get_family
+from qeff_vision.families.base import describe_checkpoint
+
+# The pinned Qwen2.5-VL-3B config (the vision outputs are read from its language IO table).
+CONFIG_3B_DIR = Path(__file__).resolve().parents[1] / "specs" / "configs" / "Qwen2.5-VL-3B-Instruct"
 
 HIDDEN = 16
 VOCAB = 32
@@ -60,7 +64,7 @@ def vision_graph(path, *, rename=None, external_data=True):
     }
     out_axes = {
         name: {a: rename.get(s, s) for a, s in axes.items()}
-        for name, axes in family.vision_output_axes.items()
+        for name, axes in family.vision_outputs(describe_checkpoint(CONFIG_3B_DIR)).items()
     }
     pixel = _value("pixel_values", TensorProto.FLOAT, _dims(2, in_axes["pixel_values"], {}))
     grid = _value("image_grid_thw", TensorProto.INT64, _dims(4, in_axes["image_grid_thw"], {1: 1}))

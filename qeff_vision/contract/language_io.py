@@ -149,6 +149,10 @@ class LanguageIO:
             raise KeyError(f"{row.name} is not retained state")
         return row.retained
 
+    def retained_outputs(self) -> dict[str, str]:
+        """Input name -> the ``_RetainedState`` output that returns it, for every retained input."""
+        return {row.name: row.retained for row in self.inputs if row.retained is not None}
+
     def custom_io(self, precision: Mapping[DType, str]) -> list[tuple[str, str]]:
         """(name, precision) of every retained row whose dtype class has a precision, inputs first.
 

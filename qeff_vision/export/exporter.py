@@ -221,6 +221,7 @@ def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[
 def example_values(family: Family, model: ModelDescription) -> dict[str, int]:
     """Every symbol and model dimension of the language table at trace size (one image slot)."""
     return {
+        **family.kv_cache_lengths(model, EXAMPLE_CTX_LEN),  # a family's own per-layer cache symbols
         **EXAMPLE_SYMBOLS,
         **family.language_dims(model),
         **family.request_symbols(model, 1),

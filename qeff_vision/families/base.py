@@ -23,6 +23,7 @@ from qeff_vision.contract.language_io import (
     VOCAB_SIZE,
     IORow,
     LanguageIO,
+    Role,
     language_io,
 )
 from qeff_vision.errors import UserError
@@ -200,7 +201,6 @@ class Family:
         position_id_rows: ``None`` for ``position_ids`` of shape [batch, seq]; an integer R for
             [R, batch, seq] (Qwen-VL's M-RoPE: row 0 text position, rows 1-3 t/h/w).
         vision_input_axes: Vision-program inputs and their symbolic axes.
-        vision_output_axes: Vision-program outputs and their symbolic axes.
         text_config_key: Key of the language sub-config in ``config.json`` (top-level fields are
             used when absent, as in older Qwen2.5-VL checkpoints).
         image_token_key: Config key holding the image placeholder token id.
@@ -222,9 +222,6 @@ class Family:
     export_module: str = ""
     position_id_rows: int | None = None
     vision_input_axes: Mapping[str, Mapping[int, str]] = {}
-    vision_output_axes: Mapping[str, Mapping[int, str]] = {
-        symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}
-    }
     text_config_key: str = "text_config"
     image_token_key: str = "image_token_id"
     #: Config key of the video placeholder id (families with video support).
@@ -403,17 +400,14 @@ class Family:
         return self.language_io(num_layers, cache_symbols).output_axes()
 
     def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
-        """Vision-program outputs and their axes for ``model`` (the class declaration by default).
+        """Vision-program outputs and their axes for ``model``: the language table's vision rows.
 
-        A family whose output names depend on the config (one K/V pair per cross-attention layer)
-        overrides this.
+        The vision program produces what the language program's vision-row inputs take, under the
+        same names; its batch axis is ``batch_size`` (images per call) where the language input
+        has ``vision_batch_size``. A cross-attention family overrides this (its K/V rows).
         """
-        return {name: dict(axes) for name, axes in self.vision_output_axes.items()}
-
-    def vision_graph_symbols(self) -> set[str]:
-        """Every symbol that appears on a vision-program input or output."""
+        rename = {symbols.VISION_BATCH_SIZE: symbols.BATCH_SIZE}
         return {
-            sym
-            for axes in (*self.vision_input_axes.values(), *self.vision_output_axes.values())
-            for sym in axes.values()
+            row.name: {axis: rename.get(symbol, symbol) for axis, symbol in row.axes.items()}
+            for row in self.language_table(model).rows(Role.VISION_ROWS)
         }

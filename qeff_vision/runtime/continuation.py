@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from qeff_vision.contract.language_io import Role
+
 
 @dataclass
 class Continuation:
@@ -27,15 +29,16 @@ class Continuation:
         positions: Positions of the call's prompt (already shifted for a continued turn).
         fed_steps: Decode steps fed after that prompt.
         unfed: Generated tokens not fed yet (the last one), fed first by the next turn.
-        decode_feeds: Extra inputs every decode step of this history takes (a cross-attention
-            family's last ``cross_attention_mask`` row); empty for token-merge families.
+        decode_feeds: Extra inputs every decode step of this history takes, by language IO role
+            (a cross-attention family's last ``cross_attention_mask`` row under
+            ``Role.CROSS_MASK``); empty for token-merge families.
     """
 
     past: dict[str, np.ndarray]
     positions: np.ndarray
     fed_steps: int
     unfed: tuple[int, ...] = field(default_factory=tuple)
-    decode_feeds: dict[str, np.ndarray] = field(default_factory=dict)
+    decode_feeds: dict[Role, np.ndarray] = field(default_factory=dict)
 
 
 def continued_positions(local: np.ndarray, first: np.ndarray) -> np.ndarray:

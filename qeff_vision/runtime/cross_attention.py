@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
@@ -44,7 +45,7 @@ class CrossAttentionGenerator(Generator):
 
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
-        cross_mask_shape = cross_mask_shape or self.language.input_dims.get(CROSS_ATTENTION_MASK, ())
+        cross_mask_shape = cross_mask_shape or self.language.input_dims.get(self.io.name(Role.CROSS_MASK), ())
         description = _description(self.model_config)
         self.cross_names = list(self.family.vision_outputs(description))
         self.cross_mask_width = int(cross_mask_shape[-1]) if cross_mask_shape else 0
@@ -142,7 +143,7 @@ class CrossAttentionGenerator(Generator):
             past = {**self._empty_cache(), **cross}
         else:
             images_encoded = 0
-            mask = np.repeat(history.decode_feeds[CROSS_ATTENTION_MASK], length, axis=1)
+            mask = np.repeat(history.decode_feeds[Role.CROSS_MASK], length, axis=1)
         encode_seconds = time.perf_counter() - encode_start
         records, outputs = [], {}
         for chunk in plan.chunks:
@@ -151,11 +152,13 @@ class CrossAttentionGenerator(Generator):
             token_ids[0, : chunk.tokens] = input_ids[chunk.start : chunk.stop]
             chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
             chunk_mask[:, : chunk.tokens] = mask[:, chunk.start : chunk.stop]
-            feeds = {
-                symbols.INPUT_IDS: token_ids,
-                symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                CROSS_ATTENTION_MASK: chunk_mask,
-            }
+            feeds = self.io.feeds(
+                {
+                    Role.TOKEN_IDS: token_ids,
+                    Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                    Role.CROSS_MASK: chunk_mask,
+                }
+            )
             outputs = self._run(feeds, past)
             records.append(
                 ChunkRecord(
@@ -170,8 +173,8 @@ class CrossAttentionGenerator(Generator):
                     start=chunk.start,
                 )
             )
-        kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else None
-        token = int(outputs[symbols.LOGITS][0, -1].argmax())
+        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
+        token = int(outputs[self.logits_name][0, -1].argmax())
         ttft = time.perf_counter() - started
         if on_token:
             on_token(token)
@@ -181,10 +184,10 @@ class CrossAttentionGenerator(Generator):
             if token in self.eos_token_ids:
                 break
             position = self.adapter.decode_positions(positions, step)
-            outputs = self._feed_token(token, position, past, {CROSS_ATTENTION_MASK: last_row})
+            outputs = self._feed_token(token, position, past, {Role.CROSS_MASK: last_row})
             if kept is not None:
-                kept.append(outputs[symbols.LOGITS][0, -1].copy())
-            token = int(outputs[symbols.LOGITS][0, -1].argmax())
+                kept.append(outputs[self.logits_name][0, -1].copy())
+            token = int(outputs[self.logits_name][0, -1].argmax())
             tokens.append(token)
             if on_token:
                 on_token(token)
@@ -204,25 +207,22 @@ class CrossAttentionGenerator(Generator):
             image_rows=0,
             images_encoded=images_encoded,
             continuation=Continuation(
-                past, positions, len(tokens) - 1, (tokens[-1],), {CROSS_ATTENTION_MASK: last_row}
+                past, positions, len(tokens) - 1, (tokens[-1],), {Role.CROSS_MASK: last_row}
             ),
         )
 
     def _feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
         """One decode step: ``token`` at ``position`` with ``extra`` (the cross-attention mask row)."""
-        feeds = {
-            symbols.INPUT_IDS: np.array([[token]], dtype=np.int64),
-            symbols.POSITION_IDS: position,
-            **(extra or {}),
-        }
-        return self._run(feeds, past)
+        by_role = {Role.TOKEN_IDS: np.array([[token]], dtype=np.int64), Role.POSITIONS: position}
+        return self._run(self.io.feeds({**by_role, **(extra or {})}), past)
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call. A device keeps retained inputs resident: send the cross states once."""
         outputs = self.language.run({**feeds, **past})
+        retained = self.io.retained_outputs()
         for name in list(past):
             if self.language.retains_state and name in self.cross_names:
                 del past[name]  # resident on the device from now on
             else:
-                past[name] = outputs[symbols.retained(name)]
+                past[name] = outputs[retained[name]]
         return outputs

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import KV_ROLES, Role
 from qeff_vision.errors import UserError
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import CROSS_ATTENTION
@@ -215,6 +216,11 @@ class Generator:
         self.row_width = dims.hidden_size * (1 + sum(self.stack_depths.values()))
         #: Compiled vision specializations (symbol values), when known: clips are checked against them.
         self.compiled_vision: list[Mapping[str, object]] = []
+        #: The language IO table: feeds, caches and outputs are named and shaped by its rows.
+        self.io = family.language_table(
+            _description(model_config), comp_ctx_lengths=bool(shape.prefill_ccls or shape.decode_ccls)
+        )
+        self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
 
@@ -265,8 +271,11 @@ class Generator:
         return encode
 
     def _wide_rows(self, output: Mapping[str, np.ndarray], item: int) -> np.ndarray:
-        """[tokens, row_width]: image ``item``'s vision_embeds, then each stacked input's rows."""
-        embeds = output[symbols.VISION_EMBEDS][item]
+        """[tokens, row_width]: image ``item``'s vision_embeds, then each stacked input's rows.
+
+        The vision program's outputs are named like the language table's vision-row inputs.
+        """
+        embeds = output[self.io.rows(Role.VISION_ROWS)[0].name][item]
         columns = [embeds]
         for name, depth in self.stack_depths.items():
             stacked = output[name][:, item]  # [depth, tokens, hidden]
@@ -274,14 +283,20 @@ class Generator:
         return np.concatenate(columns, axis=-1) if len(columns) > 1 else embeds
 
     def _vision_feeds_of_rows(self, wide: np.ndarray) -> dict[str, np.ndarray]:
-        """Split [1, V, row_width] chunk rows into ``vision_embeds`` and the stacked inputs."""
+        """Split [1, V, row_width] chunk rows into the table's vision-row inputs, by name.
+
+        The first vision row (``vision_embeds``) takes the first ``hidden`` columns; each stacked
+        row then takes ``depth * hidden`` columns.
+        """
         hidden = self.dims.hidden_size
-        feeds = {symbols.VISION_EMBEDS: np.ascontiguousarray(wide[..., :hidden])}
+        main, *stacked = self.io.rows(Role.VISION_ROWS)
+        feeds = {main.name: np.ascontiguousarray(wide[..., :hidden])}
         offset = hidden
-        for name, depth in self.stack_depths.items():
+        for row in stacked:
+            depth = self.stack_depths[row.name]
             block = wide[..., offset : offset + depth * hidden]
             shaped = block.reshape(wide.shape[0], wide.shape[1], depth, hidden).transpose(2, 0, 1, 3)
-            feeds[name] = np.ascontiguousarray(shaped)
+            feeds[row.name] = np.ascontiguousarray(shaped)
             offset += depth * hidden
         return feeds
 
@@ -296,15 +311,13 @@ class Generator:
         """
         if self.language.retains_state:
             return {}
-        dims = self.dims
         description = _description(self.model_config)
-        lengths = self.family.kv_cache_lengths(description, self.shape.ctx_len)
-        past = {}
-        for layer, symbol in enumerate(self.family.kv_cache_symbols(description)):
-            shape = (slots, dims.num_kv_heads, lengths[symbol], dims.head_dim)
-            past[symbols.past_key(layer)] = np.zeros(shape, np.float32)
-            past[symbols.past_value(layer)] = np.zeros(shape, np.float32)
-        return past
+        values = {
+            symbols.BATCH_SIZE: slots,
+            **self.family.language_dims(description),
+            **self.family.kv_cache_lengths(description, self.shape.ctx_len),
+        }
+        return {row.name: np.zeros(row.concrete_shape(values), np.float32) for row in self.io.rows(*KV_ROLES)}
 
     def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
         window = positions[..., start:stop]
@@ -315,18 +328,19 @@ class Generator:
         return np.ascontiguousarray(window, dtype=np.int64)
 
     def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        positions = feeds[symbols.POSITION_IDS]
+        positions = feeds[self.io.name(Role.POSITIONS)]
         text_positions = positions if self.position_rows is None else positions[0]
-        decode = feeds[symbols.INPUT_IDS].shape[1] == 1
+        decode = feeds[self.io.name(Role.TOKEN_IDS)].shape[1] == 1
         ccl = self.shape.comp_ctx_length(decode, int(text_positions.max()))
         if ccl is not None:
             # Attention reads the first `ccl` slots: every position written so far (QEfficient feeds
             # a zero vector of that length; only its shape matters).
-            feeds = {**feeds, symbols.COMP_CTX_LENGTHS: np.zeros(ccl, np.int64)}
+            feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): np.zeros(ccl, np.int64)}
             self.ccl_history.append(ccl)
         outputs = self.language.run({**feeds, **past})
+        retained = self.io.retained_outputs()
         for name in past:
-            past[name] = outputs[symbols.retained(name)]
+            past[name] = outputs[retained[name]]
         return outputs
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
@@ -397,8 +411,8 @@ class Generator:
         plan = self.plan(input_ids, processed, protocol)
         stats_before, calls_before = self.cache.stats, self.vision.calls
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
-        kept = [outputs[symbols.LOGITS][0, -1].copy()] if keep_logits else None
-        token = int(outputs[symbols.LOGITS][0, -1].argmax())
+        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
+        token = int(outputs[self.logits_name][0, -1].argmax())
         ttft = time.perf_counter() - started
         if on_token:
             on_token(token)
@@ -432,33 +446,40 @@ class Generator:
         return self.adapter.decode_positions(history.positions, steps)
 
     def _feed_token(
-        self, token: int, position: np.ndarray, past: dict[str, np.ndarray], extra: Mapping | None = None
+        self,
+        token: int,
+        position: np.ndarray,
+        past: dict[str, np.ndarray],
+        extra: Mapping[Role, np.ndarray] | None = None,
     ) -> dict:
         """One decode-shaped step: ``token`` at ``position``, taking no image row.
 
         A seq_len-1 step merges no row (:func:`qeff_vision.export.decoder.vision_row_index`), so a
         placeholder id the model generated keeps its token embedding, as in transformers;
         ``image_idx`` points past the decode rows all the same. ``extra`` holds further inputs
-        of every decode step (:attr:`Continuation.decode_feeds`).
+        of every decode step by role (:attr:`Continuation.decode_feeds`).
         """
-        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position)
-        feeds.update(extra or {})
+        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
         return self._step(feeds, past)
 
-    def decode_step_feeds(self, token_ids: np.ndarray, positions: np.ndarray) -> dict[str, np.ndarray]:
+    def decode_step_feeds(
+        self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None
+    ) -> dict[str, np.ndarray]:
         """Inputs of a decode-shaped call (seq_len 1, one row per sequence), the KV cache excluded.
 
         ``image_idx`` points past the decode rows (the call merges none); the decode rows are
         zeros sent on onnxruntime only (a device keeps the last chunk's vision_embeds resident).
+        ``extra`` adds inputs by role (a cross-attention family's mask row).
         """
-        feeds = {
-            symbols.INPUT_IDS: token_ids,
-            symbols.POSITION_IDS: positions,
-            symbols.IMAGE_IDX: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
+        by_role = {
+            Role.TOKEN_IDS: token_ids,
+            Role.POSITIONS: positions,
+            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
         }
         if not self.language.retains_state:
-            feeds.update(self.decode_vision_feeds())
-        return feeds
+            by_role[Role.VISION_ROWS] = self.decode_vision_feeds()
+        by_role.update(extra or {})
+        return self.io.feeds(by_role)
 
     def _prefill(
         self,
@@ -504,17 +525,18 @@ class Generator:
         """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller)."""
         token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
         token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
-        return {
-            symbols.INPUT_IDS: token_ids,
-            symbols.POSITION_IDS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-            **self._vision_feeds_of_rows(vision_embeds),
-            symbols.IMAGE_IDX: np.array([[chunk.image_idx]], dtype=np.int64),
-        }
+        return self.io.feeds(
+            {
+                Role.TOKEN_IDS: token_ids,
+                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                Role.VISION_ROWS: self._vision_feeds_of_rows(vision_embeds),
+                Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
+            }
+        )
 
-    @staticmethod
-    def check_chunk_outputs(chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
+    def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """The program's image counter after a chunk must be the plan's."""
-        returned = int(outputs[symbols.IMAGE_IDX_OUTPUT].reshape(-1)[0])
+        returned = int(outputs[self.io.name(Role.VISION_CURSOR, output=True)].reshape(-1)[0])
         if returned != chunk.image_idx_output:
             raise RuntimeError(
                 f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
@@ -541,8 +563,8 @@ class Generator:
                 break
             outputs = self._feed_token(token, self.adapter.decode_positions(positions, step), past)
             if kept is not None:
-                kept.append(outputs[symbols.LOGITS][0, -1].copy())
-            token = int(outputs[symbols.LOGITS][0, -1].argmax())
+                kept.append(outputs[self.logits_name][0, -1].copy())
+            token = int(outputs[self.logits_name][0, -1].argmax())
             tokens.append(token)
             if on_token:
                 on_token(token)

@@ -209,7 +209,12 @@ def build_specializations(
     vision_specs: list[Specialization] = []
     image_tokens: list[tuple[ImageSize, int, str]] = []
     for image in spec.vision.images:
-        values = dict(family.vision_symbols(model, image), **{symbols.BATCH_SIZE: spec.batch_size})
+        # The vision outputs are the language table's vision rows: their symbols (a stack depth) too.
+        values = {
+            **family.language_symbols(model),
+            **family.vision_symbols(model, image),
+            symbols.BATCH_SIZE: spec.batch_size,
+        }
         bound = _bind(vision_order, values, f"family {family.name}, vision program")
         match = next((s for s in vision_specs if s.symbols == bound), None)
         if match is None:

@@ -74,7 +74,6 @@ class Gemma3(Family):
         video=no("Gemma 3 has no video input"),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_SIZE, 3: IMAGE_SIZE}}
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
     image_token_key = "image_token_index"
     # <end_of_image> and <start_of_image> always separate two images' soft tokens (the processor
     # adds newlines too, whose token count depends on the tokenizer: 2 is the safe lower bound).

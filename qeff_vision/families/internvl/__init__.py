@@ -91,7 +91,6 @@ class InternVL(Family):
         video=no("video frames are not exported yet; images only"),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES}}
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
     # "</img>" and "<img>" always separate the context tokens of two images.
     tokens_between_images = 2
 

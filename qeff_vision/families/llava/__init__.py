@@ -64,7 +64,6 @@ class Llava(Family):
         video=no("LLaVA-1.5 has no video input"),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMG_SIZE, 3: IMG_SIZE}}
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
 
     def text_config(self, model: ModelDescription) -> dict[str, Any]:
         """The Llama sub-config with LlamaConfig's defaults for the fields a checkpoint leaves out."""

@@ -91,7 +91,6 @@ class LlavaNext(Family):
         TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
         FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
     }
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
 
     def _vision(self, model: ModelDescription) -> dict:
         return dict(model.config.get("vision_config") or {})

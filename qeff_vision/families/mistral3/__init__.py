@@ -52,7 +52,6 @@ class Mistral3(Family):
         video=no("Mistral 3 takes images only"),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_HEIGHT, 3: IMAGE_WIDTH}}
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
     tokens_between_images = 1  # [IMG_END] closes every image
     placeholders_in_runs = True
 

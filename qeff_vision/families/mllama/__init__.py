@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import DType, Fixed, IORow, Role
+from qeff_vision.contract.language_io import KV_ROLES, DType, Fixed, IORow, Role
 from qeff_vision.families import register
 from qeff_vision.families.base import CROSS_ATTENTION, Family, Features, ImageSize, ModelDescription, no, yes
 
@@ -96,7 +96,6 @@ class Mllama(Family):
         ASPECT_RATIO_IDS: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
         ASPECT_RATIO_MASK: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
     }
-    vision_output_axes = {}
     # Which image (and tile) each token sees; no vision_embeds / image_idx (decoder_kind).
     extra_language_inputs = (
         IORow(
@@ -156,11 +155,9 @@ class Mllama(Family):
 
     def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
         """Key and value states of every cross-attention layer, QEfficient's names."""
-        axes = {0: symbols.BATCH_SIZE, 2: CROSS_STATES}
+        cross = set(cross_layers(self.text_config(model)))
         return {
-            name: dict(axes)
-            for layer in cross_layers(self.text_config(model))
-            for name in (symbols.past_key(layer), symbols.past_value(layer))
+            row.name: row.axes for row in self.language_table(model).rows(*KV_ROLES) if row.layer in cross
         }
 
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:

@@ -59,7 +59,6 @@ class Qwen2_5_VL(Family):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
-    vision_output_axes = {symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE}}
 
     def _vision(self, model: ModelDescription) -> dict:
         return dict(model.config.get("vision_config") or {})

@@ -68,10 +68,6 @@ class Qwen3_VL(Qwen2_5_VL):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
-    vision_output_axes = {
-        symbols.VISION_EMBEDS: {0: symbols.BATCH_SIZE, 1: symbols.VISION_SIZE},
-        DEEPSTACK_FEATURES: {0: NUM_FEATURE_LAYERS, 1: symbols.BATCH_SIZE, 2: symbols.VISION_SIZE},
-    }
     stacked_vision_rows = {DEEPSTACK_FEATURES: NUM_FEATURE_LAYERS}
 
     def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
