@@ -47,12 +47,14 @@ def export(
     force: bool = False,
     dtype: str = "float32",
     comp_ctx_lengths: bool = False,
+    patch_buckets: bool = False,
     quiet: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
 
     ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights;
-    ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths).
+    ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths);
+    ``patch_buckets`` exports the patch-bucket vision program (specs with ``vision.patch_buckets``).
 
     Returns:
         :class:`qeff_vision.export.exporter.ExportResult`.
@@ -65,6 +67,7 @@ def export(
         force=force,
         dtype=dtype,
         comp_ctx_lengths=comp_ctx_lengths,
+        patch_buckets=patch_buckets,
         progress=None if quiet else stderr_progress,
     )
 
@@ -130,6 +133,22 @@ def validate(spec_path):
         return [], list(load_spec(spec_path).warnings)
     except SpecError as exc:
         return list(exc.problems), []
+
+
+def bucket_admission(spec_path) -> list[str]:
+    """What each patch bucket of a valid spec admits (empty for a resolution-list spec).
+
+    Raises:
+        SpecError: The spec is invalid.
+    """
+    from qeff_vision.families import get_family
+    from qeff_vision.spec import load_spec
+    from qeff_vision.spec.buckets import admission_lines
+
+    spec = load_spec(spec_path)
+    if not spec.vision.patch_buckets:
+        return []
+    return admission_lines(get_family(spec.family), spec.model_description, spec.vision.patch_buckets)
 
 
 def check_golden(specs_dir, *, update: bool = False):

@@ -26,10 +26,25 @@ from qeff_vision import api
     is_flag=True,
     help="Add the comp_ctx_lengths input (specs with compile.comp_ctx_lengths need it).",
 )
+@click.option(
+    "--patch-buckets",
+    is_flag=True,
+    help="Export the patch-bucket vision program (specs with vision.patch_buckets need it).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
-def export(model_dir: str, out_dir: str, force: bool, dtype: str, ccl: bool, quiet: bool) -> None:
+def export(
+    model_dir: str, out_dir: str, force: bool, dtype: str, ccl: bool, patch_buckets: bool, quiet: bool
+) -> None:
     """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
-    result = api.export(model_dir, out_dir, force=force, dtype=dtype, comp_ctx_lengths=ccl, quiet=quiet)
+    result = api.export(
+        model_dir,
+        out_dir,
+        force=force,
+        dtype=dtype,
+        comp_ctx_lengths=ccl,
+        patch_buckets=patch_buckets,
+        quiet=quiet,
+    )
     for program in ("vision", "lang"):
         inputs = result.manifest["programs"][program]["inputs"]
         shown = ", ".join(f"{name}{info['shape']}" for name, info in list(inputs.items())[:4])

@@ -129,6 +129,7 @@ def run(
 def report_lines(result) -> list[str]:
     """The notes, per-chunk table and summary of one generation, as printed by ``run``."""
     lines = [f"note: {note}" for note in result.notes]
+    lines += [f"vision: {line}" for line in result.served]
     lines.append(
         f"prompt {result.prompt_tokens} tokens, {result.images} image(s) = {result.image_rows} vision rows; "
         f"protocol {result.protocol}; {len(result.chunks)} prefill chunk(s)"

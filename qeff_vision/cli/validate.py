@@ -30,5 +30,7 @@ def validate(paths: tuple[Path, ...]) -> None:
             bad, count = bad + 1, count + len(problems)
         else:
             click.echo(f"{path}: ok")
+            for line in api.bucket_admission(path):
+                click.echo(f"{path}: {line}")
     if bad:
         raise UserError(f"{count} problem(s) in {bad} of {len(files)} spec file(s)")

@@ -50,7 +50,7 @@ from qeff_vision.compile.precision import PrecisionPlan, resolve_plans
 from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
 from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
+from qeff_vision.export.record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
 from qeff_vision.fsutil import atomic_write_json
 
 EXPORT_SUBDIR = "export"
@@ -130,10 +130,12 @@ class _Export:
         return self.directory / self.manifest["programs"][program]["path"]
 
 
-def _run_export(model_dir: Path, directory: Path, say: Progress, ccl: bool) -> dict[str, Any]:
+def _run_export(model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool) -> dict[str, Any]:
     from qeff_vision.export.exporter import export_model
 
-    return export_model(model_dir, directory, force=True, comp_ctx_lengths=ccl, progress=say).manifest
+    return export_model(
+        model_dir, directory, force=True, comp_ctx_lengths=ccl, patch_buckets=buckets, progress=say
+    ).manifest
 
 
 @dataclass
@@ -156,7 +158,8 @@ def given_export(spec: Any, export_dir: Path) -> _Export:
 
     Raises:
         UserError: Not an export, an export of another family, or one without (or with) the
-            compute-context-length input the spec needs.
+            compute-context-length input or the vision program mode (per resolution or patch
+            buckets) the spec needs.
     """
     manifest = read_export(export_dir)
     if manifest.get("family") != spec.family:
@@ -170,6 +173,13 @@ def given_export(spec: Any, export_dir: Path) -> _Export:
             f"{export_dir}: the spec needs an export {wanted} the comp_ctx_lengths input "
             f"(`qeff-vision export{' --comp-ctx-lengths' if ccl else ''}`)"
         )
+    buckets = bool(spec.vision.patch_buckets)
+    if (vision_mode(manifest) == PATCH_BUCKETS) != buckets:
+        raise UserError(
+            f"{export_dir}: the spec needs an export with the "
+            f"{'patch-bucket' if buckets else 'per-resolution'} vision program "
+            f"(`qeff-vision export{' --patch-buckets' if buckets else ''}`)"
+        )
     return _Export(export_dir, manifest)
 
 
@@ -178,6 +188,7 @@ def locate_export(
 ) -> _Export:
     """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
     ccl = spec.compile.comp_ctx_lengths is not None
+    buckets = bool(spec.vision.patch_buckets)
     if export_dir is not None:
         return given_export(spec, export_dir)
     directory = out_dir / EXPORT_SUBDIR
@@ -192,6 +203,8 @@ def locate_export(
         stale = True
     if manifest is not None and bool(manifest.get("comp_ctx_lengths")) != ccl:
         stale = True  # the spec added or dropped compute-context lengths
+    if manifest is not None and (vision_mode(manifest) == PATCH_BUCKETS) != buckets:
+        stale = True  # the spec switched between resolutions and patch buckets
     if manifest is not None and not stale:
         return _Export(directory, manifest)
     if dry_run:
@@ -206,7 +219,7 @@ def locate_export(
         # The export a previous manifest names is replaced now: that manifest stops being true.
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return _Export(directory, _run_export(spec.model_dir, directory, say, ccl))
+    return _Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets))
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> dict[str, ProgramPlan]:
@@ -298,6 +311,7 @@ def _common_manifest(spec: Any, out_dir: Path, export: _Export, backend: str, sd
             "ctx_len": spec.ctx_len,
             "prefill_seq_lens": list(spec.prefill.seq_lens),
             "images": [{"height": i.height, "width": i.width} for i in spec.vision.images if not i.video],
+            "patch_buckets": list(spec.vision.patch_buckets),
             "max_images": spec.vision.max_images,
             "vision_size": str(spec.vision.vision_size),
             "specialization_layout": None,

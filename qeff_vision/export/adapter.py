@@ -113,6 +113,34 @@ class ExportAdapter:
         """
         raise NotImplementedError
 
+    # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
+
+    def patch_bucket_encoder(self, model: nn.Module) -> nn.Module:
+        """Module whose forward takes the patch-bucket inputs (``family.patch_bucket_input_axes`` order)."""
+        raise NotImplementedError
+
+    def patch_bucket_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Small example inputs of the patch-bucket program (two images packed, padding included)."""
+        raise NotImplementedError
+
+    def pack_vision_inputs(
+        self, model_config: Any, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]
+    ) -> dict[str, np.ndarray] | None:
+        """Feeds of one patch-bucket call encoding ``items`` (from :meth:`vision_inputs`), or None.
+
+        None when the images do not fit the bucket (its symbol values). The output's rows are the
+        images' rows one after another, then padding rows.
+        """
+        raise NotImplementedError
+
+    def item_patches(self, item: Mapping[str, np.ndarray]) -> int:
+        """Patches one image of :meth:`vision_inputs` occupies in a bucket."""
+        raise NotImplementedError
+
+    def item_rows(self, model_config: Any, item: Mapping[str, np.ndarray]) -> int:
+        """Output rows (placeholder tokens) of one image of :meth:`vision_inputs` in a packed call."""
+        raise NotImplementedError
+
     # ---- language program ----
 
     #: The text model takes one 4-D mask instead of ``{layer_type: mask}`` (Llama, Granite: they

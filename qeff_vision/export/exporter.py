@@ -30,7 +30,14 @@ from qeff_vision.contract.language_io import DType, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
-from qeff_vision.export.record import EXPORT_FILE, config_hash, read_export
+from qeff_vision.export.record import (
+    EXPORT_FILE,
+    PATCH_BUCKETS,
+    RESOLUTIONS,
+    VISION_MODE,
+    config_hash,
+    read_export,
+)
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.weights import (
     DTYPES,
@@ -261,6 +268,7 @@ def export_model(
     force: bool = False,
     dtype: str = "float32",
     comp_ctx_lengths: bool = False,
+    patch_buckets: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
@@ -275,6 +283,8 @@ def export_model(
         dtype: Floating dtype of the exported graphs, ``float32`` or ``float16``.
         comp_ctx_lengths: Give the language program the ``comp_ctx_lengths`` input (compute-context
             lengths: attention reads as many leading KV slots as it has elements).
+        patch_buckets: Export the family's patch-bucket vision program (specialized on patch
+            counts, any resolution, images packed) instead of the per-resolution one.
         progress: Called with one line per stage; ``None`` silences progress.
 
     Returns:
@@ -289,6 +299,8 @@ def export_model(
         raise UserError(f"{out_dir} is not empty; pass --force to replace it")
     description = describe_checkpoint(model_dir)
     family = family_for(description)
+    if patch_buckets and not family.supports_patch_buckets:
+        raise UserError(f"family {family.name} has no patch-bucket vision program")
     dims = family.text_dims(description)
     timings: dict[str, float] = {}
 
@@ -303,7 +315,7 @@ def export_model(
     with staged_directory(out_dir, force=force) as staging:
         start = time.perf_counter()
         say("patch: symbolic vision tower, retained-state KV decoder")
-        encoder = adapter.vision_encoder(model)
+        encoder = adapter.patch_bucket_encoder(model) if patch_buckets else adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
         io = family.language_table(description, comp_ctx_lengths)
         decoder = adapter.language_decoder(model, parts, io)
@@ -311,8 +323,11 @@ def export_model(
 
         start = time.perf_counter()
         say("export vision")
-        vision_example = adapter.vision_example_inputs(model)
-        vision_outputs = family.vision_outputs(description)
+        if patch_buckets:
+            vision_example = adapter.patch_bucket_example_inputs(model)
+        else:
+            vision_example = adapter.vision_example_inputs(model)
+        vision_inputs, vision_outputs = family.vision_io(description, patch_buckets)
         vision = _trace(
             staging,
             "vision",
@@ -320,7 +335,7 @@ def export_model(
             _cast(tuple(vision_example.values()), torch_dtype),
             list(vision_example),
             list(vision_outputs),
-            {**family.vision_input_axes, **vision_outputs},
+            {**vision_inputs, **vision_outputs},
         )
         timings["trace_vision"] = time.perf_counter() - start
 
@@ -358,6 +373,7 @@ def export_model(
             "opset": OPSET,
             "dtype": dtype,
             "comp_ctx_lengths": comp_ctx_lengths,
+            VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

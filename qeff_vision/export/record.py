@@ -14,6 +14,15 @@ from qeff_vision.errors import UserError
 
 EXPORT_FILE = "export.json"
 PROGRAMS = ("vision", "lang")
+# Which vision program an export holds: one specialized per resolution, or per patch count.
+VISION_MODE = "vision_mode"
+RESOLUTIONS = "resolutions"
+PATCH_BUCKETS = "patch_buckets"
+
+
+def vision_mode(manifest: dict[str, Any]) -> str:
+    """``patch_buckets`` or ``resolutions`` (exports from before the key hold the latter)."""
+    return manifest.get(VISION_MODE) or RESOLUTIONS
 
 
 def config_hash(model_dir: str | Path) -> str:

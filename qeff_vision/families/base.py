@@ -240,6 +240,11 @@ class Family:
     #: by :meth:`language_symbols`.
     extra_language_inputs: tuple[IORow, ...] = ()
     decoder_kind: str = TOKEN_MERGE
+    #: Inputs (and outputs) of the patch-bucket vision program, for families whose tower takes
+    #: any resolution: specialized on a patch count instead of a resolution, several images packed
+    #: per call. Empty: the family has no such program (``vision.patch_buckets`` is refused).
+    patch_bucket_input_axes: Mapping[str, Mapping[int, str]] = {}
+    patch_bucket_output_axes: Mapping[str, Mapping[int, str]] = {}
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 
@@ -411,3 +416,36 @@ class Family:
             row.name: {axis: rename.get(symbol, symbol) for axis, symbol in row.axes.items()}
             for row in self.language_table(model).rows(Role.VISION_ROWS)
         }
+
+    # ---- patch buckets (families with ``patch_bucket_input_axes``) ----
+
+    @property
+    def supports_patch_buckets(self) -> bool:
+        """The family has a patch-bucket vision program."""
+        return bool(self.patch_bucket_input_axes)
+
+    def vision_io(self, model: ModelDescription, patch_buckets: bool = False):
+        """(input axes, output axes) of the vision program in the given mode."""
+        if patch_buckets:
+            return dict(self.patch_bucket_input_axes), dict(self.patch_bucket_output_axes)
+        return dict(self.vision_input_axes), self.vision_outputs(model)
+
+    def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
+        """Patches an image occupies in a bucket at its own (processor-resized) resolution."""
+        raise NotImplementedError
+
+    def bucket_symbols(self, model: ModelDescription, patches: int) -> dict[str, int]:
+        """Values of the patch-bucket program's symbols for a bucket of ``patches`` (vision_size included)."""
+        raise NotImplementedError
+
+    def bucket_problems(self, model: ModelDescription, patches: int) -> list[str]:
+        """Why ``patches`` cannot be a bucket (empty when it can)."""
+        return []
+
+    def fit_to_patches(self, model: ModelDescription, image: ImageSize, patches: int) -> tuple[int, int]:
+        """(height, width) the processor's own resize gives with its pixel bound set to ``patches``."""
+        raise NotImplementedError
+
+    def max_patches(self, model: ModelDescription) -> int:
+        """Patches of the largest image the processor produces."""
+        raise NotImplementedError

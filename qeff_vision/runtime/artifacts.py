@@ -48,6 +48,7 @@ class Artifacts:
         language_specializations: Symbol values of each compiled language specialization.
         shape: Prefill buckets, decode vision size and ``ctx_len`` of the language program.
         resolutions: The image resolutions the spec compiled (before the processor's resize).
+        patch_buckets: The patch counts of a patch-bucket vision program (empty: per resolution).
     """
 
     out_dir: Path
@@ -63,6 +64,7 @@ class Artifacts:
     language_specializations: tuple[dict[str, int], ...]
     shape: LanguageShape
     resolutions: tuple[ImageSize, ...]
+    patch_buckets: tuple[int, ...] = ()
 
     def description(self) -> ModelDescription:
         """The checkpoint's config and image-processor config (no torch)."""
@@ -130,6 +132,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         raise UserError(f"{where}: a program has no specializations")
     export_dir = _export_dir(out_dir, manifest)
     images = (manifest.get("shapes") or {}).get("images") or []
+    buckets = (manifest.get("shapes") or {}).get("patch_buckets") or []
     return Artifacts(
         out_dir=out_dir,
         manifest=manifest,
@@ -144,6 +147,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         language_specializations=language,
         shape=LanguageShape.from_specializations(language),
         resolutions=tuple(ImageSize(int(i["height"]), int(i["width"])) for i in images),
+        patch_buckets=tuple(int(count) for count in buckets),
     )
 
 
@@ -239,8 +243,17 @@ def generator_for_artifacts(
     vision, language = open_programs(artifacts, precision)
     model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
     adapter = load_adapter(artifacts.family)
+    buckets = artifacts.vision_specializations if artifacts.patch_buckets else None
     generator = make_generator(
-        artifacts.family, adapter, model_config, vision, language, artifacts.shape, eos_ids, cache
+        artifacts.family,
+        adapter,
+        model_config,
+        vision,
+        language,
+        artifacts.shape,
+        eos_ids,
+        cache,
+        patch_buckets=buckets,
     )
     generator.compiled_vision = list(artifacts.vision_specializations)
     return generator
@@ -291,6 +304,8 @@ def image_fitter(artifacts: Artifacts):
     Resizes an image the compiled vision program cannot take to the closest compiled resolution
     (see :func:`compiled_size_for`) and says so.
     """
+    if artifacts.patch_buckets:
+        return _bucket_fitter(artifacts)
 
     def fit(image):
         target = compiled_size_for(artifacts, image.height, image.width)
@@ -301,5 +316,28 @@ def image_fitter(artifacts: Artifacts):
             "(height x width), the closest compiled resolution"
         )
         return image.resize((target.width, target.height)), note
+
+    return fit
+
+
+def _bucket_fitter(artifacts: Artifacts):
+    """Patch-bucket mode: every image at its own resolution, unless it exceeds the largest bucket.
+
+    Such an image is downscaled by the processor's own rule with its pixel bound set to the
+    largest bucket (aspect ratio kept), and the note says so.
+    """
+    description = artifacts.description()
+    family, largest = artifacts.family, max(artifacts.patch_buckets)
+
+    def fit(image):
+        size = ImageSize(image.height, image.width)
+        if family.patch_count(description, size) <= largest:
+            return image, None
+        height, width = family.fit_to_patches(description, size, largest)
+        note = (
+            f"downscaled from {image.height}x{image.width} to {height}x{width} (height x width, aspect "
+            f"ratio kept) to fit the largest patch bucket ({largest} patches)"
+        )
+        return image.resize((width, height)), note
 
     return fit

@@ -348,7 +348,7 @@ class Conversation:
         if rest and on_text:
             on_text(rest)
         result.text = stream.emitted
-        result.notes = list(inputs.notes)
+        result.notes = [*inputs.notes, *result.notes]
         self.messages = [*inputs.messages, assistant_message(result.text)]
         self.images = inputs.images
         self.videos = inputs.videos

@@ -136,6 +136,8 @@ class GenerationResult:
         images_encoded: Images the vision program encoded for this prompt.
         notes: Things worth telling the user (e.g. an image resized to a compiled resolution).
         continuation: Where the language program stopped; pass it as ``history=`` to continue.
+        served: Per image, which vision program served it (resolution list or patch bucket, packed
+            with how many others) or that the embedding cache did.
     """
 
     prompt_tokens: int
@@ -153,6 +155,7 @@ class GenerationResult:
     images_encoded: int = 0
     notes: list[str] = field(default_factory=list)
     continuation: Continuation | None = None
+    served: list[str] = field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -195,6 +198,7 @@ class Generator:
         shape: LanguageShape,
         eos_token_ids: Sequence[int],
         cache: EmbeddingCache | None = None,
+        patch_buckets: Sequence[Mapping[str, int]] | None = None,
     ):
         self.family = family
         self.adapter = adapter
@@ -223,6 +227,14 @@ class Generator:
         self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
+        #: Patch-bucket mode: the vision specializations (symbol values), smallest bucket first;
+        #: the encoder packs images into them. None: one program per resolution.
+        self.patch_buckets = (
+            sorted(patch_buckets, key=lambda bucket: bucket[symbols.VISION_SIZE]) if patch_buckets else None
+        )
+        #: How the vision program served each image of the last prompt (what ``run`` reports).
+        self.served: dict[str, str] = {}
+        self._images: list[PreparedImage] = []
 
     # ---- vision ----
 
@@ -253,6 +265,8 @@ class Generator:
         A compiled vision program accepts only its specializations' batch sizes (usually 1), so a
         group of same-resolution misses is cut into the largest batches it accepts.
         """
+        if self.patch_buckets is not None:
+            return self._packing_encoder(inputs_by_key, timer)
 
         def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
             start = time.perf_counter()
@@ -264,21 +278,72 @@ class Generator:
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
                 embeds += [self._wide_rows(output, i) for i in range(size)]
+                for image in pending[:size]:
+                    grid = "x".join(str(d) for d in image.resolution)
+                    self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
                 pending = pending[size:]
             timer[0] += time.perf_counter() - start
             return embeds
 
         return encode
 
-    def _wide_rows(self, output: Mapping[str, np.ndarray], item: int) -> np.ndarray:
-        """[tokens, row_width]: image ``item``'s vision_embeds, then each stacked input's rows.
+    def _packing_encoder(
+        self, inputs_by_key: Mapping[str, dict], timer: list[float]
+    ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
+        """The cache's encoder in patch-bucket mode: images of any sizes packed into few calls.
+
+        Largest images first, each call takes every pending image that still fits the largest
+        bucket, then runs in the smallest bucket that holds what it took. An image's rows are the
+        call's rows from the end of the previous image's (the program's packing contract).
+        """
+        buckets = self.patch_buckets or []
+
+        def pack(items: list[dict], bucket: Mapping[str, int]):
+            return self.adapter.pack_vision_inputs(self.model_config, items, bucket)
+
+        def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
+            start = time.perf_counter()
+            rows: dict[str, np.ndarray] = {}
+            pending = sorted(batch, key=lambda image: -self.adapter.item_patches(inputs_by_key[image.key]))
+            while pending:
+                taken: list[PreparedImage] = []
+                for image in pending:
+                    if pack([inputs_by_key[i.key] for i in [*taken, image]], buckets[-1]) is not None:
+                        taken.append(image)
+                if not taken:
+                    patches = self.adapter.item_patches(inputs_by_key[pending[0].key])
+                    raise UserError(f"an image of {patches} patches fits no compiled patch bucket")
+                items = [inputs_by_key[image.key] for image in taken]
+                bucket, feeds = next((b, f) for b in buckets for f in [pack(items, b)] if f is not None)
+                output = self.vision.run(feeds)
+                offset = 0
+                for image, item in zip(taken, items):
+                    count = self.adapter.item_rows(self.model_config, item)
+                    rows[image.key] = self._wide_rows(output, 0, slice(offset, offset + count))
+                    offset += count
+                    others = f", packed with {len(taken) - 1} other image(s)" if len(taken) > 1 else ""
+                    self.served[image.key] = (
+                        f"patch bucket of {bucket[symbols.VISION_SIZE]} rows "
+                        f"({self.adapter.item_patches(item)} patches at its own resolution{others})"
+                    )
+                done = {image.key for image in taken}
+                pending = [image for image in pending if image.key not in done]
+            timer[0] += time.perf_counter() - start
+            return [rows[image.key] for image in batch]
+
+        return encode
+
+    def _wide_rows(
+        self, output: Mapping[str, np.ndarray], item: int, rows: slice = slice(None)
+    ) -> np.ndarray:
+        """[tokens, row_width]: image ``item``'s vision_embeds ``rows``, then each stacked input's rows.
 
         The vision program's outputs are named like the language table's vision-row inputs.
         """
-        embeds = output[self.io.rows(Role.VISION_ROWS)[0].name][item]
+        embeds = output[self.io.rows(Role.VISION_ROWS)[0].name][item, rows]
         columns = [embeds]
         for name, depth in self.stack_depths.items():
-            stacked = output[name][:, item]  # [depth, tokens, hidden]
+            stacked = output[name][:, item, rows]  # [depth, tokens, hidden]
             columns.append(np.moveaxis(stacked, 0, 1).reshape(embeds.shape[0], depth * embeds.shape[1]))
         return np.concatenate(columns, axis=-1) if len(columns) > 1 else embeds
 
@@ -398,6 +463,7 @@ class Generator:
         """
         started = time.perf_counter()
         self.ccl_history = []
+        self.served = {}
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         past = history.past if history is not None else self._empty_cache()
@@ -434,6 +500,7 @@ class Generator:
             image_rows=plan.total_rows,
             images_encoded=stats_after.images_encoded - stats_before.images_encoded,
             continuation=Continuation(past, positions, len(tokens) - 1, (tokens[-1],)),
+            served=self._served_notes(),
         )
 
     def _feed_history(self, history: Continuation, past: dict[str, np.ndarray]) -> np.ndarray:
@@ -481,6 +548,13 @@ class Generator:
         by_role.update(extra or {})
         return self.io.feeds(by_role)
 
+    def _served_notes(self) -> list[str]:
+        """One line per image of the last prompt: which vision program (mode) served it."""
+        return [
+            f"image {number}: " + self.served.get(image.key, "embedding cache (encoded by an earlier turn)")
+            for number, image in enumerate(self._images, start=1)
+        ]
+
     def _prefill(
         self,
         plan: ChunkPlan,
@@ -491,6 +565,7 @@ class Generator:
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
         """Run every chunk of ``plan``; the last call's outputs and one record per chunk."""
         images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
+        self._images = images
         encode_timer = [0.0]
         encoder = self._encoder(inputs_by_key, encode_timer)
         hidden = self.row_width
@@ -614,11 +689,18 @@ def generator_for_export(
     program there (``-mxfp6-matmul`` and an MXINT8 KV cache are language-program options).
     """
     from qeff_vision.export.exporter import load_adapter
-    from qeff_vision.export.record import read_export
+    from qeff_vision.export.record import PATCH_BUCKETS, read_export, vision_mode
 
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)
     family = get_family(manifest["family"])
+    buckets = None
+    if vision_mode(manifest) == PATCH_BUCKETS:
+        if not vision_specializations:
+            raise UserError(
+                f"{export_dir}: a patch-bucket export runs with its vision specializations (the buckets)"
+            )
+        buckets = vision_specializations
     model_config, eos_ids = checkpoint_settings(manifest["model"])
     plans = fp32_values or {}
     vision = OnnxProgram(
@@ -632,7 +714,17 @@ def generator_for_export(
         fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
         mx=mx,
     )
-    return make_generator(family, load_adapter(family), model_config, vision, language, shape, eos_ids, cache)
+    return make_generator(
+        family,
+        load_adapter(family),
+        model_config,
+        vision,
+        language,
+        shape,
+        eos_ids,
+        cache,
+        patch_buckets=buckets,
+    )
 
 
 def make_generator(family: Family, *args, **kwargs) -> Generator:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from qeff_vision.compile.options import parse_compile_options
 from qeff_vision.errors import SpecError
+from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
@@ -111,6 +112,10 @@ def spec_from_data(data: object, source: Path) -> Spec:
         check_model(reader, warnings, family, description, ctx_len)
     if family is not None and description is not None and vision is not None:
         check_images(reader, warnings, family, description, vision, seq_lens, ctx_len)
+        if vision.patch_buckets:
+            check_patch_buckets(
+                reader, warnings, family, description, vision.patch_buckets, vision.max_images, ctx_len
+            )
 
     if reader.problems:
         raise SpecError(str(source), reader.problems)

@@ -37,12 +37,15 @@ class VisionSpec:
         max_images: Images one request may carry.
         vision_size: The vision-size policy of the language specializations.
         vision_size_given: ``vision.vision_size`` was written in the spec (not defaulted).
+        patch_buckets: Patch counts of the patch-bucket vision program (one specialization each,
+            any image resolution); empty in resolution-list mode (``images``).
     """
 
     images: tuple[ImageSize, ...]
     max_images: int = 1
     vision_size: VisionSizePolicy = field(default_factory=VisionSizePolicy)
     vision_size_given: bool = False
+    patch_buckets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

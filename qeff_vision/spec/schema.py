@@ -30,7 +30,7 @@ TOP_KEYS = (
     "compile",
 )
 PREFILL_KEYS = ("seq_lens",)
-VISION_KEYS = ("images", "videos", "max_images", "vision_size")
+VISION_KEYS = ("images", "videos", "patch_buckets", "max_images", "vision_size")
 VIDEO_KEYS = ("height", "width", "frames")
 IMAGE_KEYS = ("height", "width", "frames")
 # Generous bounds: they only keep arithmetic finite and messages sane for absurd input.
@@ -39,6 +39,7 @@ MAX_FRAMES = 10_000
 MAX_CTX_LEN = 1 << 20
 MAX_BATCH_SIZE = 4096
 MAX_IMAGES_PER_REQUEST = 1024
+MAX_BUCKET_PATCHES = 1 << 20
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 MISSING = object()
 
@@ -155,12 +156,17 @@ class VisionInput:
     policy: VisionSizePolicy | None
     policy_given: bool
     complete: bool
+    patch_buckets: tuple[int, ...] = ()
 
     def spec(self) -> VisionSpec:
         """The checked section (only when ``complete``)."""
         assert self.complete and self.max_images is not None and self.policy is not None
         return VisionSpec(
-            tuple(image for _, image in self.images), self.max_images, self.policy, self.policy_given
+            tuple(image for _, image in self.images),
+            self.max_images,
+            self.policy,
+            self.policy_given,
+            self.patch_buckets,
         )
 
 
@@ -170,8 +176,19 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
         return None
     before = len(reader.problems)
     vision = reader.mapping(value, "vision", VISION_KEYS)
-    if isinstance(vision, dict) and "images" not in vision and "videos" not in vision:
-        reader.add("vision", "needs images or videos (a list of {height, width} / {height, width, frames})")
+    if isinstance(vision, dict) and "patch_buckets" in vision and ("images" in vision or "videos" in vision):
+        reader.add(
+            "vision",
+            "give either images/videos (one program per resolution) or patch_buckets (images of any size), "
+            "not both",
+        )
+    elif isinstance(vision, dict) and not {"images", "videos", "patch_buckets"} & set(vision):
+        reader.add(
+            "vision",
+            "needs images or videos (a list of {height, width} / {height, width, frames}) "
+            "or patch_buckets (patch counts, images of any resolution)",
+        )
+    buckets = read_patch_buckets(reader, vision["patch_buckets"]) if "patch_buckets" in vision else ()
     max_images = reader.integer(vision, "max_images", "vision", default=1, maximum=MAX_IMAGES_PER_REQUEST)
     given = "vision_size" in vision
     policy = read_policy(reader, vision["vision_size"], ctx_len) if given else VisionSizePolicy()
@@ -196,7 +213,8 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
     raw_videos = vision.get("videos")
     if "videos" in vision and (not isinstance(raw_videos, list) or not raw_videos):
         reader.add(
-            "vision.videos", f"must be a non-empty list of {{height, width, frames}} (got {raw_videos!r})"
+            "vision.videos",
+            f"must be a non-empty list of {{height, width, frames}} (got {shown(raw_videos)})",
         )
     for index, item in enumerate(raw_videos if isinstance(raw_videos, list) else []):
         here = yaml_path("vision.videos", index)
@@ -211,7 +229,27 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
             reader.add(here, f"duplicate video {image_label(video)}")
             continue
         images.append((len(images), video))
-    return VisionInput(images, max_images, policy, given, complete=len(reader.problems) == before)
+    complete = len(reader.problems) == before
+    return VisionInput(images, max_images, policy, given, complete, buckets)
+
+
+def read_patch_buckets(reader: Reader, raw: Any) -> tuple[int, ...]:
+    """``vision.patch_buckets``: sorted unique patch counts (empty when invalid)."""
+    here = "vision.patch_buckets"
+    if not isinstance(raw, list) or not raw:
+        reader.add(here, f"must be a non-empty list of patch counts (got {shown(raw)})")
+        return ()
+    before = len(reader.problems)
+    seen: dict[int, int] = {}
+    by_index = dict(enumerate(raw))
+    for index in by_index:
+        count = reader.integer(by_index, index, here, maximum=MAX_BUCKET_PATCHES)
+        if count is None:
+            continue
+        if count in seen:
+            reader.add(yaml_path(here, index), f"duplicate bucket {count} (also {here}[{seen[count]}])")
+        seen.setdefault(count, index)
+    return tuple(sorted(seen)) if len(reader.problems) == before else ()
 
 
 def image_label(image: ImageSize) -> str:

@@ -202,12 +202,14 @@ def build_specializations(
     resolved = resolve_layout(layout or spec.layout)
     num_layers = family.text_dims(model).num_layers
 
-    vision_outputs = family.vision_outputs(model)
-    vision_order = _graph_order([family.vision_input_axes, vision_outputs])
+    buckets = spec.vision.patch_buckets
+    vision_inputs, vision_outputs = family.vision_io(model, patch_buckets=bool(buckets))
+    vision_order = _graph_order([vision_inputs, vision_outputs])
     if symbols.BATCH_SIZE in vision_order:  # batch first: easier to read, same meaning
         vision_order.insert(0, vision_order.pop(vision_order.index(symbols.BATCH_SIZE)))
     vision_specs: list[Specialization] = []
     image_tokens: list[tuple[ImageSize, int, str]] = []
+    where = f"family {family.name}, vision program"
     for image in spec.vision.images:
         # The vision outputs are the language table's vision rows: their symbols (a stack depth) too.
         values = {
@@ -215,14 +217,27 @@ def build_specializations(
             **family.vision_symbols(model, image),
             symbols.BATCH_SIZE: spec.batch_size,
         }
-        bound = _bind(vision_order, values, f"family {family.name}, vision program")
+        bound = _bind(vision_order, values, where)
         match = next((s for s in vision_specs if s.symbols == bound), None)
         if match is None:
             match = Specialization(_image_name(image), bound)
             vision_specs.append(match)
         image_tokens.append((image, values[symbols.VISION_SIZE], match.name))
+    for patches in buckets:
+        values = {
+            **family.language_symbols(model),
+            **family.bucket_symbols(model, patches),
+            symbols.BATCH_SIZE: 1,
+        }
+        vision_specs.append(Specialization(f"Vision-patches{patches}", _bind(vision_order, values, where)))
 
-    request_tokens = max(tokens for _, tokens, _ in image_tokens) * spec.vision.max_images
+    if buckets:
+        # Images larger than the largest bucket are downscaled into it; none exceeds max_pixels.
+        largest = min(max(buckets), family.max_patches(model))
+        most_tokens = family.bucket_symbols(model, largest)[symbols.VISION_SIZE]
+    else:
+        most_tokens = max(tokens for _, tokens, _ in image_tokens)
+    request_tokens = most_tokens * spec.vision.max_images
     seq_lens = spec.prefill.seq_lens
     whole = None
     if not family.features.chunk_split.supported:
@@ -286,7 +301,7 @@ def build_specializations(
         PROGRAM_DIRS[VISION],
         resolved,
         tuple(vision_specs),
-        _custom_io([*family.vision_input_axes, *vision_outputs], vision_precision),
+        _custom_io([*vision_inputs, *vision_outputs], vision_precision),
     )
     language = ProgramFiles(
         LANGUAGE,

@@ -48,6 +48,14 @@ def specialization_table(result: ProgramSpecializations) -> str:
             label += f"x{image.image.frames}f"
         spans = [_span_cell(*image.chunks[s]) for s in seq_lens]
         image_rows.append((label, str(image.tokens), image.vision_specialization, *spans))
-    lines = [header, "", *_columns(rows), "", *_columns(image_rows)]
+    lines = [header, "", *_columns(rows), ""]
+    if spec.vision.patch_buckets:
+        from qeff_vision.families import get_family
+        from qeff_vision.spec.buckets import admission_lines
+
+        family = get_family(spec.family)
+        lines += admission_lines(family, spec.model_description, spec.vision.patch_buckets)
+    else:
+        lines += _columns(image_rows)
     lines += [f"warning: {warning}" for warning in result.warnings]
     return "\n".join(lines)

@@ -21,6 +21,10 @@ GRID_WIDTH = "grid_width"
 IMAGE_GRID_THW = "image_grid_thw"
 # Temporal patches on image_grid_thw's axis 1 (QEfficient's name): 1 for an image, frames / 2 for a clip.
 TIME = "time"
+# Patch-bucket vision program (see patches.py): per-patch ids and the window layout.
+PATCH_IDS = "patch_ids"
+WINDOW_LAYOUT = "window_layout"
+WINDOW_BLOCKS = "window_blocks"
 
 # The published checkpoints' preprocessor_config.json (used when only a config snapshot is given).
 DEFAULT_MIN_PIXELS = 4 * 28 * 28
@@ -48,7 +52,7 @@ class Qwen2_5_VL(Family):
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
-        multi_resolution=yes("one vision graph, a specialization per resolution"),
+        multi_resolution=yes("one vision graph; a specialization per resolution or per patch bucket"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
     )
@@ -59,6 +63,13 @@ class Qwen2_5_VL(Family):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
+    # Patch buckets: grid_height is the bucket's patch count; one call packs any images that fit.
+    patch_bucket_input_axes = {
+        symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
+        PATCH_IDS: {0: GRID_HEIGHT},
+        WINDOW_LAYOUT: {0: WINDOW_BLOCKS},
+    }
+    patch_bucket_output_axes = {symbols.VISION_EMBEDS: {1: symbols.VISION_SIZE}}
 
     def _vision(self, model: ModelDescription) -> dict:
         return dict(model.config.get("vision_config") or {})
@@ -151,3 +162,50 @@ class Qwen2_5_VL(Family):
             GRID_WIDTH: CHANNELS * temporal * patch * patch,
             symbols.VISION_SIZE: grid_t * grid_h * grid_w // (merge * merge),
         }
+
+    # ---- patch buckets ----
+
+    def _geometry(self, model: ModelDescription):
+        from qeff_vision.families.qwen2_5_vl.patches import Geometry
+
+        vision = self._vision(model)
+        merge = int(vision.get("spatial_merge_size", 2))
+        window = int(vision.get("window_size", 112)) // merge // int(vision.get("patch_size", 14))
+        return Geometry(merge, window)
+
+    def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
+        """Patches of an image at its own (processor-resized) resolution."""
+        return self.vision_symbols(model, image)[GRID_HEIGHT]
+
+    def bucket_symbols(self, model: ModelDescription, patches: int) -> dict[str, int]:
+        """grid_height (the bucket), grid_width, window_blocks and vision_size of a patch bucket."""
+        vision = self._vision(model)
+        patch = int(vision.get("patch_size", 14))
+        temporal = int(vision.get("temporal_patch_size", 2))
+        geometry = self._geometry(model)
+        return {
+            GRID_HEIGHT: patches,
+            GRID_WIDTH: CHANNELS * temporal * patch * patch,
+            WINDOW_BLOCKS: geometry.window_blocks(patches),
+            symbols.VISION_SIZE: patches // (geometry.merge * geometry.merge),
+        }
+
+    def bucket_problems(self, model: ModelDescription, patches: int) -> list[str]:
+        """A bucket holds whole merged tokens: a multiple of merge^2 patches, at least one token."""
+        group = self._geometry(model).merge ** 2
+        if patches % group:
+            return [f"{patches} patches is not a multiple of {group} (one merged token is {group} patches)"]
+        return []
+
+    def fit_to_patches(self, model: ModelDescription, image: ImageSize, patches: int) -> tuple[int, int]:
+        """The processor's resize with ``max_pixels`` set to ``patches`` patches (aspect ratio kept)."""
+        vision = self._vision(model)
+        patch = int(vision.get("patch_size", 14))
+        min_pixels, max_pixels = self.pixel_limits(model)
+        limit = min(max_pixels, patches * patch * patch)
+        return self._smart_resize(image.height, image.width, self._factor(model), min_pixels, limit)
+
+    def max_patches(self, model: ModelDescription) -> int:
+        """Patches of the largest image the processor produces (its ``max_pixels``)."""
+        patch = int(self._vision(model).get("patch_size", 14))
+        return self.pixel_limits(model)[1] // (patch * patch)

@@ -28,7 +28,14 @@ from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
-from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
+from qeff_vision.families.qwen2_5_vl import (
+    GRID_HEIGHT,
+    IMAGE_GRID_THW,
+    PATCH_IDS,
+    WINDOW_BLOCKS,
+    WINDOW_LAYOUT,
+    patches,
+)
 
 
 def _segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,27 +114,36 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Encode a batch of same-resolution images."""
-        visual = self.visual
         image, row, col, window, slot, windows = self._grid_indices(image_grid_thw)
-        hidden = visual.patch_embed(pixel_values)
-        cos, sin = visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
-        cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-        full_mask = _segment_mask(image, hidden.dtype)
-        if self.windowed:
-            layout = self._window_layout(slot, windows, cos, sin, hidden.dtype)
-        else:
-            window_mask = _segment_mask(window, hidden.dtype)
-        for index, block in enumerate(visual.blocks):
+        hidden = self.visual.patch_embed(pixel_values)
+        cos, sin = self._rotary(hidden, row, col)
+        layout = self._window_layout(slot, windows, cos, sin, hidden.dtype) if self.windowed else None
+        window_mask = None if self.windowed else _segment_mask(window, hidden.dtype)
+        hidden = self._blocks(hidden, cos, sin, _segment_mask(image, hidden.dtype), layout, window_mask)
+        merged = self.visual.merger(hidden)
+        return merged.reshape(image_grid_thw.shape[0], -1, self.out_hidden)
+
+    def _rotary(self, hidden: torch.Tensor, row: torch.Tensor, col: torch.Tensor):
+        """Vision rotary cos/sin [N, 1, head_dim] from each patch's row and column."""
+        cos, sin = self.visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
+        return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
+
+    def _blocks(self, hidden, cos, sin, full_mask, layout, window_mask) -> torch.Tensor:
+        """Every block: full attention where the checkpoint has it, window attention elsewhere.
+
+        ``layout`` (the padded window form, see :meth:`_window_attention`) or ``window_mask`` (the
+        masked-full form) says how window blocks attend.
+        """
+        for index, block in enumerate(self.visual.blocks):
             normed = block.norm1(hidden)
             if index in self.full_attention_blocks:
                 hidden = hidden + self._attention(block.attn, normed, cos, sin, full_mask)
-            elif self.windowed:
+            elif layout is not None:
                 hidden = hidden + self._window_attention(block.attn, normed, *layout)
             else:
                 hidden = hidden + self._attention(block.attn, normed, cos, sin, window_mask)
             hidden = hidden + block.mlp(block.norm2(hidden))
-        merged = visual.merger(hidden)
-        return merged.reshape(image_grid_thw.shape[0], -1, self.out_hidden)
+        return hidden
 
     @staticmethod
     def _rotated_qkv(attn: nn.Module, hidden, cos, sin):
@@ -141,20 +157,23 @@ class VisionEncoder(nn.Module):
         return query, key, value
 
     def _window_attention(self, attn: nn.Module, hidden, cos, sin, gather, mask, slot) -> torch.Tensor:
-        """Attention batched over padded windows: scores [windows, heads, S, S].
+        """Attention batched over padded window blocks: scores [blocks, heads, S, S].
 
-        ``cos``/``sin`` are already in the padded layout [windows, 1, S, head_dim]. Padding rows
-        are zeros; as keys they are masked, as queries their outputs are never gathered back.
+        ``cos``/``sin`` are already in the padded layout [blocks, 1, S, head_dim]; ``mask`` is
+        additive, [blocks, 1, 1 or S, S]. Empty slots are zero rows; as keys they are masked, as
+        queries their outputs are never gathered back (``slot`` may point one past the layout, at
+        an appended zero row, for patches outside every window).
         """
-        size = self.window * self.window * self.merge * self.merge
+        size = cos.shape[-2]
         padded = torch.cat([hidden, torch.zeros_like(hidden[:1])], dim=0)[gather]
         qkv = attn.qkv(padded).reshape(-1, size, 3, attn.num_heads, cos.shape[-1]).permute(2, 0, 3, 1, 4)
-        query, key, value = qkv[0], qkv[1], qkv[2]  # [windows, heads, S, head_dim]
+        query, key, value = qkv[0], qkv[1], qkv[2]  # [blocks, heads, S, head_dim]
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
         scores = torch.matmul(query, key.transpose(-1, -2)) * attn.scaling + mask
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         output = torch.matmul(weights, value).permute(0, 2, 1, 3).reshape(gather.shape[0], -1)
+        output = torch.cat([output, torch.zeros_like(output[:1])], dim=0)
         # Back to the processor's order: patch i sits at slot[i].
         return attn.proj(output[slot])
 
@@ -166,6 +185,39 @@ class VisionEncoder(nn.Module):
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
         return attn.proj(output)
+
+
+class PatchBucketEncoder(VisionEncoder):
+    """pixel_values [patches, C*T*P*P], patch_ids [patches, 5], window_layout [blocks, S] -> [1, rows, H].
+
+    The patch-bucket form: the host packs one or more images (any sizes) into a bucket of
+    ``patches`` rows and sends the ids the grid form derives from ``image_grid_thw``
+    (:mod:`qeff_vision.families.qwen2_5_vl.patches`). Full-attention blocks mask by image number,
+    window blocks by window number inside each block of the layout, so padding patches and other
+    images change no valid row.
+    """
+
+    def forward(
+        self, pixel_values: torch.Tensor, patch_ids: torch.Tensor, window_layout: torch.Tensor
+    ) -> torch.Tensor:
+        """Encode the packed images; rows of image i follow those of image i - 1, padding last."""
+        hidden = self.visual.patch_embed(pixel_values)
+        cos, sin = self._rotary(hidden, patch_ids[:, patches.ROW], patch_ids[:, patches.COL])
+        full_mask = _segment_mask(patch_ids[:, patches.IMAGE], hidden.dtype)
+        gather = window_layout.reshape(-1)
+        # Window number of each slot (-1 for empty slots, through the appended row).
+        window = torch.cat([patch_ids[:, patches.WINDOW], torch.full_like(patch_ids[:1, 0], -1)])[gather]
+        window = window.reshape(window_layout.shape)
+        same = window.unsqueeze(-1) == window.unsqueeze(-2)
+        mask = torch.where(same, 0.0, torch.finfo(hidden.dtype).min).to(hidden.dtype).unsqueeze(1)
+
+        def padded(table: torch.Tensor) -> torch.Tensor:  # [N, 1, head_dim] -> [blocks, 1, S, head_dim]
+            table = torch.cat([table, torch.zeros_like(table[:1])], dim=0)[gather]
+            return table.reshape(window_layout.shape[0], window_layout.shape[1], 1, -1).transpose(1, 2)
+
+        layout = (padded(cos), padded(sin), gather, mask, patch_ids[:, patches.SLOT])
+        hidden = self._blocks(hidden, cos, sin, full_mask, layout, None)
+        return self.visual.merger(hidden).reshape(1, -1, self.out_hidden)
 
 
 class Adapter(ExportAdapter):
@@ -187,6 +239,50 @@ class Adapter(ExportAdapter):
             symbols.PIXEL_VALUES: torch.randn(2 * grid_h * grid_w, features, generator=generator),
             IMAGE_GRID_THW: torch.zeros(1, 2, grid_h, grid_w, dtype=torch.int64),
         }
+
+    def patch_bucket_encoder(self, model: nn.Module) -> nn.Module:
+        """The patch-bucket vision tower (packed images, ids from the host)."""
+        return PatchBucketEncoder(model.model.visual).eval()
+
+    def patch_bucket_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """An 8x12-patch and a 4x4-patch image packed into 128 patches (windows shared, padding)."""
+        config = model.config.vision_config
+        geometry = patches.Geometry(config.spatial_merge_size, self._window(config))
+        grids = [(8, 12), (4, 4)]
+        ids, layout = patches.pack_patch_ids(grids, 128, geometry.window_blocks(128), geometry)
+        features = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        generator = torch.Generator().manual_seed(0)
+        return {
+            symbols.PIXEL_VALUES: torch.randn(128, features, generator=generator),
+            PATCH_IDS: torch.from_numpy(ids),
+            WINDOW_LAYOUT: torch.from_numpy(layout),
+        }
+
+    @staticmethod
+    def _window(config) -> int:
+        return config.window_size // config.spatial_merge_size // config.patch_size
+
+    def pack_vision_inputs(self, model_config, items, bucket):
+        """Pixel rows one image after another, zero-padded to the bucket; ids from the grids."""
+        vision = model_config["vision_config"]
+        window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
+        geometry = patches.Geometry(vision["spatial_merge_size"], window)
+        grids = [tuple(item[IMAGE_GRID_THW].shape[2:]) for item in items]
+        packed = patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
+        if packed is None:
+            return None
+        rows = [item[symbols.PIXEL_VALUES] for item in items]
+        pixels = np.zeros((bucket[GRID_HEIGHT], rows[0].shape[1]), dtype=rows[0].dtype)
+        pixels[: sum(len(r) for r in rows)] = np.concatenate(rows, axis=0)
+        return {symbols.PIXEL_VALUES: pixels, PATCH_IDS: packed[0], WINDOW_LAYOUT: packed[1]}
+
+    def item_patches(self, item) -> int:
+        """Pixel rows of the image (one per patch)."""
+        return int(item[symbols.PIXEL_VALUES].shape[0])
+
+    def item_rows(self, model_config, item) -> int:
+        """Merged tokens: patches / merge^2."""
+        return self.item_patches(item) // model_config["vision_config"]["spatial_merge_size"] ** 2
 
     def hf_image_features(self, model, processed):
         """Transformers' vision tower on the processor outputs, split per image."""
