@@ -120,3 +120,23 @@ def test_six_mixed_images_pack_into_no_more_calls_than_buckets_used(bucket_artif
     for together, alone in zip(packed, one_by_one):
         assert together.shape == alone.shape
         assert np.abs(together - alone).max() <= 1e-5
+
+
+def test_image_past_the_largest_bucket_is_downscaled_with_its_aspect_ratio(bucket_artifacts, hf_model):
+    """The processor's own rule with max_pixels set to the bucket: aspect kept, a note, it fits."""
+    from dataclasses import replace
+
+    from qeff_vision.runtime.artifacts import image_fitter, load_artifacts
+
+    _, processor = hf_model(FAMILY)
+    artifacts = replace(load_artifacts(bucket_artifacts), patch_buckets=(1024,))
+    fit = image_fitter(artifacts)
+    small = helpers.image(300, 400, 0)
+    assert fit(small) == (small, None)
+    fitted, note = fit(helpers.image(1080, 1920, 1))
+    assert note == (
+        "downscaled from 1080x1920 to 336x588 (height x width, aspect ratio kept) to fit the largest "
+        "patch bucket (1024 patches)"
+    )
+    grid = processor.image_processor(images=[fitted], return_tensors="np")["image_grid_thw"][0]
+    assert grid.tolist() == [1, 24, 42]  # 1,008 patches, aspect 0.571 (1080/1920 = 0.5625)
