@@ -23,6 +23,7 @@ from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
+from qeff_vision.runtime.packing import packing_encoder
 from qeff_vision.runtime.planner import (
     Chunk,
     ChunkPlan,
@@ -266,7 +267,7 @@ class Generator:
         group of same-resolution misses is cut into the largest batches it accepts.
         """
         if self.patch_buckets is not None:
-            return self._packing_encoder(inputs_by_key, timer)
+            return packing_encoder(self, inputs_by_key, timer)
 
         def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
             start = time.perf_counter()
@@ -277,7 +278,7 @@ class Generator:
                 while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
-                embeds += [self._wide_rows(output, i) for i in range(size)]
+                embeds += [self.wide_rows(output, i) for i in range(size)]
                 for image in pending[:size]:
                     grid = "x".join(str(d) for d in image.resolution)
                     self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
@@ -287,55 +288,7 @@ class Generator:
 
         return encode
 
-    def _packing_encoder(
-        self, inputs_by_key: Mapping[str, dict], timer: list[float]
-    ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
-        """The cache's encoder in patch-bucket mode: images of any sizes packed into few calls.
-
-        Largest images first, each call takes every pending image that still fits the largest
-        bucket, then runs in the smallest bucket that holds what it took. An image's rows are the
-        call's rows from the end of the previous image's (the program's packing contract).
-        """
-        buckets = self.patch_buckets or []
-
-        def pack(items: list[dict], bucket: Mapping[str, int]):
-            return self.adapter.pack_vision_inputs(self.model_config, items, bucket)
-
-        def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
-            start = time.perf_counter()
-            rows: dict[str, np.ndarray] = {}
-            pending = sorted(batch, key=lambda image: -self.adapter.item_patches(inputs_by_key[image.key]))
-            while pending:
-                taken: list[PreparedImage] = []
-                for image in pending:
-                    if pack([inputs_by_key[i.key] for i in [*taken, image]], buckets[-1]) is not None:
-                        taken.append(image)
-                if not taken:
-                    patches = self.adapter.item_patches(inputs_by_key[pending[0].key])
-                    raise UserError(f"an image of {patches} patches fits no compiled patch bucket")
-                items = [inputs_by_key[image.key] for image in taken]
-                bucket, feeds = next((b, f) for b in buckets for f in [pack(items, b)] if f is not None)
-                output = self.vision.run(feeds)
-                offset = 0
-                for image, item in zip(taken, items):
-                    count = self.adapter.item_rows(self.model_config, item)
-                    rows[image.key] = self._wide_rows(output, 0, slice(offset, offset + count))
-                    offset += count
-                    others = f", packed with {len(taken) - 1} other image(s)" if len(taken) > 1 else ""
-                    self.served[image.key] = (
-                        f"patch bucket of {bucket[symbols.VISION_SIZE]} rows "
-                        f"({self.adapter.item_patches(item)} patches at its own resolution{others})"
-                    )
-                done = {image.key for image in taken}
-                pending = [image for image in pending if image.key not in done]
-            timer[0] += time.perf_counter() - start
-            return [rows[image.key] for image in batch]
-
-        return encode
-
-    def _wide_rows(
-        self, output: Mapping[str, np.ndarray], item: int, rows: slice = slice(None)
-    ) -> np.ndarray:
+    def wide_rows(self, output: Mapping[str, np.ndarray], item: int, rows: slice = slice(None)) -> np.ndarray:
         """[tokens, row_width]: image ``item``'s vision_embeds ``rows``, then each stacked input's rows.
 
         The vision program's outputs are named like the language table's vision-row inputs.

@@ -1,0 +1,98 @@
+"""Packing images of any sizes into patch-bucket encoder calls (pure; the family packs the feeds).
+
+A patch-bucket vision program takes several images per call when their patches (and, for
+Qwen2.5-VL, their attention windows) fit a compiled bucket. The plan here keeps calls few:
+largest images first, each call takes every pending image that still fits the largest bucket,
+then runs in the smallest bucket that holds what it took.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from qeff_vision.errors import UserError
+
+Pack = Callable[[list[Any], Mapping[str, int]], "dict | None"]
+"""Feeds of one call encoding these images in this bucket, or None when they do not fit."""
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """One encoder call: the bucket (its symbol values), the images it encodes, its feeds."""
+
+    bucket: Mapping[str, int]
+    images: tuple[int, ...]
+    feeds: dict
+
+
+def plan_packed_calls(
+    items: Sequence[Any], sizes: Sequence[int], buckets: Sequence[Mapping[str, int]], pack: Pack
+) -> list[PackedCall]:
+    """Encoder calls for ``items`` (indices into it, in each call's row order).
+
+    Args:
+        items: Per-image vision inputs.
+        sizes: Each item's patch count (larger ones are placed first).
+        buckets: Compiled buckets, smallest first.
+        pack: Builds a call's feeds (see :data:`Pack`).
+
+    Raises:
+        UserError: An image fits no bucket.
+    """
+    pending = sorted(range(len(items)), key=lambda index: -sizes[index])
+    calls = []
+    while pending:
+        taken: list[int] = []
+        for index in pending:
+            if pack([items[i] for i in [*taken, index]], buckets[-1]) is not None:
+                taken.append(index)
+        if not taken:
+            raise UserError(f"an image of {sizes[pending[0]]} patches fits no compiled patch bucket")
+        chosen = [items[i] for i in taken]
+        bucket, feeds = next((b, f) for b in buckets for f in [pack(chosen, b)] if f is not None)
+        calls.append(PackedCall(bucket, tuple(taken), feeds))
+        pending = [index for index in pending if index not in taken]
+    return calls
+
+
+def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[float]):
+    """A :class:`~qeff_vision.runtime.generate.Generator`'s cache encoder in patch-bucket mode.
+
+    Calls follow :func:`plan_packed_calls`. An image's rows are the call's rows from the end of
+    the previous image's (the program's packing contract); ``generator.served`` records, per image
+    key, the bucket that served it. ``timer[0]`` accumulates the seconds spent.
+    """
+    import numpy as np
+
+    from qeff_vision import symbols
+
+    adapter, config = generator.adapter, generator.model_config
+    buckets = generator.patch_buckets or []
+
+    def pack(items: list[dict], bucket: Mapping[str, int]):
+        return adapter.pack_vision_inputs(config, items, bucket)
+
+    def encode(batch):
+        start = time.perf_counter()
+        items = [inputs_by_key[image.key] for image in batch]
+        sizes = [adapter.item_patches(item) for item in items]
+        rows: list = [None] * len(batch)
+        for call in plan_packed_calls(items, sizes, buckets, pack):
+            output = generator.vision.run(call.feeds)
+            offset = 0
+            others = f", packed with {len(call.images) - 1} other image(s)" if len(call.images) > 1 else ""
+            for index in call.images:
+                count = adapter.item_rows(config, items[index])
+                rows[index] = generator.wide_rows(output, 0, slice(offset, offset + count))
+                offset += count
+                generator.served[batch[index].key] = (
+                    f"patch bucket of {call.bucket[symbols.VISION_SIZE]} rows "
+                    f"({sizes[index]} patches at its own resolution{others})"
+                )
+        timer[0] += time.perf_counter() - start
+        return [np.asarray(r) for r in rows]
+
+    return encode
