@@ -111,6 +111,12 @@ def test_patch_bucket_spec_problems_and_warnings(tmp_path):
     """Both modes at once, partial merged tokens, an unfillable bucket, a family without buckets."""
     both = spec_data(vision={"patch_buckets": [1024]})
     assert any("either images" in p for p in problems_of(write_spec(tmp_path, both)))
+    # Clips keep per-(resolution, frames) programs: buckets carry no time axis.
+    clips = spec_data(
+        vision={"patch_buckets": [1024], "videos": [{"height": 224, "width": 224, "frames": 4}]}
+    )
+    del clips["vision"]["images"]
+    assert any("either images/videos" in p for p in problems_of(write_spec(tmp_path, clips)))
     assert problems_of(_bucket_spec(tmp_path, [1022, 0])) == [
         "vision.patch_buckets[1]: must be a positive integer (got 0)"
     ]
@@ -127,3 +133,16 @@ def test_patch_bucket_spec_problems_and_warnings(tmp_path):
     gemma = spec_data(model="google/gemma-3-4b-it", config=str(CONFIGS / "gemma-3-4b-it" / "config.json"))
     gemma["vision"] = {"patch_buckets": [1024]}
     assert any("has no patch-bucket vision program" in p for p in problems_of(write_spec(tmp_path, gemma)))
+
+
+def test_a_clip_in_a_patch_bucket_call_is_refused_in_one_line():
+    """Packing ids have no time axis: a clip (two temporal patches) gets a clear refusal, not wrong rows."""
+    from qeff_vision.errors import UserError
+    from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
+
+    adapter = load_adapter(get_family("qwen2_5_vl"))
+    config = {"vision_config": {"window_size": 112, "spatial_merge_size": 2, "patch_size": 14}}
+    pixels = np.zeros((2 * 16, 1176), np.float32)
+    clip = {"pixel_values": pixels, IMAGE_GRID_THW: np.zeros((1, 2, 4, 4), np.int64)}
+    with pytest.raises(UserError, match="video clip needs a per-resolution vision program"):
+        adapter.pack_vision_inputs(config, [clip], {GRID_HEIGHT: 1024, WINDOW_BLOCKS: 23})

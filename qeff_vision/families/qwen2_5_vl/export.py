@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
@@ -267,6 +268,10 @@ class Adapter(ExportAdapter):
         vision = model_config["vision_config"]
         window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
         geometry = patches.Geometry(vision["spatial_merge_size"], window)
+        if any(item[IMAGE_GRID_THW].shape[1] != 1 for item in items):
+            # Packing ids carry (row, col, image, window) per patch, not time: clips keep their
+            # per-(resolution, frames) programs (vision.videos), which spec validation requires.
+            raise UserError("a video clip needs a per-resolution vision program; patch buckets encode images")
         grids = [tuple(item[IMAGE_GRID_THW].shape[2:]) for item in items]
         packed = patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
         if packed is None:
