@@ -51,13 +51,15 @@ def test_every_family_has_golden_vllm_commands_in_the_guide_forms():
             assert _option(dual, "--max-seq-len-to-capture") == str(max(spec.prefill.seq_lens))
             # E-PD: the qaic-disagg launcher's flags.
             assert epd[:3] == ["qaic-disagg", "--model", "model"]
-            still = next(image for image in spec.vision.images if not image.video)
+            still = next((image for image in spec.vision.images if not image.video), None)
+            # A patch-bucket encoder takes any resolution: no height/width pair to pin.
+            size = {} if still is None else {"height": str(still.height), "width": str(still.width)}
             assert _launcher_pairs(_option(epd, "--encode-override-qaic-config")) == {
-                "height": str(still.height),
-                "width": str(still.width),
+                **size,
                 "kv_offload": "True",
                 "qpc_path": VISION_QPC,
             }
+            assert bool(spec.vision.patch_buckets) == (still is None)
             assert _launcher_pairs(_option(epd, "--decode-override-qaic-config")) == {
                 "kv_offload": "True",
                 "qpc_path": LANGUAGE_QPC,
