@@ -48,6 +48,7 @@ def export(
     dtype: str = "float32",
     comp_ctx_lengths: bool = False,
     patch_buckets: bool = False,
+    continuous_batching: bool = False,
     quiet: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
@@ -55,6 +56,8 @@ def export(
     ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights;
     ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths);
     ``patch_buckets`` exports the patch-bucket vision program (specs with ``vision.patch_buckets``).
+    ``continuous_batching`` exports the language program with ``batch_index`` and
+    ``full_batch_size`` KV slots (for specs with ``full_batch_size``).
 
     Returns:
         :class:`qeff_vision.export.exporter.ExportResult`.
@@ -68,6 +71,7 @@ def export(
         dtype=dtype,
         comp_ctx_lengths=comp_ctx_lengths,
         patch_buckets=patch_buckets,
+        continuous_batching=continuous_batching,
         progress=None if quiet else stderr_progress,
     )
 

@@ -14,6 +14,14 @@ SLIDING_WINDOW = "sliding_window"
 # as KV slots attention reads (QEfficient's name and mechanism).
 COMP_CTX_LENGTHS = "comp_ctx_lengths"
 VISION_BATCH_SIZE = "vision_batch_size"
+# Continuous batching (QEfficient's names): KV caches hold ``full_batch_size`` sequence slots on
+# dim 0; ``batch_index`` [batch_size, 1] names the slot of each row of a call. Prefill
+# specializations also carry ``full_batch_exec_size`` (a specialization key, not a graph axis).
+FULL_BATCH_SIZE = "full_batch_size"
+FULL_BATCH_EXEC_SIZE = "full_batch_exec_size"
+BATCH_INDEX = "batch_index"
+# Specialization keys that name no graph dimension (the compiler reads them; QEfficient writes them).
+SPECIALIZATION_ONLY = frozenset({FULL_BATCH_EXEC_SIZE})
 VISION_SIZE = "vision_size"
 
 # Language-program IO names (QEfficient-compatible, so vLLM's qaic backend can load our QPCs).

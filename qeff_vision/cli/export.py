@@ -31,9 +31,23 @@ from qeff_vision import api
     is_flag=True,
     help="Export the patch-bucket vision program (specs with vision.patch_buckets need it).",
 )
+@click.option(
+    "--continuous-batching",
+    "cb",
+    is_flag=True,
+    help="Language program for continuous batching: batch_index input, full_batch_size KV slots "
+    "(specs with full_batch_size need it).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
 def export(
-    model_dir: str, out_dir: str, force: bool, dtype: str, ccl: bool, patch_buckets: bool, quiet: bool
+    model_dir: str,
+    out_dir: str,
+    force: bool,
+    dtype: str,
+    ccl: bool,
+    patch_buckets: bool,
+    cb: bool,
+    quiet: bool,
 ) -> None:
     """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
     result = api.export(
@@ -43,6 +57,7 @@ def export(
         dtype=dtype,
         comp_ctx_lengths=ccl,
         patch_buckets=patch_buckets,
+        continuous_batching=cb,
         quiet=quiet,
     )
     for program in ("vision", "lang"):

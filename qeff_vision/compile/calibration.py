@@ -17,10 +17,23 @@ from pathlib import Path
 
 import numpy as np
 
+from qeff_vision import symbols
 from qeff_vision.runtime.session import OnnxProgram
 
 DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
 DECODE_STEPS = 3
+
+
+def single_sequence(values: Mapping[str, int]) -> dict[str, int]:
+    """A continuous-batching specialization as one sequence in one KV slot runs it (others as given).
+
+    Calibration drives the single-sequence generator; the graph and its node values per sequence
+    are the same whatever ``full_batch_size``, so one slot and batch 1 measure the same peaks.
+    """
+    if symbols.FULL_BATCH_SIZE not in values:
+        return dict(values)
+    single = {k: v for k, v in values.items() if k not in symbols.SPECIALIZATION_ONLY}
+    return {**single, symbols.BATCH_SIZE: 1, symbols.FULL_BATCH_SIZE: 1}
 
 
 class RecordingProgram(OnnxProgram):
@@ -80,6 +93,7 @@ def prompt_ranges(
     family = get_family(manifest["family"])
     model_config, _ = checkpoint_settings(manifest["model"])
     vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
+    language_specializations = [single_sequence(values) for values in language_specializations]
     language = RecordingProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
     shape = LanguageShape.from_specializations(language_specializations)
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.

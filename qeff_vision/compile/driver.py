@@ -130,11 +130,19 @@ class _Export:
         return self.directory / self.manifest["programs"][program]["path"]
 
 
-def _run_export(model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool) -> dict[str, Any]:
+def _run_export(
+    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool
+) -> dict[str, Any]:
     from qeff_vision.export.exporter import export_model
 
     return export_model(
-        model_dir, directory, force=True, comp_ctx_lengths=ccl, patch_buckets=buckets, progress=say
+        model_dir,
+        directory,
+        force=True,
+        comp_ctx_lengths=ccl,
+        patch_buckets=buckets,
+        continuous_batching=cb,
+        progress=say,
     ).manifest
 
 
@@ -158,8 +166,8 @@ def given_export(spec: Any, export_dir: Path) -> _Export:
 
     Raises:
         UserError: Not an export, an export of another family, or one without (or with) the
-            compute-context-length input or the vision program mode (per resolution or patch
-            buckets) the spec needs.
+            compute-context-length input, the vision program mode (per resolution or patch
+            buckets) or the continuous-batching IO the spec needs.
     """
     manifest = read_export(export_dir)
     if manifest.get("family") != spec.family:
@@ -180,6 +188,13 @@ def given_export(spec: Any, export_dir: Path) -> _Export:
             f"{'patch-bucket' if buckets else 'per-resolution'} vision program "
             f"(`qeff-vision export{' --patch-buckets' if buckets else ''}`)"
         )
+    cb = spec.full_batch_size is not None
+    if bool(manifest.get("continuous_batching")) != cb:
+        wanted = "with" if cb else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} continuous batching "
+            f"(`qeff-vision export{' --continuous-batching' if cb else ''}`)"
+        )
     return _Export(export_dir, manifest)
 
 
@@ -189,6 +204,7 @@ def locate_export(
     """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
     ccl = spec.compile.comp_ctx_lengths is not None
     buckets = bool(spec.vision.patch_buckets)
+    cb = spec.full_batch_size is not None
     if export_dir is not None:
         return given_export(spec, export_dir)
     directory = out_dir / EXPORT_SUBDIR
@@ -205,6 +221,8 @@ def locate_export(
         stale = True  # the spec added or dropped compute-context lengths
     if manifest is not None and (vision_mode(manifest) == PATCH_BUCKETS) != buckets:
         stale = True  # the spec switched between resolutions and patch buckets
+    if manifest is not None and bool(manifest.get("continuous_batching")) != cb:
+        stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and not stale:
         return _Export(directory, manifest)
     if dry_run:
@@ -219,7 +237,7 @@ def locate_export(
         # The export a previous manifest names is replaced now: that manifest stops being true.
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return _Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets))
+    return _Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb))
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: _Export) -> dict[str, ProgramPlan]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qeff_vision import symbols
 from qeff_vision.errors import UserError
 
 Dim = int | str | None
@@ -155,7 +156,7 @@ def symbol_problems(
                 f"{program} specialization {index}: symbol {symbol!r} is missing "
                 f"(graph {graph.path.name} has it on {graph.where(symbol)})"
             )
-        for symbol in sorted(set(values) - known):
+        for symbol in sorted(set(values) - known - symbols.SPECIALIZATION_ONLY):
             problems.append(
                 f"{program} specialization {index}: symbol {symbol!r} is not a dimension of any "
                 f"input or output of {graph.path.name} (graph symbols: {', '.join(sorted(known))})"

@@ -93,20 +93,48 @@ def deviation(names: Sequence[str], reference: Sequence[Any], device: Sequence[A
     return DeviceDeviation(worst[0], worst[1], worst[2], finite)
 
 
-def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any) -> Any:
+def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any, slots: int = 0) -> Any:
     """A valid input for ``tensor``: small random floats, zero integers, positions counting up.
 
     Zero is a valid token id, image index and cache slot in every family; ``position_ids``
     count 0..seq_len-1 along the last axis (every M-RoPE row too), as a real prompt would.
+    ``batch_index`` (continuous batching) gives each row its own KV slot, the last ones, so a
+    batch-1 prefill writes slot full_batch_size - 1 and a decode every slot once.
     """
     import numpy as np
 
     dtype = np.dtype(tensor.dtype)
     if tensor.name == symbols.POSITION_IDS and np.issubdtype(dtype, np.integer) and shape:
         return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
+    if tensor.name == symbols.BATCH_INDEX and slots and shape:
+        return np.arange(slots - shape[0], slots, dtype=dtype).reshape(shape)
     if np.issubdtype(dtype, np.floating):
         return (rng.standard_normal(shape) * 0.1).astype(dtype)
     return np.zeros(shape, dtype=dtype)
+
+
+def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
+    """Continuous batching: KV slots no row of the call names come back unchanged.
+
+    Each retained cache whose input has ``full_batch_size`` rows is compared with its input on
+    the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here).
+    """
+    import numpy as np
+
+    batch_index = feeds.get(symbols.BATCH_INDEX)
+    if batch_index is None:
+        return []
+    problems = []
+    for name, value in feeds.items():
+        retained = outputs.get(symbols.retained(name))
+        if retained is None or not name.startswith(("past_key.", "past_value.")):
+            continue
+        others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
+        if not np.array_equal(retained[others], value[others]):
+            problems.append(
+                f"{symbols.retained(name)} changed KV slots {others.tolist()} that batch_index does not name"
+            )
+    return problems
 
 
 def bound_shape(tensor: TensorInfo, values: Mapping[str, int], where: str) -> tuple[int, ...]:
@@ -179,8 +207,9 @@ def verify_program(
     runs = []
     for index, values in enumerate(specializations):
         where = f"{program} specialization {index} {dict(values)}"
+        slots = int(values.get(symbols.FULL_BATCH_SIZE, 0))
         feeds = {
-            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng)
+            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng, slots)
             for tensor in graph.inputs
         }
         names = [tensor.name for tensor in graph.outputs]
@@ -201,6 +230,7 @@ def verify_program(
                 shown = ["?" if e is None else e for e in expected]
                 problems.append(f"output {tensor.name} has shape {list(actual)}, expected {shown}")
             shapes[tensor.name] = [int(d) for d in actual]
+        problems += untouched_slot_problems(feeds, dict(zip(names, results)))
         if problems:
             raise UserError(f"{where}: " + "; ".join(problems))
         compared = None

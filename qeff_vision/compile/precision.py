@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
 from qeff_vision.compile.options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
@@ -78,7 +79,9 @@ def calibration_feeds(onnx_path: Path, specializations: Sequence[Mapping[str, in
     for index, values in enumerate(specializations):
         where = f"calibration of specialization {index}"
         yield {
-            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng)
+            tensor.name: generated_input(
+                tensor, bound_shape(tensor, values, where), rng, int(values.get(symbols.FULL_BATCH_SIZE, 0))
+            )
             for tensor in graph.inputs
         }
 

@@ -32,6 +32,7 @@ class Role(Enum):
     KV_KEY = "kv_key"
     KV_VALUE = "kv_value"
     COMP_CTX_LENGTHS = "comp_ctx_lengths"
+    KV_SLOT = "kv_slot"
     LOGITS = "logits"
 
 
@@ -211,6 +212,7 @@ def language_io(
     *,
     merges_vision_rows: bool = True,
     extra_inputs: Sequence[IORow] = (),
+    continuous_batching: bool = False,
 ) -> LanguageIO:
     """The language program's IO table.
 
@@ -226,6 +228,9 @@ def language_io(
             ``image_idx`` cursor); False for a cross-attention decoder, which has none of them.
         extra_inputs: A family's own inputs, after ``position_ids`` (mllama's
             ``cross_attention_mask``); a row with ``retained`` set gets its output too.
+        continuous_batching: QEfficient's continuous-batching IO: the caches hold
+            ``full_batch_size`` sequence slots on dim 0 and ``batch_index`` [batch_size, 1] (role
+            ``KV_SLOT``) after them names the slot each row of a call reads and writes.
 
     Returns:
         The table; outputs pair each retained input with its ``_RetainedState`` output.
@@ -250,9 +255,11 @@ def language_io(
     if len(slots) != num_layers:
         raise ValueError(f"{len(slots)} cache symbols for {num_layers} layers")
     for layer, slot in enumerate(slots):
-        shape = (batch, NUM_KV_HEADS, slot, HEAD_DIM)
+        shape = (symbols.FULL_BATCH_SIZE if continuous_batching else batch, NUM_KV_HEADS, slot, HEAD_DIM)
         inputs.append(IORow(symbols.past_key(layer), Role.KV_KEY, DType.KV, shape, layer=layer))
         inputs.append(IORow(symbols.past_value(layer), Role.KV_VALUE, DType.KV, shape, layer=layer))
+    if continuous_batching:  # QEfficient's order: after the caches, before comp_ctx_lengths
+        inputs.append(IORow(symbols.BATCH_INDEX, Role.KV_SLOT, DType.INT64, (batch, 1)))
     if comp_ctx_lengths:
         ccl = symbols.COMP_CTX_LENGTHS
         inputs.append(IORow(ccl, Role.COMP_CTX_LENGTHS, DType.INT64, (ccl,)))

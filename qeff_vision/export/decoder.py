@@ -9,6 +9,12 @@ It reuses the Hugging Face text model's own layers and replaces only what export
     row ``image_idx + t`` of the flattened ``vision_embeds``; ``image_idx_output`` adds the chunk's
     placeholder count, so it never goes backwards;
   * logits come from the last valid position only.
+
+With continuous batching (the table's ``batch_index`` row, role ``KV_SLOT``) the caches hold
+``full_batch_size`` slots on dim 0 and ``batch_index`` [batch, 1] names the slot of each row:
+full-context layers write and read through ``CtxScatterCB`` / ``CtxGatherCB``, window rings read
+their rows out of the slot and write them back, so each row sees only its own sequence
+(docs/design.md, "Continuous batching protocol").
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import torch
 from torch import nn
 
 from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
-from qeff_vision.export.kv_ops import CtxGatherFunction, CtxScatterFunction
+from qeff_vision.export.kv_ops import (
+    CtxGatherCBFunction,
+    CtxGatherFunction,
+    CtxScatterCBFunction,
+    CtxScatterFunction,
+)
 from qeff_vision.families.base import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
@@ -126,7 +137,8 @@ class RetainedKVCache:
 
     Full-context layers scatter the chunk into their ``ctx_len`` slots and read them all back
     (masked by position); window layers (``ring`` set) keep a ring of ``sliding_window`` slots
-    updated by the :class:`RingPlan`.
+    updated by the :class:`RingPlan`. With ``batch_index`` (continuous batching) every read and
+    write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call.
     """
 
     def __init__(
@@ -136,6 +148,7 @@ class RetainedKVCache:
         read_slots: torch.Tensor,
         ring_layers: Sequence[bool] = (),
         ring: RingPlan | None = None,
+        batch_index: torch.Tensor | None = None,
     ):
         self.keys = list(past[0::2])
         self.values = list(past[1::2])
@@ -143,20 +156,37 @@ class RetainedKVCache:
         self.read_slots = read_slots
         self.ring_layers = list(ring_layers) or [False] * len(self.keys)
         self.ring = ring
+        self.batch_index = batch_index
+
+    def _write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        if self.batch_index is None:
+            return CtxScatterFunction.apply(cache, slots, states)
+        return CtxScatterCBFunction.apply(cache, self.batch_index, slots, states)
+
+    def _read(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.batch_index is None:
+            return CtxGatherFunction.apply(cache, slots)
+        return CtxGatherCBFunction.apply(cache, self.batch_index, slots)
+
+    def _ring_update(self, ring: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.batch_index is None:
+            return self.ring.update(ring, new)
+        # The call's rows of the slot-indexed ring, updated, then written back whole: every ring
+        # slot of a row is rewritten (unchanged ones with their old value).
+        slots = torch.arange(ring.shape[2]).view(1, -1).expand(new.shape[0], -1)
+        attend, rewritten = self.ring.update(self._read(ring, slots), new)
+        return attend, self._write(ring, slots, rewritten)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Write this chunk's keys/values and return what attention reads for this layer."""
         if self.ring_layers[layer_idx]:
-            keys, self.keys[layer_idx] = self.ring.update(self.keys[layer_idx], key_states)
-            values, self.values[layer_idx] = self.ring.update(self.values[layer_idx], value_states)
+            keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
+            values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)
             return keys, values
-        self.keys[layer_idx] = CtxScatterFunction.apply(self.keys[layer_idx], self.write_slots, key_states)
-        self.values[layer_idx] = CtxScatterFunction.apply(
-            self.values[layer_idx], self.write_slots, value_states
-        )
-        return (
-            CtxGatherFunction.apply(self.keys[layer_idx], self.read_slots),
-            CtxGatherFunction.apply(self.values[layer_idx], self.read_slots),
+        self.keys[layer_idx] = self._write(self.keys[layer_idx], self.write_slots, key_states)
+        self.values[layer_idx] = self._write(self.values[layer_idx], self.write_slots, value_states)
+        return self._read(self.keys[layer_idx], self.read_slots), self._read(
+            self.values[layer_idx], self.read_slots
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -317,6 +347,7 @@ class LanguageDecoder(nn.Module):
         # elements (QEfficient's mechanism; the host picks a length that covers every position
         # written so far).
         read_len = named[io.name(Role.COMP_CTX_LENGTHS)].shape[0] if io.has(Role.COMP_CTX_LENGTHS) else None
+        batch_index = named[io.name(Role.KV_SLOT)] if io.has(Role.KV_SLOT) else None
         text_positions = position_ids if parts.position_rows is None else position_ids[0]
         inputs_embeds = self.embed_tokens(input_ids)
         inputs_embeds, image_idx_output = merge_vision_rows(
@@ -343,7 +374,7 @@ class LanguageDecoder(nn.Module):
             masks[SLIDING_ATTENTION] = _window_mask(
                 text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
             )
-        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan)
+        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan, batch_index)
         extra = {}
         if stacked_rows:
             gathered = {

@@ -70,6 +70,8 @@ EXAMPLE_SYMBOLS = {
     symbols.CTX_LEN: EXAMPLE_CTX_LEN,
     symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN,
     symbols.COMP_CTX_LENGTHS: EXAMPLE_CCL,
+    # KV slots of a continuous-batching example (the call itself has batch 1, as a prefill does).
+    symbols.FULL_BATCH_SIZE: 4,
 }
 # Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
 EXTERNAL_THRESHOLD = 1024
@@ -250,6 +252,9 @@ def language_example(io: LanguageIO, values: Mapping[str, int], image_token_id: 
             tensor[..., 2 : 2 + values[symbols.VISION_SIZE] - 1] = image_token_id
         elif row.role is Role.POSITIONS:
             tensor = torch.arange(shape[-1], dtype=torch.int64).expand(shape).clone()
+        elif row.role is Role.KV_SLOT:
+            # Slot 1, not 0: a trace that read slot 0 or the cache's own batch would show.
+            tensor = torch.ones(shape, dtype=torch.int64)
         elif row.role is Role.CROSS_MASK:
             tensor = torch.zeros(shape, dtype=torch.int64)
             tensor[:, 1:] = 1
@@ -269,6 +274,7 @@ def export_model(
     dtype: str = "float32",
     comp_ctx_lengths: bool = False,
     patch_buckets: bool = False,
+    continuous_batching: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
@@ -285,6 +291,9 @@ def export_model(
             lengths: attention reads as many leading KV slots as it has elements).
         patch_buckets: Export the family's patch-bucket vision program (specialized on patch
             counts, any resolution, images packed) instead of the per-resolution one.
+        continuous_batching: Export the language program for continuous batching (QEfficient's
+            names): KV caches with ``full_batch_size`` slots on dim 0 and the input
+            ``batch_index`` [batch_size, 1] naming each row's slot.
         progress: Called with one line per stage; ``None`` silences progress.
 
     Returns:
@@ -301,6 +310,10 @@ def export_model(
     family = family_for(description)
     if patch_buckets and not family.supports_patch_buckets:
         raise UserError(f"family {family.name} has no patch-bucket vision program")
+    if continuous_batching and not family.features.continuous_batching.supported:
+        raise UserError(
+            f"{family.title}: no continuous batching ({family.features.continuous_batching.note})"
+        )
     dims = family.text_dims(description)
     timings: dict[str, float] = {}
 
@@ -317,7 +330,7 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.patch_bucket_encoder(model) if patch_buckets else adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
-        io = family.language_table(description, comp_ctx_lengths)
+        io = family.language_table(description, comp_ctx_lengths, continuous_batching)
         decoder = adapter.language_decoder(model, parts, io)
         timings["patch"] = time.perf_counter() - start
 
@@ -374,6 +387,7 @@ def export_model(
             "dtype": dtype,
             "comp_ctx_lengths": comp_ctx_lengths,
             VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
+            "continuous_batching": continuous_batching,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

@@ -1,5 +1,10 @@
 """KV-cache update and read as ONNX functions ``CtxScatter`` / ``CtxGather`` in domain ``com.qualcomm.cloud``.
 
+Continuous batching uses ``CtxScatterCB`` / ``CtxGatherCB`` (QEfficient's names, pinned
+quic/efficient-transformers ``QEfficient/customop/ctx_scatter_gather_cb.py``): the cache's dim 0
+holds ``full_batch_size`` slots and an extra ``batch_index`` [batch, 1] input says which slot each
+row of the call writes and reads, so a batch-1 prefill and a batch-F decode share one cache.
+
 The AI 100 compiler maps these function names to native kernels; any other runtime (onnxruntime)
 inlines their bodies, which use only standard ops. Indices are int64 and always in range — padding
 tokens are redirected by the caller, never encoded as an out-of-range sentinel — so onnxruntime
@@ -20,6 +25,8 @@ DOMAIN = "com.qualcomm.cloud"
 DOMAIN_VERSION = 1
 SCATTER = "CtxScatter"
 GATHER = "CtxGather"
+SCATTER_CB = "CtxScatterCB"
+GATHER_CB = "CtxGatherCB"
 
 
 class CtxScatterFunction(torch.autograd.Function):
@@ -60,6 +67,58 @@ class CtxGatherFunction(torch.autograd.Function):
     @staticmethod
     def symbolic(g, cache, indices):  # noqa: D102 - ONNX emission
         return g.op(f"{DOMAIN}::{GATHER}", cache, indices).setType(cache.type())
+
+
+class CtxScatterCBFunction(torch.autograd.Function):
+    """Write ``updates`` [B, H, S, D] into ``cache`` [F, H, C, D] at slots (``batch_index``, ``positions``).
+
+    ``batch_index`` [B, 1] names each row's sequence slot, ``positions`` [B, S] its cache positions.
+    """
+
+    @staticmethod
+    def forward(
+        cache: torch.Tensor, batch_index: torch.Tensor, positions: torch.Tensor, updates: torch.Tensor
+    ) -> torch.Tensor:
+        """Eager result (also what tracing records as the example output)."""
+        heads = torch.arange(cache.shape[1]).view(1, -1, 1)
+        result = cache.clone()
+        result[batch_index.view(-1, 1, 1), heads, positions.unsqueeze(1)] = updates
+        return result
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102 - inference only
+        pass
+
+    @staticmethod
+    def symbolic(g, cache, batch_index, positions, updates):  # noqa: D102 - ONNX emission
+        return g.op(f"{DOMAIN}::{SCATTER_CB}", cache, batch_index, positions, updates).setType(cache.type())
+
+
+class CtxGatherCBFunction(torch.autograd.Function):
+    """Read ``cache`` [F, H, C, D] at (``batch_index`` [B, 1], ``indices`` [B, K]) -> [B, H, K, D]."""
+
+    @staticmethod
+    def forward(cache: torch.Tensor, batch_index: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Eager result (also what tracing records as the example output)."""
+        heads = torch.arange(cache.shape[1]).view(1, -1, 1)
+        return cache[batch_index.view(-1, 1, 1), heads, indices.unsqueeze(1)]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102 - inference only
+        pass
+
+    @staticmethod
+    def symbolic(g, cache, batch_index, indices):  # noqa: D102 - ONNX emission
+        out = g.op(f"{DOMAIN}::{GATHER_CB}", cache, batch_index, indices)
+        return out.setType(cache.type().with_sizes([None] * 4))
+
+
+def _const(name: str, values: list[int], shape: list[int] | None = None):
+    """An int64 Constant node named ``name`` (a scalar when ``shape`` is [])."""
+    dims = [len(values)] if shape is None else shape
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, dims, values)
+    )
 
 
 def _scatter_function(opset: int) -> onnx.FunctionProto:
@@ -140,12 +199,79 @@ def _gather_function(opset: int) -> onnx.FunctionProto:
     )
 
 
+def _slot_indices(batch: str, cache: str, positions: str, out: str) -> list:
+    """Nodes building ``out`` [B, H, S, 3] = (batch[b], h, positions[b, s]); B and S from ``positions``."""
+    return [
+        helper.make_node("Shape", [cache], ["cache_shape"]),
+        helper.make_node("Shape", [positions], ["pos_shape"]),
+        _const("zero", [0], []),
+        _const("one", [1], []),
+        _const("ax0", [0]),
+        _const("ax1", [1]),
+        _const("one_1d", [1]),
+        _const("ax_23", [2, 3]),
+        _const("ax_023", [0, 2, 3]),
+        _const("ax_13", [1, 3]),
+        helper.make_node("Gather", ["cache_shape", "one"], ["num_heads"], axis=0),
+        helper.make_node("Gather", ["pos_shape", "ax0"], ["rows_1d"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "ax1"], ["heads_1d"], axis=0),
+        helper.make_node("Gather", ["pos_shape", "ax1"], ["seq_1d"], axis=0),
+        helper.make_node("Concat", ["rows_1d", "heads_1d", "seq_1d", "one_1d"], ["index_shape"], axis=0),
+        helper.make_node("Range", ["zero", "num_heads", "one"], ["head_range"]),
+        helper.make_node("Unsqueeze", [batch, "ax_23"], ["batch_col"]),
+        helper.make_node("Unsqueeze", ["head_range", "ax_023"], ["head_col"]),
+        helper.make_node("Unsqueeze", [positions, "ax_13"], ["pos_col"]),
+        helper.make_node("Expand", ["batch_col", "index_shape"], ["batch_idx"]),
+        helper.make_node("Expand", ["head_col", "index_shape"], ["head_idx"]),
+        helper.make_node("Expand", ["pos_col", "index_shape"], ["pos_idx"]),
+        helper.make_node("Concat", ["batch_idx", "head_idx", "pos_idx"], [out], axis=3),
+    ]
+
+
+def _scatter_cb_function(opset: int) -> onnx.FunctionProto:
+    # indices[b, h, s] = (batch_index[b], h, positions[b, s]) -> ScatterND(cache, indices, updates)
+    nodes = [
+        *_slot_indices("batch_index", "cache", "positions", "indices"),
+        helper.make_node("ScatterND", ["cache", "indices", "updates"], ["output"]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        SCATTER_CB,
+        ["cache", "batch_index", "positions", "updates"],
+        ["output"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+    )
+
+
+def _gather_cb_function(opset: int) -> onnx.FunctionProto:
+    # indices[b, h, k] = (batch_index[b], h, indices[b, k]) -> GatherND(cache, indices) [B, H, K, D]
+    nodes = [
+        *_slot_indices("batch_index", "cache", "indices", "nd_indices"),
+        helper.make_node("GatherND", ["cache", "nd_indices"], ["output"]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        GATHER_CB,
+        ["cache", "batch_index", "indices"],
+        ["output"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+    )
+
+
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Add the CtxScatter/CtxGather definitions (and the domain import) when the graph uses them."""
+    """Add the CtxScatter/CtxGather(CB) definitions (and the domain import) when the graph uses them."""
     opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))
     used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
     defined = {(f.domain, f.name) for f in model.functions}
-    for name, build in ((SCATTER, _scatter_function), (GATHER, _gather_function)):
+    builders = (
+        (SCATTER, _scatter_function),
+        (GATHER, _gather_function),
+        (SCATTER_CB, _scatter_cb_function),
+        (GATHER_CB, _gather_cb_function),
+    )
+    for name, build in builders:
         if name in used and (DOMAIN, name) not in defined:
             model.functions.append(build(opset))
     if used and not any(op.domain == DOMAIN for op in model.opset_import):

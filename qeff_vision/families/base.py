@@ -77,6 +77,8 @@ class Features:
         video: Video inputs are exported and specialized.
         deepstack: The vision program also returns features of intermediate layers that the decoder
             adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
+        continuous_batching: The language program exports with ``batch_index`` and
+            ``full_batch_size`` KV slots (spec key ``full_batch_size``).
     """
 
     export: Support
@@ -85,6 +87,7 @@ class Features:
     chunk_split: Support
     video: Support
     deepstack: Support = Support(False, "the architecture has no deepstack layers")
+    continuous_batching: Support = Support(True)
 
     def rows(self) -> list[tuple[str, Support]]:
         """Feature name and support, in table order."""
@@ -95,6 +98,7 @@ class Features:
             ("chunk split allowed", self.chunk_split),
             ("video", self.video),
             ("deepstack", self.deepstack),
+            ("continuous batching", self.continuous_batching),
         ]
 
 
@@ -357,13 +361,18 @@ class Family:
     # ---- language IO (one table: qeff_vision/contract/language_io.py) ----
 
     def language_io(
-        self, num_layers: int, cache_symbols: Sequence[str] | None = None, comp_ctx_lengths: bool = False
+        self,
+        num_layers: int,
+        cache_symbols: Sequence[str] | None = None,
+        comp_ctx_lengths: bool = False,
+        continuous_batching: bool = False,
     ) -> LanguageIO:
         """The language program's IO table, from which every consumer derives its names and shapes.
 
         ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
-        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports). A family
-        reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
+        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
+        ``continuous_batching`` gives the caches ``full_batch_size`` slots and adds ``batch_index``.
+        A family reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
         :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`kv_cache_symbols`.
         """
         return language_io(
@@ -374,12 +383,15 @@ class Family:
             self.stacked_vision_rows,
             merges_vision_rows=self.decoder_kind == TOKEN_MERGE,
             extra_inputs=self.extra_language_inputs,
+            continuous_batching=continuous_batching,
         )
 
-    def language_table(self, model: ModelDescription, comp_ctx_lengths: bool = False) -> LanguageIO:
+    def language_table(
+        self, model: ModelDescription, comp_ctx_lengths: bool = False, continuous_batching: bool = False
+    ) -> LanguageIO:
         """:meth:`language_io` for ``model`` (its layer count and per-layer cache symbols)."""
         layers = self.text_dims(model).num_layers
-        return self.language_io(layers, self.kv_cache_symbols(model), comp_ctx_lengths)
+        return self.language_io(layers, self.kv_cache_symbols(model), comp_ctx_lengths, continuous_batching)
 
     def language_dims(self, model: ModelDescription) -> dict[str, int]:
         """Values of the table's fixed model dimensions (:class:`~qeff_vision.contract.language_io.Fixed`)."""

@@ -223,7 +223,10 @@ class Generator:
         self.compiled_vision: list[Mapping[str, object]] = []
         #: The language IO table: feeds, caches and outputs are named and shaped by its rows.
         self.io = family.language_table(
-            _description(model_config), comp_ctx_lengths=bool(shape.prefill_ccls or shape.decode_ccls)
+            _description(model_config),
+            comp_ctx_lengths=bool(shape.prefill_ccls or shape.decode_ccls),
+            # A continuous-batching program (it takes batch_index) driven for one sequence, slot 0.
+            continuous_batching=symbols.BATCH_INDEX in getattr(language, "input_dims", {}),
         )
         self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
@@ -332,6 +335,7 @@ class Generator:
         description = _description(self.model_config)
         values = {
             symbols.BATCH_SIZE: slots,
+            symbols.FULL_BATCH_SIZE: slots,
             **self.family.language_dims(description),
             **self.family.kv_cache_lengths(description, self.shape.ctx_len),
         }
@@ -355,6 +359,10 @@ class Generator:
             # a zero vector of that length; only its shape matters).
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): np.zeros(ccl, np.int64)}
             self.ccl_history.append(ccl)
+        if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
+            # A continuous-batching program driven for one sequence: it lives in KV slot 0.
+            batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
+            feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
         outputs = self.language.run({**feeds, **past})
         retained = self.io.retained_outputs()
         for name in past:

@@ -88,6 +88,13 @@ def spec_from_data(data: object, source: Path) -> Spec:
     config = reader.text(top, "config", "", default=None)
     dtype = reader.text(top, "dtype", "", choices=DTYPES, default=DTYPES[0])
     batch_size = reader.integer(top, "batch_size", "", default=1, maximum=MAX_BATCH_SIZE)
+    full_batch_size = reader.integer(top, "full_batch_size", "", maximum=MAX_BATCH_SIZE)
+    if full_batch_size is not None and batch_size is not None and batch_size > 1:
+        reader.add(
+            "full_batch_size",
+            f"continuous batching prefills one sequence at a time (batch_size 1) and decodes "
+            f"full_batch_size {full_batch_size} at once; it cannot be combined with batch_size {batch_size}",
+        )
     ctx_len = reader.integer(top, "ctx_len", "", maximum=MAX_CTX_LEN)
     layout = reader.text(top, "specialization_layout", "", choices=LAYOUTS, default=FLAT)
     seq_lens = read_prefill(reader, top.get("prefill", MISSING), ctx_len)
@@ -110,6 +117,13 @@ def spec_from_data(data: object, source: Path) -> Spec:
         family = resolve_family(reader, description, family_name, "config" if config else "model")
     if family is not None and description is not None:
         check_model(reader, warnings, family, description, ctx_len)
+    if (
+        family is not None
+        and full_batch_size is not None
+        and not family.features.continuous_batching.supported
+    ):
+        note = family.features.continuous_batching.note
+        reader.add("full_batch_size", f"{family.title} cannot do continuous batching: {note}")
     if family is not None and description is not None and vision is not None:
         check_images(reader, warnings, family, description, vision, seq_lens, ctx_len)
         if vision.patch_buckets:
@@ -137,4 +151,5 @@ def spec_from_data(data: object, source: Path) -> Spec:
         config_path=config_path,
         model_description=description,
         warnings=tuple(warnings),
+        full_batch_size=full_batch_size,
     )

@@ -69,6 +69,8 @@ class Spec:
         model_description: That config (and image-processor config) as read, without torch.
         warnings: Things worth knowing that are not errors (e.g. an image needs more rows than a
             fixed vision size, so its placeholders must be chunked).
+        full_batch_size: KV slots of a continuous-batching language program (``None``: not
+            continuous batching). Prefill then runs at batch_size 1, decode at this batch size.
     """
 
     name: str
@@ -86,6 +88,7 @@ class Spec:
     config_path: Path
     model_description: ModelDescription = field(repr=False, compare=False)
     warnings: tuple[str, ...] = ()
+    full_batch_size: int | None = None
 
     def compute_dtype(self, program: str) -> str:
         """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""

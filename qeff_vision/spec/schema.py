@@ -23,6 +23,7 @@ TOP_KEYS = (
     "config",
     "dtype",
     "batch_size",
+    "full_batch_size",
     "ctx_len",
     "prefill",
     "vision",

@@ -247,8 +247,17 @@ def build_specializations(
     cache_symbols = family.kv_cache_symbols(model)
     ccl = spec.compile.comp_ctx_lengths
     ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
-    language_io = family.language_io(num_layers, cache_symbols, comp_ctx_lengths=ccl is not None)
+    fbs = spec.full_batch_size
+    cb = fbs is not None
+    language_io = family.language_io(
+        num_layers, cache_symbols, comp_ctx_lengths=ccl is not None, continuous_batching=cb
+    )
     language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
+    # Continuous batching (QEfficient's get_specializations with continuous_batching): prefill at
+    # batch_size 1 with full_batch_size and full_batch_exec_size F, decode at batch_size F.
+    prefill_batch = {symbols.FULL_BATCH_SIZE: fbs} if cb else {}
+    decode_batch = {symbols.BATCH_SIZE: fbs, symbols.FULL_BATCH_SIZE: fbs} if cb else {}
+    prefill_extra = {symbols.FULL_BATCH_EXEC_SIZE: str(fbs)} if cb else {}
     common = {
         symbols.BATCH_SIZE: spec.batch_size,
         **family.kv_cache_lengths(model, spec.ctx_len),
@@ -263,11 +272,20 @@ def build_specializations(
     language_specs = [
         Specialization(
             f"Prefill-{seq_len}{suffix}",
-            _bind(
-                language_order,
-                {**common, symbols.SEQ_LEN: seq_len, symbols.VISION_SIZE: prefill_sizes[seq_len], **extra},
-                where,
-            ),
+            {
+                **_bind(
+                    language_order,
+                    {
+                        **common,
+                        **prefill_batch,
+                        symbols.SEQ_LEN: seq_len,
+                        symbols.VISION_SIZE: prefill_sizes[seq_len],
+                        **extra,
+                    },
+                    where,
+                ),
+                **prefill_extra,
+            },
         )
         for seq_len in seq_lens
         for suffix, extra in prefill_ccls
@@ -278,7 +296,7 @@ def build_specializations(
             f"{DECODE}{suffix}",
             _bind(
                 language_order,
-                {**common, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: decode_size, **extra},
+                {**common, **decode_batch, symbols.SEQ_LEN: 1, symbols.VISION_SIZE: decode_size, **extra},
                 where,
             ),
         )

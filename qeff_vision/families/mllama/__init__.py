@@ -90,6 +90,14 @@ class Mllama(Family):
         multi_resolution=yes("any size: up to 4 tiles of 560 px, padded to 4 with an aspect-ratio id"),
         chunk_split=yes("one <|image|> token per image; every chunk attends to whole images"),
         video=no("Llama 3.2 Vision takes images only"),
+        # ref: pinned quic/efficient-transformers models/mllama/modeling_mllama.py: its
+        # get_specializations / get_onnx_dynamic_axes take no continuous_batching (no batch_index,
+        # no full_batch_size names to match).
+        continuous_batching=no(
+            "the cross-attention K/V of a request's images are retained language inputs with one row "
+            "per call row, not per KV slot, and QEfficient's mllama export defines no "
+            "continuous-batching IO to match"
+        ),
     )
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
