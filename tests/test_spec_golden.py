@@ -189,8 +189,8 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
     assert out == f"{good}: ok\n"
     lines = err.strip().splitlines()
     assert [line for line in lines if line.startswith(f"{bad}: ")] == [
-        f"{bad}: colour: unknown key; allowed: name, model, family, config, dtype, batch_size, ctx_len, "
-        "prefill, vision, specialization_layout, compile",
+        f"{bad}: colour: unknown key; allowed: name, model, family, config, dtype, batch_size, "
+        "full_batch_size, ctx_len, prefill, vision, specialization_layout, compile",
         f"{bad}: batch_size: must be a positive integer (got -1)",
         f"{bad}: prefill.seq_lens[1]: duplicate bucket 64 (also prefill.seq_lens[0])",
     ]
