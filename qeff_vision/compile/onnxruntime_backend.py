@@ -17,6 +17,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
+from qeff_vision.contract.language_io import is_kv_name
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message
@@ -127,7 +128,7 @@ def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]
     problems = []
     for name, value in feeds.items():
         retained = outputs.get(symbols.retained(name))
-        if retained is None or not name.startswith(("past_key.", "past_value.")):
+        if retained is None or not is_kv_name(name):
             continue
         others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
         if not np.array_equal(retained[others], value[others]):
