@@ -70,7 +70,10 @@ def test_every_family_has_golden_vllm_commands_in_the_guide_forms():
             assert _option(epd, "--decode-device-group") == ",".join(
                 map(str, range(vision_devices, vision_devices + language_devices))
             )
-            assert _option(epd, "--decode-max-num-seqs") == str(spec.batch_size)
+            # A continuous-batching spec decodes full_batch_size sequences per call.
+            decode_batch = str(spec.full_batch_size or spec.batch_size)
+            assert _option(epd, "--decode-max-num-seqs") == decode_batch
+            assert _option(dual, "--max-num-seqs") == decode_batch
             assert _option(epd, "--encode-max-num-seqs") == "1"
             limit = {"image": spec.vision.max_images}
             assert json.loads(_option(epd, "--limit-mm-per-prompt")) == limit

@@ -128,9 +128,10 @@ def _group(devices: Sequence[int]) -> str:
 def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str | None) -> dict[str, Any]:
     """:func:`vllm_handoff` for a loaded spec and its QPC directories (relative to OUT).
 
-    The encoder is told the spec's first still-image resolution. ``model`` is OUT's copy of the
-    runtime files (``"model"``); when None, the spec's model as written (a hub id or a directory
-    on this machine).
+    The encoder is told the spec's first still-image resolution; the decode batch is the spec's
+    ``full_batch_size`` when it has one (continuous batching), else its ``batch_size``. ``model``
+    is OUT's copy of the runtime files (``"model"``); when None, the spec's model as written (a
+    hub id or a directory on this machine).
     """
     stills = [image for image in spec.vision.images if not getattr(image, "video", False)]
     first = stills[0] if stills else None
@@ -139,7 +140,9 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
         vision_qpc=vision_qpc,
         language_qpc=language_qpc,
         ctx_len=spec.ctx_len,
-        batch_size=spec.batch_size,
+        # A continuous-batching program decodes full_batch_size sequences at once: vLLM's
+        # max-num-seqs (QEfficient compiles its CB decode specialization at that batch).
+        batch_size=spec.full_batch_size or spec.batch_size,
         prefill_seq_len=max(spec.prefill.seq_lens),
         resolution=(first.height, first.width) if first is not None else None,
         max_images=spec.vision.max_images,
