@@ -31,15 +31,13 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.embedding_cache import feed_chunks
 from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
-
-BATCH_INDEX = "batch_index"
-FULL_BATCH_SIZE = "full_batch_size"
 
 
 @dataclass(frozen=True)
@@ -186,7 +184,8 @@ class BatchedSlots:
 
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
-        return self.generator._step({**feeds, BATCH_INDEX: np.array([[slot]], np.int64)}, self.past)
+        slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
+        return self.generator._step({**feeds, **slot_index}, self.past)
 
     def decode(self, tokens: Mapping[int, tuple[int, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
         """One call at batch ``full_batch_size`` for slot -> (last token, its position ids).
@@ -211,7 +210,7 @@ class BatchedSlots:
         feeds = generator.decode_step_feeds(
             token_ids, np.ascontiguousarray(np.concatenate(positions, axis=-2))
         )
-        feeds[BATCH_INDEX] = np.arange(slots, dtype=np.int64).reshape(slots, 1)
+        feeds.update(generator.io.feeds({Role.KV_SLOT: np.arange(slots, dtype=np.int64).reshape(slots, 1)}))
         logits = generator._step(feeds, self.past)[symbols.LOGITS]
         return {slot: logits[slot, -1] for slot in tokens}, _vision_bytes(generator)
 
@@ -289,7 +288,7 @@ class BatchedEngine:
             )
         self.generator = generator
         self.protocol = protocol
-        batched = BATCH_INDEX in generator.language.input_dims
+        batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
         if full_batch_size is None:
             full_batch_size = compiled_full_batch_size(generator.language.specializations) if batched else 1
         if full_batch_size < 1:
@@ -460,7 +459,8 @@ def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None
     Raises:
         UserError: None is recorded (a bare export: pass it), or several differ.
     """
-    values = {int(s[FULL_BATCH_SIZE]) for s in specializations or () if FULL_BATCH_SIZE in s}
+    key = symbols.FULL_BATCH_SIZE
+    values = {int(s[key]) for s in specializations or () if key in s}
     if len(values) != 1:
         raise UserError(
             "the language program's specializations record "
