@@ -26,7 +26,7 @@ from qeff_vision.export.record import read_export
 from qeff_vision.families import all_families, get_family
 from qeff_vision.runtime.generate import Generator, checkpoint_settings
 from qeff_vision.runtime.session import OnnxProgram
-from qeff_vision.spec import build_specializations, load_spec
+from qeff_vision.spec import build_specializations, find_specs, load_spec
 from tests import helpers
 from tests.cb_harness import SlotCaches, SlotProgram, batched_decode, prefill_into_slot, prefill_shape
 from tests.test_spec_helpers import problems_of, spec_data
@@ -181,6 +181,24 @@ def test_specializations_follow_qefficient_continuous_batching():
     assert decode.symbols[symbols.BATCH_SIZE] == decode.symbols[symbols.FULL_BATCH_SIZE] == "4"
     assert symbols.FULL_BATCH_EXEC_SIZE not in decode.symbols
     assert {item.symbols[symbols.VISION_BATCH_SIZE] for item in language} == {"1"}
+
+
+def test_every_continuous_batching_family_has_a_golden_continuous_batching_spec():
+    """One full_batch_size spec per family that supports it, its goldens specialized for CB."""
+    specs = [load_spec(path) for path in find_specs(SPECS)]
+    for family in CB_FAMILIES:
+        cb_specs = [s for s in specs if s.family == family and s.full_batch_size is not None]
+        assert cb_specs, f"family {family} has no spec with full_batch_size under specs/"
+        for spec in cb_specs:
+            golden = SPECS / "golden" / spec.name / "lang" / "specializations.json"
+            # Flat entries, or {"name", "symbols"} with specialization_layout: named.
+            entries = [e.get("symbols", e) for e in json.loads(golden.read_text())["specializations"]]
+            full = str(spec.full_batch_size)
+            assert {e[symbols.FULL_BATCH_SIZE] for e in entries} == {full}, spec.name
+            decode = [e for e in entries if e[symbols.SEQ_LEN] == "1"]
+            assert decode and all(e[symbols.BATCH_SIZE] == full for e in decode), spec.name
+    for family in NO_CB_FAMILIES:
+        assert not [s for s in specs if s.family == family and s.full_batch_size is not None], family
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])

@@ -87,7 +87,7 @@ class Features:
     chunk_split: Support
     video: Support
     deepstack: Support = Support(False, "the architecture has no deepstack layers")
-    continuous_batching: Support = Support(True)
+    continuous_batching: Support = Support(True, "batch_index input, full_batch_size KV slots as QEfficient")
 
     def rows(self) -> list[tuple[str, Support]]:
         """Feature name and support, in table order."""
