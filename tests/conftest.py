@@ -44,6 +44,28 @@ def exported(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def cb_exported(tiny_checkpoint, tmp_path_factory):
+    """``cb_exported(family, ccl=False) -> Path``: the continuous-batching export, built once per session.
+
+    ``batch_index`` and ``full_batch_size`` KV slots; ``ccl=True`` adds the ``comp_ctx_lengths`` input.
+    """
+    built: dict[tuple[str, bool], Path] = {}
+
+    def build(family: str, ccl: bool = False) -> Path:
+        if (family, ccl) not in built:
+            from qeff_vision.export.exporter import export_model
+
+            out = tmp_path_factory.mktemp(f"cb-export-{family}") / "export"
+            export_model(
+                tiny_checkpoint(family), out, continuous_batching=True, comp_ctx_lengths=ccl, progress=None
+            )
+            built[family, ccl] = out
+        return built[family, ccl]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_checkpoint):
     """``hf_model(family) -> (model, processor)`` loaded once per session with eager attention."""
     loaded: dict[str, tuple] = {}

@@ -109,3 +109,54 @@ def test_requests_exclude_prompt_and_missing_file(artifacts_dir, tmp_path, capsy
     assert code == 2 and "--requests takes prompts and images from the file" in err
     code, _, err = run(capsys, artifacts_dir)
     assert code == 2 and "give --prompt TEXT (or --requests FILE.jsonl)" in err
+
+
+def test_five_staggered_requests_through_a_full_batch_size_4_artifact(
+    tmp_path_factory, tiny_checkpoint, cb_exported, request_dir, capsys
+):
+    """Compiled with full_batch_size 4: one batched decode call per step, the fifth reuses a slot."""
+    import yaml
+
+    from qeff_vision import api
+
+    root = tmp_path_factory.mktemp("cb-compiled")
+    spec = {
+        "name": "runtime-tiny-cb",
+        "model": str(tiny_checkpoint("qwen2_5_vl")),
+        "full_batch_size": 4,
+        "ctx_len": 512,
+        "prefill": {"seq_lens": [32, 128]},
+        "vision": {
+            "images": [{"height": 112, "width": 112}, {"height": 140, "width": 196}],
+            "max_images": 2,
+            "vision_size": "chunk",
+        },
+    }
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    out = root / "out"
+    api.compile(
+        root / "spec.yaml",
+        out,
+        backend="onnxruntime",
+        export_dir=cb_exported("qwen2_5_vl"),
+        progress=None,
+        status_stream=None,
+    )
+    path = write_requests(
+        request_dir,
+        [
+            {"prompt": "Describe it.", "images": ["images/square.png"], "max_new_tokens": 8},
+            {"prompt": "Tell me a story about a cat.", "max_new_tokens": 6},
+            {"prompt": "Compare.", "images": ["images/wide.png", "images/square.png"], "arrival_step": 1},
+            {"prompt": "What is it?", "images": ["images/wide.png"], "max_new_tokens": 3, "arrival_step": 2},
+            {"prompt": "Once more, in detail.", "images": ["images/square.png"], "arrival_step": 3},
+        ],
+        "five.jsonl",
+    )
+    code, out_text, err = run(capsys, out, "--requests", path, "--max-new-tokens", 8, "--compare-hf")
+    assert code == 0, err
+    assert "engine: full_batch_size 4 (one batched call per decode step)" in err
+    assert err.count("tokens identical to transformers generate") == 5
+    table = {int(line.split()[0]): line.split() for line in err.splitlines() if re.match(r"^\s+\d\s", line)}
+    slot, admitted = table[4][1], int(table[4][3])
+    assert any(row[1] == slot and int(row[5]) < admitted for n, row in table.items() if n < 4), "slot reuse"

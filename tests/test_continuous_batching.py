@@ -39,23 +39,6 @@ NEW_TOKENS = 6
 LOGIT_TOLERANCE = 1e-3
 
 
-@pytest.fixture(scope="session")
-def cb_exported(tiny_checkpoint, tmp_path_factory):
-    """``cb_exported(family) -> Path``: the tiny checkpoint's continuous-batching export."""
-    built = {}
-
-    def build(family: str):
-        if family not in built:
-            from qeff_vision.export.exporter import export_model
-
-            out = tmp_path_factory.mktemp(f"cb-export-{family}") / "export"
-            export_model(tiny_checkpoint(family), out, continuous_batching=True, progress=None)
-            built[family] = out
-        return built[family]
-
-    return build
-
-
 def _generator(export_dir, program, shape) -> Generator:
     manifest = read_export(export_dir)
     family = get_family(manifest["family"])

@@ -1,0 +1,264 @@
+"""Decode tokens/s of the batched engine at full_batch_size 1, 4, 8 (tiny Qwen2.5-VL, onnxruntime).
+
+    .venv/bin/python benchmarks/batched_decode.py [--work DIR] [--export DIR] [--plot PNG]
+
+Runs the real :class:`~qeff_vision.runtime.engine.BatchedEngine` on the continuous-batching export
+of the tiny random Qwen2.5-VL checkpoint (``qeff-vision tiny qwen2_5_vl``; exported with
+``batch_index`` and ``full_batch_size`` KV slots): F requests, each one 224x224 image (64 image
+tokens) and a short prompt, all arriving at step 0, ``--new-tokens`` tokens each. Every decode
+step is one language-program call at batch F (:class:`~qeff_vision.runtime.engine.BatchedSlots`),
+so decode tokens/s should grow with F while the call time barely does: the target is F = 8 giving
+at least 6x the tokens/s of F = 1. For comparison, the same requests through the single-sequence
+export with one call per request per decode step (:class:`~qeff_vision.runtime.engine.SequentialSlots`)
+are shown at F = 8.
+
+Vision bytes per step: a prefill chunk sends only its own rows of the image embeddings (the chunk
+protocol, V = S = 128 here); a decode step sends ``vision_embeds`` only because onnxruntime does not
+retain state (the rows are zeros and never read; on a device they stay resident, 0 bytes), once
+per call, so a batched step sends the bytes of one call for all F requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILY = "qwen2_5_vl"
+FULL_BATCH_SIZES = (1, 4, 8)
+SEQ_LEN = 128
+CTX_LEN = 512
+# Compute-context lengths of prefill and decode calls: a call reads the smallest one above the
+# furthest position of any of its rows (QEfficient's CCL), so per-row attention work follows the
+# sequences' real lengths, not ctx_len.
+CCLS = (128, 160, 192, 224, 256, 320, 384, 448, 512)
+TARGET = 6.0
+
+
+@dataclass
+class Row:
+    label: str
+    full_batch_size: int
+    batched: bool
+    decode_calls: int
+    occupancy: float
+    tokens_per_second: float
+    ms_per_call: float
+    prefill_bytes_per_chunk: float
+    decode_bytes_per_step: float
+
+
+def ensure_exports(work: Path, export: Path | None) -> tuple[Path, Path | None]:
+    """(continuous-batching export, single-sequence export or None) of the tiny checkpoint."""
+    if export is not None:
+        return export, None
+    from qeff_vision import api
+    from qeff_vision.export.exporter import export_model
+
+    checkpoint = work / "tiny"
+    if not (checkpoint / "config.json").is_file():
+        api.tiny(FAMILY, checkpoint)
+    exports = {}
+    for name, batching in (("export-cb", True), ("export", False)):
+        directory = work / name
+        if not (directory / "export.json").is_file():
+            export_model(
+                checkpoint, directory, continuous_batching=batching, comp_ctx_lengths=True, progress=None
+            )
+        exports[batching] = directory
+    return exports[True], exports[False]
+
+
+def requests(model_dir: Path, count: int, new_tokens: int):
+    """``count`` requests with one 224x224 image each (different pixels), all arriving at step 0."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from qeff_vision.runtime.engine import EngineRequest
+
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    made = []
+    for seed in range(count):
+        pixels = (np.random.RandomState(seed).rand(224, 224, 3) * 255).astype("uint8")
+        messages = [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": f"Describe image {seed}."}],
+            }
+        ]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        processed = processor(text=[text], images=[Image.fromarray(pixels)], return_tensors="np")
+        made.append(EngineRequest(dict(processed), new_tokens, 0))
+    return made
+
+
+def measure(
+    export: Path, full_batch_size: int, new_tokens: int, repeats: int, threads: int, label: str
+) -> Row:
+    """Best of ``repeats`` engine runs of ``full_batch_size`` requests through ``export``."""
+    from qeff_vision.export.record import read_export
+    from qeff_vision.runtime.engine import BatchedEngine
+    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+    from qeff_vision.runtime.planner import PrefillBucket
+
+    ccls = CCLS if read_export(export).get("comp_ctx_lengths") else ()  # an export with the CCL input
+    shape = LanguageShape((PrefillBucket(SEQ_LEN, SEQ_LEN),), SEQ_LEN, CTX_LEN, ccls, ccls)
+    generator = generator_for_export(export, shape)
+    for program in (generator.vision, generator.language):
+        _set_threads(program, threads)
+    # Every request generates exactly new_tokens (a random tiny model emits end-of-sequence ids at
+    # random; stopping there would measure occupancy, not decode throughput).
+    generator.eos_token_ids = set()
+    batch = requests(Path(read_export(export)["model"]), full_batch_size, new_tokens)
+    best = None
+    for _ in range(repeats):
+        engine = BatchedEngine(generator, full_batch_size=full_batch_size)
+        report = engine.run(batch)
+        if best is None or report.decode_tokens_per_second > best.decode_tokens_per_second:
+            best = report
+    decode_bytes = best.vision_bytes - sum(c.vision_bytes for r in best.requests for c in r.result.chunks)
+    calls = len(best.decode_batches)
+    return Row(
+        label=label,
+        full_batch_size=full_batch_size,
+        batched=best.batched,
+        decode_calls=calls,
+        occupancy=best.mean_occupancy,
+        tokens_per_second=best.decode_tokens_per_second,
+        ms_per_call=best.decode_seconds / calls * 1e3 if calls else 0.0,
+        prefill_bytes_per_chunk=sum(c.vision_bytes for r in best.requests for c in r.result.chunks)
+        / max(best.prefill_calls, 1),
+        decode_bytes_per_step=decode_bytes / calls if calls else 0.0,
+    )
+
+
+def _set_threads(program, threads: int) -> None:
+    """Reopen an onnxruntime program with a fixed intra-op thread count (timings comparable)."""
+    from qeff_vision.runtime.session import OnnxProgram
+
+    if threads and isinstance(program, OnnxProgram):
+        fresh = OnnxProgram(program.path, program.specializations, threads=threads)
+        program.session = fresh.session
+
+
+def table(rows: list[Row]) -> str:
+    """The benchmark table (speed-up against the batched F = 1 row)."""
+    base = next((r.tokens_per_second for r in rows if r.batched and r.full_batch_size == 1), 0.0)
+    header = (
+        "engine",
+        "F",
+        "decode calls",
+        "occupancy",
+        "decode tok/s",
+        "vs F=1",
+        "ms/call",
+        "vision B/prefill chunk",
+        "vision B/decode step",
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            (
+                r.label,
+                str(r.full_batch_size),
+                str(r.decode_calls),
+                f"{r.occupancy:.2f}",
+                f"{r.tokens_per_second:.0f}",
+                f"{r.tokens_per_second / base:.2f}x" if base else "-",
+                f"{r.ms_per_call:.2f}",
+                f"{r.prefill_bytes_per_chunk:,.0f}",
+                f"{r.decode_bytes_per_step:,.0f}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines)
+
+
+def verdict(rows: list[Row]) -> str:
+    """Whether batched F = 8 reaches TARGET x the tokens/s of batched F = 1."""
+    batched = {r.full_batch_size: r for r in rows if r.batched}
+    if 1 not in batched or 8 not in batched:
+        return "target not evaluated (needs batched F = 1 and 8)"
+    ratio = batched[8].tokens_per_second / batched[1].tokens_per_second
+    met = "met" if ratio >= TARGET else "NOT met"
+    return f"target F=8 >= {TARGET:.0f}x F=1 decode tokens/s: {ratio:.2f}x, {met}"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batched = [r for r in rows if r.batched]
+    sizes = [r.full_batch_size for r in batched]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    axes[0].plot(sizes, [r.tokens_per_second for r in batched], "-o", label="batched engine (one call/step)")
+    axes[0].plot(
+        sizes, [batched[0].tokens_per_second * f / sizes[0] for f in sizes], ":", label="linear in F"
+    )
+    for r in rows:
+        if not r.batched:
+            axes[0].plot([r.full_batch_size], [r.tokens_per_second], "s", label="one call per request")
+    axes[0].set(
+        xlabel="full_batch_size F", ylabel="decode tokens/s", title="Decode throughput (onnxruntime CPU)"
+    )
+    axes[0].set_xticks(sizes)
+    axes[1].bar([str(f) for f in sizes], [r.decode_bytes_per_step for r in batched], label="decode step")
+    axes[1].plot(
+        [str(f) for f in sizes], [r.prefill_bytes_per_chunk for r in batched], "ko-", label="prefill chunk"
+    )
+    axes[1].set(xlabel="full_batch_size F", ylabel="vision bytes sent", title="Vision bytes per step")
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, help="Scratch directory (checkpoint, exports, plot).")
+    parser.add_argument(
+        "--export", type=Path, help="A continuous-batching export of a Qwen2.5-VL checkpoint."
+    )
+    parser.add_argument("--plot", type=Path, help="PNG path (default WORK/batched_decode.png).")
+    parser.add_argument("--full-batch-sizes", type=int, nargs="+", default=list(FULL_BATCH_SIZES))
+    parser.add_argument("--new-tokens", type=int, default=128, help="Tokens generated per request.")
+    parser.add_argument("--repeats", type=int, default=3, help="Runs per configuration (best kept).")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its choice)."
+    )
+    args = parser.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    batched_export, single_export = ensure_exports(work, args.export)
+    rows = [
+        measure(batched_export, f, args.new_tokens, args.repeats, args.threads, "batched")
+        for f in args.full_batch_sizes
+    ]
+    if single_export is not None:
+        largest = max(args.full_batch_sizes)
+        rows.append(
+            measure(single_export, largest, args.new_tokens, args.repeats, args.threads, "sequential")
+        )
+    print(
+        f"Batched decode, tiny random Qwen2.5-VL ({args.new_tokens} new tokens per request, one 224x224 "
+        f"image each, all arriving at step 0; S = V = {SEQ_LEN}, ctx_len {CTX_LEN}, CCLs {list(CCLS)}; "
+        "onnxruntime CPU, "
+        f"{args.threads or 'default'} thread(s); best of {args.repeats})"
+    )
+    print(table(rows))
+    print(verdict(rows))
+    path = args.plot or work / "batched_decode.png"
+    plot(rows, path)
+    print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
