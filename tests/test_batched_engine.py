@@ -43,10 +43,11 @@ def five_requests(runtime: FamilyRuntime) -> list[tuple[dict, int, int]]:
     two = [helpers.image(*b, seed=2), helpers.image(*c, seed=3)]
     turns = [
         (("<image>", "Describe this image."), [helpers.image(*a, seed=1)], NEW_TOKENS, 0),
-        (("Write a short poem about the sea and the sky, please.",), [], NEW_TOKENS - 2, 0),
+        (("<image>", "What is this?"), [helpers.image(*c, seed=4)], NEW_TOKENS - 2, 0),
         (("<image>", "<image>", "Compare."), two, NEW_TOKENS, 1),
-        (("<image>", "What is this?"), [helpers.image(*c, seed=4)], 3, 2),
-        (("<image>", "And this one, in detail?"), [helpers.image(*b, seed=5)], NEW_TOKENS, 3),
+        (("<image>", "And this one, in detail?"), [helpers.image(*b, seed=5)], 3, 2),
+        # Text only and short: its first chunk ends well before the previous occupant's last position.
+        (("Write a poem.",), [], NEW_TOKENS, 3),
     ]
     return [(runtime.inputs(parts, images), new, arrival) for parts, images, new, arrival in turns]
 
@@ -79,6 +80,10 @@ def test_five_staggered_requests_through_four_slots_match_transformers(family, h
     fifth = report.requests[4]
     before = [r for r in report.requests[:4] if r.slot == fifth.slot]
     assert before and all(r.finished_step < fifth.admitted_step for r in before), "the fifth reuses a slot"
+    # The previous occupant filled cache positions beyond the fifth's first chunk: stale rows were
+    # there for a wrong mask or ring position to read.
+    previous = max(before, key=lambda r: r.finished_step).result
+    assert previous.prompt_tokens + len(previous.tokens) > fifth.result.chunks[0].tokens
     assert max(report.decode_batches) >= 2, "several requests decode in one call"
     # One call per decode step, not one per request: fewer calls than decoded tokens.
     assert len(report.decode_batches) < sum(len(r.result.tokens) - 1 for r in report.requests)
