@@ -99,7 +99,7 @@ def measure(
     export: Path, full_batch_size: int, new_tokens: int, repeats: int, threads: int, label: str
 ) -> Row:
     """Best of ``repeats`` engine runs of ``full_batch_size`` requests through ``export``."""
-    from qeff_vision.export.record import read_export
+    from qeff_vision.export_record import read_export
     from qeff_vision.runtime.engine import BatchedEngine
     from qeff_vision.runtime.generate import LanguageShape, generator_for_export
     from qeff_vision.runtime.planner import PrefillBucket

@@ -107,22 +107,16 @@ class Bench:
     """The export's programs, adapter and processor, and generator construction."""
 
     def __init__(self, export_dir: Path, threads: int = 1):
-        from transformers import AutoProcessor
-
-        from qeff_vision.export.adapter import quiet_transformers
-        from qeff_vision.export.exporter import load_adapter
-        from qeff_vision.export.record import read_export
-        from qeff_vision.families import get_family
+        from qeff_vision.checkpoint import Checkpoint
+        from qeff_vision.export_record import read_export
         from qeff_vision.families.base import ModelDescription
-        from qeff_vision.runtime.generate import checkpoint_settings
         from qeff_vision.runtime.session import OnnxProgram
 
-        quiet_transformers()
         manifest = read_export(export_dir)
-        self.family = get_family(manifest["family"])
-        self.adapter = load_adapter(self.family)
-        self.config, self.eos = checkpoint_settings(manifest["model"])
-        self.processor = AutoProcessor.from_pretrained(manifest["model"])
+        self.checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
+        self.family, self.config = self.checkpoint.family, self.checkpoint.config
+        self.adapter = self.checkpoint.host
+        self.processor = self.checkpoint.processor
         self.vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
         # One intra-op thread: steadier timings on a shared machine (both protocols alike).
         self.language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"], threads=threads)
@@ -138,16 +132,7 @@ class Bench:
         buckets = tuple(PrefillBucket(s, v) for s, v in buckets)
         shape = LanguageShape(buckets, max(b.vision_size for b in buckets), ctx_len)
         cache = cache if cache is not None else EmbeddingCache(1 << 30)
-        return Generator(
-            self.family,
-            self.adapter,
-            self.config,
-            vision or self.vision,
-            self.language,
-            shape,
-            self.eos,
-            cache,
-        )
+        return Generator(self.checkpoint, vision or self.vision, self.language, shape, cache)
 
     def synthetic_prompt(self, height: int, width: int, seed: int) -> dict:
         """A chat prompt with one image of the real Qwen2.5-VL grid of ``height`` x ``width``."""

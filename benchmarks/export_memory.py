@@ -94,7 +94,7 @@ from pathlib import Path
 import numpy as np, torch
 import onnxruntime as ort
 from transformers import AutoConfig, AutoModelForImageTextToText
-from qeff_vision.export.record import read_export
+from qeff_vision.export_record import read_export
 from qeff_vision.export.weights import assign_mapped_weights, parameters_on_meta
 
 model_dir, export_dir, tokens = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])

@@ -24,8 +24,8 @@ def tiny(family: str, out_dir, *, seed: int = 0, force: bool = False):
     """
     from pathlib import Path
 
+    from qeff_vision.checkpoint import quiet_transformers
     from qeff_vision.errors import UserError
-    from qeff_vision.export.adapter import quiet_transformers
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.families import get_family
     from qeff_vision.fsutil import is_nonempty_dir, staged_directory

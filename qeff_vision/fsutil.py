@@ -1,4 +1,4 @@
-"""Atomic file and directory writes: nothing half-written is ever left under a final name."""
+"""Atomic writes (nothing half-written is ever left under a final name) and the one JSON reader."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from qeff_vision.errors import UserError
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -27,6 +30,25 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def read_json(path: str | os.PathLike, *, missing: str | None = None) -> dict[str, Any]:
+    """Read a JSON object; I/O and syntax errors become one-line user errors.
+
+    Args:
+        path: The file.
+        missing: The message when the file does not exist (default: ``PATH: file not found``).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise UserError(missing or f"{path}: file not found") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: not a readable JSON file ({exc})") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
 
 
 def atomic_write_json(path: str | os.PathLike, data: object) -> None:

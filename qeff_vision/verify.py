@@ -6,7 +6,6 @@ family with tighter control (tests/test_family_parity.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,27 +56,23 @@ def check_parity(
         chunk_size: Prefill bucket S (and V) for the chunked generation.
     """
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from qeff_vision import symbols
-    from qeff_vision.export.adapter import quiet_transformers
+    from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export.exporter import load_adapter
-    from qeff_vision.export.record import read_export
-    from qeff_vision.families import get_family
-    from qeff_vision.families.base import CROSS_ATTENTION, ModelDescription
+    from qeff_vision.export_record import read_export
+    from qeff_vision.families.base import CROSS_ATTENTION
     from qeff_vision.runtime.generate import LanguageShape, generator_for_export
     from qeff_vision.runtime.planner import PrefillBucket
+    from qeff_vision.runtime.reference import reference_generate
     from qeff_vision.runtime.session import OnnxProgram
 
-    quiet_transformers()
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)
-    family = get_family(manifest["family"])
+    checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
+    family = checkpoint.family
     adapter = load_adapter(family)
-    model = AutoModelForImageTextToText.from_pretrained(
-        manifest["model"], dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    processor = AutoProcessor.from_pretrained(manifest["model"])
+    model, processor = checkpoint.reference_model(), checkpoint.processor
     vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
     report = ParityReport()
     for seed, (height, width) in enumerate(image_sizes):
@@ -89,7 +84,7 @@ def check_parity(
         inputs = adapter.vision_inputs(model.config.to_dict(), numpy_inputs)[0]
         outputs = vision.run(inputs)
         if family.decoder_kind == CROSS_ATTENTION:  # one reference per output: each cross layer's K, V
-            names = list(family.vision_outputs(ModelDescription(model.config.to_dict())))
+            names = list(family.vision_outputs(checkpoint.description))
             pairs = [(outputs[name][0], ref.numpy()) for name, ref in zip(names, features)]
         else:  # the first image's embedding rows
             pairs = [(outputs[symbols.VISION_EMBEDS][0], features[0].numpy())]
@@ -99,17 +94,9 @@ def check_parity(
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[synthetic_image(*image_sizes[0])], return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    length = inputs["input_ids"].shape[1]
-    report.hf_tokens = out.sequences[0, length:].tolist()
+    report.hf_tokens, hf_logits = reference_generate(model, inputs, max_new_tokens)
     bucket = PrefillBucket(chunk_size, chunk_size)
+    length = inputs["input_ids"].shape[1]
     shape = LanguageShape((bucket,), chunk_size, length + max_new_tokens + chunk_size)
     generator = generator_for_export(export_dir, shape)
     result = generator.generate(
@@ -120,14 +107,7 @@ def check_parity(
     report.onnx_tokens = result.tokens
     report.chunks = len(result.chunks)
     report.max_logit_diff = float(
-        max(np.abs(ours - ref[0].numpy()).max() for ours, ref in zip(result.logits, out.logits))
+        max(np.abs(ours - ref).max() for ours, ref in zip(result.logits, hf_logits))
     )
     report.text = processor.tokenizer.decode(result.tokens)
     return report
-
-
-def model_config(export_dir: str | Path) -> dict:
-    """The config.json of the checkpoint an export came from."""
-    from qeff_vision.export.record import read_export
-
-    return json.loads((Path(read_export(export_dir)["model"]) / "config.json").read_text())

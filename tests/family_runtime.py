@@ -13,11 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from qeff_vision.export.exporter import load_adapter
-from qeff_vision.export.record import read_export
-from qeff_vision.families import get_family
+from qeff_vision.checkpoint import Checkpoint
+from qeff_vision.export_record import read_export
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings
+from qeff_vision.runtime.generate import Generator, LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers
@@ -33,9 +32,9 @@ class FamilyRuntime:
 
     def __init__(self, family: str, export_dir, model, processor):
         manifest = read_export(export_dir)
-        self.family = get_family(family)
-        self.adapter = load_adapter(self.family)
-        self.config, self.eos = checkpoint_settings(manifest["model"])
+        self.checkpoint = Checkpoint.open(manifest["model"], family)
+        self.family, self.config = self.checkpoint.family, self.checkpoint.config
+        self.adapter = self.checkpoint.host
         self.vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
         self.language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"])
         self.model, self.processor = model, processor
@@ -45,9 +44,7 @@ class FamilyRuntime:
         """V = S under ``chunk`` (the chunk policy), V = FULL_V under ``full``."""
         buckets = tuple(PrefillBucket(s, s if protocol == "chunk" else FULL_V) for s in seq_lens)
         shape = LanguageShape(buckets, max(b.vision_size for b in buckets), CTX_LEN)
-        return Generator(
-            self.family, self.adapter, self.config, self.vision, self.language, shape, self.eos, cache
-        )
+        return Generator(self.checkpoint, self.vision, self.language, shape, cache)
 
     def inputs(self, parts, images) -> dict:
         """Numpy processor outputs of one user turn (``"<image>"`` parts are images)."""

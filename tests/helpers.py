@@ -6,6 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qeff_vision.checkpoint import Checkpoint
+from qeff_vision.runtime.reference import reference_generate as hf_generate  # noqa: F401 (tests' name)
+
 
 def write_tiny(family: str, out_dir: Path) -> Path:
     """Write ``family``'s tiny checkpoint with the CLI's code path."""
@@ -16,13 +19,8 @@ def write_tiny(family: str, out_dir: Path) -> Path:
 
 def load_hf(model_dir: Path):
     """transformers' model (eager, fp32) and processor, loaded from the directory offline."""
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    return model, AutoProcessor.from_pretrained(str(model_dir))
+    checkpoint = Checkpoint.open(model_dir)
+    return checkpoint.reference_model(), checkpoint.processor
 
 
 def image(height: int, width: int, seed: int = 0):
@@ -43,22 +41,6 @@ def process(processor, messages, images):
     """Processor outputs (torch tensors) for chat ``messages`` and their ``images``."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     return processor(text=[text], images=images or None, return_tensors="pt")
-
-
-def hf_generate(model, inputs, max_new_tokens: int):
-    """transformers greedy generate: (new tokens, per-step logits rows as numpy)."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    length = inputs["input_ids"].shape[1]
-    return out.sequences[0, length:].tolist(), [step[0].float().numpy() for step in out.logits]
 
 
 def as_numpy(inputs) -> dict:

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.families import all_families, get_family
+from qeff_vision.export.exporter import load_adapter
+from qeff_vision.families import all_families
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from qeff_vision.runtime.generate import Generator, LanguageShape
@@ -38,7 +39,7 @@ SEQ_LENS = (32, 128)
 
 def five_requests(runtime: FamilyRuntime) -> list[tuple[dict, int, int]]:
     """(processed, max_new_tokens, arrival_step) of five different requests; the fifth arrives last."""
-    sizes = list(runtime.adapter.test_image_sizes)
+    sizes = list(load_adapter(runtime.family).test_image_sizes)
     a, b, c = sizes[0], sizes[1 % len(sizes)], sizes[2 % len(sizes)]
     two = [helpers.image(*b, seed=2), helpers.image(*c, seed=3)]
     turns = [
@@ -106,15 +107,7 @@ def test_decode_ccl_covers_the_furthest_position_across_the_batch(hf_model, cb_e
     prefill_ccls, decode_ccls = (64, 128, 512), (96, 112, 128, 512)
     buckets = tuple(PrefillBucket(s, s) for s in SEQ_LENS)
     shape = LanguageShape(buckets, max(SEQ_LENS), 512, prefill_ccls, decode_ccls)
-    generator = Generator(
-        get_family(family),
-        runtime.adapter,
-        runtime.config,
-        runtime.vision,
-        runtime.language,
-        shape,
-        runtime.eos,
-    )
+    generator = Generator(runtime.checkpoint, runtime.vision, runtime.language, shape)
     calls = []
     run = runtime.language.run
 

@@ -19,12 +19,12 @@ import pytest
 import yaml
 
 from qeff_vision import symbols
+from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.cli import main
 from qeff_vision.compile.onnxruntime_backend import untouched_slot_problems
-from qeff_vision.export.exporter import load_adapter
-from qeff_vision.export.record import read_export
+from qeff_vision.export_record import read_export
 from qeff_vision.families import all_families, get_family
-from qeff_vision.runtime.generate import Generator, checkpoint_settings
+from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, find_specs, load_spec
 from tests import helpers
@@ -41,10 +41,9 @@ LOGIT_TOLERANCE = 1e-3
 
 def _generator(export_dir, program, shape) -> Generator:
     manifest = read_export(export_dir)
-    family = get_family(manifest["family"])
-    config, eos = checkpoint_settings(manifest["model"])
+    checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
     vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
-    return Generator(family, load_adapter(family), config, vision, program, shape, eos)
+    return Generator(checkpoint, vision, program, shape)
 
 
 @pytest.mark.parametrize("family", CB_FAMILIES)

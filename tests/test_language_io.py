@@ -79,6 +79,7 @@ SPEC_3B = Path(__file__).resolve().parents[1] / "specs" / "qwen2_5_vl" / "qwen2_
 
 
 def test_declared_rows_flow_through_export_specializations_custom_io_and_feeds(monkeypatch):
+    from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export import exporter
     from qeff_vision.runtime.generate import Generator, LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
@@ -118,9 +119,8 @@ def test_declared_rows_flow_through_export_specializations_custom_io_and_feeds(m
 
     # Runtime: caches shaped per layer, vision rows split into the declared input, feeds in graph order.
     shape = LanguageShape((PrefillBucket(8, 4),), 4, 64)
-    generator = Generator(
-        family, None, dict(model.config), None, SimpleNamespace(retains_state=False), shape, []
-    )
+    checkpoint = Checkpoint(model, family)
+    generator = Generator(checkpoint, None, SimpleNamespace(retains_state=False), shape, eos_token_ids=())
     past = generator._empty_cache()
     assert past[symbols.past_key(0)].shape[2] == 32 and past[symbols.past_value(1)].shape[2] == 64
     rows = generator._vision_feeds_of_rows(np.ones((1, 4, generator.row_width), np.float32))

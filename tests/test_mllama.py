@@ -156,13 +156,10 @@ class CrossRuntime(FamilyRuntime):
         buckets = tuple(PrefillBucket(s, 1) for s in seq_lens)
         mask = self.language.session.get_inputs()[2].shape
         return CrossAttentionGenerator(
-            self.family,
-            self.adapter,
-            self.config,
+            self.checkpoint,
             self.vision,
             self.language,
             LanguageShape(buckets, 1, CTX_LEN),
-            self.eos,
             cache,
             cross_mask_shape=mask,
         )
@@ -243,14 +240,7 @@ def test_compiled_image_slots_pad_states_and_mask(runtime, exported):
     language = OnnxProgram(manifest, [{**common, "seq_len": 16}, {**common, "seq_len": 1}])
     generator = runtime.generator([16])
     generator = CrossAttentionGenerator(
-        runtime.family,
-        runtime.adapter,
-        runtime.config,
-        runtime.vision,
-        language,
-        generator.shape,
-        runtime.eos,
-        cross_mask_shape=(1, 1, 1, 4),
+        runtime.checkpoint, runtime.vision, language, generator.shape, cross_mask_shape=(1, 1, 1, 4)
     )
     processed = runtime.inputs(["<image>", "Describe this image."], [helpers.image(100, 150, 7)])
     result = generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)

@@ -82,7 +82,7 @@ def test_specializations_of_the_pinned_8b_spec():
 def test_language_program_declares_deepstack_features_like_qefficient(exported):
     import onnx
 
-    from qeff_vision.export.record import read_export
+    from qeff_vision.export_record import read_export
 
     manifest = read_export(exported(FAMILY))
     lang, vision = manifest["programs"]["lang"], manifest["programs"]["vision"]

@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 from qeff_vision import symbols
-from qeff_vision.export.record import read_export
+from qeff_vision.export_record import read_export
 from qeff_vision.families import family_for
 from qeff_vision.families.base import describe_checkpoint
 from qeff_vision.families.qwen3_vl import NUM_FEATURE_LAYERS

@@ -129,13 +129,10 @@ def test_uncompiled_language_shape_is_rejected(artifacts_dir):
     assert generator.language.accepts(_language_feeds(generator, seq_len=32, vision_size=32))
     # A generator told about a bucket that was never compiled fails on its first chunk.
     rogue = Generator(
-        generator.family,
-        generator.adapter,
-        generator.model_config,
+        generator.checkpoint,
         generator.vision,
         generator.language,
         LanguageShape((PrefillBucket(48, 48),), 64, CTX_LEN),
-        generator.eos_token_ids,
     )
     processed = {"input_ids": np.full((1, 20), 65, dtype=np.int64)}
     with pytest.raises(ShapeMismatch, match="seq_len=48"):

@@ -57,11 +57,6 @@ class ProgramFiles:
         )
 
 
-def program_dir_name(program: str) -> str:
-    """Directory of a program under OUT: ``vision`` or ``lang`` (``language`` is accepted)."""
-    return PROGRAM_DIRS.get(program, program)
-
-
 def is_language(program: str) -> bool:
     """True for the language decoder (``lang`` or ``language``)."""
     return program in (LANGUAGE, PROGRAM_DIRS[LANGUAGE])

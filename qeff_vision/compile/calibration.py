@@ -82,26 +82,20 @@ def prompt_ranges(
     """
     from PIL import Image
 
-    from qeff_vision.export.adapter import quiet_transformers
-    from qeff_vision.export.exporter import load_adapter
-    from qeff_vision.export.record import read_export
-    from qeff_vision.families import get_family
+    from qeff_vision.checkpoint import Checkpoint
+    from qeff_vision.export_record import read_export
     from qeff_vision.runtime.conversation import Conversation
-    from qeff_vision.runtime.generate import LanguageShape, checkpoint_settings, make_generator
+    from qeff_vision.runtime.generate import LanguageShape, make_generator
 
     manifest = read_export(export_dir)
-    family = get_family(manifest["family"])
-    model_config, _ = checkpoint_settings(manifest["model"])
+    checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
     vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
     language_specializations = [single_sequence(values) for values in language_specializations]
     language = RecordingProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
     shape = LanguageShape.from_specializations(language_specializations)
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
-    generator = make_generator(family, load_adapter(family), model_config, vision, language, shape, [])
-    quiet_transformers()
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(manifest["model"]))
+    generator = make_generator(checkpoint, vision, language, shape, eos_token_ids=())
+    processor = checkpoint.processor
     if images:
         pictures = [Image.open(path).convert("RGB") for path in images]
     else:

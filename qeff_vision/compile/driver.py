@@ -50,7 +50,7 @@ from qeff_vision.compile.precision import PrecisionPlan, resolve_plans
 from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
 from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.export.record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
+from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
 from qeff_vision.fsutil import atomic_write_json
 
 EXPORT_SUBDIR = "export"

@@ -7,7 +7,6 @@ axis). Both directions are checked here, once, for the onnxruntime backend and t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
+from qeff_vision.fsutil import read_json
 
 Dim = int | str | None
 
@@ -114,13 +114,8 @@ def specialization_values(entry: Mapping[str, Any], where: str) -> dict[str, int
 def read_specializations(path: str | Path) -> list[dict[str, int]]:
     """Every specialization of a ``specializations.json`` in either layout, as symbol -> int."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise UserError(f"{path}: file not found") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a readable JSON file ({exc})") from exc
-    entries = data.get("specializations") if isinstance(data, dict) else None
+    data = read_json(path)
+    entries = data.get("specializations")
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{path}: expected a non-empty 'specializations' list")
     result = []

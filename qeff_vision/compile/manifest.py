@@ -26,13 +26,13 @@ written last and atomically: a directory without one has not finished compiling.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from qeff_vision import __version__
 from qeff_vision.errors import UserError
+from qeff_vision.fsutil import read_json
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -67,13 +67,9 @@ def tool_name() -> str:
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     """Read ``OUT/manifest.json``; a user error when OUT is not a finished compile."""
     path = Path(out_dir) / MANIFEST_FILE
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{out_dir}: no {MANIFEST_FILE}; run `qeff-vision compile` into it first") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    missing = f"{out_dir}: no {MANIFEST_FILE}; run `qeff-vision compile` into it first"
+    manifest = read_json(path, missing=missing)
+    if manifest.get("format") != MANIFEST_FORMAT:
         raise UserError(f"{path}: not a format-{MANIFEST_FORMAT} qeff-vision manifest")
     missing = [p for p in PROGRAMS if p not in manifest.get("programs", {})]
     if missing:

@@ -16,18 +16,11 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.checkpoint import quiet_transformers
 from qeff_vision.contract.language_io import LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
 from qeff_vision.families.base import Family
-
-
-def quiet_transformers() -> None:
-    """Silence transformers' progress bars and info logs (our stages print their own progress)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
 
 
 class ExportAdapter:

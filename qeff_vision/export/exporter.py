@@ -30,14 +30,6 @@ from qeff_vision.contract.language_io import DType, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
-from qeff_vision.export.record import (
-    EXPORT_FILE,
-    PATCH_BUCKETS,
-    RESOLUTIONS,
-    VISION_MODE,
-    config_hash,
-    read_export,
-)
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.weights import (
     DTYPES,
@@ -47,6 +39,14 @@ from qeff_vision.export.weights import (
     dense_placeholder_linears,
     parameter_inputs,
     write_weights,
+)
+from qeff_vision.export_record import (
+    EXPORT_FILE,
+    PATCH_BUCKETS,
+    RESOLUTIONS,
+    VISION_MODE,
+    config_hash,
+    read_export,
 )
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.families.base import ModelDescription

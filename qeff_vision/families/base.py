@@ -9,7 +9,6 @@ imported only when a graph is built (see :attr:`Family.export_module`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from qeff_vision.contract.language_io import (
     language_io,
 )
 from qeff_vision.errors import UserError
+from qeff_vision.fsutil import read_json
 
 # Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
 FULL_ATTENTION = "full_attention"
@@ -150,19 +150,6 @@ class ModelDescription:
     def model_type(self) -> str:
         """The ``model_type`` of the config."""
         return str(self.config.get("model_type", ""))
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON object, turning I/O and syntax errors into one-line user errors."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise UserError(f"{path}: file not found") from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: not a readable JSON file ({exc})") from exc
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
 
 
 def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = None) -> ModelDescription:

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.compile.manifest import ONNXRUNTIME, QAIC, program_path, read_manifest
 from qeff_vision.errors import UserError
-from qeff_vision.export.record import read_export
+from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape, checkpoint_settings, make_generator
+from qeff_vision.runtime.generate import Generator, LanguageShape, make_generator
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ class Artifacts:
     def description(self) -> ModelDescription:
         """The checkpoint's config and image-processor config (no torch)."""
         return describe_checkpoint(self.model_dir)
+
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint the programs were exported from."""
+        return Checkpoint.open(self.model_dir, self.family)
 
 
 def _symbols(entries: Any, where: str) -> tuple[dict[str, int], ...]:
@@ -236,24 +241,12 @@ def generator_for_artifacts(
 
     ``precision`` is ``fp32`` or ``device`` (see :func:`open_programs`).
     """
-    from qeff_vision.export.exporter import load_adapter
-
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
     vision, language = open_programs(artifacts, precision)
-    model_config, eos_ids = checkpoint_settings(artifacts.model_dir)
-    adapter = load_adapter(artifacts.family)
     buckets = artifacts.vision_specializations if artifacts.patch_buckets else None
     generator = make_generator(
-        artifacts.family,
-        adapter,
-        model_config,
-        vision,
-        language,
-        artifacts.shape,
-        eos_ids,
-        cache,
-        patch_buckets=buckets,
+        artifacts.checkpoint(), vision, language, artifacts.shape, cache, patch_buckets=buckets
     )
     generator.compiled_vision = list(artifacts.vision_specializations)
     return generator

@@ -95,7 +95,7 @@ def run_requests(
         reference = load_reference_model(chat.model_dir)
         eos = sorted(chat.generator.eos_token_ids)
         for inputs, request, done in zip(prepared, requests, report.requests):
-            theirs = reference_generate(reference, inputs.processed, request.max_new_tokens, eos)
+            theirs, _ = reference_generate(reference, inputs.processed, request.max_new_tokens, eos)
             run.comparisons.append(TokenComparison(tuple(done.result.tokens), tuple(theirs)))
     return run
 

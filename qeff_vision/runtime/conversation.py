@@ -380,20 +380,15 @@ def open_conversation(
     Raises:
         UserError: No manifest, a missing checkpoint, or a ``qaic`` artifact without the SDK runtime.
     """
-    from qeff_vision.export.adapter import quiet_transformers
     from qeff_vision.runtime.artifacts import generator_for_artifacts, image_fitter, load_artifacts
     from qeff_vision.runtime.embedding_cache import EmbeddingCache
 
     artifacts = load_artifacts(artifacts_dir)
     cache = EmbeddingCache(cache_bytes) if cache_bytes is not None else None
     generator = generator_for_artifacts(artifacts, cache=cache, precision=precision)
-    quiet_transformers()
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(artifacts.model_dir))
     return Conversation(
         generator,
-        processor,
+        generator.checkpoint.processor,
         fit_image=image_fitter(artifacts),
         protocol=protocol,
         max_new_tokens=max_new_tokens,
@@ -450,7 +445,7 @@ def run_turns(
                 )
             if reference is None:
                 reference = load_reference_model(chat.model_dir)
-            theirs = reference_generate(
+            theirs, _ = reference_generate(
                 reference,
                 chat.last_inputs.processed,
                 chat.max_new_tokens,

@@ -30,7 +30,7 @@ from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
-from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator, _description
+from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
 from qeff_vision.runtime.planner import VisionProtocol, plan_chunks
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
@@ -46,7 +46,7 @@ class CrossAttentionGenerator(Generator):
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
         cross_mask_shape = cross_mask_shape or self.language.input_dims.get(self.io.name(Role.CROSS_MASK), ())
-        description = _description(self.model_config)
+        description = self.checkpoint.description
         self.cross_names = list(self.family.vision_outputs(description))
         self.cross_mask_width = int(cross_mask_shape[-1]) if cross_mask_shape else 0
         self.states_per_image = self.family.kv_cache_lengths(description, self.shape.ctx_len)

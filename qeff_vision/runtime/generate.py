@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.contract.language_io import KV_ROLES, Role
 from qeff_vision.errors import UserError
-from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
@@ -179,51 +179,51 @@ class Generator:
     """Runs prompts through a vision program and a language program with the chunk protocol.
 
     Args:
-        family: The model family.
-        adapter: The family's torch-side adapter (positions and vision-input preparation).
-        model_config: The checkpoint's config.json dictionary.
+        checkpoint: The checkpoint the programs were exported from (config, family, end ids).
         vision: The vision program.
         language: The language program.
         shape: Compiled language shapes.
-        eos_token_ids: Generation stops after emitting one of these.
         cache: Per-image embedding cache (share one across a conversation's turns).
+        patch_buckets: The vision specializations of a patch-bucket program (images are packed
+            into them); ``None``: a vision program specialized per resolution.
+        eos_token_ids: Generation stops after emitting one of these (default: the checkpoint's).
     """
 
     def __init__(
         self,
-        family: Family,
-        adapter,
-        model_config: Mapping[str, Any],
+        checkpoint: Checkpoint,
         vision: OnnxProgram,
         language: OnnxProgram,
         shape: LanguageShape,
-        eos_token_ids: Sequence[int],
         cache: EmbeddingCache | None = None,
         patch_buckets: Sequence[Mapping[str, int]] | None = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
     ):
-        self.family = family
-        self.adapter = adapter
-        self.model_config = model_config
+        self.checkpoint = checkpoint
+        family = self.family = checkpoint.family
+        self.adapter = checkpoint.host
+        self.model_config = checkpoint.config
         self.vision = vision
         self.language = language
         self.shape = shape
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = set(checkpoint.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.cache = cache if cache is not None else EmbeddingCache(DEFAULT_CACHE_BYTES)
-        dims = family.text_dims(_description(model_config))
-        self.dims = dims
-        self.image_token_id = family.image_token_id(_description(model_config))
+        description = checkpoint.description
+        dims = self.dims = checkpoint.dims
+        self.image_token_id = family.image_token_id(description)
         # Image and video placeholders both take vision rows, in prompt order.
-        self.placeholder_ids = family.placeholder_token_ids(_description(model_config))
+        self.placeholder_ids = family.placeholder_token_ids(description)
         self.position_rows = family.position_id_rows
         # Stacked row inputs (Qwen3-VL deepstack) travel with vision_embeds as extra columns of
         # one wide row per placeholder, so the cache and the chunk slicing treat them as one.
-        self.stack_depths = family.stack_depths(_description(model_config))
+        self.stack_depths = family.stack_depths(description)
         self.row_width = dims.hidden_size * (1 + sum(self.stack_depths.values()))
         #: Compiled vision specializations (symbol values), when known: clips are checked against them.
         self.compiled_vision: list[Mapping[str, object]] = []
         #: The language IO table: feeds, caches and outputs are named and shaped by its rows.
         self.io = family.language_table(
-            _description(model_config),
+            checkpoint.description,
             comp_ctx_lengths=bool(shape.prefill_ccls or shape.decode_ccls),
             # A continuous-batching program (it takes batch_index) driven for one sequence, slot 0.
             continuous_batching=symbols.BATCH_INDEX in getattr(language, "input_dims", {}),
@@ -332,7 +332,7 @@ class Generator:
         """
         if self.language.retains_state:
             return {}
-        description = _description(self.model_config)
+        description = self.checkpoint.description
         values = {
             symbols.BATCH_SIZE: slots,
             symbols.FULL_BATCH_SIZE: slots,
@@ -607,30 +607,6 @@ class Generator:
         return tokens
 
 
-def _description(model_config: Mapping[str, Any]):
-    from qeff_vision.families.base import ModelDescription
-
-    return ModelDescription(model_config)
-
-
-def checkpoint_settings(model_dir: str | Path) -> tuple[dict[str, Any], list[int]]:
-    """A checkpoint's config.json and its end-of-sequence ids (from generation_config.json)."""
-    import json
-
-    model_dir = Path(model_dir)
-    try:
-        model_config = json.loads((model_dir / "config.json").read_text())
-    except FileNotFoundError:
-        raise UserError(
-            f"{model_dir}: the checkpoint these programs were exported from is gone (no config.json); "
-            "the runtime needs its config, processor and chat template"
-        ) from None
-    generation = model_dir / "generation_config.json"
-    eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-    eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-    return model_config, [int(token) for token in eos_ids]
-
-
 def generator_for_export(
     export_dir: str | Path,
     shape: LanguageShape,
@@ -649,12 +625,10 @@ def generator_for_export(
     :class:`~qeff_vision.numerics.device.MxEmulation`) adds microscaling formats to the language
     program there (``-mxfp6-matmul`` and an MXINT8 KV cache are language-program options).
     """
-    from qeff_vision.export.exporter import load_adapter
-    from qeff_vision.export.record import PATCH_BUCKETS, read_export, vision_mode
+    from qeff_vision.export_record import PATCH_BUCKETS, read_export, vision_mode
 
     export_dir = Path(export_dir)
     manifest = read_export(export_dir)
-    family = get_family(manifest["family"])
     buckets = None
     if vision_mode(manifest) == PATCH_BUCKETS:
         if not vision_specializations:
@@ -662,7 +636,7 @@ def generator_for_export(
                 f"{export_dir}: a patch-bucket export runs with its vision specializations (the buckets)"
             )
         buckets = vision_specializations
-    model_config, eos_ids = checkpoint_settings(manifest["model"])
+    checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
     plans = fp32_values or {}
     vision = OnnxProgram(
         export_dir / manifest["programs"]["vision"]["path"],
@@ -675,26 +649,16 @@ def generator_for_export(
         fp32_values=plans.get("lang", ()) if fp32_values is not None else None,
         mx=mx,
     )
-    return make_generator(
-        family,
-        load_adapter(family),
-        model_config,
-        vision,
-        language,
-        shape,
-        eos_ids,
-        cache,
-        patch_buckets=buckets,
-    )
+    return make_generator(checkpoint, vision, language, shape, cache, patch_buckets=buckets)
 
 
-def make_generator(family: Family, *args, **kwargs) -> Generator:
-    """The host of ``family``'s decoder kind: :class:`Generator` (token-merge) or the cross-attention one.
+def make_generator(checkpoint: Checkpoint, *args, **kwargs) -> Generator:
+    """The host of the checkpoint's decoder kind: :class:`Generator` (token-merge) or the cross-attention one.
 
     Arguments are :class:`Generator`'s.
     """
-    if family.decoder_kind == CROSS_ATTENTION:
+    if checkpoint.family.decoder_kind == CROSS_ATTENTION:
         from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 
-        return CrossAttentionGenerator(family, *args, **kwargs)
-    return Generator(family, *args, **kwargs)
+        return CrossAttentionGenerator(checkpoint, *args, **kwargs)
+    return Generator(checkpoint, *args, **kwargs)

@@ -177,11 +177,6 @@ class Chunk:
         return slice(self.start, self.stop)
 
     @property
-    def row_slice(self) -> slice:
-        """The rows of G the chunk sends."""
-        return slice(self.row_start, self.row_stop)
-
-    @property
     def image_idx_output(self) -> int:
         """What the device returns as ``image_idx_output``: ``image_idx`` plus the placeholders."""
         return self.image_idx + self.placeholders

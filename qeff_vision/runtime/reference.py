@@ -12,37 +12,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 def load_reference_model(model_dir: str | Path):
     """The checkpoint as a transformers model: float32, eager attention, eval mode."""
-    import torch
-    from transformers import AutoModelForImageTextToText
+    from qeff_vision.checkpoint import Checkpoint
 
-    from qeff_vision.export.adapter import quiet_transformers
-
-    quiet_transformers()
-    return AutoModelForImageTextToText.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return Checkpoint.open(model_dir).reference_model()
 
 
 def reference_generate(
-    model, processed: Mapping[str, Any], max_new_tokens: int, eos_token_ids: Sequence[int]
-) -> list[int]:
-    """New tokens of transformers' greedy generate on ``processed`` (numpy processor outputs)."""
-    import torch
-    from transformers import GenerationConfig
+    model, processed: Mapping[str, Any], max_new_tokens: int, eos_token_ids: Sequence[int] | None = None
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy generate of transformers on ``processed``: its new tokens and each step's logits row.
 
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=list(eos_token_ids) or None,
-        pad_token_id=model.generation_config.pad_token_id,
-    )
+    The one greedy reference of the project (``run --compare-hf``, verification, tests).
+    ``processed`` holds processor outputs (numpy arrays or tensors). The model's generation config
+    is kept except what would make it other than pure argmax: sampling, beams and the repetition
+    penalty are switched off. ``eos_token_ids`` replaces the config's end ids when given.
+    """
+    import torch
+
     inputs = {name: torch.as_tensor(value) for name, value in processed.items()}
+    options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
+    if eos_token_ids is not None:
+        options["eos_token_id"] = list(eos_token_ids) or None
     with torch.no_grad():
-        sequences = model.generate(**inputs, generation_config=config)
-    return sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        out = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+    length = inputs["input_ids"].shape[1]
+    return out.sequences[0, length:].tolist(), [step[0].float().numpy() for step in out.logits]
 
 
 @dataclass(frozen=True)

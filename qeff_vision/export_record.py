@@ -6,11 +6,11 @@ Torch-free, so the compile driver and the runtime read it without importing the 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
+from qeff_vision.fsutil import read_json
 
 EXPORT_FILE = "export.json"
 PROGRAMS = ("vision", "lang")
@@ -37,13 +37,8 @@ def read_export(out_dir: str | Path) -> dict[str, Any]:
         UserError: No export.json, an unreadable one, or one without both programs.
     """
     path = Path(out_dir) / EXPORT_FILE
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{out_dir}: not an export directory (no {EXPORT_FILE})") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path}: unreadable ({exc})") from exc
-    programs = manifest.get("programs") if isinstance(manifest, dict) else None
+    manifest = read_json(path, missing=f"{out_dir}: not an export directory (no {EXPORT_FILE})")
+    programs = manifest.get("programs")
     if not isinstance(programs, dict) or any(program not in programs for program in PROGRAMS):
         raise UserError(f"{path}: expected programs 'vision' and 'lang'")
     return manifest
