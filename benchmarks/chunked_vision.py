@@ -115,7 +115,6 @@ class Bench:
         manifest = read_export(export_dir)
         self.checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
         self.family, self.config = self.checkpoint.family, self.checkpoint.config
-        self.adapter = self.checkpoint.host
         self.processor = self.checkpoint.processor
         self.vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
         # One intra-op thread: steadier timings on a shared machine (both protocols alike).

@@ -121,7 +121,7 @@ def _export(work: Path):
                 dynamic_axes={**{k: dict(v) for k, v in axes.items()}, "vision_embeds": {1: "vision_size"}},
             )
         paths[name] = path
-    return paths, adapter
+    return paths
 
 
 def _session(path: Path):
@@ -187,12 +187,12 @@ def run_resolutions(session, family, model, reps: int) -> ModeResult:
     return result
 
 
-def run_buckets(session, family, model, adapter, reps: int) -> ModeResult:
+def run_buckets(session, family, model, reps: int) -> ModeResult:
     """Each prompt's images at their own resolution, packed into patch-bucket calls."""
     from qeff_vision.families.base import ImageSize
     from qeff_vision.runtime.packing import plan_packed_calls
 
-    config = {"vision_config": dict(model.config["vision_config"])}
+    host = family.host(model)
     buckets = [family.bucket_symbols(model, patches) for patches in BUCKETS]
     result = ModeResult()
     for start in range(0, len(SIZES), PER_PROMPT):
@@ -210,7 +210,7 @@ def run_buckets(session, family, model, adapter, reps: int) -> ModeResult:
             result.distorted += _aspect_change(own, (height, width)) > DISTORTION
 
         def pack(chosen, bucket):
-            return adapter.pack_vision_inputs(config, chosen, bucket)
+            return host.pack_vision_inputs(chosen, bucket)
 
         for call in plan_packed_calls(items, sizes, buckets, pack):
             patches = call.bucket["grid_height"]
@@ -272,13 +272,13 @@ def main(argv: list[str] | None = None) -> int:
 
     family, model = get_family("qwen2_5_vl"), _model()
     with tempfile.TemporaryDirectory() as work:
-        paths, adapter = _export(Path(work))
+        paths = _export(Path(work))
         results = {
             f"resolution list ({len(RESOLUTIONS)})": run_resolutions(
                 _session(paths["resolutions"]), family, model, args.reps
             ),
             f"patch buckets ({len(BUCKETS)})": run_buckets(
-                _session(paths["buckets"]), family, model, adapter, args.reps
+                _session(paths["buckets"]), family, model, args.reps
             ),
         }
     print("\n".join(table(results)))

@@ -95,9 +95,7 @@ class Checkpoint:
     @cached_property
     def host(self):
         """The family's host protocol: vision inputs per image, placeholder counts, positions."""
-        from qeff_vision.export.exporter import load_adapter
-
-        return load_adapter(self.family)
+        return self.family.host(self.description)
 
     @property
     def processor(self):

@@ -81,7 +81,7 @@ def check_parity(
         )
         features = adapter.hf_image_features(model, processed)
         numpy_inputs = {name: value.numpy() for name, value in processed.items() if torch.is_tensor(value)}
-        inputs = adapter.vision_inputs(model.config.to_dict(), numpy_inputs)[0]
+        inputs = checkpoint.host.vision_inputs(numpy_inputs)[0]
         outputs = vision.run(inputs)
         if family.decoder_kind == CROSS_ATTENTION:  # one reference per output: each cross layer's K, V
             names = list(family.vision_outputs(checkpoint.description))

@@ -76,7 +76,7 @@ def prefill_into_slot(
     assert isinstance(generator.language, SlotProgram) and generator.language.slot == slot
     input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
     plan = generator.plan(input_ids, processed, "chunk")
-    positions = generator.adapter.prompt_positions(generator.model_config, processed)
+    positions = generator.host.prompt_positions(processed)
     outputs, _ = generator._prefill(plan, input_ids, positions, processed, {})
     row = outputs[symbols.LOGITS][0, -1].copy()
     return SlotSequence(slot, positions, [int(row.argmax())], [row], max_new_tokens)
@@ -104,11 +104,11 @@ def batched_decode(
         for slot in range(slots):
             sequence = by_slot.get(slot)
             if sequence is None:
-                template = generator.adapter.decode_positions(running[0].positions, 0)
+                template = generator.host.decode_positions(running[0].positions, 0)
                 positions.append(np.full_like(template, -1))
                 continue
             token_ids[slot, 0] = sequence.tokens[-1]
-            positions.append(generator.adapter.decode_positions(sequence.positions, len(sequence.tokens) - 1))
+            positions.append(generator.host.decode_positions(sequence.positions, len(sequence.tokens) - 1))
         feeds = {
             symbols.INPUT_IDS: token_ids,
             symbols.POSITION_IDS: np.ascontiguousarray(np.concatenate(positions, axis=-2)),

@@ -34,7 +34,6 @@ class FamilyRuntime:
         manifest = read_export(export_dir)
         self.checkpoint = Checkpoint.open(manifest["model"], family)
         self.family, self.config = self.checkpoint.family, self.checkpoint.config
-        self.adapter = self.checkpoint.host
         self.vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
         self.language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"])
         self.model, self.processor = model, processor

@@ -43,6 +43,14 @@ def process(processor, messages, images):
     return processor(text=[text], images=images or None, return_tensors="pt")
 
 
+def host(model, family: str):
+    """The torch-free host protocol of ``family`` for a transformers model's config."""
+    from qeff_vision.families import get_family
+    from qeff_vision.families.base import ModelDescription
+
+    return get_family(family).host(ModelDescription(model.config.to_dict()))
+
+
 def as_numpy(inputs) -> dict:
     """Processor outputs as numpy arrays."""
     return {name: value.numpy() for name, value in inputs.items()}

@@ -41,7 +41,7 @@ def test_vision_three_stage_parity(family, hf_model, exported):
             images=[helpers.image(height, width, seed)], return_tensors="pt"
         )
         reference = adapter.hf_image_features(model, processed)[0].numpy()
-        inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))[0]
+        inputs = helpers.host(model, family).vision_inputs(helpers.as_numpy(processed))[0]
         with torch.no_grad():
             outputs = encoder(*[torch.as_tensor(v) for v in inputs.values()])
         # A tower with several outputs (Qwen3-VL adds deepstack_features) lists vision_embeds first.
@@ -97,7 +97,7 @@ def test_patched_language_decoder_matches_transformers(family, hf_model):
         symbols.SLIDING_WINDOW: length + 8,
     }
     past = [torch.zeros(row.concrete_shape(values)) for row in io.rows(*KV_ROLES)]
-    positions = torch.as_tensor(adapter.prompt_positions(model.config.to_dict(), numpy_inputs))
+    positions = torch.as_tensor(helpers.host(model, family).prompt_positions(numpy_inputs))
     with torch.no_grad():
         logits = decoder(
             inputs["input_ids"], positions, features, *stacked, torch.zeros(1, 1, dtype=torch.int64), *past

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.errors import UserError
+from qeff_vision.families import all_families
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +35,37 @@ def test_planner_and_checkpoint_import_without_torch(tmp_path):
 def test_checkpoint_without_config_is_one_user_error(tmp_path):
     with pytest.raises(UserError, match="no config.json"):
         Checkpoint.open(tmp_path)
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def _from_export(name: str) -> bool:
+    return name == "qeff_vision.export" or name.startswith("qeff_vision.export.")
+
+
+def test_runtime_imports_nothing_from_export():
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(filter(_from_export, _imports(path)))
+        for path in sorted((ROOT / "qeff_vision" / "runtime").glob("*.py"))
+    }
+    assert not {path: names for path, names in offenders.items() if names}
+
+
+def test_every_host_protocol_is_torch_free():
+    # Every family's host module loads in one fresh interpreter without torch or transformers.
+    code = (
+        "import sys, importlib; from qeff_vision.families import all_families;"
+        "[f.host_module and importlib.import_module(f.host_module) for f in all_families()];"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-500:]
+    assert all(family.host_module for family in all_families() if family.decoder_kind)

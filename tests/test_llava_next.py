@@ -111,11 +111,7 @@ def test_placeholders_written_by_the_processor_match_the_token_math(hf_model):
     written = int((inputs["input_ids"] == model.config.image_token_id).sum())
     expected = [get_family(FAMILY).image_tokens(description, ImageSize(*size)) for size in sizes]
     assert written == sum(expected)
-    from qeff_vision.export.exporter import load_adapter
-
-    counts = load_adapter(get_family(FAMILY)).placeholder_counts(
-        model.config.to_dict(), helpers.as_numpy(inputs)
-    )
+    counts = helpers.host(model, FAMILY).placeholder_counts(helpers.as_numpy(inputs))
     assert list(counts) == expected
 
 
@@ -142,7 +138,7 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
         pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
         processed = processor.image_processor(images=pair, return_tensors="pt")
         reference = [f.numpy() for f in adapter.hf_image_features(model, processed)]
-        inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))
+        inputs = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
         feeds = {name: np.concatenate([one[name] for one in inputs]) for name in inputs[0]}
         embeds = program.run(feeds)[symbols.VISION_EMBEDS]
         assert embeds.shape == (2, *reference[0].shape)

@@ -70,14 +70,14 @@ def test_spec_has_one_vision_specialization_per_resolution():
 def test_processor_writes_rows_of_placeholders_with_breaks(hf_model):
     model, processor = hf_model(FAMILY)
     description = ModelDescription(model.config.to_dict(), processor.image_processor.to_dict())
-    family, adapter = get_family(FAMILY), load_adapter(get_family(FAMILY))
+    family = get_family(FAMILY)
     sizes = [(100, 100), (100, 150), (300, 120), (60, 400), (20, 900)]
     images = [helpers.image(h, w, seed) for seed, (h, w) in enumerate(sizes)]
     inputs = helpers.as_numpy(
         helpers.process(processor, helpers.user_turn(*["<image>"] * len(sizes), "Hi"), images)
     )
     expected = [family.image_tokens(description, ImageSize(*size)) for size in sizes]
-    assert adapter.placeholder_counts(model.config.to_dict(), inputs) == expected
+    assert helpers.host(model, FAMILY).placeholder_counts(inputs) == expected
     ids = inputs["input_ids"].reshape(-1)
     breaks, ends = (processor.tokenizer.convert_tokens_to_ids(t) for t in ("[IMG_BREAK]", "[IMG_END]"))
     images_tokens = int(np.isin(ids, [model.config.image_token_index, breaks, ends]).sum())
@@ -92,7 +92,7 @@ def test_one_vision_graph_serves_every_resolution_batched(hf_model, exported):
         pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
         processed = processor.image_processor(images=pair, return_tensors="pt", patch_size=28)
         reference = [f.numpy() for f in adapter.hf_image_features(model, processed)]
-        inputs = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))
+        inputs = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
         feeds = {name: np.concatenate([one[name] for one in inputs]) for name in inputs[0]}
         embeds = program.run(feeds)[symbols.VISION_EMBEDS]
         assert embeds.shape == (2, *reference[0].shape)

@@ -111,7 +111,7 @@ def test_vision_kv_three_stage_parity(hf_model, exported):
         )
         reference = adapter.hf_image_features(model, processed)
         arrays = {name: value.numpy() for name, value in processed.items() if torch.is_tensor(value)}
-        inputs = adapter.vision_inputs(model.config.to_dict(), arrays)[0]
+        inputs = helpers.host(model, FAMILY).vision_inputs(arrays)[0]
         with torch.no_grad():
             patched = encoder(*[torch.as_tensor(v) for v in inputs.values()])
         onnx = program.run(inputs)

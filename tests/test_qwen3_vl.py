@@ -112,7 +112,7 @@ def test_one_vision_graph_serves_every_resolution_with_deepstack_rows(hf_model, 
         embeds = adapter.hf_image_features(model, processed)[0].numpy()
         stacked = adapter.hf_stacked_rows(model, processed)[DEEPSTACK_FEATURES][0].numpy()
         reference = np.concatenate([embeds, *stacked], axis=-1)
-        (inputs,) = adapter.vision_inputs(model.config.to_dict(), helpers.as_numpy(processed))
+        (inputs,) = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
         output = program.run(inputs)
         stacked = output[DEEPSTACK_FEATURES][:, 0]
         ours = np.concatenate([output[symbols.VISION_EMBEDS][0], *stacked], axis=-1)
@@ -136,7 +136,7 @@ def test_deepstack_rows_change_the_logits(runtime):
     feeds = {
         symbols.INPUT_IDS: np.pad(processed["input_ids"], ((0, 0), (0, 128 - length))),
         symbols.POSITION_IDS: generator._positions(
-            runtime.adapter.prompt_positions(runtime.config, processed), 0, length, 128
+            runtime.checkpoint.host.prompt_positions(processed), 0, length, 128
         ),
         symbols.IMAGE_IDX: np.zeros((1, 1), np.int64),
         **generator._vision_feeds_of_rows(wide),

@@ -50,18 +50,17 @@ def test_packed_bucket_rows_equal_transformers_per_image(hf_model, sizes, bucket
     """Each image's rows from one packed, padded call equal transformers on that image alone."""
     model, processor = hf_model("qwen2_5_vl")
     family = get_family("qwen2_5_vl")
-    adapter = load_adapter(family)
-    config = model.config.to_dict()
+    adapter, host = load_adapter(family), helpers.host(model, "qwen2_5_vl")
     encoder = adapter.patch_bucket_encoder(model)
     images = [helpers.image(h, w, seed) for seed, (h, w) in enumerate(sizes)]
     items, references = [], []
     for image in images:
         processed = processor.image_processor(images=[image], return_tensors="np")
-        items += adapter.vision_inputs(config, processed)
+        items += host.vision_inputs(processed)
         torch_inputs = {k: torch.as_tensor(v) for k, v in processed.items()}
         references.append(adapter.hf_image_features(model, torch_inputs)[0].numpy())
     symbols = {GRID_HEIGHT: bucket, WINDOW_BLOCKS: Geometry().window_blocks(bucket)}
-    feeds = adapter.pack_vision_inputs(config, items, symbols)
+    feeds = host.pack_vision_inputs(items, symbols)
     assert feeds is not None
     with torch.no_grad():
         rows = encoder(*(torch.as_tensor(v) for v in feeds.values()))[0].numpy()
@@ -138,11 +137,12 @@ def test_patch_bucket_spec_problems_and_warnings(tmp_path):
 def test_a_clip_in_a_patch_bucket_call_is_refused_in_one_line():
     """Packing ids have no time axis: a clip (two temporal patches) gets a clear refusal, not wrong rows."""
     from qeff_vision.errors import UserError
+    from qeff_vision.families.base import ModelDescription
     from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
 
-    adapter = load_adapter(get_family("qwen2_5_vl"))
     config = {"vision_config": {"window_size": 112, "spatial_merge_size": 2, "patch_size": 14}}
+    host = get_family("qwen2_5_vl").host(ModelDescription(config))
     pixels = np.zeros((2 * 16, 1176), np.float32)
     clip = {"pixel_values": pixels, IMAGE_GRID_THW: np.zeros((1, 2, 4, 4), np.int64)}
     with pytest.raises(UserError, match="video clip needs a per-resolution vision program"):
-        adapter.pack_vision_inputs(config, [clip], {GRID_HEIGHT: 1024, WINDOW_BLOCKS: 23})
+        host.pack_vision_inputs([clip], {GRID_HEIGHT: 1024, WINDOW_BLOCKS: 23})

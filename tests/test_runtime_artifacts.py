@@ -144,7 +144,7 @@ def test_uncompiled_image_resolution_is_rejected_by_the_vision_program(artifacts
     generator = generator_for_artifacts(artifacts_dir)
     image = helpers.image(224, 224)
     processed = helpers.as_numpy(processor.image_processor(images=[image], return_tensors="pt"))
-    inputs = generator.adapter.vision_inputs(generator.model_config, processed)[0]
+    inputs = generator.host.vision_inputs(processed)[0]
     with pytest.raises(ShapeMismatch, match="vision: .*grid_h=16.*match no compiled specialization"):
         generator.vision.run(inputs)
 

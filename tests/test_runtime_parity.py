@@ -39,7 +39,6 @@ class Runtime:
         manifest = read_export(export_dir)
         self.checkpoint = Checkpoint.open(manifest["model"], FAMILY)
         self.family, self.config = self.checkpoint.family, self.checkpoint.config
-        self.adapter = self.checkpoint.host
         self.vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
         self.language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"])
         self.model, self.processor = model, processor

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -98,14 +97,6 @@ class ExportAdapter:
         """Transformers' rows [depth, tokens, hidden] per image of each stacked vision-row input."""
         return {}
 
-    def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Split processor outputs into one vision-program input dict per image (batch axis 1).
-
-        ``model_config`` is the checkpoint's config.json, for families whose split needs it (e.g. a
-        tile grid chosen from the model's grid pinpoints, which the processor outputs do not carry).
-        """
-        raise NotImplementedError
-
     # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
 
     def patch_bucket_encoder(self, model: nn.Module) -> nn.Module:
@@ -114,24 +105,6 @@ class ExportAdapter:
 
     def patch_bucket_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Small example inputs of the patch-bucket program (two images packed, padding included)."""
-        raise NotImplementedError
-
-    def pack_vision_inputs(
-        self, model_config: Any, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]
-    ) -> dict[str, np.ndarray] | None:
-        """Feeds of one patch-bucket call encoding ``items`` (from :meth:`vision_inputs`), or None.
-
-        None when the images do not fit the bucket (its symbol values). The output's rows are the
-        images' rows one after another, then padding rows.
-        """
-        raise NotImplementedError
-
-    def item_patches(self, item: Mapping[str, np.ndarray]) -> int:
-        """Patches one image of :meth:`vision_inputs` occupies in a bucket."""
-        raise NotImplementedError
-
-    def item_rows(self, model_config: Any, item: Mapping[str, np.ndarray]) -> int:
-        """Output rows (placeholder tokens) of one image of :meth:`vision_inputs` in a packed call."""
         raise NotImplementedError
 
     # ---- language program ----
@@ -178,19 +151,6 @@ class ExportAdapter:
         """
         return LanguageDecoder(parts, io).eval()
 
-    def prompt_positions(self, model_config: Any, processed: Mapping[str, Any]) -> np.ndarray:
-        """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""
-        input_ids = np.asarray(processed["input_ids"])
-        return np.arange(input_ids.shape[1], dtype=np.int64).reshape(1, -1)
-
-    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
-        """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
-        return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
-
-    def placeholder_counts(self, model_config: Any, processed: Mapping[str, Any]) -> Sequence[int]:
-        """Placeholder tokens (= embedding rows) per image, in prompt order."""
-        raise NotImplementedError
-
 
 class FixedResolutionAdapter(ExportAdapter):
     """Adapter base for towers that take ``pixel_values [batch, channels, side, side]`` at one size.
@@ -205,8 +165,3 @@ class FixedResolutionAdapter(ExportAdapter):
         generator = torch.Generator().manual_seed(0)
         shape = (1, config.num_channels, config.image_size, config.image_size)
         return {symbols.PIXEL_VALUES: torch.randn(*shape, generator=generator)}
-
-    def vision_inputs(self, model_config: Any, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """One ``pixel_values`` row per image."""
-        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
-        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]

@@ -9,6 +9,7 @@ imported only when a graph is built (see :attr:`Family.export_module`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,6 +237,18 @@ class Family:
     #: per call. Empty: the family has no such program (``vision.patch_buckets`` is refused).
     patch_bucket_input_axes: Mapping[str, Mapping[int, str]] = {}
     patch_bucket_output_axes: Mapping[str, Mapping[int, str]] = {}
+
+    #: Dotted module whose ``Host`` class is the family's torch-free host protocol (vision inputs,
+    #: placeholder counts, positions); empty: :class:`~qeff_vision.families.host.Host` itself.
+    host_module: str = ""
+
+    def host(self, model: ModelDescription):
+        """The host protocol of this family for ``model`` (a :class:`~qeff_vision.families.host.Host`)."""
+        if self.host_module:
+            host_class = importlib.import_module(self.host_module).Host
+        else:
+            from qeff_vision.families.host import Host as host_class
+        return host_class(self, model)
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 

@@ -66,9 +66,7 @@ class CrossAttentionGenerator(Generator):
 
     def _cross_states(self, processed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
         """Every cross layer's K/V for the request's images (each encoded once) and images encoded."""
-        per_image = (
-            self.adapter.vision_inputs(self.model_config, processed) if "pixel_values" in processed else []
-        )
+        per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
         states, encoded = [], 0
         for inputs in per_image:
             arrays = list(inputs.values())
@@ -122,7 +120,7 @@ class CrossAttentionGenerator(Generator):
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if history is not None and "pixel_values" in processed:
             raise UserError("a continued turn of a cross-attention model cannot add images")
-        positions = self.adapter.prompt_positions(self.model_config, processed)
+        positions = self.host.prompt_positions(processed)
         used = 0
         if history is not None:
             past = history.past
@@ -183,7 +181,7 @@ class CrossAttentionGenerator(Generator):
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            position = self.adapter.decode_positions(positions, step)
+            position = self.host.decode_positions(positions, step)
             outputs = self._feed_token(token, position, past, {Role.CROSS_MASK: last_row})
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
@@ -201,9 +199,7 @@ class CrossAttentionGenerator(Generator):
             cache_hits=0,
             logits=kept or [],
             protocol=plan.protocol.value,
-            images=len(self.adapter.placeholder_counts(self.model_config, processed))
-            if "pixel_values" in processed
-            else 0,
+            images=len(self.host.placeholder_counts(processed)) if "pixel_values" in processed else 0,
             image_rows=0,
             images_encoded=images_encoded,
             continuation=Continuation(

@@ -230,7 +230,7 @@ class _Sequence:
         self.request = request
         self.plan = plan
         self.input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
-        self.positions = generator.adapter.prompt_positions(generator.model_config, request.processed)
+        self.positions = generator.host.prompt_positions(request.processed)
         self.chunks: Iterator[tuple[Chunk, np.ndarray]] | None = None
         self.encode_timer = [0.0]
         self.slot = -1
@@ -404,11 +404,11 @@ class BatchedEngine:
         self, running: list[_Sequence], step: StepPlan, report: EngineReport, keep_logits: bool
     ) -> list[int]:
         """One token for every running request; the numbers of those now complete."""
-        adapter = self.generator.adapter
+        host = self.generator.host
         tokens = {
             sequence.slot: (
                 sequence.tokens[-1],
-                adapter.decode_positions(sequence.positions, len(sequence.tokens) - 1),
+                host.decode_positions(sequence.positions, len(sequence.tokens) - 1),
             )
             for sequence in running
         }

@@ -202,7 +202,7 @@ class Generator:
     ):
         self.checkpoint = checkpoint
         family = self.family = checkpoint.family
-        self.adapter = checkpoint.host
+        self.host = checkpoint.host
         self.model_config = checkpoint.config
         self.vision = vision
         self.language = language
@@ -243,7 +243,7 @@ class Generator:
     # ---- vision ----
 
     def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
-        per_image = self.adapter.vision_inputs(self.model_config, processed)
+        per_image = self.host.vision_inputs(processed)
         prepared, inputs_by_key = [], {}
         for inputs in per_image:
             arrays = list(inputs.values())
@@ -383,8 +383,7 @@ class Generator:
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """The chunk plan of a processed prompt."""
-        has_images = "pixel_values" in processed or "pixel_values_videos" in processed
-        counts = self.adapter.placeholder_counts(self.model_config, processed) if has_images else []
+        counts = self.host.placeholder_counts(processed) if self.host.has_images(processed) else []
         spans = find_image_spans(
             input_ids, list(self.placeholder_ids), counts, multi_run=self.family.placeholders_in_runs
         )
@@ -428,7 +427,7 @@ class Generator:
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         past = history.past if history is not None else self._empty_cache()
-        positions = self.adapter.prompt_positions(self.model_config, processed)
+        positions = self.host.prompt_positions(processed)
         used = 0
         if history is not None:
             first = self._feed_history(history, past)
@@ -468,10 +467,10 @@ class Generator:
         """Feed a history's unfed generated tokens; the position of the next token."""
         steps = history.fed_steps
         for token in history.unfed:
-            position = self.adapter.decode_positions(history.positions, steps)
+            position = self.host.decode_positions(history.positions, steps)
             self._feed_token(token, position, past, history.decode_feeds)
             steps += 1
-        return self.adapter.decode_positions(history.positions, steps)
+        return self.host.decode_positions(history.positions, steps)
 
     def _feed_token(
         self,
@@ -597,7 +596,7 @@ class Generator:
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            outputs = self._feed_token(token, self.adapter.decode_positions(positions, step), past)
+            outputs = self._feed_token(token, self.host.decode_positions(positions, step), past)
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
             token = int(outputs[self.logits_name][0, -1].argmax())

@@ -69,23 +69,23 @@ def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[fl
 
     from qeff_vision import symbols
 
-    adapter, config = generator.adapter, generator.model_config
+    host = generator.host
     buckets = generator.patch_buckets or []
 
     def pack(items: list[dict], bucket: Mapping[str, int]):
-        return adapter.pack_vision_inputs(config, items, bucket)
+        return host.pack_vision_inputs(items, bucket)
 
     def encode(batch):
         start = time.perf_counter()
         items = [inputs_by_key[image.key] for image in batch]
-        sizes = [adapter.item_patches(item) for item in items]
+        sizes = [host.item_patches(item) for item in items]
         rows: list = [None] * len(batch)
         for call in plan_packed_calls(items, sizes, buckets, pack):
             output = generator.vision.run(call.feeds)
             offset = 0
             others = f", packed with {len(call.images) - 1} other image(s)" if len(call.images) > 1 else ""
             for index in call.images:
-                count = adapter.item_rows(config, items[index])
+                count = host.item_rows(items[index])
                 rows[index] = generator.wide_rows(output, 0, slice(offset, offset + count))
                 offset += count
                 generator.served[batch[index].key] = (

@@ -59,6 +59,7 @@ class Gemma3(Family):
     architectures = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
     export_module = "qeff_vision.families.gemma3.export"
+    host_module = "qeff_vision.families.gemma3.host"
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),

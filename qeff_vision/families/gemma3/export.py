@@ -20,18 +20,11 @@ per-layer-type mask dict and the positions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
-from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import FixedResolutionAdapter
 from qeff_vision.families import get_family
-
-TOKEN_TYPE_IDS = "token_type_ids"
 
 
 class VisionEncoder(nn.Module):
@@ -64,13 +57,3 @@ class Adapter(FixedResolutionAdapter):
         pixel_values = torch.as_tensor(processed["pixel_values"])
         with torch.no_grad():
             return list(model.model.get_image_features(pixel_values).pooler_output)
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """Every image is ``mm_tokens_per_image`` placeholders: the processor's image tokens / images."""
-        if TOKEN_TYPE_IDS not in processed:
-            raise UserError("Gemma 3 prompts need the processor's token_type_ids (do not drop them)")
-        images = np.asarray(processed["pixel_values"]).shape[0]
-        placeholders = int(np.asarray(processed[TOKEN_TYPE_IDS]).sum())
-        if images == 0 or placeholders % images:
-            raise UserError(f"{placeholders} image tokens cannot be shared equally by {images} image(s)")
-        return [placeholders // images] * images

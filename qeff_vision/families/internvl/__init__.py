@@ -80,6 +80,7 @@ class InternVL(Family):
     architectures = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
     export_module = "qeff_vision.families.internvl.export"
+    host_module = "qeff_vision.families.internvl.host"
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),

@@ -13,10 +13,6 @@ The decoder is the generic one (Qwen2 text model with per-layer-type masks).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
@@ -25,8 +21,6 @@ from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
-
-NUM_PATCHES = "num_patches"
 
 
 class VisionEncoder(nn.Module):
@@ -98,44 +92,12 @@ class Adapter(ExportAdapter):
         generator = torch.Generator().manual_seed(0)
         return {symbols.PIXEL_VALUES: torch.randn(1, 2, vision.num_channels, side, side, generator=generator)}
 
-    def _tiles_per_image(self, model_config: Mapping[str, Any], processed: Mapping[str, Any]) -> list[int]:
-        """Tiles of each image: the image processor's ``num_patches``, or the prompt's context runs.
-
-        ``InternVLProcessor`` drops ``num_patches`` from its outputs, but each image's context
-        tokens are one run between ``<img>`` and ``</img>`` of tokens_per_tile per tile.
-        """
-        if NUM_PATCHES in processed:
-            return [int(n) for n in np.asarray(processed[NUM_PATCHES]).reshape(-1)]
-        per_tile = self.family.tokens_per_tile(ModelDescription(model_config))
-        counts = self.placeholder_counts(model_config, processed)
-        if any(count % per_tile for count in counts):
-            raise UserError(f"image token runs {counts} are not whole tiles of {per_tile} tokens")
-        return [count // per_tile for count in counts]
-
-    def _split(self, values, tiles: Sequence[int]) -> list:
-        if sum(tiles) != len(values):
-            raise UserError(f"{len(values)} tiles in pixel_values, but the images need {sum(tiles)}")
-        offsets = np.cumsum([0, *tiles])
-        return [values[offsets[i] : offsets[i + 1]] for i in range(len(tiles))]
-
     def hf_image_features(self, model, processed):
         """Transformers' ``get_image_features`` per tile, joined per image [tiles * tokens, hidden]."""
         with torch.no_grad():
             features = model.model.get_image_features(
                 torch.as_tensor(processed["pixel_values"])
             ).pooler_output
-        tiles = self._tiles_per_image(model.config.to_dict(), processed)
-        return [part.reshape(-1, part.shape[-1]) for part in self._split(features, tiles)]
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Per image: its tiles as [1, tiles, 3, S, S]."""
-        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
-        tiles = self._tiles_per_image(model_config, processed)
-        return [{symbols.PIXEL_VALUES: part[None]} for part in self._split(pixels, tiles)]
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """The length of each run of context tokens: ``<img>``/``</img>`` fence every image."""
-        ids = np.asarray(processed["input_ids"]).reshape(-1)
-        marked = np.concatenate(([0], (ids == int(model_config["image_token_id"])).astype(np.int8), [0]))
-        edges = np.flatnonzero(np.diff(marked))
-        return [int(stop - start) for start, stop in zip(edges[0::2], edges[1::2])]
+        host = self.family.host(ModelDescription(model.config.to_dict()))
+        tiles = host.tiles_per_image(processed)
+        return [part.reshape(-1, part.shape[-1]) for part in host.split_tiles(features, tiles)]

@@ -52,6 +52,7 @@ class Llava(Family):
     architectures = ("LlavaForConditionalGeneration",)
     model_types = ("llava",)
     export_module = "qeff_vision.families.llava.export"
+    host_module = "qeff_vision.families.llava.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),

@@ -10,17 +10,12 @@ generic :class:`~qeff_vision.export.decoder.LanguageDecoder`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import FixedResolutionAdapter
 from qeff_vision.families import get_family
-from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llava import DEFAULT_STRATEGY, VISION_MODEL_TYPES
 
 
@@ -77,8 +72,3 @@ class Adapter(FixedResolutionAdapter):
         with torch.no_grad():
             output = model.model.get_image_features(pixel_values=torch.as_tensor(processed["pixel_values"]))
         return list(output.pooler_output)
-
-    def placeholder_counts(self, model_config: Mapping[str, Any], processed: Mapping[str, Any]) -> list[int]:
-        """Every image becomes the same number of placeholders: the family's token math."""
-        images = np.asarray(processed["pixel_values"]).shape[0]
-        return [self.family.tokens_per_image(ModelDescription(model_config))] * images

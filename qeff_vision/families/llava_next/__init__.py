@@ -73,6 +73,7 @@ class LlavaNext(Family):
     architectures = ("LlavaNextForConditionalGeneration",)
     model_types = ("llava_next",)
     export_module = "qeff_vision.families.llava_next.export"
+    host_module = "qeff_vision.families.llava_next.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),

@@ -13,25 +13,15 @@ inside its text model, and transformers' LlavaNext applies its own ``lm_head`` w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
-from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.families.llava_next import (
     FEATURE_GRID,
-    FEATURE_HEIGHT,
-    FEATURE_WIDTH,
-    NUM_TILES,
-    TILE_COLS,
     TILE_GRID,
-    TILE_ROWS,
 )
 
 
@@ -112,29 +102,3 @@ class Adapter(ExportAdapter):
                 torch.as_tensor(processed["pixel_values"]), torch.as_tensor(processed["image_sizes"])
             )
         return list(output.pooler_output)
-
-    def _symbols(self, model_config: Mapping[str, Any], image_size) -> dict[str, int]:
-        height, width = (int(v) for v in image_size)
-        return self.family.vision_symbols(ModelDescription(model_config), ImageSize(height, width))
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Per image: its own tiles (the processor pads the tile axis across a batch) and grid carriers."""
-        pixels = np.asarray(processed["pixel_values"], dtype=np.float32)
-        inputs = []
-        for index, image_size in enumerate(np.asarray(processed["image_sizes"]).tolist()):
-            values = self._symbols(model_config, image_size)
-            inputs.append(
-                {
-                    symbols.PIXEL_VALUES: pixels[index : index + 1, : values[NUM_TILES]],
-                    TILE_GRID: np.zeros((1, values[TILE_ROWS], values[TILE_COLS]), dtype=np.int64),
-                    FEATURE_GRID: np.zeros(
-                        (1, values[FEATURE_HEIGHT], values[FEATURE_WIDTH]), dtype=np.int64
-                    ),
-                }
-            )
-        return inputs
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """The family's token math on each image's original size (``image_sizes``)."""
-        sizes = np.asarray(processed["image_sizes"]).tolist()
-        return [self._symbols(model_config, size)[symbols.VISION_SIZE] for size in sizes]

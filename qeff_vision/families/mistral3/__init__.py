@@ -43,6 +43,7 @@ class Mistral3(Family):
     architectures = ("Mistral3ForConditionalGeneration",)
     model_types = ("mistral3",)
     export_module = "qeff_vision.families.mistral3.export"
+    host_module = "qeff_vision.families.mistral3.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),

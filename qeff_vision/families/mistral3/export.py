@@ -15,19 +15,13 @@ counts ``[IMG]`` placeholders, so the rows land in order across the breaks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
-
-IMAGE_SIZES = "image_sizes"
+from qeff_vision.families.mistral3.host import IMAGE_SIZES
 
 
 class VisionEncoder(nn.Module):
@@ -84,12 +78,6 @@ class Adapter(ExportAdapter):
         generator = torch.Generator().manual_seed(0)
         return {symbols.PIXEL_VALUES: torch.randn(1, 3, 3 * side, 4 * side, generator=generator)}
 
-    @staticmethod
-    def _sizes(processed: Mapping[str, Any]) -> list[tuple[int, int]]:
-        if IMAGE_SIZES not in processed:
-            raise UserError("Mistral 3 prompts need the processor's image_sizes (do not drop them)")
-        return [(int(h), int(w)) for h, w in np.asarray(processed[IMAGE_SIZES]).reshape(-1, 2)]
-
     def hf_image_features(self, model, processed):
         """Transformers' ``get_image_features``: one [tokens, hidden] tensor per image."""
         with torch.no_grad():
@@ -97,18 +85,3 @@ class Adapter(ExportAdapter):
                 torch.as_tensor(processed[symbols.PIXEL_VALUES]), torch.as_tensor(processed[IMAGE_SIZES])
             )
         return list(output.pooler_output)
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Per image: its own pixels, cut out of the batch's padding by ``image_sizes``."""
-        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
-        return [
-            {symbols.PIXEL_VALUES: np.ascontiguousarray(pixels[i : i + 1, :, :height, :width])}
-            for i, (height, width) in enumerate(self._sizes(processed))
-        ]
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """Rows x columns of 28-px tokens per image (``image_sizes`` are the resized sizes)."""
-        side = int(model_config["vision_config"]["patch_size"]) * int(
-            model_config.get("spatial_merge_size", 2)
-        )
-        return [(height // side) * (width // side) for height, width in self._sizes(processed)]

@@ -79,6 +79,7 @@ class Mllama(Family):
     architectures = ("MllamaForConditionalGeneration",)
     model_types = ("mllama",)
     export_module = "qeff_vision.families.mllama.export"
+    host_module = "qeff_vision.families.mllama.host"
     decoder_kind = CROSS_ATTENTION
     image_token_key = "image_token_index"
     features = Features(

@@ -20,11 +20,8 @@ masked out as transformers does (``full_text_row_masked_out_mask`` zeroes the cr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -194,27 +191,6 @@ class Adapter(ExportAdapter):
         for layer in model.config.text_config.cross_attention_layers:
             out += [cache.layers[layer].keys[0], cache.layers[layer].values[0]]
         return out
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """One dict per image: [1, 1, tiles, 3, S, S] pixels, its aspect-ratio id and tile mask."""
-        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
-        ids = np.asarray(processed[ASPECT_RATIO_IDS], dtype=np.int64)
-        mask = np.asarray(processed[ASPECT_RATIO_MASK], dtype=np.int64)
-        if pixels.ndim != 6 or pixels.shape[0] != 1:
-            raise UserError(f"expected pixel_values [1, images, tiles, 3, S, S], got {list(pixels.shape)}")
-        return [
-            {
-                symbols.PIXEL_VALUES: pixels[:, i : i + 1],
-                ASPECT_RATIO_IDS: ids[:, i : i + 1],
-                ASPECT_RATIO_MASK: mask[:, i : i + 1],
-            }
-            for i in range(pixels.shape[1])
-        ]
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """One ``<|image|>`` token per image."""
-        ids = np.asarray(processed["input_ids"]).reshape(-1)
-        return [1] * int((ids == int(model_config["image_token_index"])).sum())
 
     # ---- language program (cross-attention decoder kind) ----
 

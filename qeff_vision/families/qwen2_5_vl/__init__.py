@@ -47,6 +47,7 @@ class Qwen2_5_VL(Family):
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_types = ("qwen2_5_vl",)
     export_module = "qeff_vision.families.qwen2_5_vl.export"
+    host_module = "qeff_vision.families.qwen2_5_vl.host"
     position_id_rows = 4
     video_token_key = "video_token_id"
     features = Features(

@@ -17,23 +17,15 @@ masked-full form (a patch attends to patches with the same window id) for compar
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import numpy as np
 import torch
 from torch import nn
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.families import get_family
-from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.qwen2_5_vl import (
-    GRID_HEIGHT,
     IMAGE_GRID_THW,
     PATCH_IDS,
-    WINDOW_BLOCKS,
     WINDOW_LAYOUT,
     patches,
 )
@@ -263,32 +255,6 @@ class Adapter(ExportAdapter):
     def _window(config) -> int:
         return config.window_size // config.spatial_merge_size // config.patch_size
 
-    def pack_vision_inputs(self, model_config, items, bucket):
-        """Pixel rows one image after another, zero-padded to the bucket; ids from the grids."""
-        vision = model_config["vision_config"]
-        window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
-        geometry = patches.Geometry(vision["spatial_merge_size"], window)
-        if any(item[IMAGE_GRID_THW].shape[1] != 1 for item in items):
-            # Packing ids carry (row, col, image, window) per patch, not time: clips keep their
-            # per-(resolution, frames) programs (vision.videos), which spec validation requires.
-            raise UserError("a video clip needs a per-resolution vision program; patch buckets encode images")
-        grids = [tuple(item[IMAGE_GRID_THW].shape[2:]) for item in items]
-        packed = patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
-        if packed is None:
-            return None
-        rows = [item[symbols.PIXEL_VALUES] for item in items]
-        pixels = np.zeros((bucket[GRID_HEIGHT], rows[0].shape[1]), dtype=rows[0].dtype)
-        pixels[: sum(len(r) for r in rows)] = np.concatenate(rows, axis=0)
-        return {symbols.PIXEL_VALUES: pixels, PATCH_IDS: packed[0], WINDOW_LAYOUT: packed[1]}
-
-    def item_patches(self, item) -> int:
-        """Pixel rows of the image (one per patch)."""
-        return int(item[symbols.PIXEL_VALUES].shape[0])
-
-    def item_rows(self, model_config, item) -> int:
-        """Merged tokens: patches / merge^2."""
-        return self.item_patches(item) // model_config["vision_config"]["spatial_merge_size"] ** 2
-
     def hf_image_features(self, model, processed):
         """Transformers' vision tower on the processor outputs, split per image."""
         grid = torch.as_tensor(processed["image_grid_thw"])
@@ -297,138 +263,3 @@ class Adapter(ExportAdapter):
         merged = output.pooler_output
         counts = (grid.prod(dim=-1) // model.config.vision_config.spatial_merge_size**2).tolist()
         return list(torch.split(merged, counts))
-
-    # ---- images and clips in prompt order (host side, numpy only) ----
-
-    @staticmethod
-    def _grids(processed: Mapping[str, Any], key: str) -> list[tuple[int, int, int]]:
-        grids = np.asarray(processed.get(key, np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
-        return [tuple(int(x) for x in grid) for grid in grids.tolist()]
-
-    def vision_items(self, model_config, processed: Mapping[str, Any]) -> list[tuple[str, int]]:
-        """(``image`` | ``video``, index) of every image and clip, in prompt order.
-
-        Walks the placeholders: the first placeholder of a kind with none pending starts that
-        kind's next item, which then owns its t * h * w / merge^2 placeholders (a Qwen3-VL clip's
-        are several runs, one per temporal patch, with timestamp text between them).
-        """
-        merge = model_config["vision_config"]["spatial_merge_size"]
-        kinds = {model_config["image_token_id"]: "image"}
-        if "pixel_values_videos" in processed:
-            kinds[model_config["video_token_id"]] = "video"
-        counts = {
-            kind: [t * h * w // (merge * merge) for t, h, w in self._grids(processed, f"{kind}_grid_thw")]
-            for kind in ("image", "video")
-        }
-        if "input_ids" not in processed:  # an image processor's output alone: its own order
-            return [("image", i) for i in range(len(counts["image"]))] + [
-                ("video", i) for i in range(len(counts["video"]))
-            ]
-        order: list[tuple[str, int]] = []
-        taken, pending = {"image": 0, "video": 0}, {"image": 0, "video": 0}
-        for token in np.asarray(processed["input_ids"]).reshape(-1).tolist():
-            kind = kinds.get(token)
-            if kind is None:
-                continue
-            if not pending[kind]:
-                if taken[kind] >= len(counts[kind]):
-                    break  # more placeholders than items: find_image_spans reports it
-                order.append((kind, taken[kind]))
-                pending[kind] = counts[kind][taken[kind]]
-                taken[kind] += 1
-            pending[kind] -= 1
-        return order
-
-    def vision_inputs(self, model_config, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Pixel rows per image or clip in prompt order; the grid (t, h, w) in image_grid_thw's shape."""
-        sources = {}
-        for kind, pixels_key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-            pixels = np.asarray(processed.get(pixels_key, np.zeros((0, 1))), dtype=np.float32)
-            grids = self._grids(processed, f"{kind}_grid_thw")
-            starts = np.cumsum([0] + [t * h * w for t, h, w in grids]).tolist()
-            sources[kind] = (pixels, grids, starts)
-        inputs = []
-        for kind, index in self.vision_items(model_config, processed):
-            pixels, grids, starts = sources[kind]
-            grid_t, grid_h, grid_w = grids[index]
-            inputs.append(
-                {
-                    symbols.PIXEL_VALUES: pixels[starts[index] : starts[index + 1]],
-                    IMAGE_GRID_THW: np.zeros((1, grid_t, grid_h, grid_w), dtype=np.int64),
-                }
-            )
-        return inputs
-
-    def placeholder_counts(self, model_config, processed: Mapping[str, Any]) -> list[int]:
-        """grid_t * grid_h * grid_w / merge^2 per image or clip, in prompt order."""
-        merge = model_config["vision_config"]["spatial_merge_size"]
-        grids = {kind: self._grids(processed, f"{kind}_grid_thw") for kind in ("image", "video")}
-        return [
-            int(np.prod(grids[kind][index])) // (merge * merge)
-            for kind, index in self.vision_items(model_config, processed)
-        ]
-
-    def position_items(self, model_config, processed) -> list[tuple[tuple[int, int, int], np.ndarray]]:
-        """Per placeholder item in prompt order: its (t, h, w) grid and the temporal offset of each t.
-
-        Qwen2.5-VL spaces a clip's temporal patches by ``tokens_per_second * second_per_grid_t``
-        (float32, truncated; ref: Qwen2_5_VLModel.get_rope_index / get_vision_position_ids); an
-        image has one temporal patch at offset 0.
-        """
-        videos = self._grids(processed, "video_grid_thw")
-        images = self._grids(processed, "image_grid_thw")
-        seconds = np.asarray(processed.get("second_per_grid_ts", np.ones(len(videos))), dtype=np.float32)
-        per_second = np.float32(model_config["vision_config"].get("tokens_per_second", 4))
-        items = []
-        for kind, index in self.vision_items(model_config, processed):
-            if kind == "image":
-                items.append((images[index], np.zeros(1, np.int64)))
-            else:
-                grid = videos[index]
-                interval = per_second * np.float32(seconds.reshape(-1)[index])
-                items.append((grid, (np.arange(grid[0], dtype=np.float32) * interval).astype(np.int64)))
-        return items
-
-    def prompt_positions(self, model_config, processed) -> np.ndarray:
-        """Row 0: text position (the KV slot); rows 1-3: M-RoPE t/h/w (ref: Qwen2_5_VLModel.get_rope_index).
-
-        Text tokens advance all three rows together; an item of merged grid (t, h, w) starting at
-        offset s takes t = s + temporal offset, h = s + row, w = s + column, and the next text token
-        starts at s + max(h, w) (transformers v5's rule, which for images equals the largest
-        position + 1).
-        """
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64)[0]
-        merge = model_config["vision_config"]["spatial_merge_size"]
-        placeholder = np.isin(input_ids, self.family.placeholder_token_ids(_description(model_config)))
-        items = iter(self.position_items(model_config, processed) if placeholder.any() else [])
-        length = input_ids.shape[0]
-        rope = np.zeros((3, length), dtype=np.int64)
-        index, next_position = 0, 0
-        while index < length:
-            if placeholder[index]:
-                (grid_t, grid_h, grid_w), offsets = next(items)
-                merged_h, merged_w = grid_h // merge, grid_w // merge
-                count = grid_t * merged_h * merged_w
-                t, h, w = np.meshgrid(offsets, np.arange(merged_h), np.arange(merged_w), indexing="ij")
-                rope[:, index : index + count] = np.stack([t.ravel(), h.ravel(), w.ravel()]) + next_position
-                next_position += max(merged_h, merged_w)
-                index += count
-            else:
-                rope[:, index] = next_position
-                next_position += 1
-                index += 1
-        text = np.arange(length, dtype=np.int64).reshape(1, length)
-        return np.concatenate([text, rope], axis=0).reshape(4, 1, length)
-
-    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
-        """Row 0 continues the text slots; M-RoPE rows continue from the prompt's largest position.
-
-        (A prompt that ends inside an image has its largest M-RoPE value before the last token.)
-        """
-        text = prompt_positions[0, :, -1:] + 1 + step
-        rope = np.broadcast_to(prompt_positions[1:].max() + 1 + step, (3, 1, 1))
-        return np.concatenate([text[None], rope], axis=0).astype(np.int64)
-
-
-def _description(model_config) -> ModelDescription:
-    return ModelDescription(model_config)

@@ -53,6 +53,7 @@ class Qwen3_VL(Qwen2_5_VL):
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
     export_module = "qeff_vision.families.qwen3_vl.export"
+    host_module = "qeff_vision.families.qwen3_vl.host"
     position_id_rows = 4
     features = Features(
         export=yes(),

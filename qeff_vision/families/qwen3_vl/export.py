@@ -173,17 +173,6 @@ class Adapter(Qwen2_5_VLAdapter):
             IMAGE_GRID_THW: torch.zeros(1, 2, grid_h, grid_w, dtype=torch.int64),
         }
 
-    def position_items(self, model_config, processed):
-        """Like Qwen2.5-VL's, but a clip is one (1, h, w) item per temporal patch.
-
-        Each frame is its own placeholder run after its timestamp text (ref:
-        Qwen3VLModel.get_rope_index), positioned like an image.
-        """
-        items = []
-        for (grid_t, grid_h, grid_w), offsets in super().position_items(model_config, processed):
-            items += [((1, grid_h, grid_w), offsets[:1] * 0)] * grid_t
-        return items
-
     def _hf_vision(self, model, processed):
         grid = torch.as_tensor(processed["image_grid_thw"])
         with torch.no_grad():

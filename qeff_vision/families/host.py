@@ -1,0 +1,85 @@
+"""The host protocol of a family, without torch: what the runtime computes from processor outputs.
+
+Per prompt the host needs, from the processor's numpy outputs: each image's vision-program
+inputs, the embedding rows each image becomes (in prompt order), the position ids of the whole
+prompt and of every generated token. These are numpy and token math, so they live here and not
+in a family's torch-side ``export`` module; the runtime imports nothing from ``export/``.
+
+A family whose protocol differs from the defaults names a module with a ``Host`` subclass in
+:attr:`~qeff_vision.families.base.Family.host_module`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from qeff_vision import symbols
+
+if TYPE_CHECKING:
+    from qeff_vision.families.base import Family, ModelDescription
+
+
+class Host:
+    """A family's host protocol for one checkpoint (numpy only).
+
+    Args:
+        family: The family.
+        model: The checkpoint's config (and processor config).
+    """
+
+    def __init__(self, family: Family, model: ModelDescription):
+        self.family = family
+        self.model = model
+
+    @property
+    def config(self) -> Mapping[str, Any]:
+        """The raw config.json dictionary."""
+        return self.model.config
+
+    def has_images(self, processed: Mapping[str, Any]) -> bool:
+        """Whether the processor outputs carry pixels for the vision program."""
+        return symbols.PIXEL_VALUES in processed
+
+    def vision_inputs(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
+        """Vision-program inputs of each image in prompt order (batch axis of size 1).
+
+        The default suits fixed-resolution towers: one ``pixel_values`` row per image.
+        """
+        pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
+        return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
+
+    def placeholder_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
+        """Placeholder tokens (= embedding rows) per image, in prompt order."""
+        raise NotImplementedError
+
+    def prompt_positions(self, processed: Mapping[str, Any]) -> np.ndarray:
+        """Positions of the whole prompt: [1, L] or [R, 1, L] int64, computed once and sliced per chunk."""
+        input_ids = np.asarray(processed["input_ids"])
+        return np.arange(input_ids.shape[-1], dtype=np.int64).reshape(1, -1)
+
+    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
+        """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
+        return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
+
+    # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
+
+    def pack_vision_inputs(
+        self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]
+    ) -> dict[str, np.ndarray] | None:
+        """Feeds of one patch-bucket call encoding ``items`` (from :meth:`vision_inputs`), or None.
+
+        None when the images do not fit the bucket (its symbol values). The output's rows are the
+        images' rows one after another, then padding rows.
+        """
+        raise NotImplementedError
+
+    def item_patches(self, item: Mapping[str, np.ndarray]) -> int:
+        """Patches one image of :meth:`vision_inputs` occupies in a bucket."""
+        raise NotImplementedError
+
+    def item_rows(self, item: Mapping[str, np.ndarray]) -> int:
+        """Output rows (placeholder tokens) of one image of :meth:`vision_inputs` in a packed call."""
+        raise NotImplementedError
