@@ -14,7 +14,7 @@ from qeff_vision.runtime.embedding_cache import (
     feed_chunks,
     fetch_embeddings,
 )
-from qeff_vision.runtime.planner import find_image_spans, plan_chunks
+from qeff_vision.runtime.planner import find_segments, plan_chunks
 
 HIDDEN = 4
 ROW_BYTES = HIDDEN * 4  # float32
@@ -203,7 +203,7 @@ def prompt_with(images: list[PreparedImage], text_between: int = 150) -> tuple[n
 
 def run_turn(images, cache, encoder, buckets=((32, 32),), protocol="chunk"):
     ids, counts = prompt_with(images)
-    spans = find_image_spans(ids, 7, counts)
+    spans = find_segments(ids, 7, counts)
     plan = plan_chunks(len(ids), spans, list(buckets), protocol=protocol)
     merged = np.zeros((len(ids), HIDDEN), dtype=np.float32)
     for chunk, embeds in feed_chunks(plan, images, cache, encoder, HIDDEN, np.float32):
@@ -239,7 +239,7 @@ def test_images_are_encoded_when_a_chunk_first_needs_them():
     images = [image(1), image(2, (1, 8, 8)), image(3)]
     seen_before_chunk: list[int] = []
     ids, counts = prompt_with(images)
-    plan = plan_chunks(len(ids), find_image_spans(ids, 7, counts), [(32, 32)])
+    plan = plan_chunks(len(ids), find_segments(ids, 7, counts), [(32, 32)])
     for _ in feed_chunks(plan, images, cache, encoder, HIDDEN, np.float32):
         seen_before_chunk.append(len(encoder.calls))
     first_chunks = plan.first_chunk_of_image
@@ -251,7 +251,7 @@ def test_leaving_the_loop_early_unpins_everything():
     cache, encoder = EmbeddingCache(max_bytes=10**6), FakeEncoder()
     img = image(1, (1, 16, 16))  # 64 rows over several chunks
     ids, counts = prompt_with([img])
-    plan = plan_chunks(len(ids), find_image_spans(ids, 7, counts), [(16, 16)])
+    plan = plan_chunks(len(ids), find_segments(ids, 7, counts), [(16, 16)])
     feeder = feed_chunks(plan, [img], cache, encoder, HIDDEN, np.float32)
     next(feeder)
     next(feeder)

@@ -98,7 +98,7 @@ def _generate_and_compare(hf_model, exported, name: str, buckets, protocol: str)
     assert result.tokens == hf_tokens, (name, buckets, protocol)
     worst = max(np.abs(ours - ref).max() for ours, ref in zip(result.logits, hf_logits))
     assert worst <= LOGIT_TOLERANCE, (name, buckets, protocol, worst)
-    for span in plan.image_spans:  # no image is ever split: one chunk holds all its placeholders
+    for span in plan.segments:  # no image is ever split: one chunk holds all its placeholders
         assert any(chunk.start <= span.start and span.stop <= chunk.stop for chunk in plan), span
     assert len(result.chunks) == len(plan)
     return plan, result
@@ -123,7 +123,7 @@ def test_chunked_generation_matches_transformers(name, buckets, protocol, hf_mod
 def test_image_straddling_a_boundary_moves_whole_into_the_next_chunk(protocol, hf_model, exported):
     """A 16-token bucket would cut the image at [10, 26): chunk 0 stops at the image, chunk 1 is the image."""
     plan, _ = _run(hf_model, exported, "one_image", BUCKETS["s16"], protocol)
-    span = plan.image_spans[0]
+    span = plan.segments[0]
     assert 0 < span.start < 16 < span.stop  # where a plain 16-token cut would fall
     first, second = plan.chunks[0], plan.chunks[1]
     assert (first.stop, first.end, first.placeholders) == (span.start, ChunkEnd.IMAGE_BOUNDARY, 0)
@@ -148,7 +148,7 @@ def test_two_images_in_one_chunk(protocol, hf_model, exported):
 def test_image_then_text_only_chunk_then_image(protocol, hf_model, exported):
     """Image A, a chunk with no placeholder, image B: B still reads its own rows (image_idx never resets)."""
     plan, _ = _run(hf_model, exported, "image_text_image", BUCKETS["s16+s24"], protocol)
-    chunk_a, chunk_b = (_chunk_holding(plan, span) for span in plan.image_spans)
+    chunk_a, chunk_b = (_chunk_holding(plan, span) for span in plan.segments)
     between = plan.chunks[chunk_a + 1 : chunk_b]
     assert between and all(chunk.placeholders == 0 for chunk in between)
 
@@ -165,7 +165,7 @@ def test_image_at_start_and_end_and_last_chunk_padding(hf_model, exported):
     plan, _ = _run(hf_model, exported, "image_at_start_and_end", BUCKETS["s16+s24"], "chunk")
     decode = hf_model(FAMILY)[1].tokenizer.decode
     input_ids = _hf(hf_model, "image_at_start_and_end")[0]["input_ids"][0]
-    first, last = plan.image_spans
+    first, last = plan.segments
     assert decode(input_ids[: first.start]) == "<bos><start_of_turn>user\n\n\n<start_of_image>"
     assert decode(input_ids[last.stop :]) == "<end_of_image>\n\n<end_of_turn>\n<start_of_turn>model\n"
     assert plan.chunks[-1].padding > 0

@@ -102,7 +102,7 @@ def test_image_straddles_two_chunks(runtime, protocol):
     processed = runtime.inputs(["<image>", "Describe this image."], [helpers.image(100, 150)])
     plan, _ = runtime.run(processed, [32], protocol)
     first, second = chunks_of_image(plan, 0)[:2]
-    assert second == first + 1 and 0 < plan.chunks[first].placeholders < plan.image_spans[0].rows
+    assert second == first + 1 and 0 < plan.chunks[first].placeholders < plan.segments[0].rows
 
 
 def test_two_images_in_one_chunk(runtime):

@@ -128,7 +128,7 @@ def _generate(state: LlavaNext, prompt, image_sizes, seq_lens, protocol: str):
     worst = max(np.abs(ours - ref).max() for ours, ref in zip(result.logits, reference_logits))
     assert worst <= LOGIT_TOLERANCE, (prompt, seq_lens, protocol, worst)
     plan = generator.plan(processed["input_ids"].reshape(-1), processed, protocol)
-    assert [span.rows for span in plan.image_spans] == [state.tokens(size) for size in image_sizes]
+    assert [span.rows for span in plan.segments] == [state.tokens(size) for size in image_sizes]
     assert result.encoder_calls <= len(image_sizes)  # each image encoded once, when first needed
     return plan
 
@@ -158,7 +158,7 @@ def test_image_straddles_two_chunks(llava_next, protocol):
     plan = _generate(llava_next, ONE_IMAGE, [WIDE], (48,), protocol)
     first, second = [chunk for chunk in plan if chunk.images == (0,)][:2]
     assert first.index + 1 == second.index
-    assert 0 < first.placeholders < plan.image_spans[0].rows
+    assert 0 < first.placeholders < plan.segments[0].rows
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -178,7 +178,7 @@ def test_image_then_text_only_chunk_then_image(llava_next, protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_images_at_prompt_start_and_end(llava_next, protocol):
     plan = _generate(llava_next, IMAGES_AT_BOTH_ENDS, [SMALL, WIDE], (40, 256), protocol)
-    first, last = plan.image_spans
+    first, last = plan.segments
     assert first.start == 0  # no BOS: the prompt's first token is a placeholder
     assert last.stop == plan.prompt_len  # and so is its last
 

@@ -124,7 +124,7 @@ def _generate(llava: Llava, prompt: str, image_sizes, seq_lens, protocol: str):
     worst = max(np.abs(ours - ref).max() for ours, ref in zip(result.logits, reference_logits))
     assert worst <= LOGIT_TOLERANCE, (prompt, seq_lens, protocol, worst)
     plan = generator.plan(processed["input_ids"].reshape(-1), processed, protocol)
-    assert [span.rows for span in plan.image_spans] == [llava.tokens] * len(image_sizes)
+    assert [span.rows for span in plan.segments] == [llava.tokens] * len(image_sizes)
     assert result.encoder_calls <= len(image_sizes)  # each image encoded once, when first needed
     return plan
 
@@ -154,8 +154,8 @@ def test_image_straddles_two_chunks(llava, protocol):
     plan = _generate(llava, ONE_IMAGE, [(100, 150)], (16,), protocol)
     first, second = [chunk for chunk in plan if chunk.images == (0,)]
     assert first.index + 1 == second.index
-    assert 0 < first.placeholders < plan.image_spans[0].rows
-    assert first.placeholders + second.placeholders == plan.image_spans[0].rows
+    assert 0 < first.placeholders < plan.segments[0].rows
+    assert first.placeholders + second.placeholders == plan.segments[0].rows
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -176,7 +176,7 @@ def test_image_then_text_only_chunk_then_image(llava, protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_images_at_prompt_start_and_end(llava, protocol):
     plan = _generate(llava, IMAGES_AT_BOTH_ENDS, [(90, 90), (150, 100)], (24, 128), protocol)
-    first, last = plan.image_spans
+    first, last = plan.segments
     assert first.start == 1  # right after <s>
     assert last.stop == plan.prompt_len  # the prompt's last token is a placeholder
 

@@ -169,7 +169,7 @@ def test_three_turn_conversation(runtime):
 
 def test_specialize_table_counts_the_row_breaks_an_image_spans():
     """1540x1540 is 55 rows of 55 [IMG] + a break: 3,079 tokens first to last, so 25 chunks of 128, not 24."""
-    from qeff_vision.runtime.planner import PrefillBucket, find_image_spans, plan_chunks
+    from qeff_vision.runtime.planner import PrefillBucket, find_segments, plan_chunks
 
     result = build_specializations(load_spec(SPECS / "mistral3" / "mistral-small-3.1-24b-instruct-2503.yaml"))
     table = {(row.image.height, row.image.width): row.chunks for row in result.images}
@@ -177,7 +177,7 @@ def test_specialize_table_counts_the_row_breaks_an_image_spans():
     for text_before in (0, 100):  # aligned, then the image starting mid-chunk
         ids = [1] * text_before + ([image] * 55 + [brk]) * 55
         ids[-1] = end
-        spans = find_image_spans(ids, image, [55 * 55], multi_run=True)
+        spans = find_segments(ids, image, [55 * 55], multi_run=True)
         plan = plan_chunks(len(ids), spans, [PrefillBucket(128, 128)])
         used = sum(1 for chunk in plan if chunk.placeholders)
         low, high = table[(1540, 1540)][128]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,12 +13,12 @@ from hypothesis import strategies as st
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.planner import (
     ChunkEnd,
-    ImageSpan,
     PlanError,
     PrefillBucket,
+    Segment,
     VisionProtocol,
     assemble_vision_embeds,
-    find_image_spans,
+    find_segments,
     plan_chunks,
 )
 
@@ -33,7 +34,7 @@ def prompts(draw, max_len: int = 400, max_images: int = 5):
     length = draw(st.integers(1, max_len))
     count = draw(st.integers(0, max_images))
     points = sorted(draw(st.lists(st.integers(0, length), min_size=2 * count, max_size=2 * count)))
-    spans = [ImageSpan(a, b - a) for a, b in zip(points[0::2], points[1::2]) if b > a]
+    spans = [Segment(a, b - a) for a, b in zip(points[0::2], points[1::2]) if b > a]
     return length, spans
 
 
@@ -218,13 +219,14 @@ def test_greedy_plan_uses_the_fewest_chunks(prompt, buckets, allow_split):
 
 @settings(max_examples=100, deadline=None)
 @given(prompts(), st.data())
-def test_find_image_spans_recovers_spans(prompt, data):
+def test_find_segments_recovers_spans(prompt, data):
     length, spans = prompt
     ids = np.array(data.draw(st.lists(st.integers(0, 6), min_size=length, max_size=length)))
     for span in spans:
         ids[span.start : span.stop] = PLACEHOLDER
-    assert find_image_spans(ids, PLACEHOLDER, [s.rows for s in spans]) == spans
-    runs = find_image_spans(ids.tolist(), PLACEHOLDER)
+    found = find_segments(ids, PLACEHOLDER, [s.rows for s in spans])
+    assert found == [replace(span, placeholder_id=PLACEHOLDER) for span in spans]
+    runs = find_segments(ids.tolist(), PLACEHOLDER)
     assert sum(r.rows for r in runs) == sum(s.rows for s in spans)
     assert all(a.stop < b.start for a, b in zip(runs, runs[1:]))  # maximal runs never touch
 
@@ -370,17 +372,21 @@ def test_bad_input_is_a_plan_error(length, spans, buckets, kwargs, message):
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, UserError)
 
 
-def test_find_image_spans_splits_adjacent_images_by_row_count():
+def test_find_segments_splits_adjacent_images_by_row_count():
     ids = [1, 7, 7, 7, 7, 7, 2, 7, 7]
-    assert find_image_spans(ids, 7, [2, 3, 2]) == [ImageSpan(1, 2), ImageSpan(3, 3), ImageSpan(7, 2)]
-    assert find_image_spans(ids, 7) == [ImageSpan(1, 5), ImageSpan(7, 2)]
-    assert find_image_spans(np.array([[1, 2]]), 7) == []
+    assert find_segments(ids, 7, [2, 3, 2]) == [
+        Segment(1, 2, placeholder_id=7),
+        Segment(3, 3, placeholder_id=7),
+        Segment(7, 2, placeholder_id=7),
+    ]
+    assert find_segments(ids, 7) == [Segment(1, 5, placeholder_id=7), Segment(7, 2, placeholder_id=7)]
+    assert find_segments(np.array([[1, 2]]), 7) == []
 
 
 @pytest.mark.parametrize("rows", [[2, 4, 2], [5, 1], [5, 2, 1], [5], [0, 5, 2]])
-def test_find_image_spans_rejects_counts_that_do_not_tile_the_runs(rows):
+def test_find_segments_rejects_counts_that_do_not_tile_the_runs(rows):
     with pytest.raises(PlanError):
-        find_image_spans([1, 7, 7, 7, 7, 7, 2, 7, 7], 7, rows)
+        find_segments([1, 7, 7, 7, 7, 7, 2, 7, 7], 7, rows)
 
 
 def test_assemble_refuses_a_released_image():

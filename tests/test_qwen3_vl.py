@@ -152,14 +152,14 @@ def test_image_straddles_two_chunks(runtime, protocol):
     processed = runtime.inputs(["<image>", "Describe this image."], [helpers.image(224, 224)])
     plan, _ = runtime.run(processed, [32], protocol)
     first, second = chunks_of_image(plan, 0)[:2]
-    assert second == first + 1 and 0 < plan.chunks[first].placeholders < plan.image_spans[0].rows
+    assert second == first + 1 and 0 < plan.chunks[first].placeholders < plan.segments[0].rows
 
 
 def test_two_images_of_different_resolutions(runtime):
     images = [helpers.image(300, 120, 1), helpers.image(100, 150, 2)]
     processed = runtime.inputs(["<image>", "<image>", "Which is brighter?"], images)
     plan, result = runtime.run(processed, [32, 128])
-    assert [span.rows for span in plan.image_spans] == [36, 15]
+    assert [span.rows for span in plan.segments] == [36, 15]
     assert result.encoder_calls == 2  # two resolutions: two vision calls
 
 

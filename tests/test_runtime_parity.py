@@ -157,8 +157,8 @@ def test_images_at_the_very_start_and_the_very_end(runtime, protocol):
         )
     )
     plan, _ = generate(runtime, processed, [16, 32], protocol, logits_from_forward=True)
-    assert plan.image_spans[0].start == 0
-    assert plan.image_spans[-1].stop == plan.prompt_len
+    assert plan.segments[0].start == 0
+    assert plan.segments[-1].stop == plan.prompt_len
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -183,7 +183,7 @@ def test_two_images_of_different_resolutions(runtime, protocol):
     images = [helpers.image(112, 112, 9), helpers.image(140, 196, 10)]
     processed = chat_inputs(runtime, ["<image>", "and", "<image>", "Which is wider?"], images)
     plan, result = generate(runtime, processed, [32], protocol)
-    assert [span.rows for span in plan.image_spans] == [16, 35]
+    assert [span.rows for span in plan.segments] == [16, 35]
     # One encoder call per resolution (two images, two resolutions).
     assert result.images_encoded == 2 and result.encoder_calls == 2
 

@@ -96,7 +96,7 @@ def test_ring_buffer_generation_matches_transformers(window16, name, seq_len):
     past = generator._empty_cache()
     assert past[symbols.past_key(0)].shape[2] == WINDOW and past[symbols.past_key(1)].shape[2] == CTX_LEN
     processed = helpers.as_numpy(inputs)
-    spans = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk").image_spans
+    spans = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk").segments
     if name != "text_only":
         assert spans and (spans[0].start < WINDOW < spans[0].stop or spans[-1].start > WINDOW)
     result = generator.generate(processed, max_new_tokens=NEW_TOKENS, protocol="chunk", keep_logits=True)

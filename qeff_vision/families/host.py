@@ -51,6 +51,24 @@ class Host:
         pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
         return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
 
+    def placeholder_ids(self) -> dict[int, str]:
+        """Placeholder token id -> modality of every placeholder whose tokens take vision rows."""
+        return {self.family.image_token_id(self.model): "image"}
+
+    def segments(self, processed: Mapping[str, Any]) -> list:
+        """The prompt's multimodal segments (:class:`~qeff_vision.runtime.planner.Segment`), in order.
+
+        Each image (or clip) consumes the rows :meth:`placeholder_counts` gives it at its
+        placeholder runs; a family with ``placeholders_in_runs`` joins an item's runs.
+        """
+        from qeff_vision.runtime.planner import find_segments
+
+        counts = self.placeholder_counts(processed) if self.has_images(processed) else []
+        input_ids = np.asarray(processed["input_ids"]).reshape(-1)
+        return find_segments(
+            input_ids, self.placeholder_ids(), counts, multi_run=self.family.placeholders_in_runs
+        )
+
     def placeholder_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
         """Placeholder tokens (= embedding rows) per image, in prompt order."""
         raise NotImplementedError

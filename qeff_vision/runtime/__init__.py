@@ -18,12 +18,12 @@ from qeff_vision.runtime.planner import (
     ChunkEnd,
     ChunkPlan,
     ImagePiece,
-    ImageSpan,
     PlanError,
     PrefillBucket,
+    Segment,
     VisionProtocol,
     assemble_vision_embeds,
-    find_image_spans,
+    find_segments,
     plan_chunks,
 )
 
@@ -39,11 +39,11 @@ __all__ = [
     "ChunkEnd",
     "ChunkPlan",
     "ImagePiece",
-    "ImageSpan",
+    "Segment",
     "PlanError",
     "PrefillBucket",
     "VisionProtocol",
     "assemble_vision_embeds",
-    "find_image_spans",
+    "find_segments",
     "plan_chunks",
 ]

@@ -282,8 +282,8 @@ def feed_chunks(
     Raises:
         ValueError: The images do not match the plan's spans.
     """
-    if len(images) != len(plan.image_spans):
-        raise ValueError(f"the plan has {len(plan.image_spans)} images but {len(images)} were given")
+    if len(images) != len(plan.segments):
+        raise ValueError(f"the plan has {len(plan.segments)} images but {len(images)} were given")
     rows_by_image: list[np.ndarray | None] = [None] * len(images)
     try:
         for chunk in plan:
@@ -291,7 +291,7 @@ def feed_chunks(
             for number, rows in zip(chunk.first_use, fetch_embeddings(cache, new, encode, pin=True)):
                 rows_by_image[number] = rows
             for number in chunk.first_use:
-                _check_rows(number, rows_by_image[number], plan.image_spans[number].rows, hidden_size)
+                _check_rows(number, rows_by_image[number], plan.segments[number].rows, hidden_size)
             yield chunk, assemble_vision_embeds(chunk, rows_by_image, hidden_size, dtype)
             for number in chunk.last_use:
                 cache.unpin(images[number].key)

@@ -246,7 +246,7 @@ class _Sequence:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
         self.slot, self.admitted_step = slot, step
         processed = self.request.processed
-        images, inputs_by_key = generator._prepare_images(processed) if self.plan.image_spans else ([], {})
+        images, inputs_by_key = generator._prepare_images(processed) if self.plan.segments else ([], {})
         encoder = generator._encoder(inputs_by_key, self.encode_timer)
         self.chunks = feed_chunks(
             self.plan, images, generator.cache, encoder, generator.row_width, np.float32
@@ -437,7 +437,7 @@ class BatchedEngine:
             cache_hits=sequence.cache_hits,
             logits=sequence.logits,
             protocol=plan.protocol.value,
-            images=len(plan.image_spans),
+            images=len(plan.segments),
             image_rows=plan.total_rows,
             images_encoded=sequence.images_encoded,
         )

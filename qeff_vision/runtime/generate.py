@@ -29,7 +29,6 @@ from qeff_vision.runtime.planner import (
     ChunkPlan,
     PrefillBucket,
     VisionProtocol,
-    find_image_spans,
     plan_chunks,
 )
 from qeff_vision.runtime.session import OnnxProgram
@@ -383,13 +382,9 @@ class Generator:
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """The chunk plan of a processed prompt."""
-        counts = self.host.placeholder_counts(processed) if self.host.has_images(processed) else []
-        spans = find_image_spans(
-            input_ids, list(self.placeholder_ids), counts, multi_run=self.family.placeholders_in_runs
-        )
         return plan_chunks(
             len(input_ids),
-            spans,
+            self.host.segments({**processed, "input_ids": input_ids}),
             self.shape.buckets,
             allow_image_split=self.family.features.chunk_split.supported,
             protocol=protocol,
@@ -456,7 +451,7 @@ class Generator:
             cache_hits=stats_after.hits - stats_before.hits,
             logits=kept or [],
             protocol=plan.protocol.value,
-            images=len(plan.image_spans),
+            images=len(plan.segments),
             image_rows=plan.total_rows,
             images_encoded=stats_after.images_encoded - stats_before.images_encoded,
             continuation=Continuation(past, positions, len(tokens) - 1, (tokens[-1],)),
@@ -524,7 +519,7 @@ class Generator:
         past: dict[str, np.ndarray],
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
         """Run every chunk of ``plan``; the last call's outputs and one record per chunk."""
-        images, inputs_by_key = self._prepare_images(processed) if plan.image_spans else ([], {})
+        images, inputs_by_key = self._prepare_images(processed) if plan.segments else ([], {})
         self._images = images
         encode_timer = [0.0]
         encoder = self._encoder(inputs_by_key, encode_timer)

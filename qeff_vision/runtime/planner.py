@@ -29,7 +29,7 @@ policy) or an image that must not be split would not fit (:class:`ChunkEnd` says
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -58,44 +58,72 @@ class ChunkEnd(str, Enum):
     IMAGE_BOUNDARY = "image_boundary"
 
 
+IMAGE = "image"
+VIDEO = "video"
+
+
 @dataclass(frozen=True)
-class ImageSpan:
-    """The placeholder tokens of one image: ``rows`` tokens from ``start``, one per embedding row.
+class Segment:
+    """One multimodal item of a prompt (an image, a clip): its placeholder tokens and embedding rows.
+
+    A segment consumes ``rows`` rows of G (the per-item embeddings concatenated in prompt order)
+    at its placeholder tokens. In a token-merge decoder each placeholder token takes one row, so
+    tokens and rows are equal and a chunk may take any part of the segment. A segment whose
+    tokens differ from its rows has no row per token: it is indivisible (the planner keeps it
+    whole in one chunk) and its rows count as consumed once the whole segment is.
 
     Attributes:
-        start: The image's first placeholder token.
-        rows: Its placeholder tokens (= embedding rows).
+        start: The first placeholder token.
+        rows: Embedding rows it consumes.
         runs: ``(start, length)`` of each run of placeholders when they are not one contiguous run
-            (Mistral 3 ends every row of image tokens with ``[IMG_BREAK]``, an ordinary token);
-            empty for one run ``[start, start + rows)``.
+            ``[start, start + rows)`` (Mistral 3 ends every row of image tokens with
+            ``[IMG_BREAK]``, an ordinary token; a Qwen3-VL clip has timestamps between frames).
+        modality: ``image`` or ``video``.
+        placeholder_id: The placeholder token id of its runs (None when not known).
     """
 
     start: int
     rows: int
     runs: tuple[tuple[int, int], ...] = ()
+    modality: str = IMAGE
+    placeholder_id: int | None = None
 
     @property
     def token_runs(self) -> tuple[tuple[int, int], ...]:
-        """``(start, length)`` of every run of the image's placeholders, in prompt order."""
+        """``(start, length)`` of every run of the segment's placeholders, in prompt order."""
         return self.runs or ((self.start, self.rows),)
 
     @property
+    def tokens(self) -> int:
+        """Placeholder tokens of the segment (break tokens between runs excluded)."""
+        return sum(length for _, length in self.token_runs)
+
+    @property
+    def divisible(self) -> bool:
+        """One row per placeholder token: a chunk boundary may fall inside the segment."""
+        return self.tokens == self.rows
+
+    @property
     def stop(self) -> int:
-        """One past the image's last placeholder token."""
+        """One past the segment's last placeholder token."""
         start, length = self.token_runs[-1]
         return start + length
 
     def rows_before(self, position: int) -> int:
-        """The image's placeholders in [0, position)."""
+        """Rows of the segment consumed by the tokens in [0, position)."""
+        if not self.divisible:
+            return self.rows if position >= self.stop else 0
         return sum(min(max(position - start, 0), length) for start, length in self.token_runs)
 
     def token_of_row(self, row: int) -> int:
-        """The token that carries row ``row`` (0-based, < rows) of the image."""
+        """The token that carries row ``row`` (0-based, < rows); an indivisible segment's start."""
+        if not self.divisible:
+            return self.start
         for start, length in self.token_runs:
             if row < length:
                 return start + row
             row -= length
-        raise IndexError(f"row {row} beyond the image's {self.rows} rows")
+        raise IndexError(f"row {row} beyond the segment's {self.rows} rows")
 
 
 @dataclass(frozen=True)
@@ -189,7 +217,7 @@ class ChunkPlan:
     Attributes:
         prompt_len: L, the prompt's token count.
         protocol: The vision protocol the chunks follow.
-        image_spans: The images' placeholder spans, in prompt order.
+        segments: The images' placeholder spans, in prompt order.
         chunks: The prefill calls, in order; they cover [0, L) contiguously.
         first_chunk_of_image: Per image, the first chunk that sends its rows.
         last_chunk_of_image: Per image, the last chunk that sends its rows (free it after that).
@@ -197,7 +225,7 @@ class ChunkPlan:
 
     prompt_len: int
     protocol: VisionProtocol
-    image_spans: tuple[ImageSpan, ...]
+    segments: tuple[Segment, ...]
     chunks: tuple[Chunk, ...]
     first_chunk_of_image: tuple[int, ...]
     last_chunk_of_image: tuple[int, ...]
@@ -211,7 +239,7 @@ class ChunkPlan:
     @property
     def total_rows(self) -> int:
         """len(G): every image's embedding rows."""
-        return sum(span.rows for span in self.image_spans)
+        return sum(span.rows for span in self.segments)
 
     @property
     def rows_sent(self) -> int:
@@ -233,7 +261,7 @@ class ChunkPlan:
         return self.rows_sent * hidden_size * dtype_size
 
 
-def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket]) -> None:
+def _validate(prompt_len: int, spans: Sequence[Segment], buckets: Sequence[PrefillBucket]) -> None:
     if prompt_len < 1:
         raise PlanError(f"prompt length must be at least 1 token, got {prompt_len}")
     if not buckets:
@@ -252,8 +280,8 @@ def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[Pre
             raise PlanError(f"image {number}: span {span} needs start >= 0 and at least one row")
         runs = span.token_runs
         ordered = all(a + la <= b for (a, la), (b, _) in zip(runs, runs[1:]))
-        if runs[0][0] != span.start or sum(n for _, n in runs) != span.rows or not ordered:
-            raise PlanError(f"image {number}: runs {list(runs)} do not hold its {span.rows} rows in order")
+        if runs[0][0] != span.start or any(n < 1 for _, n in runs) or not ordered:
+            raise PlanError(f"image {number}: runs {list(runs)} are not non-empty runs in prompt order")
         if span.stop > prompt_len:
             raise PlanError(
                 f"image {number}: span [{span.start}, {span.stop}) ends beyond the prompt ({prompt_len})"
@@ -269,7 +297,7 @@ def _validate(prompt_len: int, spans: Sequence[ImageSpan], buckets: Sequence[Pre
 class _Placeholders:
     """P[x] and its inverse over the image spans."""
 
-    def __init__(self, spans: Sequence[ImageSpan], prompt_len: int):
+    def __init__(self, spans: Sequence[Segment], prompt_len: int):
         self.spans = spans
         self.prompt_len = prompt_len
         self.starts = [span.start for span in spans]
@@ -292,7 +320,7 @@ class _Placeholders:
         image = bisect.bisect_right(self.offsets, row) - 1
         return self.spans[image].token_of_row(row - self.offsets[image])
 
-    def image_containing(self, position: int) -> ImageSpan | None:
+    def image_containing(self, position: int) -> Segment | None:
         """The span with start < position < stop (a cut there would split the image), if any."""
         image = bisect.bisect_left(self.starts, position) - 1
         if image >= 0 and self.spans[image].stop > position:
@@ -315,23 +343,24 @@ def _reach(
         by_rows = placeholders.position_of_row(placeholders.before(start) + bucket.vision_size)
         if by_rows < stop:
             stop, end = by_rows, ChunkEnd.VISION_SIZE
-    if not allow_split:
-        image = placeholders.image_containing(stop)
-        if image is not None:
-            stop, end = image.start, ChunkEnd.IMAGE_BOUNDARY
+    image = placeholders.image_containing(stop)
+    if image is not None and not (allow_split and image.divisible):
+        stop, end = image.start, ChunkEnd.IMAGE_BOUNDARY
     if stop == placeholders.prompt_len:
         end = ChunkEnd.PROMPT_END
     return stop, end
 
 
 def _check_images_fit(
-    spans: Sequence[ImageSpan], buckets: Sequence[PrefillBucket], per_chunk_rows: bool
+    spans: Sequence[Segment], buckets: Sequence[PrefillBucket], per_chunk_rows: bool, allow_split: bool
 ) -> None:
-    """Without splitting, each image needs one bucket that holds all its tokens (and rows).
+    """Each segment kept whole (splitting off, or indivisible) needs one bucket for its tokens (and rows).
 
     An image of several runs spans its break tokens too: its tokens are ``stop - start``.
     """
     for number, span in enumerate(spans):
+        if allow_split and span.divisible:
+            continue
         tokens = span.stop - span.start
         if not any(
             bucket.seq_len >= tokens and (not per_chunk_rows or bucket.vision_size >= span.rows)
@@ -339,16 +368,20 @@ def _check_images_fit(
         ):
             need = f"seq_len >= {tokens}" + (f" and vision_size >= {span.rows}" if per_chunk_rows else "")
             compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+            why = (
+                "its tokens and rows differ, so it is never split"
+                if allow_split
+                else ("this family cannot split an image across chunks")
+            )
             raise PlanError(
-                f"image {number} has {tokens} tokens ({span.rows} placeholders), more than any prefill "
-                f"bucket holds (seq_len/vision_size: {compiled}); this family cannot split an image "
-                f"across chunks: compile a bucket with {need}"
+                f"{span.modality} {number} has {tokens} tokens ({span.rows} rows), more than any prefill "
+                f"bucket holds (seq_len/vision_size: {compiled}); {why}: compile a bucket with {need}"
             )
 
 
 def plan_chunks(
     prompt_len: int,
-    image_spans: Sequence[ImageSpan | tuple[int, int]],
+    segments: Sequence[Segment | tuple[int, int]],
     buckets: Sequence[PrefillBucket | tuple[int, int]],
     *,
     allow_image_split: bool = True,
@@ -358,7 +391,7 @@ def plan_chunks(
 
     Args:
         prompt_len: L, tokens in the prompt.
-        image_spans: Per image in prompt order, an :class:`ImageSpan` or ``(start, rows)``.
+        segments: Per image in prompt order, an :class:`Segment` or ``(start, rows)``.
         buckets: The compiled prefill buckets, as :class:`PrefillBucket` or ``(seq_len, vision_size)``.
         allow_image_split: The family's ``chunk_split`` feature; False keeps each image in one chunk.
         protocol: ``chunk`` (chunk-local rows, ``image_idx`` 0) or ``full`` (all rows every chunk).
@@ -374,7 +407,7 @@ def plan_chunks(
     except ValueError as exc:
         choices = ", ".join(p.value for p in VisionProtocol)
         raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
-    spans = tuple(ImageSpan(*span) if isinstance(span, tuple) else span for span in image_spans)
+    spans = tuple(Segment(*span) if isinstance(span, tuple) else span for span in segments)
     unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
     all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
     _validate(prompt_len, spans, all_buckets)
@@ -388,8 +421,7 @@ def plan_chunks(
             f"the full protocol sends all {total_rows} image rows with every chunk, but the largest "
             f"compiled vision_size is {largest}; use the chunk protocol or compile vision_size 'max'"
         )
-    if not allow_image_split:
-        _check_images_fit(spans, usable, per_chunk_rows)
+    _check_images_fit(spans, usable, per_chunk_rows, allow_image_split)
 
     chunks: list[Chunk] = []
     start = 0
@@ -446,13 +478,13 @@ def _why_chunk_ends(ends: set[ChunkEnd]) -> ChunkEnd:
     return ChunkEnd.VISION_SIZE
 
 
-def _piece(image: int, span: ImageSpan, start: int, stop: int) -> ImagePiece:
+def _piece(image: int, span: Segment, start: int, stop: int) -> ImagePiece:
     """The rows of ``image`` whose placeholder tokens lie in [start, stop)."""
     return ImagePiece(image, span.rows_before(start), span.rows_before(stop))
 
 
 def _with_lifetimes(
-    prompt_len: int, protocol: VisionProtocol, spans: tuple[ImageSpan, ...], chunks: list[Chunk]
+    prompt_len: int, protocol: VisionProtocol, spans: tuple[Segment, ...], chunks: list[Chunk]
 ) -> ChunkPlan:
     """Fill each chunk's ``first_use``/``last_use`` and the plan's per-image first and last chunk."""
     first_chunk = [-1] * len(spans)
@@ -473,68 +505,79 @@ def _with_lifetimes(
     return ChunkPlan(prompt_len, protocol, spans, final, tuple(first_chunk), tuple(last_chunk))
 
 
-def find_image_spans(
+def _placeholder_runs(ids: np.ndarray, placeholder: int) -> list[tuple[int, int]]:
+    marked = np.concatenate(([False], ids == placeholder, [False]))
+    edges = np.flatnonzero(np.diff(marked.astype(np.int8)))
+    return [(int(start), int(stop)) for start, stop in zip(edges[0::2], edges[1::2])]
+
+
+def find_segments(
     token_ids: Sequence[int] | np.ndarray,
-    image_token_id: int | Sequence[int],
-    rows_per_image: Sequence[int] | None = None,
+    placeholders: int | Mapping[int, str],
+    rows_per_item: Sequence[int] | None = None,
     *,
     multi_run: bool = False,
-) -> list[ImageSpan]:
-    """Image placeholder spans of a tokenized prompt.
+) -> list[Segment]:
+    """The segments of a tokenized prompt: its images and clips, in prompt order.
 
-    Two images' placeholder runs can be adjacent (nothing between them), so one run of the
-    placeholder id may hold several images. With ``rows_per_image`` (per image in prompt order,
-    e.g. from the family's token math) each run is cut into consecutive images of those sizes;
-    without it every maximal run is taken as one image. With ``multi_run`` an image may also go on
-    over the following runs (its placeholders interleaved with other tokens, as Mistral 3's rows
-    are with ``[IMG_BREAK]``); the span then lists its runs.
+    Two items' placeholder runs can be adjacent (nothing between them), so one run of a
+    placeholder id may hold several items. With ``rows_per_item`` (per item in prompt order,
+    e.g. from the family's token math) each run is cut into consecutive items of those sizes;
+    without it every maximal run is taken as one item. With ``multi_run`` an item may also go on
+    over the following runs of its id (its placeholders interleaved with other tokens, as Mistral
+    3's rows are with ``[IMG_BREAK]``); the segment then lists its runs. Several placeholder ids
+    may coexist (image and video): a segment's runs are all of one id, and the items of
+    ``rows_per_item`` are taken in the order their first placeholders appear.
 
     Args:
         token_ids: The prompt's token ids, 1-D.
-        image_token_id: The family's placeholder id, or its ids (image, video: one row each).
-        rows_per_image: Embedding rows of each image, in prompt order, when known.
-        multi_run: One image may cover several runs (needs ``rows_per_image``).
+        placeholders: The placeholder id, or placeholder id -> modality (``image``, ``video``).
+        rows_per_item: Embedding rows of each item, in prompt order, when known.
+        multi_run: One item may cover several runs (needs ``rows_per_item``).
 
     Returns:
-        One :class:`ImageSpan` per image, in prompt order.
+        One :class:`Segment` per item, in prompt order.
 
     Raises:
-        PlanError: The runs cannot be cut into images of the given sizes.
+        PlanError: The runs cannot be cut into items of the given sizes.
     """
     ids = np.asarray(token_ids).reshape(-1)
-    is_placeholder = np.concatenate(([False], np.isin(ids, np.asarray(image_token_id).reshape(-1)), [False]))
-    edges = np.flatnonzero(np.diff(is_placeholder.astype(np.int8)))
-    runs = [(int(start), int(stop)) for start, stop in zip(edges[0::2], edges[1::2])]
-    if rows_per_image is None:
-        return [ImageSpan(start, stop - start) for start, stop in runs]
-    spans: list[ImageSpan] = []
-    images = iter(enumerate(rows_per_image))
-    pending: list[tuple[int, int]] = []  # runs of the image being filled (multi_run)
-    needed = 0
-    for run_start, run_stop in runs:
+    kinds = {placeholders: IMAGE} if isinstance(placeholders, (int, np.integer)) else dict(placeholders)
+    runs = sorted((run, int(token)) for token in kinds for run in _placeholder_runs(ids, token))
+    if rows_per_item is None:
+        return [Segment(start, stop - start, (), kinds[token], token) for (start, stop), token in runs]
+    segments: list[Segment] = []
+    items = iter(enumerate(rows_per_item))
+    pending: dict[int, tuple[list[tuple[int, int]], int, int]] = {}  # id -> (runs, rows, still needed)
+    for (run_start, run_stop), token in runs:
         position = run_start
         while position < run_stop:
-            if not needed:
-                number, rows = next(images, (len(spans), None))
+            if token not in pending:
+                number, rows = next(items, (len(segments) + len(pending), None))
                 if rows is None or rows < 1 or (not multi_run and position + rows > run_stop):
                     raise PlanError(
-                        f"placeholder runs {runs} of token {image_token_id} cannot be cut into images of "
-                        f"{list(rows_per_image)} rows (image {number} does not fit the run at {run_start})"
+                        f"placeholder runs {[run for run, _ in runs]} cannot be cut into items of "
+                        f"{list(rows_per_item)} rows (item {number} does not fit the run at {run_start})"
                     )
-                needed, total = rows, rows
+                pending[token] = ([], rows, rows)
+            taken, total, needed = pending[token]
             take = min(needed, run_stop - position)
-            pending.append((position, take))
+            taken.append((position, take))
             position, needed = position + take, needed - take
+            pending[token] = (taken, total, needed)
             if not needed:
-                one_run = len(pending) == 1
-                spans.append(ImageSpan(pending[0][0], total, () if one_run else tuple(pending)))
-                pending = []
-    if needed or len(spans) != len(rows_per_image):
+                del pending[token]
+                one_run = len(taken) == 1
+                segments.append(
+                    Segment(taken[0][0], total, () if one_run else tuple(taken), kinds[token], token)
+                )
+    if pending or len(segments) != len(rows_per_item):
         raise PlanError(
-            f"the prompt has {sum(stop - start for start, stop in runs)} placeholder tokens of id "
-            f"{image_token_id} but {len(rows_per_image)} images of {list(rows_per_image)} rows were given"
+            f"the prompt has {sum(stop - start for (start, stop), _ in runs)} placeholder tokens of "
+            f"id(s) {sorted(kinds)} but {len(rows_per_item)} items of {list(rows_per_item)} rows were given"
         )
-    return spans
+    segments.sort(key=lambda segment: segment.start)
+    return segments
 
 
 def assemble_vision_embeds(
