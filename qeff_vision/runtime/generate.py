@@ -211,8 +211,6 @@ class Generator:
         description = checkpoint.description
         dims = self.dims = checkpoint.dims
         self.image_token_id = family.image_token_id(description)
-        # Image and video placeholders both take vision rows, in prompt order.
-        self.placeholder_ids = family.placeholder_token_ids(description)
         self.position_rows = family.position_id_rows
         # Stacked row inputs (Qwen3-VL deepstack) travel with vision_embeds as extra columns of
         # one wide row per placeholder, so the cache and the chunk slicing treat them as one.
