@@ -15,8 +15,9 @@ import torch
 
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.export_record import read_export
+from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.generate import Generator, LanguageShape, make_generator
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers
@@ -40,10 +41,16 @@ class FamilyRuntime:
         self._references: dict[bytes, tuple[list[int], list[np.ndarray]]] = {}
 
     def generator(self, seq_lens: Sequence[int], protocol: str = "chunk", cache=None) -> Generator:
-        """V = S under ``chunk`` (the chunk policy), V = FULL_V under ``full``."""
-        buckets = tuple(PrefillBucket(s, s if protocol == "chunk" else FULL_V) for s in seq_lens)
+        """V = S under ``chunk`` (the chunk policy), V = FULL_V under ``full``; the family's host kind.
+
+        A cross-attention program has no image rows per chunk: V is 1 (one zero row).
+        """
+        if self.family.decoder_kind == CROSS_ATTENTION:
+            buckets = tuple(PrefillBucket(s, 1) for s in seq_lens)
+        else:
+            buckets = tuple(PrefillBucket(s, s if protocol == "chunk" else FULL_V) for s in seq_lens)
         shape = LanguageShape(buckets, max(b.vision_size for b in buckets), CTX_LEN)
-        return Generator(self.checkpoint, self.vision, self.language, shape, cache)
+        return make_generator(self.checkpoint, self.vision, self.language, shape, cache)
 
     def inputs(self, parts, images) -> dict:
         """Numpy processor outputs of one user turn (``"<image>"`` parts are images)."""

@@ -19,12 +19,10 @@ from qeff_vision.export.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.internvl import NUM_TILES
-from qeff_vision.runtime.conversation import Conversation
-from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
-from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
+from tests.family_runtime import FamilyRuntime, chunks_of_image
 
 FAMILY = "internvl"
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -120,18 +118,3 @@ def test_image_then_text_only_chunk_then_image(runtime):
     first, second = chunks_of_image(plan, 0), chunks_of_image(plan, 1)
     between = plan.chunks[first[-1] + 1 : second[0]]
     assert between and all(chunk.placeholders == 0 for chunk in between)
-
-
-def test_three_turn_conversation(runtime):
-    cache = EmbeddingCache(16 * 2**20)
-    chat = Conversation(
-        runtime.generator([32, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS
-    )
-    first, second = helpers.image(100, 150, 5), helpers.image(300, 120, 6)
-    turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]
-    results = []
-    for images, text in turns:
-        result = chat.ask(images, text, keep_logits=True)
-        runtime.check(result, chat.last_inputs.processed, f"turn {len(results) + 1}")
-        results.append(result)
-    assert [r.images_encoded for r in results] == [1, 0, 1]  # turn one's image is encoded once

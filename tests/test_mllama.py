@@ -21,7 +21,6 @@ from qeff_vision.export.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import CROSS_ATTENTION, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.mllama import tiled_canvas
-from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 from qeff_vision.runtime.generate import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
@@ -220,18 +219,6 @@ def test_text_only_prompt(runtime):
     assert result.encoder_calls == 0
 
 
-def test_three_turn_conversation(runtime):
-    chat = Conversation(runtime.generator([16, 64]), runtime.processor, max_new_tokens=NEW_TOKENS)
-    first, second = helpers.image(100, 150, 5), helpers.image(300, 120, 6)
-    turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]
-    results = []
-    for images, text in turns:
-        result = chat.ask(images, text, keep_logits=True)
-        runtime.check(result, chat.last_inputs.processed, f"turn {len(results) + 1}")
-        results.append(result)
-    assert [r.images_encoded for r in results] == [1, 0, 1]  # turn one's image is encoded once
-
-
 def test_compiled_image_slots_pad_states_and_mask(runtime, exported):
     """A language program compiled for 3 image slots: one image is padded with states no token sees."""
     manifest = exported(FAMILY) / "lang" / "model.onnx"
@@ -249,11 +236,3 @@ def test_compiled_image_slots_pad_states_and_mask(runtime, exported):
     too_many = runtime.inputs(["<image>"] * 4 + ["Compare."], four)
     with pytest.raises(UserError, match="compiled for at most 3"):
         generator.generate(too_many, max_new_tokens=2)
-
-
-def test_specialize_compile_onnxruntime_and_run_match_transformers(tiny_checkpoint, exported, tmp_path):
-    """The demo pipeline on the cross-attention kind: a spec without vision_size, every specialization
-    run on onnxruntime, then ``run`` (two images padded to the compiled slots) against transformers."""
-    from qeff_vision.demo import _pipeline
-
-    assert _pipeline(tmp_path, tiny_checkpoint(FAMILY), exported(FAMILY), get_family(FAMILY))

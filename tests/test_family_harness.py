@@ -1,0 +1,49 @@
+"""One harness for every registered family: chunked runs and compile-and-run against transformers.
+
+Parametrized over the registry, so a new family is covered by registering it. Each family's
+images are its adapter's ``test_image_sizes``; references are transformers' own greedy generate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qeff_vision.demo import compile_and_run
+from qeff_vision.export.exporter import load_adapter
+from qeff_vision.families import all_families, get_family
+from qeff_vision.runtime.conversation import Conversation
+from qeff_vision.runtime.embedding_cache import EmbeddingCache
+from tests import helpers
+from tests.family_runtime import NEW_TOKENS, FamilyRuntime
+
+FAMILIES = [family.name for family in all_families()]
+# Families whose own test module already runs a three-turn conversation with more checks.
+OWN_CONVERSATION_TESTS = {"qwen2_5_vl"}
+
+
+@pytest.mark.parametrize("family", [name for name in FAMILIES if name not in OWN_CONVERSATION_TESTS])
+def test_three_turn_conversation(family, exported, hf_model):
+    """Image, text-only follow-up, new image: tokens and logits match transformers every turn."""
+    runtime = FamilyRuntime(family, exported(family), *hf_model(family))
+    sizes = load_adapter(get_family(family)).test_image_sizes
+    cache = EmbeddingCache(16 * 2**20)
+    chat = Conversation(
+        runtime.generator([16, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS
+    )
+    first, second = helpers.image(*sizes[0], 5), helpers.image(*sizes[-1], 6)
+    turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]
+    results = []
+    for images, text in turns:
+        result = chat.ask(images, text, keep_logits=True)
+        runtime.check(result, chat.last_inputs.processed, f"{family} turn {len(results) + 1}")
+        results.append(result)
+    assert [r.images_encoded for r in results] == [1, 0, 1]  # turn one's image is encoded once
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_specialize_compile_onnxruntime_and_run_match_transformers(
+    family, tiny_checkpoint, exported, tmp_path
+):
+    """The demo pipeline: a two-resolution spec, every specialization run on onnxruntime, then
+    ``run`` with two images (``--compare-hf``): tokens identical to transformers generate."""
+    assert compile_and_run(tmp_path, tiny_checkpoint(family), exported(family), get_family(family))
