@@ -1,4 +1,4 @@
-"""Atomic writes (nothing half-written is ever left under a final name) and the one JSON reader."""
+"""Atomic writes (nothing half-written is ever left under a final name) and the JSON readers."""
 
 from __future__ import annotations
 
@@ -49,6 +49,19 @@ def read_json(path: str | os.PathLike, *, missing: str | None = None) -> dict[st
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object")
     return data
+
+
+def read_record_json(path: str | os.PathLike) -> dict[str, Any] | None:
+    """Read a JSON object a tool wrote for itself (a cache record), or ``None``.
+
+    Missing, unreadable or not an object all mean the same thing to a cache: no record; the
+    caller rebuilds it. User-facing files go through :func:`read_json` instead.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def atomic_write_json(path: str | os.PathLike, data: object) -> None:

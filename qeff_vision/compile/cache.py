@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.fsutil import atomic_write_json, read_record_json
 
 RECORD_FILE = "qeff_program.json"
 QPC_FILE = "programqpc.bin"
@@ -85,10 +85,7 @@ class ContentHasher:
         self.memo_path = memo_path
         self.memo: dict[str, dict] = {}
         if memo_path is not None:
-            with contextlib.suppress(OSError, ValueError):
-                loaded = json.loads(memo_path.read_text())
-                if isinstance(loaded, dict):
-                    self.memo = loaded
+            self.memo = read_record_json(memo_path) or {}
 
     def file(self, path: Path) -> str:
         """Hash of one file (memoized)."""
@@ -129,11 +126,7 @@ def binary_dir_name(key: str) -> str:
 
 def read_record(binary_dir: Path) -> dict | None:
     """The record of a program directory, ``None`` when missing or unreadable."""
-    try:
-        record = json.loads((binary_dir / RECORD_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return read_record_json(binary_dir / RECORD_FILE)
 
 
 def cached_program(binary_dir: Path, key: str) -> dict | None:

@@ -295,11 +295,10 @@ def _remember(directory: Path, key: str, precision: PrecisionPlan) -> None:
 
 def _reuse(plan, key: str) -> PrecisionPlan | None:
     """The recorded result when its key matches and the plan file it wrote is still there."""
-    import json
+    from qeff_vision.fsutil import read_record_json
 
-    try:
-        record = json.loads((plan.directory / RECORD_FILE).read_text())
-    except (OSError, ValueError):
+    record = read_record_json(plan.directory / RECORD_FILE)
+    if record is None:
         return None
     target = plan.directory / PLAN_FILE
     names = record.get("names")

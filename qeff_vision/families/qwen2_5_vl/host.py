@@ -69,7 +69,7 @@ class Host(BaseHost):
                 continue
             if not pending[kind]:
                 if taken[kind] >= len(counts[kind]):
-                    break  # more placeholders than items: find_image_spans reports it
+                    break  # more placeholders than items: find_segments reports it
                 order.append((kind, taken[kind]))
                 pending[kind] = counts[kind][taken[kind]]
                 taken[kind] += 1
