@@ -118,7 +118,7 @@ class CrossAttentionGenerator(Generator):
         length = len(input_ids)
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if history is not None and "pixel_values" in processed:
+        if history is not None and self.host.has_images(processed):
             raise UserError("a continued turn of a cross-attention model cannot add images")
         positions = self.host.prompt_positions(processed)
         used = 0
@@ -199,7 +199,7 @@ class CrossAttentionGenerator(Generator):
             cache_hits=0,
             logits=kept or [],
             protocol=plan.protocol.value,
-            images=len(self.host.placeholder_counts(processed)) if "pixel_values" in processed else 0,
+            images=len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0,
             image_rows=0,
             images_encoded=images_encoded,
             continuation=Continuation(

@@ -1,9 +1,10 @@
 """Chunk planner: which tokens, vision rows and ``image_idx`` each prefill call of a prompt carries.
 
-Pure and torch-free. Inputs are a prompt length L, the image placeholder spans in prompt order,
-and the compiled prefill buckets (``seq_len`` S, ``vision_size`` V). ``P[x]`` is the number of
-placeholder tokens before token x; a chunk [a, b) uses rows ``P[a]..P[b]`` of G, the per-image
-embeddings concatenated in prompt order (see docs/design.md, "Host protocol per prefill chunk").
+Pure and torch-free. Inputs are a prompt length L, the prompt's segments (each image's or clip's
+placeholders) in prompt order, and the compiled prefill buckets (``seq_len`` S, ``vision_size``
+V). ``P[x]`` is the number of placeholder tokens before token x; a chunk [a, b) uses rows
+``P[a]..P[b]`` of G, the per-image embeddings concatenated in prompt order (see docs/design.md,
+"Host protocol per prefill chunk").
 
 Protocols (:class:`VisionProtocol`):
     ``chunk`` (chunk-local, the default): a chunk sends exactly rows ``P[a]..P[b]``, zero-padded
@@ -39,7 +40,7 @@ from qeff_vision.errors import UserError
 
 
 class PlanError(UserError, ValueError):
-    """The prompt, its image spans and the compiled buckets admit no valid chunk plan."""
+    """The prompt, its image segments and the compiled buckets admit no valid chunk plan."""
 
 
 class VisionProtocol(str, Enum):
@@ -217,7 +218,7 @@ class ChunkPlan:
     Attributes:
         prompt_len: L, the prompt's token count.
         protocol: The vision protocol the chunks follow.
-        segments: The images' placeholder spans, in prompt order.
+        segments: The prompt's multimodal segments, in prompt order.
         chunks: The prefill calls, in order; they cover [0, L) contiguously.
         first_chunk_of_image: Per image, the first chunk that sends its rows.
         last_chunk_of_image: Per image, the last chunk that sends its rows (free it after that).
@@ -239,7 +240,7 @@ class ChunkPlan:
     @property
     def total_rows(self) -> int:
         """len(G): every image's embedding rows."""
-        return sum(span.rows for span in self.segments)
+        return sum(segment.rows for segment in self.segments)
 
     @property
     def rows_sent(self) -> int:
@@ -261,7 +262,7 @@ class ChunkPlan:
         return self.rows_sent * hidden_size * dtype_size
 
 
-def _validate(prompt_len: int, spans: Sequence[Segment], buckets: Sequence[PrefillBucket]) -> None:
+def _validate(prompt_len: int, segments: Sequence[Segment], buckets: Sequence[PrefillBucket]) -> None:
     if prompt_len < 1:
         raise PlanError(f"prompt length must be at least 1 token, got {prompt_len}")
     if not buckets:
@@ -269,62 +270,63 @@ def _validate(prompt_len: int, spans: Sequence[Segment], buckets: Sequence[Prefi
     seen: dict[int, int] = {}
     for bucket in buckets:
         # vision_size 0 is a bucket without image rows (a cross-attention program): fine while
-        # the prompt has no placeholder spans to carry.
-        if bucket.seq_len < 1 or bucket.vision_size < (1 if spans else 0):
+        # the prompt has no placeholder segments to carry.
+        if bucket.seq_len < 1 or bucket.vision_size < (1 if segments else 0):
             raise PlanError(f"bucket {bucket}: seq_len and vision_size must be positive")
         if seen.setdefault(bucket.seq_len, bucket.vision_size) != bucket.vision_size:
             raise PlanError(f"two prefill buckets with seq_len {bucket.seq_len} and different vision_size")
     previous_stop = 0
-    for number, span in enumerate(spans):
-        if span.start < 0 or span.rows < 1:
-            raise PlanError(f"image {number}: span {span} needs start >= 0 and at least one row")
-        runs = span.token_runs
+    for number, segment in enumerate(segments):
+        if segment.start < 0 or segment.rows < 1:
+            raise PlanError(f"image {number}: segment {segment} needs start >= 0 and at least one row")
+        runs = segment.token_runs
         ordered = all(a + la <= b for (a, la), (b, _) in zip(runs, runs[1:]))
-        if runs[0][0] != span.start or any(n < 1 for _, n in runs) or not ordered:
+        if runs[0][0] != segment.start or any(n < 1 for _, n in runs) or not ordered:
             raise PlanError(f"image {number}: runs {list(runs)} are not non-empty runs in prompt order")
-        if span.stop > prompt_len:
+        if segment.stop > prompt_len:
             raise PlanError(
-                f"image {number}: span [{span.start}, {span.stop}) ends beyond the prompt ({prompt_len})"
+                f"image {number}: segment [{segment.start}, {segment.stop}) ends beyond the prompt "
+                f"({prompt_len})"
             )
-        if span.start < previous_stop:
+        if segment.start < previous_stop:
             raise PlanError(
-                f"image {number}: span [{span.start}, {span.stop}) overlaps or precedes the previous image "
-                f"(ends at {previous_stop}); spans must be disjoint and in prompt order"
+                f"image {number}: segment [{segment.start}, {segment.stop}) overlaps or precedes the "
+                f"previous image (ends at {previous_stop}); segments must be disjoint and in prompt order"
             )
-        previous_stop = span.stop
+        previous_stop = segment.stop
 
 
 class _Placeholders:
-    """P[x] and its inverse over the image spans."""
+    """P[x] and its inverse over the image segments."""
 
-    def __init__(self, spans: Sequence[Segment], prompt_len: int):
-        self.spans = spans
+    def __init__(self, segments: Sequence[Segment], prompt_len: int):
+        self.segments = segments
         self.prompt_len = prompt_len
-        self.starts = [span.start for span in spans]
-        self.stops = [span.stop for span in spans]
+        self.starts = [segment.start for segment in segments]
+        self.stops = [segment.stop for segment in segments]
         self.offsets = [0]
-        for span in spans:
-            self.offsets.append(self.offsets[-1] + span.rows)
+        for segment in segments:
+            self.offsets.append(self.offsets[-1] + segment.rows)
 
     def before(self, position: int) -> int:
         """P[position]: placeholder tokens in [0, position)."""
         count = bisect.bisect_left(self.starts, position)
         if count == 0:
             return 0
-        return self.offsets[count - 1] + self.spans[count - 1].rows_before(position)
+        return self.offsets[count - 1] + self.segments[count - 1].rows_before(position)
 
     def position_of_row(self, row: int) -> int:
         """Token of row ``row`` of G: the largest x with P[x] <= row (L past the last row)."""
         if row >= self.offsets[-1]:
             return self.prompt_len
         image = bisect.bisect_right(self.offsets, row) - 1
-        return self.spans[image].token_of_row(row - self.offsets[image])
+        return self.segments[image].token_of_row(row - self.offsets[image])
 
     def image_containing(self, position: int) -> Segment | None:
-        """The span with start < position < stop (a cut there would split the image), if any."""
+        """The segment with start < position < stop (a cut there would split the image), if any."""
         image = bisect.bisect_left(self.starts, position) - 1
-        if image >= 0 and self.spans[image].stop > position:
-            return self.spans[image]
+        if image >= 0 and self.segments[image].stop > position:
+            return self.segments[image]
         return None
 
     def overlapping(self, start: int, stop: int) -> range:
@@ -352,21 +354,21 @@ def _reach(
 
 
 def _check_images_fit(
-    spans: Sequence[Segment], buckets: Sequence[PrefillBucket], per_chunk_rows: bool, allow_split: bool
+    segments: Sequence[Segment], buckets: Sequence[PrefillBucket], per_chunk_rows: bool, allow_split: bool
 ) -> None:
     """Each segment kept whole (splitting off, or indivisible) needs one bucket for its tokens (and rows).
 
     An image of several runs spans its break tokens too: its tokens are ``stop - start``.
     """
-    for number, span in enumerate(spans):
-        if allow_split and span.divisible:
+    for number, segment in enumerate(segments):
+        if allow_split and segment.divisible:
             continue
-        tokens = span.stop - span.start
+        tokens = segment.stop - segment.start
         if not any(
-            bucket.seq_len >= tokens and (not per_chunk_rows or bucket.vision_size >= span.rows)
+            bucket.seq_len >= tokens and (not per_chunk_rows or bucket.vision_size >= segment.rows)
             for bucket in buckets
         ):
-            need = f"seq_len >= {tokens}" + (f" and vision_size >= {span.rows}" if per_chunk_rows else "")
+            need = f"seq_len >= {tokens}" + (f" and vision_size >= {segment.rows}" if per_chunk_rows else "")
             compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
             why = (
                 "its tokens and rows differ, so it is never split"
@@ -374,8 +376,8 @@ def _check_images_fit(
                 else ("this family cannot split an image across chunks")
             )
             raise PlanError(
-                f"{span.modality} {number} has {tokens} tokens ({span.rows} rows), more than any prefill "
-                f"bucket holds (seq_len/vision_size: {compiled}); {why}: compile a bucket with {need}"
+                f"{segment.modality} {number} has {tokens} tokens ({segment.rows} rows), more than any "
+                f"prefill bucket holds (seq_len/vision_size: {compiled}); {why}: compile a bucket with {need}"
             )
 
 
@@ -407,11 +409,11 @@ def plan_chunks(
     except ValueError as exc:
         choices = ", ".join(p.value for p in VisionProtocol)
         raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
-    spans = tuple(Segment(*span) if isinstance(span, tuple) else span for span in segments)
+    segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
     unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
     all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
-    _validate(prompt_len, spans, all_buckets)
-    placeholders = _Placeholders(spans, prompt_len)
+    _validate(prompt_len, segments, all_buckets)
+    placeholders = _Placeholders(segments, prompt_len)
     total_rows = placeholders.offsets[-1]
     per_chunk_rows = protocol is VisionProtocol.CHUNK
     usable = all_buckets if per_chunk_rows else [b for b in all_buckets if b.vision_size >= total_rows]
@@ -421,7 +423,7 @@ def plan_chunks(
             f"the full protocol sends all {total_rows} image rows with every chunk, but the largest "
             f"compiled vision_size is {largest}; use the chunk protocol or compile vision_size 'max'"
         )
-    _check_images_fit(spans, usable, per_chunk_rows, allow_image_split)
+    _check_images_fit(segments, usable, per_chunk_rows, allow_image_split)
 
     chunks: list[Chunk] = []
     start = 0
@@ -439,7 +441,7 @@ def plan_chunks(
         )
         # The images with a placeholder in the chunk (a chunk inside an image's token range may hold
         # only break tokens of it, e.g. Mistral 3's [IMG_BREAK]).
-        held = [_piece(i, spans[i], start, stop) for i in placeholders.overlapping(start, stop)]
+        held = [_piece(i, segments[i], start, stop) for i in placeholders.overlapping(start, stop)]
         held = [piece for piece in held if piece.stop > piece.start]
         images = tuple(piece.image for piece in held)
         if per_chunk_rows:
@@ -447,7 +449,7 @@ def plan_chunks(
             pieces = tuple(held)
         else:
             row_start, row_stop, image_idx = 0, total_rows, placeholders.before(start)
-            pieces = tuple(ImagePiece(i, 0, span.rows) for i, span in enumerate(spans))
+            pieces = tuple(ImagePiece(i, 0, segment.rows) for i, segment in enumerate(segments))
         chunks.append(
             Chunk(
                 index=len(chunks),
@@ -467,7 +469,7 @@ def plan_chunks(
             )
         )
         start = stop
-    return _with_lifetimes(prompt_len, protocol, spans, chunks)
+    return _with_lifetimes(prompt_len, protocol, segments, chunks)
 
 
 def _why_chunk_ends(ends: set[ChunkEnd]) -> ChunkEnd:
@@ -478,17 +480,17 @@ def _why_chunk_ends(ends: set[ChunkEnd]) -> ChunkEnd:
     return ChunkEnd.VISION_SIZE
 
 
-def _piece(image: int, span: Segment, start: int, stop: int) -> ImagePiece:
+def _piece(image: int, segment: Segment, start: int, stop: int) -> ImagePiece:
     """The rows of ``image`` whose placeholder tokens lie in [start, stop)."""
-    return ImagePiece(image, span.rows_before(start), span.rows_before(stop))
+    return ImagePiece(image, segment.rows_before(start), segment.rows_before(stop))
 
 
 def _with_lifetimes(
-    prompt_len: int, protocol: VisionProtocol, spans: tuple[Segment, ...], chunks: list[Chunk]
+    prompt_len: int, protocol: VisionProtocol, segments: tuple[Segment, ...], chunks: list[Chunk]
 ) -> ChunkPlan:
     """Fill each chunk's ``first_use``/``last_use`` and the plan's per-image first and last chunk."""
-    first_chunk = [-1] * len(spans)
-    last_chunk = [-1] * len(spans)
+    first_chunk = [-1] * len(segments)
+    last_chunk = [-1] * len(segments)
     for chunk in chunks:
         for piece in chunk.pieces:
             if first_chunk[piece.image] < 0:
@@ -502,7 +504,7 @@ def _with_lifetimes(
         )
         for chunk in chunks
     )
-    return ChunkPlan(prompt_len, protocol, spans, final, tuple(first_chunk), tuple(last_chunk))
+    return ChunkPlan(prompt_len, protocol, segments, final, tuple(first_chunk), tuple(last_chunk))
 
 
 def _placeholder_runs(ids: np.ndarray, placeholder: int) -> list[tuple[int, int]]:
