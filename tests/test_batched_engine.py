@@ -20,7 +20,8 @@ import pytest
 
 from qeff_vision.contract.language_io import Role
 from qeff_vision.export.exporter import load_adapter
-from qeff_vision.families import all_families
+from qeff_vision.families import all_families, get_family
+from qeff_vision.families.base import TOKEN_MERGE
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from qeff_vision.runtime.generate import Generator, LanguageShape
@@ -32,6 +33,7 @@ DEFAULT_TIER = ("qwen2_5_vl", "gemma3", "qwen3_vl", "qwen3_vl_moe", "mistral3", 
 BATCHING = [
     name if name in DEFAULT_TIER else pytest.param(name, marks=pytest.mark.slow)
     for name in (f.name for f in all_families() if f.features.continuous_batching.supported)
+    if get_family(name).decoder_kind == TOKEN_MERGE  # mllama through the engine: tests/test_mllama_cb.py
 ]
 SLOTS = 4
 SEQ_LENS = (32, 128)

@@ -20,7 +20,8 @@ states unchanged, as transformers' skipping of the cross layers does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,9 +32,38 @@ from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
-from qeff_vision.runtime.planner import VisionProtocol, plan_chunks
+from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
+
+
+@dataclass
+class CrossPrefill:
+    """One request's prefill on the cross-attention kind: what its decode steps continue from.
+
+    Attributes:
+        length: Prompt tokens.
+        logits: The last prompt position's logits (the first generated token's).
+        positions: The prompt's position ids (decode positions follow them).
+        last_mask_row: [1, 1, images, tiles] cross-attention mask every decode step repeats.
+        past: The caches the generator feeds (self-attention KV; the cross K/V unless resident).
+        records: One record per prefill chunk.
+        protocol: Chunking protocol the plan used.
+        images_encoded: Images the vision program encoded for this request.
+        encoder_calls: Vision program calls.
+        started: ``time.perf_counter()`` when the request started (for its TTFT).
+    """
+
+    length: int
+    logits: np.ndarray
+    positions: np.ndarray
+    last_mask_row: np.ndarray
+    past: dict[str, np.ndarray]
+    records: list[ChunkRecord]
+    protocol: str
+    images_encoded: int
+    encoder_calls: int
+    started: float
 
 
 class CrossAttentionGenerator(Generator):
@@ -58,10 +88,17 @@ class CrossAttentionGenerator(Generator):
         self.image_slots = slots.pop() if len(slots) == 1 else None
 
     def _empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
-        """Zeroed self-attention KV; cross layers are filled per request by :meth:`_cross_states`."""
+        """Zeroed KV of ``slots`` sequences, the cross layers' sized for the compiled image slots.
+
+        :meth:`generate` replaces the cross layers' with the request's states; the batched
+        engine's requests write theirs into their slot (:meth:`_step`).
+        """
         past = super()._empty_cache(slots)
+        images = self.image_slots if self.image_slots is not None else 1
         for name in self.cross_names:
-            past.pop(name, None)
+            if name in past:
+                shape = past[name].shape
+                past[name] = np.zeros((*shape[:2], images * self._rows_per_image(), shape[3]), np.float32)
         return past
 
     def _cross_states(self, processed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
@@ -98,20 +135,17 @@ class CrossAttentionGenerator(Generator):
         slots = self.image_slots if self.image_slots is not None else max(mask.shape[2], 1)
         return np.pad(mask, ((0, 0), (0, 0), (0, slots - mask.shape[2]), (0, 0)), constant_values=-1)
 
-    def generate(
+    def prefill(
         self,
         processed: Mapping[str, Any],
         max_new_tokens: int = 32,
         protocol: str = VisionProtocol.CHUNK.value,
-        on_token: Callable[[int], None] | None = None,
-        keep_logits: bool = False,
         history: Continuation | None = None,
-    ) -> GenerationResult:
-        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
+    ) -> CrossPrefill:
+        """Encode the request's images (each once), then run its prefill chunks (batch 1).
 
-        A continued turn (``history``) keeps the first turn's cross states and extends its mask
-        with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
-        ``cross_attention_mask`` for mllama; it cannot add images.
+        The first chunk carries the cross states (a continuous-batching slot program writes them
+        into its slot); every chunk carries its rows of the cross-attention mask.
         """
         started = time.perf_counter()
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
@@ -132,7 +166,7 @@ class CrossAttentionGenerator(Generator):
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
                 f"ctx_len {self.shape.ctx_len}"
             )
-        plan = plan_chunks(length, [], self.shape.buckets, protocol=protocol)
+        plan = self.plan(input_ids, processed, protocol)
         calls_before = self.vision.calls
         encode_start = time.perf_counter()
         if history is None:
@@ -146,17 +180,8 @@ class CrossAttentionGenerator(Generator):
         records, outputs = [], {}
         for chunk in plan.chunks:
             chunk_start = time.perf_counter()
-            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-            token_ids[0, : chunk.tokens] = input_ids[chunk.start : chunk.stop]
-            chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
-            chunk_mask[:, : chunk.tokens] = mask[:, chunk.start : chunk.stop]
-            feeds = self.io.feeds(
-                {
-                    Role.TOKEN_IDS: token_ids,
-                    Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                    Role.CROSS_MASK: chunk_mask,
-                }
-            )
+            feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
+            sent = sum(past[n].nbytes for n in self.cross_names if n in past)
             outputs = self._run(feeds, past)
             records.append(
                 ChunkRecord(
@@ -164,20 +189,50 @@ class CrossAttentionGenerator(Generator):
                     seq_len=chunk.seq_len,
                     vision_size=0,
                     rows=0,
-                    vision_bytes=sum(past[n].nbytes for n in self.cross_names) if chunk.index == 0 else 0,
+                    vision_bytes=sent if chunk.index == 0 else 0,
                     seconds=time.perf_counter() - chunk_start,
                     encode_seconds=encode_seconds if chunk.index == 0 else 0.0,
                     images_encoded=images_encoded if chunk.index == 0 else 0,
                     start=chunk.start,
                 )
             )
-        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
-        token = int(outputs[self.logits_name][0, -1].argmax())
-        ttft = time.perf_counter() - started
+        return CrossPrefill(
+            length=length,
+            logits=outputs[self.logits_name][0, -1].copy(),
+            positions=positions,
+            last_mask_row=mask[:, -1:],
+            past=past,
+            records=records,
+            protocol=plan.protocol.value,
+            images_encoded=images_encoded,
+            encoder_calls=self.vision.calls - calls_before,
+            started=started,
+        )
+
+    def generate(
+        self,
+        processed: Mapping[str, Any],
+        max_new_tokens: int = 32,
+        protocol: str = VisionProtocol.CHUNK.value,
+        on_token: Callable[[int], None] | None = None,
+        keep_logits: bool = False,
+        history: Continuation | None = None,
+    ) -> GenerationResult:
+        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
+
+        A continued turn (``history``) keeps the first turn's cross states and extends its mask
+        with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
+        ``cross_attention_mask`` for mllama; it cannot add images.
+        """
+        calls_before = self.vision.calls
+        prefill = self.prefill(processed, max_new_tokens, protocol, history)
+        past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row
+        kept = [prefill.logits] if keep_logits else None
+        token = int(prefill.logits.argmax())
+        ttft = time.perf_counter() - prefill.started
         if on_token:
             on_token(token)
         decode_start, tokens = time.perf_counter(), [token]
-        last_row = mask[:, -1:]
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
@@ -190,30 +245,140 @@ class CrossAttentionGenerator(Generator):
             if on_token:
                 on_token(token)
         return GenerationResult(
-            prompt_tokens=length,
+            prompt_tokens=prefill.length,
             tokens=tokens,
-            chunks=records,
+            chunks=prefill.records,
             ttft=ttft,
             decode_seconds=time.perf_counter() - decode_start,
             encoder_calls=self.vision.calls - calls_before,
             cache_hits=0,
             logits=kept or [],
-            protocol=plan.protocol.value,
+            protocol=prefill.protocol,
             images=len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0,
             image_rows=0,
-            images_encoded=images_encoded,
+            images_encoded=prefill.images_encoded,
             continuation=Continuation(
                 past, positions, len(tokens) - 1, (tokens[-1],), {Role.CROSS_MASK: last_row}
             ),
         )
 
+    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
+        """Plain token windows: an image is one placeholder token, nothing to keep whole."""
+        return plan_chunks(len(input_ids), [], self.shape.buckets, protocol=protocol)
+
+    def chunk_feeds(
+        self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """Language inputs of one prefill chunk: its tokens, positions and rows of the request's ``mask``."""
+        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+        token_ids[0, : chunk.tokens] = input_ids[chunk.start : chunk.stop]
+        chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
+        chunk_mask[:, : chunk.tokens] = mask[:, chunk.start : chunk.stop]
+        return self.io.feeds(
+            {
+                Role.TOKEN_IDS: token_ids,
+                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                Role.CROSS_MASK: chunk_mask,
+            }
+        )
+
+    def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
+        """Nothing to check: the cross-attention kind has no image cursor."""
+
+    def request_chunks(
+        self,
+        plan: ChunkPlan,
+        processed: Mapping[str, Any],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        encode_timer: list[float],
+    ) -> Iterator[tuple[Chunk, dict[str, np.ndarray], int]]:
+        """One request's chunks for the batched engine (see :meth:`Generator.request_chunks`).
+
+        The first chunk of a request with images also carries its cross states (each image
+        encoded once, shared across requests), which :meth:`_step` writes into the request's
+        slot. A request without images carries none: its slot keeps whatever it held, and the
+        program reads no cross values for it.
+        """
+        started = time.perf_counter()
+        cross = self._cross_states(processed)[0] if self.host.has_images(processed) else {}
+        encode_timer[0] += time.perf_counter() - started
+        mask = self._cross_mask(processed, len(input_ids))
+        for chunk in plan.chunks:
+            feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
+            if chunk.index == 0 and cross:
+                feeds.update(cross)
+            yield chunk, feeds, sum(cross[n].nbytes for n in cross) if chunk.index == 0 else 0
+
+    def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
+        """None: a decode step sends no vision input (the cross states are retained)."""
+        return {}
+
+    def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
+        """The prompt's last cross-attention mask row, which every decode step repeats."""
+        length = np.asarray(processed["input_ids"]).reshape(-1).shape[0]
+        return {Role.CROSS_MASK: self._cross_mask(processed, length)[:, -1:]}
+
+    def decode_step_feeds(
+        self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Inputs of a decode-shaped call: tokens, positions and ``extra`` (the mask rows)."""
+        return self.io.feeds({Role.TOKEN_IDS: token_ids, Role.POSITIONS: positions, **(extra or {})})
+
     def _feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
         """One decode step: ``token`` at ``position`` with ``extra`` (the cross-attention mask row)."""
-        by_role = {Role.TOKEN_IDS: np.array([[token]], dtype=np.int64), Role.POSITIONS: position}
-        return self._run(self.io.feeds({**by_role, **(extra or {})}), past)
+        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
+        return self._step(feeds, past)
+
+    def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One language call; cross states among ``feeds`` are first written into the cache.
+
+        With ``batch_index`` they go to that slot of the ``full_batch_size``-slot buffers (the
+        engine's slots); a device-resident program gets them as inputs, which only a single-slot
+        program can take (the whole buffer is the one slot).
+
+        Raises:
+            UserError: More images than the buffers' image slots, or a device-resident program
+                with several slots (writing one slot of a resident buffer is not supported).
+        """
+        feeds = dict(feeds)
+        supplied = {name: feeds.pop(name) for name in self.cross_names if name in feeds}
+        slot_name = self.io.name(Role.KV_SLOT) if self.io.has(Role.KV_SLOT) else None
+        for name, states in supplied.items():
+            held = past.get(name)
+            if held is None:  # resident on the device: send them, if the buffer is this one slot
+                if slot_name is not None and self.language.specializations and self._slots() > 1:
+                    raise UserError(
+                        "a device-resident continuous-batching program cannot take one request's "
+                        "cross-attention states into its slot yet; serve it on onnxruntime"
+                    )
+                feeds[name] = states
+                continue
+            if slot_name not in feeds:  # a single-sequence cache: the request's states replace it
+                past[name] = states
+                continue
+            if states.shape[2] != held.shape[2]:
+                raise UserError(
+                    f"{states.shape[2] // self._rows_per_image()} images in the request; the "
+                    f"programs were compiled for at most {held.shape[2] // self._rows_per_image()}"
+                )
+            held = held.copy()
+            held[feeds[slot_name].reshape(-1)] = states
+            past[name] = held
+        return self._run(feeds, past)
+
+    def _slots(self) -> int:
+        return max(int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in self.language.specializations)
+
+    def _rows_per_image(self) -> int:
+        return next(v for k, v in self.states_per_image.items() if k != symbols.CTX_LEN)
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call. A device keeps retained inputs resident: send the cross states once."""
+        if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
+            # A continuous-batching program driven for one sequence: it lives in KV slot 0.
+            batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
+            feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
         outputs = self.language.run({**feeds, **past})
         retained = self.io.retained_outputs()
         for name in list(past):

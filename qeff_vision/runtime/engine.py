@@ -33,8 +33,6 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.families.base import CROSS_ATTENTION
-from qeff_vision.runtime.embedding_cache import feed_chunks
 from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
@@ -126,6 +124,10 @@ class EngineReport:
         return sum(self.decode_batches) / (len(self.decode_batches) * self.full_batch_size)
 
 
+# slot -> (last token, its position ids, the request's extra decode inputs by role, one row each)
+DecodeRow = tuple[int, np.ndarray, Mapping[Role, np.ndarray]]
+
+
 class SequentialSlots:
     """Slots for a single-sequence program: one batch-1 host cache per slot, one call per request.
 
@@ -153,16 +155,16 @@ class SequentialSlots:
         """One chunk of the request in ``slot``."""
         return self.generator._step(feeds, self.past[slot])
 
-    def decode(self, tokens: Mapping[int, tuple[int, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
-        """One lone decode step per running slot, given slot -> (last token, its position ids).
+    def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
+        """One lone decode step per running slot, given slot -> (last token, its position ids, extra).
 
         Returns:
             (last-position logits by slot, vision bytes sent).
         """
         generator = self.generator
         logits = {}
-        for slot, (token, positions) in tokens.items():
-            outputs = generator._feed_token(token, positions, self.past[slot])
+        for slot, (token, positions, extra) in tokens.items():
+            outputs = generator._feed_token(token, positions, self.past[slot], extra)
             logits[slot] = outputs[symbols.LOGITS][0, -1]
         return logits, len(tokens) * _vision_bytes(generator)
 
@@ -187,28 +189,35 @@ class BatchedSlots:
         slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
         return self.generator._step({**feeds, **slot_index}, self.past)
 
-    def decode(self, tokens: Mapping[int, tuple[int, np.ndarray]]) -> tuple[dict[int, np.ndarray], int]:
-        """One call at batch ``full_batch_size`` for slot -> (last token, its position ids).
+    def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
+        """One call at batch ``full_batch_size`` for slot -> (last token, its position ids, extra).
 
         A slot nobody decodes in (free, or its request still prefilling) gets token 0 at position
-        -1 (M-RoPE: every row -1); its logits are dropped.
+        -1 (M-RoPE: every row -1) and -1 in every extra input (a cross-attention mask row: no
+        image slot in use); its logits are dropped.
 
         Returns:
             (last-position logits by running slot, vision bytes sent).
         """
         generator, slots = self.generator, self.full_batch_size
-        template = next(iter(tokens.values()))[1]
+        _, template, extra_template = next(iter(tokens.values()))
         token_ids = np.zeros((slots, 1), np.int64)
         positions = []
+        extra: dict[Role, list[np.ndarray]] = {role: [] for role in extra_template}
         for slot in range(slots):
             if slot in tokens:
                 token_ids[slot, 0] = tokens[slot][0]
                 positions.append(tokens[slot][1])
             else:
                 positions.append(np.full_like(template, -1))
+            for role, rows in extra.items():
+                idle = np.full_like(extra_template[role], -1)
+                rows.append(tokens[slot][2][role] if slot in tokens else idle)
         # Batch is the second-to-last axis of position_ids ([B, 1] or M-RoPE's [R, B, 1]).
         feeds = generator.decode_step_feeds(
-            token_ids, np.ascontiguousarray(np.concatenate(positions, axis=-2))
+            token_ids,
+            np.ascontiguousarray(np.concatenate(positions, axis=-2)),
+            {role: np.concatenate(rows, axis=0) for role, rows in extra.items()},
         )
         feeds.update(generator.io.feeds({Role.KV_SLOT: np.arange(slots, dtype=np.int64).reshape(slots, 1)}))
         logits = generator._step(feeds, self.past)[symbols.LOGITS]
@@ -231,7 +240,8 @@ class _Sequence:
         self.plan = plan
         self.input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
         self.positions = generator.host.prompt_positions(request.processed)
-        self.chunks: Iterator[tuple[Chunk, np.ndarray]] | None = None
+        self.chunks: Iterator[tuple[Chunk, dict[str, np.ndarray], int]] | None = None
+        self.decode_extra = generator.decode_extra(request.processed)
         self.encode_timer = [0.0]
         self.slot = -1
         self.admitted_step = self.first_token_step = -1
@@ -245,11 +255,8 @@ class _Sequence:
     def admit(self, generator: Generator, slot: int, step: int) -> None:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
         self.slot, self.admitted_step = slot, step
-        processed = self.request.processed
-        images, inputs_by_key = generator._prepare_images(processed) if self.plan.segments else ([], {})
-        encoder = generator._encoder(inputs_by_key, self.encode_timer)
-        self.chunks = feed_chunks(
-            self.plan, images, generator.cache, encoder, generator.row_width, np.float32
+        self.chunks = generator.request_chunks(
+            self.plan, self.request.processed, self.input_ids, self.positions, self.encode_timer
         )
 
     def emit(self, token: int, logits: np.ndarray | None, eos: set[int]) -> bool:
@@ -281,11 +288,6 @@ class BatchedEngine:
         full_batch_size: int | None = None,
         protocol: str = VisionProtocol.CHUNK.value,
     ):
-        if generator.family.decoder_kind == CROSS_ATTENTION:
-            raise UserError(
-                f"{generator.family.name}: the batched engine feeds token-merge programs; cross-attention "
-                "states are per-request retained inputs the continuous-batching program does not slot"
-            )
         self.generator = generator
         self.protocol = protocol
         batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
@@ -367,13 +369,12 @@ class BatchedEngine:
         """Run the sequence's next chunk: None when chunks remain, else whether the request is complete."""
         generator = self.generator
         calls, stats, encode_before = generator.vision.calls, generator.cache.stats, sequence.encode_timer[0]
-        chunk, rows = next(sequence.chunks)
+        chunk, feeds, sent = next(sequence.chunks)
         after = generator.cache.stats
         sequence.encoder_calls += generator.vision.calls - calls
         sequence.cache_hits += after.hits - stats.hits
         sequence.images_encoded += after.images_encoded - stats.images_encoded
         started = time.perf_counter()
-        feeds = generator.chunk_feeds(chunk, rows, sequence.input_ids, sequence.positions)
         outputs = self.slots.prefill(sequence.slot, feeds)
         generator.check_chunk_outputs(chunk, outputs)
         sequence.records.append(
@@ -382,7 +383,7 @@ class BatchedEngine:
                 seq_len=chunk.seq_len,
                 vision_size=chunk.vision_size,
                 rows=chunk.rows,
-                vision_bytes=rows.nbytes,
+                vision_bytes=sent,
                 seconds=time.perf_counter() - started,
                 encode_seconds=sequence.encode_timer[0] - encode_before,
                 images_encoded=after.images_encoded - stats.images_encoded,
@@ -390,7 +391,7 @@ class BatchedEngine:
             )
         )
         report.prefill_calls += 1
-        report.vision_bytes += rows.nbytes
+        report.vision_bytes += sent
         if chunk.index < len(sequence.plan.chunks) - 1:
             return None
         sequence.chunks.close()  # unpins the images the last chunk sent
@@ -409,6 +410,7 @@ class BatchedEngine:
             sequence.slot: (
                 sequence.tokens[-1],
                 host.decode_positions(sequence.positions, len(sequence.tokens) - 1),
+                sequence.decode_extra,
             )
             for sequence in running
         }

@@ -9,7 +9,7 @@ encoded when a chunk first needs them, through a per-conversation :class:`Embedd
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -561,6 +561,33 @@ class Generator:
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
         )
+
+    def request_chunks(
+        self,
+        plan: ChunkPlan,
+        processed: Mapping[str, Any],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        encode_timer: list[float],
+    ) -> Iterator[tuple[Chunk, dict[str, np.ndarray], int]]:
+        """(chunk, its language inputs, vision bytes they carry) per prefill chunk of one request.
+
+        What the batched engine feeds a request's slot, chunk by chunk: images are encoded (or
+        taken from the embedding cache) when a chunk first needs them and unpinned after their
+        last chunk, also when the caller closes the iterator early.
+        """
+        images, inputs_by_key = self._prepare_images(processed) if plan.segments else ([], {})
+        encoder = self._encoder(inputs_by_key, encode_timer)
+        chunks = feed_chunks(plan, images, self.cache, encoder, self.row_width, np.float32)
+        try:
+            for chunk, rows in chunks:
+                yield chunk, self.chunk_feeds(chunk, rows, input_ids, positions), rows.nbytes
+        finally:
+            chunks.close()
+
+    def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
+        """Inputs by role every decode step of this request adds, one row (none for this kind)."""
+        return {}
 
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """The program's image counter after a chunk must be the plan's."""

@@ -91,13 +91,12 @@ class Mllama(Family):
         multi_resolution=yes("any size: up to 4 tiles of 560 px, padded to 4 with an aspect-ratio id"),
         chunk_split=yes("one <|image|> token per image; every chunk attends to whole images"),
         video=no("Llama 3.2 Vision takes images only"),
-        # ref: pinned quic/efficient-transformers models/mllama/modeling_mllama.py: its
-        # get_specializations / get_onnx_dynamic_axes take no continuous_batching (no batch_index,
-        # no full_batch_size names to match).
-        continuous_batching=no(
-            "the cross-attention K/V of a request's images are retained language inputs with one row "
-            "per call row, not per KV slot, and QEfficient's mllama export defines no "
-            "continuous-batching IO to match"
+        # QEfficient (pinned quic/efficient-transformers models/mllama/modeling_mllama.py) defines no
+        # continuous-batching IO for mllama; ours is its generic one (batch_index, full_batch_size
+        # on every cache's dim 0) applied to the cross K/V too (docs/design.md).
+        continuous_batching=yes(
+            "cross-attention K/V held per KV slot (dim 0 full_batch_size); the host writes a request's "
+            "image states into its slot, each row reads its own"
         ),
     )
     vision_input_axes = {

@@ -65,20 +65,39 @@ class VisionKV(nn.Module):
 
 
 class CrossCache(RetainedKVCache):
-    """Retained cache whose cross-attention layers expose the vision K/V as HF's ``layers[i]``."""
+    """Retained cache whose cross-attention layers expose the vision K/V as HF's ``layers[i]``.
 
-    def __init__(self, past, write_slots, read_slots, cross: set[int]):
-        super().__init__(past, write_slots, read_slots)
+    With ``batch_index`` (continuous batching) every cache holds ``full_batch_size`` sequence
+    slots: self-attention layers write and read their row's slot (generic CB scatter/gather) and
+    cross layers read their row's slot of the vision K/V. ``sees_images`` [batch] (1 for a row
+    whose request has an image slot in use, else 0) scales the values a row reads, so a request
+    without images reads zeros whatever the slot holds (a previous occupant's states), which is
+    what transformers' skipping of the cross layers amounts to (see ``CrossAttentionDecoder``).
+    """
+
+    def __init__(self, past, write_slots, read_slots, cross: set[int], batch_index=None, sees_images=None):
+        super().__init__(past, write_slots, read_slots, batch_index=batch_index)
         self.layers = [
-            SimpleNamespace(keys=self.keys[i], values=self.values[i]) if i in cross else None
+            SimpleNamespace(keys=self._slot(self.keys[i]), values=self._slot(self.values[i], sees_images))
+            if i in cross
+            else None
             for i in range(len(self.keys))
         ]
+
+    def _slot(self, states: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        if self.batch_index is not None:  # [full_batch_size, ...] -> each row's own slot
+            states = states[self.batch_index.view(-1)]
+        return states if scale is None else states * scale.to(states.dtype).view(-1, 1, 1, 1)
 
 
 class CrossAttentionDecoder(nn.Module):
     """The cross-attention kind's language program; inputs and outputs are the rows of ``io``.
 
-    (input_ids, position_ids, cross_attention_mask, past_* -> logits, past_*_RetainedState.)
+    (input_ids, position_ids, cross_attention_mask, past_* [, batch_index] -> logits,
+    past_*_RetainedState.) With ``batch_index`` (continuous batching) the caches, the cross K/V
+    included, hold ``full_batch_size`` slots on dim 0; the cross K/V come back unchanged, so the
+    host writes a request's states into its slot (docs/design.md, "Continuous batching for the
+    cross-attention kind").
     """
 
     def __init__(self, model: nn.Module, io: LanguageIO):
@@ -99,13 +118,19 @@ class CrossAttentionDecoder(nn.Module):
         input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
         cross_attention_mask = named[io.name(Role.CROSS_MASK)]
         past = [named[row.name] for row in io.rows(*KV_ROLES)]
+        batch_index = named[io.name(Role.KV_SLOT)] if io.has(Role.KV_SLOT) else None
         text = self.text
         hidden = text.embed_tokens(input_ids)
         ctx_len = past[2 * self.first_self].shape[2]
         # Padding (position -1) writes the last slot, as in the generic decoder.
         write = torch.where(position_ids >= 0, position_ids, torch.full_like(position_ids, ctx_len - 1))
         read = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
-        cache = CrossCache(past, write, read, self.cross)
+        # A row whose request uses no image slot (every slot of its valid tokens padded, -1) must
+        # not read cross values: under continuous batching its KV slot may still hold a previous
+        # request's states. Chunk padding (position -1) does not count, whatever its mask holds.
+        in_use = (cross_attention_mask >= 0).flatten(2).any(dim=2) & (position_ids >= 0)
+        sees_images = in_use.any(dim=1)
+        cache = CrossCache(past, write, read, self.cross, batch_index, sees_images)
         mask = attention_masks(position_ids, ctx_len, [FULL_ATTENTION], None, None, hidden.dtype)[
             FULL_ATTENTION
         ]
