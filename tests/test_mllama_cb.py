@@ -130,6 +130,7 @@ def test_staggered_requests_through_the_engine_match_generate_alone(cb_export, h
     assert max(report.decode_batches) >= 2, "several requests decode in one call"
     assert len(report.decode_batches) < sum(len(r.result.tokens) - 1 for r in report.requests)
     assert report.encoder_calls == 5  # five different images, each encoded once
+    assert [r.result.images for r in report.requests] == [1, 2, 1, 1, 0]
 
 
 def test_language_io_holds_the_cross_states_per_slot(cb_export):

@@ -254,7 +254,7 @@ class CrossAttentionGenerator(Generator):
             cache_hits=0,
             logits=kept or [],
             protocol=prefill.protocol,
-            images=len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0,
+            images=self.request_images(plan=None, processed=processed),
             image_rows=0,
             images_encoded=prefill.images_encoded,
             continuation=Continuation(
@@ -309,6 +309,10 @@ class CrossAttentionGenerator(Generator):
             if chunk.index == 0 and cross:
                 feeds.update(cross)
             yield chunk, feeds, sum(cross[n].nbytes for n in cross) if chunk.index == 0 else 0
+
+    def request_images(self, plan: ChunkPlan | None, processed: Mapping[str, Any]) -> int:
+        """Images of a request: one ``<|image|>`` token each (the plan has no segments)."""
+        return len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0
 
     def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
         """None: a decode step sends no vision input (the cross states are retained)."""

@@ -439,7 +439,7 @@ class BatchedEngine:
             cache_hits=sequence.cache_hits,
             logits=sequence.logits,
             protocol=plan.protocol.value,
-            images=len(plan.segments),
+            images=self.generator.request_images(plan, sequence.request.processed),
             image_rows=plan.total_rows,
             images_encoded=sequence.images_encoded,
         )

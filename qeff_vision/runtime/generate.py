@@ -585,6 +585,10 @@ class Generator:
         finally:
             chunks.close()
 
+    def request_images(self, plan: ChunkPlan, processed: Mapping[str, Any]) -> int:
+        """Images (and videos) of a request, as its report counts them: the plan's segments."""
+        return len(plan.segments)
+
     def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
         """Inputs by role every decode step of this request adds, one row (none for this kind)."""
         return {}
