@@ -245,10 +245,35 @@ def _scatter_cb_function(opset: int) -> onnx.FunctionProto:
 
 
 def _gather_cb_function(opset: int) -> onnx.FunctionProto:
-    # indices[b, h, k] = (batch_index[b], h, indices[b, k]) -> GatherND(cache, indices) [B, H, K, D]
+    # output[b, h, k] = cache[batch_index[b], h, indices[b, k]], read as one Gather over the cache
+    # viewed as [F * H * C, D] rows at row (batch_index[b] * H + h) * C + indices[b, k]. Same result
+    # as GatherND with (slot, head, position) triples for in-range indices (the only ones our graphs
+    # feed); onnxruntime's GatherND resolves each D-wide slice through a per-triple offset loop and
+    # was the largest per-row cost of a batched decode call (benchmarks/batched_decode.py).
     nodes = [
-        *_slot_indices("batch_index", "cache", "indices", "nd_indices"),
-        helper.make_node("GatherND", ["cache", "nd_indices"], ["output"]),
+        helper.make_node("Shape", ["cache"], ["cache_shape"]),
+        _const("zero", [0], []),
+        _const("one", [1], []),
+        _const("two", [2], []),
+        _const("last", [3]),
+        _const("minus_one", [-1]),
+        _const("ax1", [1]),
+        _const("ax2", [2]),
+        _const("ax_02", [0, 2]),
+        helper.make_node("Gather", ["cache_shape", "one"], ["num_heads"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "two"], ["ctx"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "last"], ["width"], axis=0),
+        helper.make_node("Concat", ["minus_one", "width"], ["rows_shape"], axis=0),
+        helper.make_node("Reshape", ["cache", "rows_shape"], ["rows"]),
+        helper.make_node("Range", ["zero", "num_heads", "one"], ["head_range"]),
+        helper.make_node("Mul", ["batch_index", "num_heads"], ["slot_heads"]),  # [B, 1]
+        helper.make_node("Unsqueeze", ["slot_heads", "ax2"], ["slot_col"]),  # [B, 1, 1]
+        helper.make_node("Unsqueeze", ["head_range", "ax_02"], ["head_col"]),  # [1, H, 1]
+        helper.make_node("Add", ["slot_col", "head_col"], ["slot_head"]),  # [B, H, 1]
+        helper.make_node("Mul", ["slot_head", "ctx"], ["row_base"]),
+        helper.make_node("Unsqueeze", ["indices", "ax1"], ["index_col"]),  # [B, 1, K]
+        helper.make_node("Add", ["row_base", "index_col"], ["row_index"]),  # [B, H, K]
+        helper.make_node("Gather", ["rows", "row_index"], ["output"], axis=0),
     ]
     return helper.make_function(
         DOMAIN,

@@ -1,0 +1,98 @@
+"""The onnxruntime body of ``CtxGatherCB`` reads exactly what the continuous-batching cache read means.
+
+The compiler maps the function by name; onnxruntime runs its body. The body is a Gather over the
+cache viewed as rows (fast on onnxruntime); it must give the same tensor as the former GatherND
+body and as numpy's ``cache[batch_index[b], h, indices[b, k]]`` for every in-range input: any
+``full_batch_size``, slots in any order (or repeated), indices repeated, out of order, or the last
+position (where padding rows write), read lengths shorter or longer than the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from qeff_vision.export import kv_ops
+
+OPSET = 17
+
+
+def _session(graph_nodes: list, functions: list | None = None) -> ort.InferenceSession:
+    inputs = [
+        helper.make_tensor_value_info("cache", TensorProto.FLOAT, ["F", "H", "C", "D"]),
+        helper.make_tensor_value_info("batch_index", TensorProto.INT64, ["B", 1]),
+        helper.make_tensor_value_info("indices", TensorProto.INT64, ["B", "K"]),
+    ]
+    output = [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", "H", "K", "D"])]
+    model = helper.make_model(
+        helper.make_graph(graph_nodes, "gather", inputs, output),
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        functions=functions or [],
+    )
+    model = kv_ops.attach_functions(model)
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _gather_cb_session() -> ort.InferenceSession:
+    node = helper.make_node(
+        kv_ops.GATHER_CB, ["cache", "batch_index", "indices"], ["output"], domain=kv_ops.DOMAIN
+    )
+    return _session([node])
+
+
+def _gather_nd_session() -> ort.InferenceSession:
+    """The former body, inlined: (slot, head, position) triples into GatherND."""
+    nodes = [
+        *kv_ops._slot_indices("batch_index", "cache", "indices", "nd_indices"),
+        helper.make_node("GatherND", ["cache", "nd_indices"], ["output"]),
+    ]
+    return _session(nodes)
+
+
+def _reference(cache: np.ndarray, batch_index: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    heads = np.arange(cache.shape[1]).reshape(1, -1, 1)
+    return cache[batch_index.reshape(-1, 1, 1), heads, indices[:, None, :]]
+
+
+def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
+    fast, former = _gather_cb_session(), _gather_nd_session()
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        slots, heads, ctx, width = (int(rng.integers(1, n)) for n in (9, 4, 33, 6))
+        rows = int(rng.integers(1, slots + 1))
+        distinct = case % 3 != 0  # a call's rows name distinct slots; repeated slots are read too
+        batch_index = (
+            rng.permutation(slots)[:rows] if distinct else rng.integers(0, slots, rows)
+        ).reshape(rows, 1)
+        length = int(rng.integers(1, ctx + 4))  # a CCL read, a ring read, or repeats
+        if case % 4 == 0:  # what the decoder feeds: arange(read_len) on every row
+            indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
+        else:  # anything in range, the last position (padding writes) included
+            indices = rng.integers(0, ctx, (rows, length))
+            indices[:, -1] = ctx - 1
+        feeds = {
+            "cache": rng.standard_normal((slots, heads, ctx, width)).astype(np.float32),
+            "batch_index": batch_index.astype(np.int64),
+            "indices": np.ascontiguousarray(indices, dtype=np.int64),
+        }
+        expected = _reference(feeds["cache"], feeds["batch_index"], feeds["indices"])
+        got = fast.run(None, feeds)[0]
+        assert got.shape == expected.shape == (rows, heads, length, width)
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got, former.run(None, feeds)[0])
+
+
+def test_gather_cb_function_keeps_its_name_domain_and_signature():
+    function = kv_ops._gather_cb_function(OPSET)
+    assert (function.domain, function.name) == ("com.qualcomm.cloud", "CtxGatherCB")
+    assert list(function.input) == ["cache", "batch_index", "indices"]
+    assert list(function.output) == ["output"]
+    assert not function.attribute
+    assert {node.op_type for node in function.node} <= {
+        "Shape", "Constant", "Gather", "Concat", "Reshape", "Range", "Mul", "Unsqueeze", "Add"
+    }
