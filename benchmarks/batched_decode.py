@@ -12,6 +12,16 @@ at least 6x the tokens/s of F = 1. For comparison, the same requests through the
 export with one call per request per decode step (:class:`~qeff_vision.runtime.engine.SequentialSlots`)
 are shown at F = 8.
 
+What is timed: a decode step is the host's work for it (each running request's position ids, the
+batch's feeds, one argmax per request) plus the language call(s); decode tokens/s is the tokens
+those steps produce over their wall time. Prefill steps are not counted at all: neither their
+time nor the first token of each request, which its last prefill chunk produces. All F requests
+arrive together but are prefilled one chunk per step (two chunks each), so the first decode steps
+run with fewer than F requests: "occupancy" is the mean fraction of the F slots a decode step
+served, and "full-batch tok/s" counts only the steps where all F slots decoded (the per-call cost
+without the ramp). The configurations run in turns (F = 1, 4, 8, then again) and each keeps its
+best run, so a load spike on the shared machine hits all of them alike.
+
 Vision bytes per step: a prefill chunk sends only its own rows of the image embeddings (the chunk
 protocol, V = S = 128 here); a decode step sends ``vision_embeds`` only because onnxruntime does not
 retain state (the rows are zeros and never read; on a device they stay resident, 0 bytes), once
@@ -45,6 +55,7 @@ class Row:
     decode_calls: int
     occupancy: float
     tokens_per_second: float
+    full_tokens_per_second: float
     ms_per_call: float
     prefill_bytes_per_chunk: float
     decode_bytes_per_step: float
@@ -95,44 +106,52 @@ def requests(model_dir: Path, count: int, new_tokens: int):
     return made
 
 
-def measure(
-    export: Path, full_batch_size: int, new_tokens: int, repeats: int, threads: int, label: str
-) -> Row:
-    """Best of ``repeats`` engine runs of ``full_batch_size`` requests through ``export``."""
-    from qeff_vision.export_record import read_export
-    from qeff_vision.runtime.engine import BatchedEngine
-    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
-    from qeff_vision.runtime.planner import PrefillBucket
+class Setup:
+    """One configuration: ``full_batch_size`` requests through ``export`` (engine ready to run)."""
 
-    ccls = CCLS if read_export(export).get("comp_ctx_lengths") else ()  # an export with the CCL input
-    shape = LanguageShape((PrefillBucket(SEQ_LEN, SEQ_LEN),), SEQ_LEN, CTX_LEN, ccls, ccls)
-    generator = generator_for_export(export, shape)
-    for program in (generator.vision, generator.language):
-        _set_threads(program, threads)
-    # Every request generates exactly new_tokens (a random tiny model emits end-of-sequence ids at
-    # random; stopping there would measure occupancy, not decode throughput).
-    generator.eos_token_ids = set()
-    batch = requests(Path(read_export(export)["model"]), full_batch_size, new_tokens)
-    best = None
-    for _ in range(repeats):
-        engine = BatchedEngine(generator, full_batch_size=full_batch_size)
-        report = engine.run(batch)
-        if best is None or report.decode_tokens_per_second > best.decode_tokens_per_second:
-            best = report
-    decode_bytes = best.vision_bytes - sum(c.vision_bytes for r in best.requests for c in r.result.chunks)
-    calls = len(best.decode_batches)
-    return Row(
-        label=label,
-        full_batch_size=full_batch_size,
-        batched=best.batched,
-        decode_calls=calls,
-        occupancy=best.mean_occupancy,
-        tokens_per_second=best.decode_tokens_per_second,
-        ms_per_call=best.decode_seconds / calls * 1e3 if calls else 0.0,
-        prefill_bytes_per_chunk=sum(c.vision_bytes for r in best.requests for c in r.result.chunks)
-        / max(best.prefill_calls, 1),
-        decode_bytes_per_step=decode_bytes / calls if calls else 0.0,
-    )
+    def __init__(self, export: Path, full_batch_size: int, new_tokens: int, threads: int, label: str):
+        from qeff_vision.export_record import read_export
+        from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+        from qeff_vision.runtime.planner import PrefillBucket
+
+        ccls = CCLS if read_export(export).get("comp_ctx_lengths") else ()  # an export with the CCL input
+        shape = LanguageShape((PrefillBucket(SEQ_LEN, SEQ_LEN),), SEQ_LEN, CTX_LEN, ccls, ccls)
+        self.generator = generator_for_export(export, shape)
+        for program in (self.generator.vision, self.generator.language):
+            _set_threads(program, threads)
+        # Every request generates exactly new_tokens (a random tiny model emits end-of-sequence ids
+        # at random; stopping there would measure occupancy, not decode throughput).
+        self.generator.eos_token_ids = set()
+        self.batch = requests(Path(read_export(export)["model"]), full_batch_size, new_tokens)
+        self.full_batch_size, self.label = full_batch_size, label
+        self.best = None
+
+    def run(self) -> None:
+        """One engine run; kept if its decode tokens/s is the best so far."""
+        from qeff_vision.runtime.engine import BatchedEngine
+
+        report = BatchedEngine(self.generator, full_batch_size=self.full_batch_size).run(self.batch)
+        if self.best is None or report.decode_tokens_per_second > self.best.decode_tokens_per_second:
+            self.best = report
+
+    def row(self) -> Row:
+        """The table row of the best run."""
+        best = self.best
+        chunk_bytes = sum(c.vision_bytes for r in best.requests for c in r.result.chunks)
+        calls = len(best.decode_batches)
+        full = [t for n, t in zip(best.decode_batches, best.decode_step_seconds) if n == best.full_batch_size]
+        return Row(
+            label=self.label,
+            full_batch_size=self.full_batch_size,
+            batched=best.batched,
+            decode_calls=calls,
+            occupancy=best.mean_occupancy,
+            tokens_per_second=best.decode_tokens_per_second,
+            full_tokens_per_second=len(full) * best.full_batch_size / sum(full) if full else 0.0,
+            ms_per_call=best.decode_seconds / calls * 1e3 if calls else 0.0,
+            prefill_bytes_per_chunk=chunk_bytes / max(best.prefill_calls, 1),
+            decode_bytes_per_step=(best.vision_bytes - chunk_bytes) / calls if calls else 0.0,
+        )
 
 
 def _set_threads(program, threads: int) -> None:
@@ -146,7 +165,9 @@ def _set_threads(program, threads: int) -> None:
 
 def table(rows: list[Row]) -> str:
     """The benchmark table (speed-up against the batched F = 1 row)."""
-    base = next((r.tokens_per_second for r in rows if r.batched and r.full_batch_size == 1), 0.0)
+    one = next((r for r in rows if r.batched and r.full_batch_size == 1), None)
+    base = one.tokens_per_second if one else 0.0
+    full_base = one.full_tokens_per_second if one else 0.0
     header = (
         "engine",
         "F",
@@ -154,7 +175,9 @@ def table(rows: list[Row]) -> str:
         "occupancy",
         "decode tok/s",
         "vs F=1",
-        "ms/call",
+        "full-batch tok/s",
+        "vs F=1",
+        "ms/step",
         "vision B/prefill chunk",
         "vision B/decode step",
     )
@@ -168,6 +191,8 @@ def table(rows: list[Row]) -> str:
                 f"{r.occupancy:.2f}",
                 f"{r.tokens_per_second:.0f}",
                 f"{r.tokens_per_second / base:.2f}x" if base else "-",
+                f"{r.full_tokens_per_second:.0f}",
+                f"{r.full_tokens_per_second / full_base:.2f}x" if full_base else "-",
                 f"{r.ms_per_call:.2f}",
                 f"{r.prefill_bytes_per_chunk:,.0f}",
                 f"{r.decode_bytes_per_step:,.0f}",
@@ -183,8 +208,12 @@ def verdict(rows: list[Row]) -> str:
     if 1 not in batched or 8 not in batched:
         return "target not evaluated (needs batched F = 1 and 8)"
     ratio = batched[8].tokens_per_second / batched[1].tokens_per_second
+    full = batched[8].full_tokens_per_second / batched[1].full_tokens_per_second
     met = "met" if ratio >= TARGET else "NOT met"
-    return f"target F=8 >= {TARGET:.0f}x F=1 decode tokens/s: {ratio:.2f}x, {met}"
+    return (
+        f"target F=8 >= {TARGET:.0f}x F=1 decode tokens/s (all decode steps): {ratio:.2f}x, {met} "
+        f"(full-batch steps only: {full:.2f}x)"
+    )
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -237,20 +266,22 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     batched_export, single_export = ensure_exports(work, args.export)
-    rows = [
-        measure(batched_export, f, args.new_tokens, args.repeats, args.threads, "batched")
-        for f in args.full_batch_sizes
+    setups = [
+        Setup(batched_export, f, args.new_tokens, args.threads, "batched") for f in args.full_batch_sizes
     ]
     if single_export is not None:
         largest = max(args.full_batch_sizes)
-        rows.append(
-            measure(single_export, largest, args.new_tokens, args.repeats, args.threads, "sequential")
-        )
+        setups.append(Setup(single_export, largest, args.new_tokens, args.threads, "sequential"))
+    for _ in range(args.repeats):  # in turns, so load on the shared machine hits every setup alike
+        for setup in setups:
+            setup.run()
+    rows = [setup.row() for setup in setups]
     print(
         f"Batched decode, tiny random Qwen2.5-VL ({args.new_tokens} new tokens per request, one 224x224 "
         f"image each, all arriving at step 0; S = V = {SEQ_LEN}, ctx_len {CTX_LEN}, CCLs {list(CCLS)}; "
         "onnxruntime CPU, "
-        f"{args.threads or 'default'} thread(s); best of {args.repeats})"
+        f"{args.threads or 'default'} thread(s); best of {args.repeats}; decode steps only, prefill "
+        "steps and the first token not counted)"
     )
     print(table(rows))
     print(verdict(rows))

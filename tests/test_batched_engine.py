@@ -18,13 +18,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qeff_vision.contract.language_io import Role
+from qeff_vision.contract.language_io import KV_ROLES, Role
 from qeff_vision.export.exporter import load_adapter
 from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import TOKEN_MERGE
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.in_place import aliasable
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 from tests.family_runtime import LOGIT_TOLERANCE, NEW_TOKENS, FamilyRuntime
@@ -77,8 +78,12 @@ def run_five(runtime: FamilyRuntime, generator: Generator, full_batch_size: int 
 def test_five_staggered_requests_through_four_slots_match_transformers(family, hf_model, cb_exported):
     model, processor = hf_model(family)
     runtime = FamilyRuntime(family, cb_exported(family), model, processor)
-    requests, report = run_five(runtime, runtime.generator(SEQ_LENS, cache=EmbeddingCache(64 * 2**20)))
+    generator = runtime.generator(SEQ_LENS, cache=EmbeddingCache(64 * 2**20))
+    requests, report = run_five(runtime, generator)
     assert report.batched and report.full_batch_size == SLOTS
+    # Every cache (window rings included) was updated in place, not copied per call.
+    kv = {row.name for row in generator.io.rows(*KV_ROLES)}
+    assert aliasable(generator.language.path, generator.io.retained_outputs()) == kv
     check_against_transformers(runtime, requests, report)
     fifth = report.requests[4]
     before = [r for r in report.requests[:4] if r.slot == fifth.slot]
@@ -111,19 +116,19 @@ def test_decode_ccl_covers_the_furthest_position_across_the_batch(hf_model, cb_e
     shape = LanguageShape(buckets, max(SEQ_LENS), 512, prefill_ccls, decode_ccls)
     generator = Generator(runtime.checkpoint, runtime.vision, runtime.language, shape)
     calls = []
-    run = runtime.language.run
+    run = runtime.language.run_retained  # the engine's calls (the slot cache is updated in place)
 
-    def recording(feeds):
+    def recording(feeds, state, retained):
         positions = feeds[generator.io.name(Role.POSITIONS)][0]  # M-RoPE: the text row
         ccl = len(feeds[generator.io.name(Role.COMP_CTX_LENGTHS)])
         calls.append((positions.shape[0], int(positions.max()), ccl))
-        return run(feeds)
+        return run(feeds, state, retained)
 
-    runtime.language.run = recording
+    runtime.language.run_retained = recording
     try:
         requests, report = run_five(runtime, generator)
     finally:
-        del runtime.language.run
+        del runtime.language.run_retained
     check_against_transformers(runtime, requests, report)
     decode = [(furthest, ccl) for batch, furthest, ccl in calls if batch == SLOTS]
     assert decode and all(ccl == min(c for c in decode_ccls if c > furthest) for furthest, ccl in decode)

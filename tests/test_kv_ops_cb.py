@@ -66,9 +66,9 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         slots, heads, ctx, width = (int(rng.integers(1, n)) for n in (9, 4, 33, 6))
         rows = int(rng.integers(1, slots + 1))
         distinct = case % 3 != 0  # a call's rows name distinct slots; repeated slots are read too
-        batch_index = (
-            rng.permutation(slots)[:rows] if distinct else rng.integers(0, slots, rows)
-        ).reshape(rows, 1)
+        batch_index = (rng.permutation(slots)[:rows] if distinct else rng.integers(0, slots, rows)).reshape(
+            rows, 1
+        )
         length = int(rng.integers(1, ctx + 4))  # a CCL read, a ring read, or repeats
         if case % 4 == 0:  # what the decoder feeds: arange(read_len) on every row
             indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
@@ -94,5 +94,13 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
     assert list(function.output) == ["output"]
     assert not function.attribute
     assert {node.op_type for node in function.node} <= {
-        "Shape", "Constant", "Gather", "Concat", "Reshape", "Range", "Mul", "Unsqueeze", "Add"
+        "Shape",
+        "Constant",
+        "Gather",
+        "Concat",
+        "Reshape",
+        "Range",
+        "Mul",
+        "Unsqueeze",
+        "Add",
     }

@@ -94,7 +94,9 @@ class EngineReport:
         full_batch_size: Slots.
         steps: Engine steps that ran a call.
         decode_batches: Requests served by each decode call, in order.
-        decode_seconds: Wall time of the decode calls.
+        decode_seconds: Wall time of the decode steps: the host's work for the step (positions,
+            feeds, argmax per request) and the call(s); prefill chunks are not counted.
+        decode_step_seconds: Wall time of each decode step (``decode_batches`` gives its requests).
         prefill_calls: Prefill chunks run.
         vision_bytes: ``vision_embeds`` bytes sent by every call (prefill chunks and decode steps).
         encoder_calls: Vision-program calls over the run.
@@ -106,6 +108,7 @@ class EngineReport:
     steps: int = 0
     decode_batches: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
+    decode_step_seconds: list[float] = field(default_factory=list)
     prefill_calls: int = 0
     vision_bytes: int = 0
     encoder_calls: int = 0
@@ -113,7 +116,11 @@ class EngineReport:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens produced by decode calls per second of decode calls."""
+        """Tokens produced by decode steps per second of decode steps.
+
+        A request's first token comes from its last prefill chunk: neither it nor any prefill time
+        is counted.
+        """
         return sum(self.decode_batches) / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
@@ -172,6 +179,10 @@ class SequentialSlots:
 class BatchedSlots:
     """Slots of a continuous-batching program: one cache with ``full_batch_size`` rows, one decode call.
 
+    The cache is this object's alone, so calls update it in place where the backend can
+    (:meth:`~qeff_vision.runtime.session.CompiledProgram.run_retained`). A decode call's inputs
+    live in buffers made once and refilled per step.
+
     Args:
         generator: The host of the program (its language program has a ``batch_index`` input).
         full_batch_size: The program's ``full_batch_size``.
@@ -183,11 +194,17 @@ class BatchedSlots:
         self.generator = generator
         self.full_batch_size = full_batch_size
         self.past = generator._empty_cache(full_batch_size)
+        self.vision_bytes = _vision_bytes(generator)
+        self._token_ids = np.zeros((full_batch_size, 1), np.int64)
+        self._positions: np.ndarray | None = None  # shaped by the first decode call's rows
+        self._extra: dict[Role, np.ndarray] = {}
+        self._extra_shapes: dict[Role, tuple[int, ...]] = {}
+        self._decode_feeds: dict[str, np.ndarray] = {}
 
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
         slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
-        return self.generator._step({**feeds, **slot_index}, self.past)
+        return self.generator._step({**feeds, **slot_index}, self.past, in_place=True)
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One call at batch ``full_batch_size`` for slot -> (last token, its position ids, extra).
@@ -199,29 +216,35 @@ class BatchedSlots:
         Returns:
             (last-position logits by running slot, vision bytes sent).
         """
-        generator, slots = self.generator, self.full_batch_size
         _, template, extra_template = next(iter(tokens.values()))
-        token_ids = np.zeros((slots, 1), np.int64)
-        positions = []
-        extra: dict[Role, list[np.ndarray]] = {role: [] for role in extra_template}
-        for slot in range(slots):
-            if slot in tokens:
-                token_ids[slot, 0] = tokens[slot][0]
-                positions.append(tokens[slot][1])
-            else:
-                positions.append(np.full_like(template, -1))
-            for role, rows in extra.items():
-                idle = np.full_like(extra_template[role], -1)
-                rows.append(tokens[slot][2][role] if slot in tokens else idle)
+        if self._positions is None or self._extra_shapes != _shapes(extra_template):
+            self._make_buffers(template, extra_template)
+        self._token_ids.fill(0)
+        self._positions.fill(-1)
+        for buffer in self._extra.values():
+            buffer.fill(-1)
+        for slot, (token, positions, extra) in tokens.items():
+            self._token_ids[slot, 0] = token
+            self._positions[..., slot : slot + 1, :] = positions
+            for role, row in extra.items():
+                self._extra[role][slot : slot + 1] = row
+        logits = self.generator._step(self._decode_feeds, self.past, in_place=True)[symbols.LOGITS]
+        return {slot: logits[slot, -1] for slot in tokens}, self.vision_bytes
+
+    def _make_buffers(self, positions: np.ndarray, extra: Mapping[Role, np.ndarray]) -> None:
+        """Decode inputs at batch ``full_batch_size`` shaped like one request's rows, and their feeds."""
+        slots = self.full_batch_size
         # Batch is the second-to-last axis of position_ids ([B, 1] or M-RoPE's [R, B, 1]).
-        feeds = generator.decode_step_feeds(
-            token_ids,
-            np.ascontiguousarray(np.concatenate(positions, axis=-2)),
-            {role: np.concatenate(rows, axis=0) for role, rows in extra.items()},
-        )
-        feeds.update(generator.io.feeds({Role.KV_SLOT: np.arange(slots, dtype=np.int64).reshape(slots, 1)}))
-        logits = generator._step(feeds, self.past)[symbols.LOGITS]
-        return {slot: logits[slot, -1] for slot in tokens}, _vision_bytes(generator)
+        self._positions = np.zeros((*positions.shape[:-2], slots, positions.shape[-1]), np.int64)
+        self._extra = {role: np.zeros((slots, *row.shape[1:]), row.dtype) for role, row in extra.items()}
+        self._extra_shapes = _shapes(extra)
+        self._decode_feeds = self.generator.decode_step_feeds(self._token_ids, self._positions, self._extra)
+        batch_index = np.arange(slots, dtype=np.int64).reshape(slots, 1)
+        self._decode_feeds.update(self.generator.io.feeds({Role.KV_SLOT: batch_index}))
+
+
+def _shapes(arrays: Mapping[Role, np.ndarray]) -> dict[Role, tuple[int, ...]]:
+    return {role: array.shape for role, array in arrays.items()}
 
 
 def _vision_bytes(generator: Generator) -> int:
@@ -251,6 +274,8 @@ class _Sequence:
         self.records: list[ChunkRecord] = []
         self.encoder_calls = self.cache_hits = self.images_encoded = 0
         self.decode_batches: list[int] = []
+        self.decode_base: np.ndarray | None = None
+        self.affine = False
 
     def admit(self, generator: Generator, slot: int, step: int) -> None:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
@@ -258,6 +283,16 @@ class _Sequence:
         self.chunks = generator.request_chunks(
             self.plan, self.request.processed, self.input_ids, self.positions, self.encode_timer
         )
+
+    def next_positions(self, host) -> np.ndarray:
+        """Position ids of the token fed next (the last one generated)."""
+        step = len(self.tokens) - 1
+        if self.decode_base is None:
+            self.decode_base = host.decode_positions(self.positions, 0)
+            # Hosts advance every position row by one per generated token; checked once, so a host
+            # that does not is asked every step.
+            self.affine = np.array_equal(host.decode_positions(self.positions, 1), self.decode_base + 1)
+        return self.decode_base + step if self.affine else host.decode_positions(self.positions, step)
 
     def emit(self, token: int, logits: np.ndarray | None, eos: set[int]) -> bool:
         """Record a generated token; True when the request is complete."""
@@ -405,18 +440,13 @@ class BatchedEngine:
         self, running: list[_Sequence], step: StepPlan, report: EngineReport, keep_logits: bool
     ) -> list[int]:
         """One token for every running request; the numbers of those now complete."""
+        started = time.perf_counter()
         host = self.generator.host
         tokens = {
-            sequence.slot: (
-                sequence.tokens[-1],
-                host.decode_positions(sequence.positions, len(sequence.tokens) - 1),
-                sequence.decode_extra,
-            )
+            sequence.slot: (sequence.tokens[-1], sequence.next_positions(host), sequence.decode_extra)
             for sequence in running
         }
-        started = time.perf_counter()
         logits, sent = self.slots.decode(tokens)
-        report.decode_seconds += time.perf_counter() - started
         report.decode_batches.append(len(running))
         report.vision_bytes += sent
         finished = []
@@ -425,6 +455,9 @@ class BatchedEngine:
             row = logits[sequence.slot]
             if sequence.emit(int(row.argmax()), row if keep_logits else None, self.generator.eos_token_ids):
                 finished.append(sequence.number)
+        elapsed = time.perf_counter() - started
+        report.decode_seconds += elapsed
+        report.decode_step_seconds.append(elapsed)
         return finished
 
     def _result(self, sequence: _Sequence, step: int) -> RequestResult:

@@ -228,6 +228,7 @@ class Generator:
         self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
+        self._ccl_feeds: dict[int, np.ndarray] = {}
         #: Patch-bucket mode: the vision specializations (symbol values), smallest bucket first;
         #: the encoder packs images into them. None: one program per resolution.
         self.patch_buckets = (
@@ -346,7 +347,14 @@ class Generator:
             window = np.concatenate([window, padding], axis=-1)
         return np.ascontiguousarray(window, dtype=np.int64)
 
-    def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _step(
+        self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
+    ) -> dict[str, np.ndarray]:
+        """One language call; ``past`` then holds the retained caches.
+
+        ``in_place``: the backend may write the new caches into ``past``'s own arrays (the batched
+        engine's slot cache, which nothing else holds); otherwise ``past``'s entries are replaced.
+        """
         positions = feeds[self.io.name(Role.POSITIONS)]
         text_positions = positions if self.position_rows is None else positions[0]
         decode = feeds[self.io.name(Role.TOKEN_IDS)].shape[1] == 1
@@ -354,14 +362,18 @@ class Generator:
         if ccl is not None:
             # Attention reads the first `ccl` slots: every position written so far (QEfficient feeds
             # a zero vector of that length; only its shape matters).
-            feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): np.zeros(ccl, np.int64)}
+            if ccl not in self._ccl_feeds:  # one array per length, so a bound input stays bound
+                self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
+            feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             self.ccl_history.append(ccl)
         if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
             # A continuous-batching program driven for one sequence: it lives in KV slot 0.
             batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
             feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
-        outputs = self.language.run({**feeds, **past})
         retained = self.io.retained_outputs()
+        if in_place and past:
+            return self.language.run_retained(feeds, past, retained)
+        outputs = self.language.run({**feeds, **past})
         for name in past:
             past[name] = outputs[retained[name]]
         return outputs

@@ -45,6 +45,7 @@ class CompiledProgram:
     def __init__(self) -> None:
         self.calls = 0
         self.seconds = 0.0
+        self._shape_memo: dict[tuple, dict[str, int]] = {}  # input shapes -> checked symbol values
 
     def _expected_inputs(self, feeds: Mapping[str, np.ndarray]) -> dict[str, list]:
         return self.input_dims
@@ -90,14 +91,38 @@ class CompiledProgram:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run once; outputs by name. Raises :class:`ShapeMismatch` for uncompiled shapes."""
-        bound = self.bind_symbols(feeds)
-        # Symbols only outputs carry (the vision program's vision_size) come from the specialization.
-        bound = {**self.check_specialization(bound), **bound}
+        bound = self._checked(feeds)
         start = time.perf_counter()
         outputs = self._execute(feeds, bound)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return outputs
+
+    def run_retained(
+        self, feeds: Mapping[str, np.ndarray], state: dict[str, np.ndarray], retained: Mapping[str, str]
+    ) -> dict[str, np.ndarray]:
+        """Run once; ``state`` (input -> array) then holds each input's ``retained[input]`` output.
+
+        Here every state entry is replaced by its output array; a backend may update the arrays in
+        place instead (:class:`OnnxProgram`), so a caller must not keep a state array expecting it
+        to stay unchanged.
+        """
+        outputs = self.run({**feeds, **state})
+        for name in state:
+            state[name] = outputs[retained[name]]
+        return outputs
+
+    def _checked(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """Symbol values of ``feeds`` merged with their specialization, memoized per input shapes."""
+        key = tuple((name, value.shape) for name, value in feeds.items())
+        memo = self._shape_memo
+        if key not in memo:
+            bound = self.bind_symbols(feeds)
+            # Symbols only outputs carry (the vision program's vision_size) come from the specialization.
+            if len(memo) > 512:  # shapes without specializations are unbounded
+                memo.clear()
+            memo[key] = {**self.check_specialization(bound), **bound}
+        return memo[key]
 
     def _execute(self, feeds: Mapping[str, np.ndarray], bound: Mapping[str, int]) -> dict[str, np.ndarray]:
         raise NotImplementedError
@@ -154,6 +179,35 @@ class OnnxProgram(CompiledProgram):
         self.input_dims = {i.name: list(i.shape) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.specializations = _as_int_specializations(specializations)
+        self._aliasable: dict[tuple, set[str]] = {}  # retained pairs -> inputs written in place
+        self._runner = None  # the IO binding of run_retained, made on first use
+
+    def run_retained(
+        self, feeds: Mapping[str, np.ndarray], state: dict[str, np.ndarray], retained: Mapping[str, str]
+    ) -> dict[str, np.ndarray]:
+        """As :meth:`CompiledProgram.run_retained`, writing in place where the graph allows it.
+
+        Outputs whose graph finishes reading the input before scattering into it
+        (:func:`~qeff_vision.runtime.in_place.aliasable`) are bound to the input's own buffer
+        through IO binding: no copy of the cache per call. Device-precision sessions copy.
+        """
+        if self.fp32_values is not None:
+            return super().run_retained(feeds, state, retained)
+        from qeff_vision.runtime import in_place
+
+        key = tuple(sorted(retained.items()))
+        if key not in self._aliasable:
+            self._aliasable[key] = in_place.aliasable(self.path, retained)
+        self._checked({**feeds, **state})
+        if self._runner is None or self._runner.session is not self.session:
+            self._runner = in_place.BoundRunner(self.session, self.output_names)
+        start = time.perf_counter()
+        outputs = self._runner.run(feeds, state, retained, self._aliasable[key] & set(state))
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        for name in state:
+            state[name] = outputs[retained[name]]
+        return outputs
 
     def _execute(self, feeds, bound):
         outputs = dict(zip(self.output_names, self.session.run(self.output_names, dict(feeds))))
