@@ -334,8 +334,13 @@ class CrossAttentionGenerator(Generator):
         feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
         return self._step(feeds, past)
 
-    def _step(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _step(
+        self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
+    ) -> dict[str, np.ndarray]:
         """One language call; cross states among ``feeds`` are first written into the cache.
+
+        ``in_place`` is accepted for the engine's interface; this host always replaces ``past``'s
+        entries (it rewrites cross-state slots on the host between calls).
 
         With ``batch_index`` they go to that slot of the ``full_batch_size``-slot buffers (the
         engine's slots); a device-resident program gets them as inputs, which only a single-slot
