@@ -16,9 +16,10 @@ A random tower with the published block pattern (8 blocks, full attention at blo
 Each (form, resolution) runs in its own process (torch CPU, one thread) so its peak RSS is its
 own; times are the best of ``--reps`` runs after a warm-up (the machine may be shared). The
 table gives the whole tower's time, the mean time of one window block per patch (each window
-block timed alone on the image's hidden states, best of 10 windowed / 1 masked), the
-peak RSS, and the largest difference between the two forms' output rows. Each process keeps freed
-memory in its heap (``MALLOC_ENV``) so repeated runs do not pay fresh page faults. Targets (issue 14):
+block exported alone and timed in onnxruntime, one thread, on the image's hidden states, best of
+10 windowed / 1 masked), the peak RSS, and the largest difference between the two forms' output
+rows. Each process keeps freed memory in its heap (``MALLOC_ENV``) so repeated runs do not pay
+fresh page faults. Targets (issue 14):
 outputs equal within 1e-4, window-block time per patch flat within 1.5x across resolutions in the
 windowed form, whole tower at 1080p at least 3x faster.
 """
@@ -107,34 +108,67 @@ def _one(form: str, height: int, width: int, reps: int, out: Path) -> dict:
 def _window_block_seconds(encoder, pixels, grid, form: str, reps: int) -> float:
     """Seconds of one window block (norm, attention, MLP) on this image: best of ``reps``, mean over blocks.
 
-    Timed in isolation on real hidden states with the per-forward tables (rotary, window layout or
-    mask) already built, as the tower shares them across blocks: a shared machine makes the
-    per-block times inside one long tower run (dominated by the two full blocks) too noisy.
+    Each window block is exported alone (this image's shapes, the per-forward tables as inputs,
+    since the tower builds them once for all blocks) and timed in onnxruntime, one thread, on real
+    hidden states: the backend that runs the programs here, with a per-node cost far below eager
+    torch's per-op dispatch, which would otherwise dominate the smallest image's per-patch figure.
+    Timing the block alone also keeps the two full blocks' noise out of it on a shared machine.
     """
+    import io
+
+    import onnxruntime as ort
+    import torch
+
     from qeff_vision.families.qwen2_5_vl.export import _segment_mask
 
     visual = encoder.visual
     image, row, col, window, slot, windows = encoder._grid_indices(grid)
     hidden = visual.patch_embed(pixels)
     cos, sin = encoder._rotary(hidden, row, col)
-    layout = encoder._window_layout(slot, windows, cos, sin, hidden.dtype)
-    mask = _segment_mask(window, hidden.dtype) if form == "masked" else None
+    if form == "windowed":
+        tables = encoder._window_layout(slot, windows, cos, sin, hidden.dtype)
+    else:
+        tables = (cos, sin, _segment_mask(window, hidden.dtype))
+    names = ["hidden"] + [f"table{i}" for i in range(len(tables))]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
     best = []
     for index, block in enumerate(visual.blocks):
         if index in FULL_BLOCKS:
             continue
+        graph = io.BytesIO()
+        module = _window_block_module(encoder, block, form)
+        torch.onnx.export(module, (hidden, *tables), graph, input_names=names, dynamo=False)
+        session = ort.InferenceSession(graph.getvalue(), options, providers=["CPUExecutionProvider"])
+        feeds = {name: value.numpy() for name, value in zip(names, (hidden, *tables))}
+        session.run(None, feeds)  # warm-up: onnxruntime's arena takes its buffers here
         times = []
         for _ in range(reps):
             start = time.perf_counter()
-            normed = block.norm1(hidden)
-            if form == "windowed":
-                attended = hidden + encoder._window_attention(block.attn, normed, *layout)
-            else:
-                attended = hidden + encoder._attention(block.attn, normed, cos, sin, mask)
-            attended + block.mlp(block.norm2(attended))
+            session.run(None, feeds)
             times.append(time.perf_counter() - start)
         best.append(min(times))
     return float(np.mean(best))
+
+
+def _window_block_module(encoder, block, form: str):
+    """One window block of ``encoder`` in ``form`` as a module of (hidden, *per-forward tables)."""
+    import torch  # torch loads only in the per-point child processes
+
+    class WindowBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block  # registered, so its weights export as initializers
+
+        def forward(self, hidden, *tables):
+            normed = self.block.norm1(hidden)
+            if form == "windowed":
+                attended = hidden + encoder._window_attention(self.block.attn, normed, *tables)
+            else:
+                attended = hidden + encoder._attention(self.block.attn, normed, *tables)
+            return attended + self.block.mlp(self.block.norm2(attended))
+
+    return WindowBlock().eval()
 
 
 # glibc hands every allocation above its mmap threshold (128 KiB at first) fresh pages, so each
