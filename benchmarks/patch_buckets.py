@@ -209,10 +209,7 @@ def run_buckets(session, family, model, reps: int) -> ModeResult:
             sizes.append(grid_h * grid_w)
             result.distorted += _aspect_change(own, (height, width)) > DISTORTION
 
-        def pack(chosen, bucket):
-            return host.pack_vision_inputs(chosen, bucket)
-
-        for call in plan_packed_calls(items, sizes, buckets, pack):
+        for call in plan_packed_calls(items, sizes, buckets, host.patch_layout, host.pack_vision_inputs):
             patches = call.bucket["grid_height"]
             result.calls += 1
             result.computed += patches

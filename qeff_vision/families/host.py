@@ -84,13 +84,22 @@ class Host:
 
     # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
 
+    def patch_layout(self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]) -> Any:
+        """Where ``items`` (from :meth:`vision_inputs`) sit in one call of ``bucket``, or None.
+
+        None when the images do not fit the bucket (its symbol values). The cheap part of
+        :meth:`pack_vision_inputs` (no pixels are copied), so a packer can try many combinations.
+        """
+        raise NotImplementedError
+
     def pack_vision_inputs(
-        self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]
+        self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int], layout: Any = None
     ) -> dict[str, np.ndarray] | None:
         """Feeds of one patch-bucket call encoding ``items`` (from :meth:`vision_inputs`), or None.
 
         None when the images do not fit the bucket (its symbol values). The output's rows are the
-        images' rows one after another, then padding rows.
+        images' rows one after another, then padding rows. ``layout``: :meth:`patch_layout` of
+        these items and bucket when already known.
         """
         raise NotImplementedError
 

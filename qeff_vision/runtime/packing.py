@@ -15,8 +15,10 @@ from typing import Any
 
 from qeff_vision.errors import UserError
 
-Pack = Callable[[list[Any], Mapping[str, int]], "dict | None"]
-"""Feeds of one call encoding these images in this bucket, or None when they do not fit."""
+Layout = Callable[[list[Any], Mapping[str, int]], Any]
+"""Where these images sit in one call of this bucket, or None when they do not fit (cheap)."""
+Pack = Callable[[list[Any], Mapping[str, int], Any], dict]
+"""Feeds of one call encoding these images in this bucket, given their layout."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +31,21 @@ class PackedCall:
 
 
 def plan_packed_calls(
-    items: Sequence[Any], sizes: Sequence[int], buckets: Sequence[Mapping[str, int]], pack: Pack
+    items: Sequence[Any],
+    sizes: Sequence[int],
+    buckets: Sequence[Mapping[str, int]],
+    layout: Layout,
+    pack: Pack,
 ) -> list[PackedCall]:
     """Encoder calls for ``items`` (indices into it, in each call's row order).
+
+    Combinations are tried with ``layout`` alone; each call's feeds are built once.
 
     Args:
         items: Per-image vision inputs.
         sizes: Each item's patch count (larger ones are placed first).
         buckets: Compiled buckets, smallest first.
+        layout: Places images in a bucket (see :data:`Layout`).
         pack: Builds a call's feeds (see :data:`Pack`).
 
     Raises:
@@ -47,13 +56,13 @@ def plan_packed_calls(
     while pending:
         taken: list[int] = []
         for index in pending:
-            if pack([items[i] for i in [*taken, index]], buckets[-1]) is not None:
+            if layout([items[i] for i in [*taken, index]], buckets[-1]) is not None:
                 taken.append(index)
         if not taken:
             raise UserError(f"an image of {sizes[pending[0]]} patches fits no compiled patch bucket")
         chosen = [items[i] for i in taken]
-        bucket, feeds = next((b, f) for b in buckets for f in [pack(chosen, b)] if f is not None)
-        calls.append(PackedCall(bucket, tuple(taken), feeds))
+        bucket, placed = next((b, p) for b in buckets for p in [layout(chosen, b)] if p is not None)
+        calls.append(PackedCall(bucket, tuple(taken), pack(chosen, bucket, placed)))
         pending = [index for index in pending if index not in taken]
     return calls
 
@@ -72,15 +81,12 @@ def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[fl
     host = generator.host
     buckets = generator.patch_buckets or []
 
-    def pack(items: list[dict], bucket: Mapping[str, int]):
-        return host.pack_vision_inputs(items, bucket)
-
     def encode(batch):
         start = time.perf_counter()
         items = [inputs_by_key[image.key] for image in batch]
         sizes = [host.item_patches(item) for item in items]
         rows: list = [None] * len(batch)
-        for call in plan_packed_calls(items, sizes, buckets, pack):
+        for call in plan_packed_calls(items, sizes, buckets, host.patch_layout, host.pack_vision_inputs):
             output = generator.vision.run(call.feeds)
             offset = 0
             others = f", packed with {len(call.images) - 1} other image(s)" if len(call.images) > 1 else ""

@@ -168,23 +168,27 @@ class Host(BaseHost):
 
     # ---- patch buckets (the patch-bucket vision program, see patches.py) ----
 
-    def pack_vision_inputs(self, items, bucket):
-        """Pixel rows one image after another, zero-padded to the bucket; ids from the grids."""
-        vision = self.config["vision_config"]
-        window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
-        geometry = patches.Geometry(vision["spatial_merge_size"], window)
+    def patch_layout(self, items, bucket):
+        """(patch_ids, window_layout) of the images packed into the bucket, or None (see patches.py)."""
         if any(item[IMAGE_GRID_THW].shape[1] != 1 for item in items):
             # Packing ids carry (row, col, image, window) per patch, not time: clips keep their
             # per-(resolution, frames) programs (vision.videos), which spec validation requires.
             raise UserError("a video clip needs a per-resolution vision program; patch buckets encode images")
+        vision = self.config["vision_config"]
+        window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
+        geometry = patches.Geometry(vision["spatial_merge_size"], window)
         grids = [tuple(item[IMAGE_GRID_THW].shape[2:]) for item in items]
-        packed = patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
-        if packed is None:
+        return patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
+
+    def pack_vision_inputs(self, items, bucket, layout=None):
+        """Pixel rows one image after another, zero-padded to the bucket; ids from the grids."""
+        layout = self.patch_layout(items, bucket) if layout is None else layout
+        if layout is None:
             return None
         rows = [item[symbols.PIXEL_VALUES] for item in items]
         pixels = np.zeros((bucket[GRID_HEIGHT], rows[0].shape[1]), dtype=rows[0].dtype)
         pixels[: sum(len(r) for r in rows)] = np.concatenate(rows, axis=0)
-        return {symbols.PIXEL_VALUES: pixels, PATCH_IDS: packed[0], WINDOW_LAYOUT: packed[1]}
+        return {symbols.PIXEL_VALUES: pixels, PATCH_IDS: layout[0], WINDOW_LAYOUT: layout[1]}
 
     def item_patches(self, item) -> int:
         """Pixel rows of the image (one per patch)."""
