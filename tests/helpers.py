@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,3 +56,13 @@ def host(model, family: str):
 def as_numpy(inputs) -> dict:
     """Processor outputs as numpy arrays."""
     return {name: value.numpy() for name, value in inputs.items()}
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

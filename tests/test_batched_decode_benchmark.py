@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "batched_decode.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("batched_decode", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests import helpers
 
 
 def test_benchmark_prints_the_table_verdict_and_plot(cb_exported, tmp_path, capsys):
-    benchmark = load_benchmark()
+    benchmark = helpers.load_benchmark("batched_decode")
     plot = tmp_path / "plot.png"
     argv = ["--export", str(cb_exported("qwen2_5_vl")), "--work", str(tmp_path), "--plot", str(plot)]
     code = benchmark.main([*argv, "--full-batch-sizes", "1", "2", "--new-tokens", "4", "--repeats", "1"])

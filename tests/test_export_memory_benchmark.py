@@ -7,24 +7,15 @@ parameters, ~15 GB of disk, tens of minutes on two cores) is ``slow``: it checks
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests import helpers
 
 STAGES = {"load", "patch", "trace_vision", "trace_language", "write_vision", "write_lang", "check"}
 
 
-def _benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "export_memory.py"
-    spec = importlib.util.spec_from_file_location("export_memory", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tiny_float16_export_reports_stages_and_parity(tmp_path):
-    benchmark = _benchmark()
+    benchmark = helpers.load_benchmark("export_memory")
     writer, rows = benchmark.measure("tiny", ["float16"], tmp_path)
     (row,) = rows
     assert row["weight_bytes"] == 2 * writer["weight_params"] > 0
@@ -35,7 +26,9 @@ def test_tiny_float16_export_reports_stages_and_parity(tmp_path):
 
 @pytest.mark.slow
 def test_full_qwen2_5_vl_3b_exports_within_1_3x_of_its_weights(tmp_path):
-    writer, rows = _benchmark().measure("qwen2_5_vl-3b-full", ["float32", "float16"], tmp_path)
+    writer, rows = helpers.load_benchmark("export_memory").measure(
+        "qwen2_5_vl-3b-full", ["float32", "float16"], tmp_path
+    )
     assert writer["weight_params"] > 3.7e9
     for row in rows:
         assert row["peak_rss"] <= 1.3 * row["weight_bytes"], row

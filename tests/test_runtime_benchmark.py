@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "chunked_vision.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("chunked_vision", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests import helpers
 
 
 def test_benchmark_runs_a_tiny_configuration(exported, tmp_path, capsys):
-    benchmark = load_benchmark()
+    benchmark = helpers.load_benchmark("chunked_vision")
     plot = tmp_path / "plot.png"
     code = benchmark.main(
         [

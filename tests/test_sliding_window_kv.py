@@ -7,9 +7,6 @@ tokens, so the ring wraps many times in prefill and in decode.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -108,10 +105,7 @@ def test_ring_buffer_generation_matches_transformers(window16, name, seq_len):
 
 def test_gemma_3_4b_kv_table_ours_no_larger_than_qefficient():
     """benchmarks/kv_memory.py's layouts for the pinned gemma-3-4b-it config (29 window layers of 34)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_memory.py"
-    spec = importlib.util.spec_from_file_location("kv_memory", path)
-    kv_memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kv_memory)
+    kv_memory = helpers.load_benchmark("kv_memory")
     DEFAULT_CONFIG, layouts = kv_memory.DEFAULT_CONFIG, kv_memory.layouts  # noqa: N806
     family, description = get_family("gemma3"), describe_checkpoint(DEFAULT_CONFIG.parent, DEFAULT_CONFIG)
     for ctx_len in (4096, 8192, 32768):
