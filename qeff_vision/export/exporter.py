@@ -29,6 +29,7 @@ from qeff_vision import __version__, symbols
 from qeff_vision.contract.language_io import DType, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.attention import use_grouped_attention
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.weights import (
@@ -354,6 +355,7 @@ def export_model(
 
         start = time.perf_counter()
         say("export language")
+        use_grouped_attention(parts.text_model)  # after the vision trace: text layers only
         example = language_example(io, example_values(family, description), parts.image_token_id)
         example = _cast(example, torch_dtype)
         in_axes, out_axes = io.input_axes(), io.output_axes()
