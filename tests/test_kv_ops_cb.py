@@ -1,10 +1,12 @@
 """The onnxruntime body of ``CtxGatherCB`` reads exactly what the continuous-batching cache read means.
 
-The compiler maps the function by name; onnxruntime runs its body. The body is a Gather over the
-cache viewed as rows (fast on onnxruntime); it must give the same tensor as the former GatherND
-body and as numpy's ``cache[batch_index[b], h, indices[b, k]]`` for every in-range input: any
+The compiler maps the function by name; onnxruntime runs its body. The body branches (fast on
+onnxruntime): a leading run 0..K-1 on every row is a Slice then a slot Gather, anything else one
+Gather over the cache viewed as rows. It must give the same tensor as the former GatherND body and
+as numpy's ``cache[batch_index[b], h, indices[b, k]]`` for every in-range input: any
 ``full_batch_size``, slots in any order (or repeated), indices repeated, out of order, or the last
-position (where padding rows write), read lengths shorter or longer than the cache.
+position (where padding rows write), read lengths shorter or longer than the cache, and a leading
+run on some rows only.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def _reference(cache: np.ndarray, batch_index: np.ndarray, indices: np.ndarray) 
 def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
     fast, former = _gather_cb_session(), _gather_nd_session()
     rng = np.random.default_rng(0)
+    leading_runs = 0
     for case in range(300):
         slots, heads, ctx, width = (int(rng.integers(1, n)) for n in (9, 4, 33, 6))
         rows = int(rng.integers(1, slots + 1))
@@ -72,6 +75,10 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         length = int(rng.integers(1, ctx + 4))  # a CCL read, a ring read, or repeats
         if case % 4 == 0:  # what the decoder feeds: arange(read_len) on every row
             indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
+            leading_runs += length <= ctx
+        elif case % 4 == 1 and length <= ctx:  # a leading run on every row but the last
+            indices = np.broadcast_to(np.arange(length), (rows, length)).copy()
+            indices[-1] = rng.integers(0, ctx, length)
         else:  # anything in range, the last position (padding writes) included
             indices = rng.integers(0, ctx, (rows, length))
             indices[:, -1] = ctx - 1
@@ -85,6 +92,7 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         assert got.shape == expected.shape == (rows, heads, length, width)
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(got, former.run(None, feeds)[0])
+    assert leading_runs > 40  # both branches of the body ran
 
 
 def test_gather_cb_function_keeps_its_name_domain_and_signature():
@@ -93,7 +101,10 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
     assert list(function.input) == ["cache", "batch_index", "indices"]
     assert list(function.output) == ["output"]
     assert not function.attribute
-    assert {node.op_type for node in function.node} <= {
+    branches = [a.g for node in function.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
+    assert len(branches) == 2
+    ops = {node.op_type for node in function.node} | {n.op_type for g in branches for n in g.node}
+    assert ops <= {
         "Shape",
         "Constant",
         "Gather",
@@ -102,5 +113,13 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
         "Range",
         "Mul",
         "Unsqueeze",
+        "Squeeze",
         "Add",
+        "Slice",
+        "Equal",
+        "Cast",
+        "ReduceMin",
+        "LessOrEqual",
+        "And",
+        "If",
     }

@@ -245,35 +245,33 @@ def _scatter_cb_function(opset: int) -> onnx.FunctionProto:
 
 
 def _gather_cb_function(opset: int) -> onnx.FunctionProto:
-    # output[b, h, k] = cache[batch_index[b], h, indices[b, k]], read as one Gather over the cache
-    # viewed as [F * H * C, D] rows at row (batch_index[b] * H + h) * C + indices[b, k]. Same result
-    # as GatherND with (slot, head, position) triples for in-range indices (the only ones our graphs
-    # feed); onnxruntime's GatherND resolves each D-wide slice through a per-triple offset loop and
-    # was the largest per-row cost of a batched decode call (benchmarks/batched_decode.py).
+    # output[b, h, k] = cache[batch_index[b], h, indices[b, k]]. Every full-context read our
+    # decoder emits is the leading run 0..K-1 on every row (K = ctx_len or the compute-context
+    # length), so the body branches: such a read is a Slice of the first K positions then a Gather
+    # of the rows' slots, two contiguous block copies; anything else takes the general path.
+    # Both give the tensor GatherND over (slot, head, position) triples gives (tests/test_kv_ops_cb.py).
     nodes = [
-        helper.make_node("Shape", ["cache"], ["cache_shape"]),
         _const("zero", [0], []),
         _const("one", [1], []),
         _const("two", [2], []),
-        _const("last", [3]),
-        _const("minus_one", [-1]),
-        _const("ax1", [1]),
-        _const("ax2", [2]),
-        _const("ax_02", [0, 2]),
-        helper.make_node("Gather", ["cache_shape", "one"], ["num_heads"], axis=0),
+        helper.make_node("Shape", ["cache"], ["cache_shape"]),
+        helper.make_node("Shape", ["indices"], ["index_shape"]),
+        helper.make_node("Gather", ["index_shape", "one"], ["length"], axis=0),
         helper.make_node("Gather", ["cache_shape", "two"], ["ctx"], axis=0),
-        helper.make_node("Gather", ["cache_shape", "last"], ["width"], axis=0),
-        helper.make_node("Concat", ["minus_one", "width"], ["rows_shape"], axis=0),
-        helper.make_node("Reshape", ["cache", "rows_shape"], ["rows"]),
-        helper.make_node("Range", ["zero", "num_heads", "one"], ["head_range"]),
-        helper.make_node("Mul", ["batch_index", "num_heads"], ["slot_heads"]),  # [B, 1]
-        helper.make_node("Unsqueeze", ["slot_heads", "ax2"], ["slot_col"]),  # [B, 1, 1]
-        helper.make_node("Unsqueeze", ["head_range", "ax_02"], ["head_col"]),  # [1, H, 1]
-        helper.make_node("Add", ["slot_col", "head_col"], ["slot_head"]),  # [B, H, 1]
-        helper.make_node("Mul", ["slot_head", "ctx"], ["row_base"]),
-        helper.make_node("Unsqueeze", ["indices", "ax1"], ["index_col"]),  # [B, 1, K]
-        helper.make_node("Add", ["row_base", "index_col"], ["row_index"]),  # [B, H, K]
-        helper.make_node("Gather", ["rows", "row_index"], ["output"], axis=0),
+        helper.make_node("Range", ["zero", "length", "one"], ["leading"]),
+        helper.make_node("Equal", ["indices", "leading"], ["in_order"]),
+        helper.make_node("Cast", ["in_order"], ["in_order_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceMin", ["in_order_int"], ["all_in_order"], keepdims=0),
+        helper.make_node("Cast", ["all_in_order"], ["all_in_order_bool"], to=TensorProto.BOOL),
+        helper.make_node("LessOrEqual", ["length", "ctx"], ["fits"]),
+        helper.make_node("And", ["all_in_order_bool", "fits"], ["is_leading_run"]),
+        helper.make_node(
+            "If",
+            ["is_leading_run"],
+            ["output"],
+            then_branch=_branch("leading_run", _leading_read_nodes(), "lead_out"),
+            else_branch=_branch("any_positions", _row_gather_nodes(), "rows_out"),
+        ),
     ]
     return helper.make_function(
         DOMAIN,
@@ -283,6 +281,56 @@ def _gather_cb_function(opset: int) -> onnx.FunctionProto:
         nodes,
         [helper.make_opsetid("", opset)],
     )
+
+
+def _branch(name: str, nodes: list, output: str) -> onnx.GraphProto:
+    """An If branch reading the function's values from the enclosing scope.
+
+    Its output is untyped: the cache's float type, whichever the export dtype is.
+    """
+    return helper.make_graph(nodes, name, [], [helper.make_value_info(output, onnx.TypeProto())])
+
+
+def _leading_read_nodes() -> list:
+    """Positions 0..length-1 of every slot (Slice), then the rows' slots (Gather on dim 0)."""
+    return [
+        _const("lead_start", [0]),
+        _const("lead_axis", [2]),
+        _const("lead_slot_axis", [1]),
+        helper.make_node("Unsqueeze", ["length", "lead_start"], ["lead_end"]),
+        helper.make_node("Slice", ["cache", "lead_start", "lead_end", "lead_axis"], ["lead_positions"]),
+        helper.make_node("Squeeze", ["batch_index", "lead_slot_axis"], ["lead_slots"]),
+        helper.make_node("Gather", ["lead_positions", "lead_slots"], ["lead_out"], axis=0),
+    ]
+
+
+def _row_gather_nodes() -> list:
+    """Any in-range positions: one Gather over the cache viewed as [F * H * C, D] rows.
+
+    Row ``(batch_index[b] * H + h) * C + indices[b, k]``; onnxruntime's GatherND resolves each
+    D-wide slice through a per-triple offset loop, several times slower.
+    """
+    return [
+        _const("rows_heads_at", [1], []),
+        _const("rows_width_at", [3]),
+        _const("rows_minus_one", [-1]),
+        _const("rows_ax1", [1]),
+        _const("rows_ax2", [2]),
+        _const("rows_ax_02", [0, 2]),
+        helper.make_node("Gather", ["cache_shape", "rows_heads_at"], ["num_heads"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "rows_width_at"], ["width"], axis=0),
+        helper.make_node("Concat", ["rows_minus_one", "width"], ["rows_shape"], axis=0),
+        helper.make_node("Reshape", ["cache", "rows_shape"], ["rows"]),
+        helper.make_node("Range", ["zero", "num_heads", "one"], ["head_range"]),
+        helper.make_node("Mul", ["batch_index", "num_heads"], ["slot_heads"]),  # [B, 1]
+        helper.make_node("Unsqueeze", ["slot_heads", "rows_ax2"], ["slot_col"]),  # [B, 1, 1]
+        helper.make_node("Unsqueeze", ["head_range", "rows_ax_02"], ["head_col"]),  # [1, H, 1]
+        helper.make_node("Add", ["slot_col", "head_col"], ["slot_head"]),  # [B, H, 1]
+        helper.make_node("Mul", ["slot_head", "ctx"], ["row_base"]),
+        helper.make_node("Unsqueeze", ["indices", "rows_ax1"], ["index_col"]),  # [B, 1, K]
+        helper.make_node("Add", ["row_base", "index_col"], ["row_index"]),  # [B, H, K]
+        helper.make_node("Gather", ["rows", "row_index"], ["rows_out"], axis=0),
+    ]
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
