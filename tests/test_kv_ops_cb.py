@@ -64,7 +64,7 @@ def _reference(cache: np.ndarray, batch_index: np.ndarray, indices: np.ndarray) 
 def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
     fast, former = _gather_cb_session(), _gather_nd_session()
     rng = np.random.default_rng(0)
-    leading_runs = 0
+    leading_runs = in_order = 0
     for case in range(300):
         slots, heads, ctx, width = (int(rng.integers(1, n)) for n in (9, 4, 33, 6))
         rows = int(rng.integers(1, slots + 1))
@@ -76,6 +76,13 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         if case % 4 == 0:  # what the decoder feeds: arange(read_len) on every row
             indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
             leading_runs += length <= ctx
+            if case % 8 == 0:  # a decode call at full_batch_size: every slot, in order
+                rows, batch_index = slots, np.arange(slots).reshape(slots, 1)
+                indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
+                in_order += length <= ctx
+            elif case % 8 == 4:  # every slot, out of order
+                rows, batch_index = slots, np.arange(slots)[::-1].reshape(slots, 1)
+                indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
         elif case % 4 == 1 and length <= ctx:  # a leading run on every row but the last
             indices = np.broadcast_to(np.arange(length), (rows, length)).copy()
             indices[-1] = rng.integers(0, ctx, length)
@@ -92,7 +99,45 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         assert got.shape == expected.shape == (rows, heads, length, width)
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(got, former.run(None, feeds)[0])
-    assert leading_runs > 40  # both branches of the body ran
+    assert leading_runs > 40 and in_order > 20  # both branches ran, full decode calls among them
+
+
+def test_gather_body_matches_numpy_on_random_inputs():
+    """The single-sequence ``CtxGather`` branches the same way: a leading run is a Slice."""
+    inputs = [
+        helper.make_tensor_value_info("cache", TensorProto.FLOAT, ["B", "H", "C", "D"]),
+        helper.make_tensor_value_info("indices", TensorProto.INT64, ["B", "K"]),
+    ]
+    output = [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", "H", "K", "D"])]
+    node = helper.make_node(kv_ops.GATHER, ["cache", "indices"], ["output"], domain=kv_ops.DOMAIN)
+    model = kv_ops.attach_functions(
+        helper.make_model(
+            helper.make_graph([node], "gather", inputs, output),
+            opset_imports=[helper.make_opsetid("", OPSET)],
+        )
+    )
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    leading_runs = 0
+    for case in range(200):
+        rows, heads, ctx, width = (int(rng.integers(1, n)) for n in (5, 4, 33, 6))
+        length = int(rng.integers(1, ctx + 1))
+        if case % 2 == 0:
+            indices = np.broadcast_to(np.arange(length), (rows, length)).copy()
+            leading_runs += 1
+            if case % 4 == 0 and rows > 1:  # one row reads elsewhere: the general branch
+                indices[0] = rng.integers(0, ctx, length)
+                leading_runs -= 1
+        else:
+            indices = rng.integers(0, ctx, (rows, length))
+        cache = rng.standard_normal((rows, heads, ctx, width)).astype(np.float32)
+        got = session.run(None, {"cache": cache, "indices": indices.astype(np.int64)})[0]
+        expected = cache[
+            np.arange(rows).reshape(-1, 1, 1), np.arange(heads).reshape(1, -1, 1), indices[:, None]
+        ]
+        np.testing.assert_array_equal(got, expected)
+    assert leading_runs > 40
 
 
 def test_gather_cb_function_keeps_its_name_domain_and_signature():
@@ -102,8 +147,12 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
     assert list(function.output) == ["output"]
     assert not function.attribute
     branches = [a.g for node in function.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
-    assert len(branches) == 2
-    ops = {node.op_type for node in function.node} | {n.op_type for g in branches for n in g.node}
+    assert len(branches) == 2  # leading run, any positions
+    ops, nodes = set(), list(function.node)
+    while nodes:  # every op of the body and of its branches, nested ones included
+        node = nodes.pop()
+        ops.add(node.op_type)
+        nodes += [n for a in node.attribute if a.type == onnx.AttributeProto.GRAPH for n in a.g.node]
     assert ops <= {
         "Shape",
         "Constant",

@@ -174,29 +174,73 @@ def _scatter_function(opset: int) -> onnx.FunctionProto:
 
 
 def _gather_function(opset: int) -> onnx.FunctionProto:
-    # GatherND over the slot axis with batch_dims=2: indices [B, H, K, 1] from indices [B, K].
-    nodes = [
+    # output[b, h, k] = cache[b, h, indices[b, k]]. A leading run 0..K-1 on every row (every
+    # full-context read the decoder emits) is a Slice of the first K positions; anything else is
+    # GatherND over the position axis with batch_dims=2 (indices [B, H, K, 1] from [B, K]).
+    general = [
+        _const("nd_ax1", [1]),
+        _const("nd_last", [-1]),
+        _const("nd_s0", [0]),
+        _const("nd_s2", [2]),
+        helper.make_node("Slice", ["cache_shape", "nd_s0", "nd_s2"], ["batch_heads"]),
+        helper.make_node("Gather", ["index_shape", "nd_ax1"], ["slots"], axis=0),
+        helper.make_node("Concat", ["batch_heads", "slots"], ["target"], axis=0),
+        helper.make_node("Unsqueeze", ["indices", "nd_ax1"], ["with_heads"]),
+        helper.make_node("Expand", ["with_heads", "target"], ["expanded"]),
+        helper.make_node("Unsqueeze", ["expanded", "nd_last"], ["nd_indices"]),
+        helper.make_node("GatherND", ["cache", "nd_indices"], ["nd_out"], batch_dims=2),
+    ]
+    leading = _leading_slice_nodes("lead_out")
+    return helper.make_function(
+        DOMAIN,
+        GATHER,
+        ["cache", "indices"],
+        ["output"],
+        _leading_run_branches(leading, "lead_out", general, "nd_out"),
+        [helper.make_opsetid("", opset)],
+    )
+
+
+def _leading_run_branches(leading: list, leading_out: str, general: list, general_out: str) -> list:
+    """Nodes computing ``output`` by ``leading`` when ``indices`` is 0..K-1 on every row, else ``general``.
+
+    Defines ``zero``, ``one``, ``cache_shape``, ``index_shape``, ``length`` (K) and ``ctx`` (C) for
+    both branches. The leading branch also requires K <= C, so an out-of-range read fails in the
+    general branch as it would without the fast path.
+    """
+    return [
+        _const("zero", [0], []),
+        _const("one", [1], []),
+        _const("two", [2], []),
         helper.make_node("Shape", ["cache"], ["cache_shape"]),
         helper.make_node("Shape", ["indices"], ["index_shape"]),
+        helper.make_node("Gather", ["index_shape", "one"], ["length"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "two"], ["ctx"], axis=0),
+        helper.make_node("Range", ["zero", "length", "one"], ["leading"]),
+        helper.make_node("Equal", ["indices", "leading"], ["in_order"]),
+        helper.make_node("Cast", ["in_order"], ["in_order_int"], to=TensorProto.INT64),
+        helper.make_node("ReduceMin", ["in_order_int"], ["all_in_order"], keepdims=0),
+        helper.make_node("Cast", ["all_in_order"], ["all_in_order_bool"], to=TensorProto.BOOL),
+        helper.make_node("LessOrEqual", ["length", "ctx"], ["fits"]),
+        helper.make_node("And", ["all_in_order_bool", "fits"], ["is_leading_run"]),
         helper.make_node(
-            "Constant", [], ["ax1"], value=helper.make_tensor("a1", TensorProto.INT64, [1], [1])
+            "If",
+            ["is_leading_run"],
+            ["output"],
+            then_branch=_branch("leading_run", leading, leading_out),
+            else_branch=_branch("any_positions", general, general_out),
         ),
-        helper.make_node(
-            "Constant", [], ["ax_last"], value=helper.make_tensor("al", TensorProto.INT64, [1], [-1])
-        ),
-        helper.make_node("Constant", [], ["s0"], value=helper.make_tensor("s0", TensorProto.INT64, [1], [0])),
-        helper.make_node("Constant", [], ["s2"], value=helper.make_tensor("s2", TensorProto.INT64, [1], [2])),
-        helper.make_node("Slice", ["cache_shape", "s0", "s2"], ["batch_heads"]),
-        helper.make_node("Gather", ["index_shape", "ax1"], ["slots"], axis=0),
-        helper.make_node("Concat", ["batch_heads", "slots"], ["target"], axis=0),
-        helper.make_node("Unsqueeze", ["indices", "ax1"], ["with_heads"]),
-        helper.make_node("Expand", ["with_heads", "target"], ["expanded"]),
-        helper.make_node("Unsqueeze", ["expanded", "ax_last"], ["nd_indices"]),
-        helper.make_node("GatherND", ["cache", "nd_indices"], ["output"], batch_dims=2),
     ]
-    return helper.make_function(
-        DOMAIN, GATHER, ["cache", "indices"], ["output"], nodes, [helper.make_opsetid("", opset)]
-    )
+
+
+def _leading_slice_nodes(out: str) -> list:
+    """Positions 0..length-1 of every cache row: ``out`` = cache[:, :, :length]."""
+    return [
+        _const("lead_start", [0]),
+        _const("lead_axis", [2]),
+        helper.make_node("Unsqueeze", ["length", "lead_start"], ["lead_end"]),
+        helper.make_node("Slice", ["cache", "lead_start", "lead_end", "lead_axis"], [out]),
+    ]
 
 
 def _slot_indices(batch: str, cache: str, positions: str, out: str) -> list:
@@ -250,35 +294,18 @@ def _gather_cb_function(opset: int) -> onnx.FunctionProto:
     # length), so the body branches: such a read is a Slice of the first K positions then a Gather
     # of the rows' slots, two contiguous block copies; anything else takes the general path.
     # Both give the tensor GatherND over (slot, head, position) triples gives (tests/test_kv_ops_cb.py).
-    nodes = [
-        _const("zero", [0], []),
-        _const("one", [1], []),
-        _const("two", [2], []),
-        helper.make_node("Shape", ["cache"], ["cache_shape"]),
-        helper.make_node("Shape", ["indices"], ["index_shape"]),
-        helper.make_node("Gather", ["index_shape", "one"], ["length"], axis=0),
-        helper.make_node("Gather", ["cache_shape", "two"], ["ctx"], axis=0),
-        helper.make_node("Range", ["zero", "length", "one"], ["leading"]),
-        helper.make_node("Equal", ["indices", "leading"], ["in_order"]),
-        helper.make_node("Cast", ["in_order"], ["in_order_int"], to=TensorProto.INT64),
-        helper.make_node("ReduceMin", ["in_order_int"], ["all_in_order"], keepdims=0),
-        helper.make_node("Cast", ["all_in_order"], ["all_in_order_bool"], to=TensorProto.BOOL),
-        helper.make_node("LessOrEqual", ["length", "ctx"], ["fits"]),
-        helper.make_node("And", ["all_in_order_bool", "fits"], ["is_leading_run"]),
-        helper.make_node(
-            "If",
-            ["is_leading_run"],
-            ["output"],
-            then_branch=_branch("leading_run", _leading_read_nodes(), "lead_out"),
-            else_branch=_branch("any_positions", _row_gather_nodes(), "rows_out"),
-        ),
+    leading = [
+        *_leading_slice_nodes("lead_positions"),
+        _const("lead_slot_axis", [1]),
+        helper.make_node("Squeeze", ["batch_index", "lead_slot_axis"], ["lead_slots"]),
+        helper.make_node("Gather", ["lead_positions", "lead_slots"], ["lead_out"], axis=0),
     ]
     return helper.make_function(
         DOMAIN,
         GATHER_CB,
         ["cache", "batch_index", "indices"],
         ["output"],
-        nodes,
+        _leading_run_branches(leading, "lead_out", _row_gather_nodes(), "rows_out"),
         [helper.make_opsetid("", opset)],
     )
 
@@ -289,19 +316,6 @@ def _branch(name: str, nodes: list, output: str) -> onnx.GraphProto:
     Its output is untyped: the cache's float type, whichever the export dtype is.
     """
     return helper.make_graph(nodes, name, [], [helper.make_value_info(output, onnx.TypeProto())])
-
-
-def _leading_read_nodes() -> list:
-    """Positions 0..length-1 of every slot (Slice), then the rows' slots (Gather on dim 0)."""
-    return [
-        _const("lead_start", [0]),
-        _const("lead_axis", [2]),
-        _const("lead_slot_axis", [1]),
-        helper.make_node("Unsqueeze", ["length", "lead_start"], ["lead_end"]),
-        helper.make_node("Slice", ["cache", "lead_start", "lead_end", "lead_axis"], ["lead_positions"]),
-        helper.make_node("Squeeze", ["batch_index", "lead_slot_axis"], ["lead_slots"]),
-        helper.make_node("Gather", ["lead_positions", "lead_slots"], ["lead_out"], axis=0),
-    ]
 
 
 def _row_gather_nodes() -> list:
