@@ -139,9 +139,9 @@ def test_deepstack_rows_change_the_logits(runtime):
         symbols.IMAGE_IDX: np.zeros((1, 1), np.int64),
         **generator._vision_feeds_of_rows(wide),
     }
-    with_rows = generator._step(dict(feeds), generator._empty_cache())[symbols.LOGITS]
+    with_rows = generator.step(dict(feeds), generator.empty_cache())[symbols.LOGITS]
     feeds[DEEPSTACK_FEATURES] = np.zeros_like(feeds[DEEPSTACK_FEATURES])
-    without = generator._step(feeds, generator._empty_cache())[symbols.LOGITS]
+    without = generator.step(feeds, generator.empty_cache())[symbols.LOGITS]
     assert np.abs(with_rows - without).max() > 1e-3
 
 

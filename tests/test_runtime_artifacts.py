@@ -193,5 +193,5 @@ def _language_feeds(generator, seq_len: int, vision_size: int) -> dict[str, np.n
         symbols.VISION_EMBEDS: np.zeros((1, vision_size, dims.hidden_size), dtype=np.float32),
         symbols.IMAGE_IDX: np.zeros((1, 1), dtype=np.int64),
     }
-    feeds.update(generator._empty_cache())
+    feeds.update(generator.empty_cache())
     return feeds

@@ -90,7 +90,7 @@ def test_ring_buffer_generation_matches_transformers(window16, name, seq_len):
     inputs = _inputs(processor, name)
     hf_tokens, hf_logits = helpers.hf_generate(model, inputs, NEW_TOKENS)
     generator = _generator(export_dir, seq_len)
-    past = generator._empty_cache()
+    past = generator.empty_cache()
     assert past[symbols.past_key(0)].shape[2] == WINDOW and past[symbols.past_key(1)].shape[2] == CTX_LEN
     processed = helpers.as_numpy(inputs)
     spans = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk").segments

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.generate import GenerationResult, Generator
+from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import VisionProtocol
+from qeff_vision.runtime.results import GenerationResult
 
 ImageSource = Any  # a path (str or Path) or a PIL image
 ImageFitter = Callable[[Any], "tuple[Any, str | None]"]

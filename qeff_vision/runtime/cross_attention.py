@@ -31,8 +31,9 @@ from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
-from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
+from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
+from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 
@@ -87,13 +88,13 @@ class CrossAttentionGenerator(Generator):
         slots = {s.get(symbols.MAX_NUM_IMAGES) for s in self.language.specializations or ()} - {None}
         self.image_slots = slots.pop() if len(slots) == 1 else None
 
-    def _empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
+    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """Zeroed KV of ``slots`` sequences, the cross layers' sized for the compiled image slots.
 
         :meth:`generate` replaces the cross layers' with the request's states; the batched
-        engine's requests write theirs into their slot (:meth:`_step`).
+        engine's requests write theirs into their slot (:meth:`step`).
         """
-        past = super()._empty_cache(slots)
+        past = super().empty_cache(slots)
         images = self.image_slots if self.image_slots is not None else 1
         for name in self.cross_names:
             if name in past:
@@ -172,7 +173,7 @@ class CrossAttentionGenerator(Generator):
         if history is None:
             cross, images_encoded = self._cross_states(processed)
             mask = self._cross_mask(processed, length)
-            past = {**self._empty_cache(), **cross}
+            past = {**self.empty_cache(), **cross}
         else:
             images_encoded = 0
             mask = np.repeat(history.decode_feeds[Role.CROSS_MASK], length, axis=1)
@@ -237,7 +238,7 @@ class CrossAttentionGenerator(Generator):
             if token in self.eos_token_ids:
                 break
             position = self.host.decode_positions(positions, step)
-            outputs = self._feed_token(token, position, past, {Role.CROSS_MASK: last_row})
+            outputs = self.feed_token(token, position, past, {Role.CROSS_MASK: last_row})
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
             token = int(outputs[self.logits_name][0, -1].argmax())
@@ -296,7 +297,7 @@ class CrossAttentionGenerator(Generator):
         """One request's chunks for the batched engine (see :meth:`Generator.request_chunks`).
 
         The first chunk of a request with images also carries its cross states (each image
-        encoded once, shared across requests), which :meth:`_step` writes into the request's
+        encoded once, shared across requests), which :meth:`step` writes into the request's
         slot. A request without images carries none: its slot keeps whatever it held, and the
         program reads no cross values for it.
         """
@@ -329,12 +330,12 @@ class CrossAttentionGenerator(Generator):
         """Inputs of a decode-shaped call: tokens, positions and ``extra`` (the mask rows)."""
         return self.io.feeds({Role.TOKEN_IDS: token_ids, Role.POSITIONS: positions, **(extra or {})})
 
-    def _feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
+    def feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
         """One decode step: ``token`` at ``position`` with ``extra`` (the cross-attention mask row)."""
         feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
-        return self._step(feeds, past)
+        return self.step(feeds, past)
 
-    def _step(
+    def step(
         self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
     ) -> dict[str, np.ndarray]:
         """One language call; cross states among ``feeds`` are first written into the cache.

@@ -33,8 +33,9 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.generate import ChunkRecord, GenerationResult, Generator
+from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
+from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 
 
@@ -156,11 +157,11 @@ class SequentialSlots:
             )
         self.generator = generator
         self.full_batch_size = full_batch_size
-        self.past = [generator._empty_cache() for _ in range(full_batch_size)]
+        self.past = [generator.empty_cache() for _ in range(full_batch_size)]
 
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot``."""
-        return self.generator._step(feeds, self.past[slot])
+        return self.generator.step(feeds, self.past[slot])
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One lone decode step per running slot, given slot -> (last token, its position ids, extra).
@@ -171,7 +172,7 @@ class SequentialSlots:
         generator = self.generator
         logits = {}
         for slot, (token, positions, extra) in tokens.items():
-            outputs = generator._feed_token(token, positions, self.past[slot], extra)
+            outputs = generator.feed_token(token, positions, self.past[slot], extra)
             logits[slot] = outputs[symbols.LOGITS][0, -1]
         return logits, len(tokens) * _vision_bytes(generator)
 
@@ -193,7 +194,7 @@ class BatchedSlots:
     def __init__(self, generator: Generator, full_batch_size: int):
         self.generator = generator
         self.full_batch_size = full_batch_size
-        self.past = generator._empty_cache(full_batch_size)
+        self.past = generator.empty_cache(full_batch_size)
         self.vision_bytes = _vision_bytes(generator)
         self._token_ids = np.zeros((full_batch_size, 1), np.int64)
         self._positions: np.ndarray | None = None  # shaped by the first decode call's rows
@@ -204,7 +205,7 @@ class BatchedSlots:
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
         slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
-        return self.generator._step({**feeds, **slot_index}, self.past, in_place=True)
+        return self.generator.step({**feeds, **slot_index}, self.past, in_place=True)
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One call at batch ``full_batch_size`` for slot -> (last token, its position ids, extra).
@@ -228,7 +229,7 @@ class BatchedSlots:
             self._positions[..., slot : slot + 1, :] = positions
             for role, row in extra.items():
                 self._extra[role][slot : slot + 1] = row
-        logits = self.generator._step(self._decode_feeds, self.past, in_place=True)[symbols.LOGITS]
+        logits = self.generator.step(self._decode_feeds, self.past, in_place=True)[symbols.LOGITS]
         return {slot: logits[slot, -1] for slot in tokens}, self.vision_bytes
 
     def _make_buffers(self, positions: np.ndarray, extra: Mapping[Role, np.ndarray]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from qeff_vision.runtime.planner import (
     VisionProtocol,
     plan_chunks,
 )
+from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.session import OnnxProgram
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -86,92 +87,6 @@ class LanguageShape:
                 return ccl
         phase = "decode" if decode else "prefill"
         raise UserError(f"position {furthest_position} is past every {phase} comp_ctx_length {list(ccls)}")
-
-
-@dataclass
-class ChunkRecord:
-    """What one prefill call carried and cost.
-
-    Attributes:
-        tokens: Real prompt tokens in the chunk.
-        seq_len: The bucket's S (tokens sent, padding included).
-        vision_size: The bucket's V (``vision_embeds`` rows sent, zero padding included).
-        rows: Rows of the image embeddings the chunk actually uses.
-        vision_bytes: Bytes of the ``vision_embeds`` input sent with the call.
-        seconds: Wall time of the language-program call.
-        encode_seconds: Vision-program time spent just before the call (images first used here).
-        images_encoded: Images the vision program encoded for this chunk (cache misses).
-        start: First prompt token of the chunk.
-    """
-
-    tokens: int
-    seq_len: int
-    vision_size: int
-    rows: int
-    vision_bytes: int
-    seconds: float
-    encode_seconds: float = 0.0
-    images_encoded: int = 0
-    start: int = 0
-
-
-@dataclass
-class GenerationResult:
-    """Tokens and the measurements ``qeff-vision run`` reports.
-
-    Attributes:
-        prompt_tokens: L, tokens in the prompt.
-        tokens: Generated token ids (the end-of-sequence token included when it was emitted).
-        chunks: One record per prefill call, in order.
-        ttft: Seconds from the start of :meth:`Generator.generate` to the first token: image
-            preparation, vision encoding of cache misses and every prefill chunk.
-        decode_seconds: Seconds spent in decode steps (tokens after the first).
-        encoder_calls: Vision-program calls made for this prompt.
-        cache_hits: Images found in the embedding cache instead of encoded.
-        text: The decoded reply (filled by callers that own a tokenizer, e.g. a conversation).
-        logits: Each step's last-position logits (with ``keep_logits``).
-        protocol: The vision protocol used (``chunk`` or ``full``).
-        images: Images in the prompt.
-        image_rows: Embedding rows of all images (placeholder tokens in the prompt).
-        images_encoded: Images the vision program encoded for this prompt.
-        notes: Things worth telling the user (e.g. an image resized to a compiled resolution).
-        continuation: Where the language program stopped; pass it as ``history=`` to continue.
-        served: Per image, which vision program served it (resolution list or patch bucket, packed
-            with how many others) or that the embedding cache did.
-    """
-
-    prompt_tokens: int
-    tokens: list[int]
-    chunks: list[ChunkRecord]
-    ttft: float
-    decode_seconds: float
-    encoder_calls: int
-    cache_hits: int
-    text: str = ""
-    logits: list[np.ndarray] = field(default_factory=list)
-    protocol: str = VisionProtocol.CHUNK.value
-    images: int = 0
-    image_rows: int = 0
-    images_encoded: int = 0
-    notes: list[str] = field(default_factory=list)
-    continuation: Continuation | None = None
-    served: list[str] = field(default_factory=list)
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        """Generated tokens after the first, per second of decode."""
-        steps = max(len(self.tokens) - 1, 0)
-        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    @property
-    def vision_bytes(self) -> int:
-        """Bytes of ``vision_embeds`` sent over all prefill chunks."""
-        return sum(chunk.vision_bytes for chunk in self.chunks)
-
-    @property
-    def prefill_seconds(self) -> float:
-        """Language-program time over all prefill chunks."""
-        return sum(chunk.seconds for chunk in self.chunks)
 
 
 class Generator:
@@ -321,12 +236,18 @@ class Generator:
 
     # ---- language ----
 
-    def _empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
-        """Zeroed KV inputs the host feeds back each call; none when the device retains them.
+    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
+        """A zeroed KV cache to pass as :meth:`step`'s ``past``; empty when the device retains it.
 
         A device reuses its resident cache across requests without clearing it: positions restart
         at 0 and the masks only read slots a request has written, so stale slots are never seen.
-        ``slots`` is the cache's batch axis (``full_batch_size`` for a continuous-batching program).
+
+        Args:
+            slots: The cache's batch axis: 1, or ``full_batch_size`` for a continuous-batching
+                program (one row per KV slot).
+
+        Returns:
+            KV input name -> a new zero array, shaped for the compiled ``ctx_len``.
         """
         if self.language.retains_state:
             return {}
@@ -347,13 +268,24 @@ class Generator:
             window = np.concatenate([window, padding], axis=-1)
         return np.ascontiguousarray(window, dtype=np.int64)
 
-    def _step(
+    def step(
         self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
     ) -> dict[str, np.ndarray]:
-        """One language call; ``past`` then holds the retained caches.
+        """One language-program call over the KV cache ``past``, which then holds the updated caches.
 
-        ``in_place``: the backend may write the new caches into ``past``'s own arrays (the batched
-        engine's slot cache, which nothing else holds); otherwise ``past``'s entries are replaced.
+        Adds the compute-context length input the positions need (when compiled with CCLs) and,
+        for a continuous-batching program without ``batch_index`` in ``feeds``, KV slot 0.
+
+        Args:
+            feeds: The call's inputs without the cache (:meth:`chunk_feeds` or
+                :meth:`decode_step_feeds`, plus ``batch_index`` to write one slot); not modified.
+            past: The cache (from :meth:`empty_cache`), updated by the call.
+            in_place: The backend may write the new caches into ``past``'s own arrays: only for a
+                cache nothing else holds (the batched engine's). Otherwise ``past``'s entries are
+                replaced by new arrays.
+
+        Returns:
+            The program's outputs by name (logits, ``image_idx_output``, the retained caches).
         """
         positions = feeds[self.io.name(Role.POSITIONS)]
         text_positions = positions if self.position_rows is None else positions[0]
@@ -431,7 +363,7 @@ class Generator:
         self.served = {}
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
-        past = history.past if history is not None else self._empty_cache()
+        past = history.past if history is not None else self.empty_cache()
         positions = self.host.prompt_positions(processed)
         used = 0
         if history is not None:
@@ -473,26 +405,34 @@ class Generator:
         steps = history.fed_steps
         for token in history.unfed:
             position = self.host.decode_positions(history.positions, steps)
-            self._feed_token(token, position, past, history.decode_feeds)
+            self.feed_token(token, position, past, history.decode_feeds)
             steps += 1
         return self.host.decode_positions(history.positions, steps)
 
-    def _feed_token(
+    def feed_token(
         self,
         token: int,
         position: np.ndarray,
         past: dict[str, np.ndarray],
         extra: Mapping[Role, np.ndarray] | None = None,
     ) -> dict:
-        """One decode-shaped step: ``token`` at ``position``, taking no image row.
+        """One decode-shaped :meth:`step` of one sequence: ``token`` at ``position``, taking no image row.
 
         A seq_len-1 step merges no row (:func:`qeff_vision.export.decoder.vision_row_index`), so a
-        placeholder id the model generated keeps its token embedding, as in transformers;
-        ``image_idx`` points past the decode rows all the same. ``extra`` holds further inputs
-        of every decode step by role (:attr:`Continuation.decode_feeds`).
+        placeholder id the model generated keeps its token embedding, as in transformers.
+
+        Args:
+            token: The token fed (the last one generated).
+            position: Its position ids
+                (:meth:`~qeff_vision.families.host.Host.decode_positions`).
+            past: The sequence's batch-1 KV cache, updated by the call.
+            extra: Further inputs of every decode step by role (:meth:`decode_extra`).
+
+        Returns:
+            The program's outputs by name; the next token's logits are ``[0, -1]`` of the logits.
         """
         feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
-        return self._step(feeds, past)
+        return self.step(feeds, past)
 
     def decode_step_feeds(
         self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None
@@ -539,7 +479,7 @@ class Generator:
         encoded_before, encode_before = self.cache.stats.images_encoded, 0.0
         for chunk, vision_embeds in feed_chunks(plan, images, self.cache, encoder, hidden, np.float32):
             chunk_start = time.perf_counter()
-            outputs = self._step(self.chunk_feeds(chunk, vision_embeds, input_ids, positions), past)
+            outputs = self.step(self.chunk_feeds(chunk, vision_embeds, input_ids, positions), past)
             seconds = time.perf_counter() - chunk_start
             self.check_chunk_outputs(chunk, outputs)
             encoded_now = self.cache.stats.images_encoded
@@ -632,7 +572,7 @@ class Generator:
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            outputs = self._feed_token(token, self.host.decode_positions(positions, step), past)
+            outputs = self.feed_token(token, self.host.decode_positions(positions, step), past)
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
             token = int(outputs[self.logits_name][0, -1].argmax())
