@@ -6,10 +6,10 @@ Runs the real :class:`~qeff_vision.runtime.engine.BatchedEngine` on the continuo
 of the tiny random Qwen2.5-VL checkpoint (``qeff-vision tiny qwen2_5_vl``; exported with
 ``batch_index`` and ``full_batch_size`` KV slots): F requests, each one 224x224 image (64 image
 tokens) and a short prompt, all arriving at step 0, ``--new-tokens`` tokens each. Every decode
-step is one language-program call at batch F (:class:`~qeff_vision.runtime.engine.BatchedSlots`),
+step is one language-program call at batch F (:class:`~qeff_vision.runtime.slots.BatchedSlots`),
 so decode tokens/s should grow with F while the call time barely does: the target is F = 8 giving
 at least 6x the tokens/s of F = 1. For comparison, the same requests through the single-sequence
-export with one call per request per decode step (:class:`~qeff_vision.runtime.engine.SequentialSlots`)
+export with one call per request per decode step (:class:`~qeff_vision.runtime.slots.SequentialSlots`)
 are shown at F = 8.
 
 What is timed: a decode step is the host's work for it (each running request's position ids, the

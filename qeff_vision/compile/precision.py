@@ -163,7 +163,7 @@ def resolve_plans(
     dry_run: bool,
     say,
 ) -> list[str]:
-    """Set ``plan.precision`` of every program (a driver ``ProgramPlan``); return lines for the user.
+    """Set ``plan.precision`` of every program (an inputs ``ProgramPlan``); return lines for the user.
 
     Programs converted to fp16 are calibrated once for both: prompts through the runtime
     (:mod:`qeff_vision.compile.calibration`) when the export's checkpoint is here, plus, for ``auto``,

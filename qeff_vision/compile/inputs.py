@@ -1,0 +1,211 @@
+"""What a compile reads and writes before any compiler runs: the export and each program's inputs.
+
+:func:`locate_export` finds the export to compile (``--export DIR``, checked against the spec, or
+``OUT/export``, exported now when absent or stale); :func:`plan_inputs` says where each program's
+compiler inputs go under OUT (:class:`ProgramPlan`), :func:`write_inputs` writes them and
+:func:`check_graphs` checks the specializations against the exported graphs. The compile driver
+(:mod:`qeff_vision.compile.driver`) runs the compilers on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qeff_vision.compile.argv import PARTITION_FILE_NAME, mdp_partition_config
+from qeff_vision.compile.graph_io import read_graph_io, symbol_problems
+from qeff_vision.compile.manifest import MANIFEST_FILE
+from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
+from qeff_vision.compile.precision import PrecisionPlan
+from qeff_vision.errors import SpecError, UserError
+from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
+from qeff_vision.fsutil import atomic_write_json
+
+EXPORT_SUBDIR = "export"
+# Section name in the spec's compile: block -> directory under OUT (and key in export.json).
+SECTIONS = {VISION: "vision", LANGUAGE: "lang"}
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ProgramPlan:
+    """One program's inputs, as written under OUT."""
+
+    program: str  # directory name: vision | lang
+    section: str  # compile: section name: vision | language
+    options: ProgramOptions
+    directory: Path
+    onnx: Path
+    specializations: list[dict[str, Any]]  # [{"name", "symbols"}], symbols as the file has them
+    specializations_file: Path
+    custom_io_file: Path | None
+    partition_file: Path | None
+    precision: PrecisionPlan | None = None
+
+    def symbol_values(self) -> list[dict[str, int]]:
+        """Specializations as symbol -> int."""
+        return [{k: int(v) for k, v in entry["symbols"].items()} for entry in self.specializations]
+
+
+@dataclass
+class Export:
+    """The export a compile reads: its directory and its ``export.json``."""
+
+    directory: Path
+    manifest: dict[str, Any] | None  # None: not exported yet (dry run)
+
+    def onnx(self, program: str) -> Path:
+        """The ONNX file of ``program`` (``vision`` or ``lang``); its future path before export."""
+        if self.manifest is None:
+            return self.directory / program / "model.onnx"
+        return self.directory / self.manifest["programs"][program]["path"]
+
+
+def _run_export(
+    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool
+) -> dict[str, Any]:
+    from qeff_vision.export.exporter import export_model
+
+    return export_model(
+        model_dir,
+        directory,
+        force=True,
+        comp_ctx_lengths=ccl,
+        patch_buckets=buckets,
+        continuous_batching=cb,
+        progress=say,
+    ).manifest
+
+
+def given_export(spec: Any, export_dir: Path) -> Export:
+    """The export ``--export DIR`` names, checked against the spec; reads only, writes nothing.
+
+    Raises:
+        UserError: Not an export, an export of another family, or one without (or with) the
+            compute-context-length input, the vision program mode (per resolution or patch
+            buckets) or the continuous-batching IO the spec needs.
+    """
+    manifest = read_export(export_dir)
+    if manifest.get("family") != spec.family:
+        raise UserError(
+            f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
+        )
+    ccl = spec.compile.comp_ctx_lengths is not None
+    if bool(manifest.get("comp_ctx_lengths")) != ccl:
+        wanted = "with" if ccl else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} the comp_ctx_lengths input "
+            f"(`qeff-vision export{' --comp-ctx-lengths' if ccl else ''}`)"
+        )
+    buckets = bool(spec.vision.patch_buckets)
+    if (vision_mode(manifest) == PATCH_BUCKETS) != buckets:
+        raise UserError(
+            f"{export_dir}: the spec needs an export with the "
+            f"{'patch-bucket' if buckets else 'per-resolution'} vision program "
+            f"(`qeff-vision export{' --patch-buckets' if buckets else ''}`)"
+        )
+    cb = spec.full_batch_size is not None
+    if bool(manifest.get("continuous_batching")) != cb:
+        wanted = "with" if cb else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} continuous batching "
+            f"(`qeff-vision export{' --continuous-batching' if cb else ''}`)"
+        )
+    return Export(export_dir, manifest)
+
+
+def locate_export(
+    spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
+) -> Export:
+    """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
+    ccl = spec.compile.comp_ctx_lengths is not None
+    buckets = bool(spec.vision.patch_buckets)
+    cb = spec.full_batch_size is not None
+    if export_dir is not None:
+        return given_export(spec, export_dir)
+    directory = out_dir / EXPORT_SUBDIR
+    manifest = read_export(directory) if (directory / EXPORT_FILE).is_file() else None
+    stale = (
+        manifest is not None
+        and spec.model_dir is not None
+        and (spec.model_dir / "config.json").is_file()
+        and manifest.get("config_hash") != config_hash(spec.model_dir)
+    )
+    if manifest is not None and manifest.get("family") != spec.family:
+        stale = True
+    if manifest is not None and bool(manifest.get("comp_ctx_lengths")) != ccl:
+        stale = True  # the spec added or dropped compute-context lengths
+    if manifest is not None and (vision_mode(manifest) == PATCH_BUCKETS) != buckets:
+        stale = True  # the spec switched between resolutions and patch buckets
+    if manifest is not None and bool(manifest.get("continuous_batching")) != cb:
+        stale = True  # the spec added or dropped full_batch_size
+    if manifest is not None and not stale:
+        return Export(directory, manifest)
+    if dry_run:
+        say(f"dry run: {directory} is {'stale' if stale else 'not exported yet'}; nothing is exported")
+        return Export(directory, None)
+    if spec.model_dir is None:
+        raise UserError(
+            f"model {spec.model!r} is not a local checkpoint directory, so it cannot be exported here; "
+            "export it where the weights are (`qeff-vision export`) and pass --export DIR"
+        )
+    if manifest is not None:
+        # The export a previous manifest names is replaced now: that manifest stops being true.
+        (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
+    say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
+    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb))
+
+
+def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:
+    """Write specializations, custom IO and partition files under OUT; return each program's plan."""
+    from qeff_vision.spec import write_specializations
+
+    write_specializations(generated, out_dir)
+    plans = plan_inputs(generated, spec, out_dir, export)
+    for plan in plans.values():
+        partition = plan.directory / PARTITION_FILE_NAME
+        if plan.partition_file is not None:
+            options = plan.options
+            atomic_write_json(partition, mdp_partition_config(options.num_devices, options.num_cores))
+        else:
+            partition.unlink(missing_ok=True)
+    return plans
+
+
+def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:
+    """Each program's plan: where its inputs go under OUT (nothing is written)."""
+    plans = {}
+    for section, files in ((VISION, generated.vision), (LANGUAGE, generated.language)):
+        program = SECTIONS[section]
+        options = spec.compile.program(section)
+        directory = out_dir / program
+        custom_io_file = directory / "custom_io.yaml"
+        has_custom_io = bool(files.custom_io)
+        partition = directory / PARTITION_FILE_NAME
+        plans[program] = ProgramPlan(
+            program=program,
+            section=section,
+            options=options,
+            directory=directory,
+            onnx=export.onnx(program),
+            specializations=[{"name": s.name, "symbols": dict(s.symbols)} for s in files.specializations],
+            specializations_file=directory / "specializations.json",
+            custom_io_file=custom_io_file if has_custom_io else None,
+            partition_file=partition if options.num_devices > 1 else None,
+        )
+    return plans
+
+
+def check_graphs(plans: Mapping[str, ProgramPlan], source: str, *, outputs_required: bool) -> None:
+    """Every specialization binds exactly its graph's symbols; a SpecError listing all problems if not."""
+    problems = []
+    for plan in plans.values():
+        graph = read_graph_io(plan.onnx)
+        problems += symbol_problems(
+            graph, plan.symbol_values(), plan.program, outputs_required=outputs_required
+        )
+    if problems:
+        raise SpecError(source, problems)
