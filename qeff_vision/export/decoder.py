@@ -8,7 +8,9 @@ It reuses the Hugging Face text model's own layers and replaces only what export
   * image rows are merged by the rule of the IO contract: the t-th placeholder of the chunk takes
     row ``image_idx + t`` of the flattened ``vision_embeds``; ``image_idx_output`` adds the chunk's
     placeholder count, so it never goes backwards;
-  * logits come from the last valid position only.
+  * logits come from the last valid position only;
+  * attention runs transformers' eager computation with query heads folded onto their key head
+    (:mod:`qeff_vision.export.attention`, set by the exporter): no ``repeat_kv`` copy of the cache.
 
 With continuous batching (the table's ``batch_index`` row, role ``KV_SLOT``) the caches hold
 ``full_batch_size`` slots on dim 0 and ``batch_index`` [batch, 1] names the slot of each row:
