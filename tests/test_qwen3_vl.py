@@ -1,6 +1,7 @@
 """Qwen3-VL: token math equals transformers' processor, one vision graph (with deepstack rows) for every
 resolution, and chunk-aware generation token-identical to transformers generate, with the deepstack
-features sliced per chunk exactly like ``vision_embeds``.
+features sliced per chunk exactly like ``vision_embeds`` (the generation tests run for Qwen3-VL-MoE
+too: tests/test_qwen3_vl_moe.py holds what is MoE's own).
 
 The tiny checkpoint has 16-pixel patches, an 8x8 learned position table (interpolated to every
 grid), two deepstack layers feeding both decoder layers, and images of 4..256 merged tokens.
@@ -117,9 +118,10 @@ def test_one_vision_graph_serves_every_resolution_with_deepstack_rows(hf_model, 
         assert ours.shape == reference.shape and np.abs(ours - reference).max() <= 1e-4, (height, width)
 
 
-@pytest.fixture(scope="module")
-def runtime(exported, hf_model):
-    return FamilyRuntime(FAMILY, exported(FAMILY), *hf_model(FAMILY))
+@pytest.fixture(scope="module", params=[FAMILY, "qwen3_vl_moe"])
+def runtime(exported, hf_model, request):
+    """Chunked generation of Qwen3-VL and of its MoE variant (same host, sparse text MLPs)."""
+    return FamilyRuntime(request.param, exported(request.param), *hf_model(request.param))
 
 
 def test_deepstack_rows_change_the_logits(runtime):

@@ -1,5 +1,6 @@
 """Qwen3-VL-MoE: the experts export densely (no routing-dependent shapes) and chunked generation is
-token-identical to transformers generate; the tiny checkpoint stores its experts in the published
+token-identical to transformers generate (images: tests/test_qwen3_vl.py runs its generation tests
+for both families; a clip here); the tiny checkpoint stores its experts in the published
 [experts, in, out] layout, which the streaming export swaps exactly as transformers' loader does.
 
 The tiny checkpoint is Qwen3-VL's (deepstack, interpolated positions, 16-pixel patches) with layer 0
@@ -23,7 +24,7 @@ from qeff_vision.families.qwen3_vl import NUM_FEATURE_LAYERS
 from qeff_vision.runtime.conversation import Clip, Conversation
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
-from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
+from tests.family_runtime import NEW_TOKENS, FamilyRuntime
 
 FAMILY = "qwen3_vl_moe"
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -63,21 +64,6 @@ def test_language_graph_runs_every_expert_without_routing_dependent_shapes(expor
 @pytest.fixture(scope="module")
 def runtime(exported, hf_model):
     return FamilyRuntime(FAMILY, exported(FAMILY), *hf_model(FAMILY))
-
-
-def test_image_straddles_two_chunks(runtime):
-    processed = runtime.inputs(["<image>", "Describe this image."], [helpers.image(224, 224)])
-    plan, _ = runtime.run(processed, [32])
-    first, second = chunks_of_image(plan, 0)[:2]
-    assert second == first + 1 and 0 < plan.chunks[first].placeholders < plan.segments[0].rows
-
-
-def test_two_images_of_different_resolutions(runtime):
-    images = [helpers.image(300, 120, 1), helpers.image(100, 150, 2)]
-    processed = runtime.inputs(["<image>", "<image>", "Which is brighter?"], images)
-    plan, result = runtime.run(processed, [32, 128])
-    assert [span.rows for span in plan.segments] == [36, 15]
-    assert result.encoder_calls == 2
 
 
 def test_clip_straddling_chunks(runtime):
