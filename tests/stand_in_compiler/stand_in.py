@@ -12,6 +12,7 @@ the partition file lists ``numCores`` equal to ``-aic-num-cores``.
 
 Environment (set by the test wrapper script):
     STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow.
+        ``hang`` hangs right after parsing its flags, before any check (see :func:`hang`).
     STAND_IN_RECORD: file to append one JSON line per invocation (argv, cwd, mode).
     STAND_IN_LAYOUT: accept ``any`` layout (default) or only ``flat`` (an old SDK).
     STAND_IN_SLEEP: seconds the ``slow`` mode sleeps before compiling (default 1).
@@ -24,6 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 VALUE_FLAGS = {
     "-m",
@@ -184,9 +186,27 @@ def check_partition(path: Path, num_cores: int) -> int:
     return len(devices)
 
 
+def hang(binary_dir: Path) -> NoReturn:
+    """Leave a partial output, then say so and sleep until killed.
+
+    The line comes after the partial file, so a log that shows it proves the driver had a
+    half-written directory to remove.
+    """
+    binary_dir.mkdir(parents=True, exist_ok=True)
+    (binary_dir / "partial.bin").write_bytes(b"partial")
+    print("stand-in: hanging", flush=True)
+    while True:
+        time.sleep(60)
+
+
 def compile_program(argv: list[str]) -> int:
     mode = os.environ.get("STAND_IN_MODE", "ok")
     values, switches = parse(argv)
+    if mode == "hang":
+        # Before the checks: they import onnx and read the graphs, which takes seconds on a loaded
+        # machine, and the timeout tests give the compiler 1-1.5 s. Hanging first puts the output
+        # and the partial file in place within that whatever the load.
+        hang(Path(values["-aic-binary-dir"]))
     inputs, outputs = graph_interface(Path(values["-m"]))
     count = check_specializations(
         Path(values["-network-specialization-config"]),
@@ -223,10 +243,7 @@ def compile_program(argv: list[str]) -> int:
     if mode == "fail-vision":  # the vision program fails; the language program hangs until stopped
         mode = "hang" if "-retained-state" in switches else "fail"
     if mode == "hang":
-        print("stand-in: hanging", flush=True)
-        (binary_dir / "partial.bin").write_bytes(b"partial")
-        while True:
-            time.sleep(60)
+        hang(binary_dir)
     if mode == "fail":
         (binary_dir / "partial.bin").write_bytes(b"partial")
         for line in range(40):
