@@ -227,8 +227,19 @@ def plot(rows: list[Row], path: Path) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     axes[0].plot(sizes, [r.tokens_per_second for r in batched], "-o", label="batched engine (one call/step)")
     axes[0].plot(
+        sizes, [r.full_tokens_per_second for r in batched], "--o", label="full-batch steps only", alpha=0.7
+    )
+    axes[0].plot(
         sizes, [batched[0].tokens_per_second * f / sizes[0] for f in sizes], ":", label="linear in F"
     )
+    if sizes[0] == 1 and 8 in sizes:
+        axes[0].plot(
+            [8],
+            [TARGET * batched[0].tokens_per_second],
+            "r*",
+            markersize=11,
+            label=f"target ({TARGET:.0f}x F=1)",
+        )
     for r in rows:
         if not r.batched:
             axes[0].plot([r.full_batch_size], [r.tokens_per_second], "s", label="one call per request")
@@ -240,6 +251,14 @@ def plot(rows: list[Row], path: Path) -> None:
     axes[1].plot(
         [str(f) for f in sizes], [r.prefill_bytes_per_chunk for r in batched], "ko-", label="prefill chunk"
     )
+    for r in rows:
+        if not r.batched and r.full_batch_size in sizes:
+            axes[1].plot(
+                [str(r.full_batch_size)],
+                [r.decode_bytes_per_step],
+                "s",
+                label="decode step, one call per request",
+            )
     axes[1].set(xlabel="full_batch_size F", ylabel="vision bytes sent", title="Vision bytes per step")
     for ax in axes:
         ax.grid(True, alpha=0.3)
