@@ -14,7 +14,8 @@ from qeff_vision.runtime.embedding_cache import (
     feed_chunks,
     fetch_embeddings,
 )
-from qeff_vision.runtime.planner import find_segments, plan_chunks
+from qeff_vision.runtime.planner import plan_chunks
+from qeff_vision.runtime.segments import find_segments
 
 HIDDEN = 4
 ROW_BYTES = HIDDEN * 4  # float32

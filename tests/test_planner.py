@@ -13,14 +13,12 @@ from hypothesis import strategies as st
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.planner import (
     ChunkEnd,
-    PlanError,
     PrefillBucket,
-    Segment,
     VisionProtocol,
     assemble_vision_embeds,
-    find_segments,
     plan_chunks,
 )
+from qeff_vision.runtime.segments import PlanError, Segment, find_segments
 
 PLACEHOLDER = 7
 

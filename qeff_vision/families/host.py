@@ -56,12 +56,12 @@ class Host:
         return {self.family.image_token_id(self.model): "image"}
 
     def segments(self, processed: Mapping[str, Any]) -> list:
-        """The prompt's multimodal segments (:class:`~qeff_vision.runtime.planner.Segment`), in order.
+        """The prompt's multimodal segments (:class:`~qeff_vision.runtime.segments.Segment`), in order.
 
         Each image (or clip) consumes the rows :meth:`placeholder_counts` gives it at its
         placeholder runs; a family with ``placeholders_in_runs`` joins an item's runs.
         """
-        from qeff_vision.runtime.planner import find_segments
+        from qeff_vision.runtime.segments import find_segments
 
         counts = self.placeholder_counts(processed) if self.has_images(processed) else []
         input_ids = np.asarray(processed["input_ids"]).reshape(-1)

@@ -18,14 +18,12 @@ from qeff_vision.runtime.planner import (
     ChunkEnd,
     ChunkPlan,
     ImagePiece,
-    PlanError,
     PrefillBucket,
-    Segment,
     VisionProtocol,
     assemble_vision_embeds,
-    find_segments,
     plan_chunks,
 )
+from qeff_vision.runtime.segments import PlanError, Segment, find_segments
 
 __all__ = [
     "CacheStats",
