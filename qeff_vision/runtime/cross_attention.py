@@ -385,10 +385,7 @@ class CrossAttentionGenerator(Generator):
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call. A device keeps retained inputs resident: send the cross states once."""
-        if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
-            # A continuous-batching program driven for one sequence: it lives in KV slot 0.
-            batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
-            feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
+        feeds = self._with_kv_slot(feeds)
         outputs = self.language.run({**feeds, **past})
         retained = self.io.retained_outputs()
         for name in list(past):

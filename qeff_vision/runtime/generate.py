@@ -298,10 +298,7 @@ class Generator:
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             self.ccl_history.append(ccl)
-        if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
-            # A continuous-batching program driven for one sequence: it lives in KV slot 0.
-            batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
-            feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
+        feeds = self._with_kv_slot(feeds)
         retained = self.io.retained_outputs()
         if in_place and past:
             return self.language.run_retained(feeds, past, retained)
@@ -309,6 +306,17 @@ class Generator:
         for name in past:
             past[name] = outputs[retained[name]]
         return outputs
+
+    def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``feeds`` plus ``batch_index`` 0 when a continuous-batching program is given no slot.
+
+        Unchanged when the program takes no ``batch_index`` or ``feeds`` already names a slot.
+        """
+        if self.io.has(Role.KV_SLOT) and self.io.name(Role.KV_SLOT) not in feeds:
+            # A continuous-batching program driven for one sequence: it lives in KV slot 0.
+            batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
+            feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
+        return feeds
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit."""
