@@ -111,7 +111,8 @@ class Setup:
 
     def __init__(self, export: Path, full_batch_size: int, new_tokens: int, threads: int, label: str):
         from qeff_vision.export_record import read_export
-        from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+        from qeff_vision.runtime.generate import generator_for_export
+        from qeff_vision.runtime.language_shape import LanguageShape
         from qeff_vision.runtime.planner import PrefillBucket
 
         ccls = CCLS if read_export(export).get("comp_ctx_lengths") else ()  # an export with the CCL input

@@ -125,7 +125,8 @@ class Bench:
 
     def generator(self, buckets, ctx_len: int, vision=None, cache=None):
         from qeff_vision.runtime.embedding_cache import EmbeddingCache
-        from qeff_vision.runtime.generate import Generator, LanguageShape
+        from qeff_vision.runtime.generate import Generator
+        from qeff_vision.runtime.language_shape import LanguageShape
         from qeff_vision.runtime.planner import PrefillBucket
 
         buckets = tuple(PrefillBucket(s, v) for s, v in buckets)

@@ -77,7 +77,8 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     """Table rows of one checkpoint."""
     from qeff_vision.export.exporter import export_model
     from qeff_vision.numerics.device import MxEmulation
-    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+    from qeff_vision.runtime.generate import generator_for_export
+    from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
     from qeff_vision.runtime.session import DeviceOverflow
     from tests import helpers

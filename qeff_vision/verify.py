@@ -62,7 +62,8 @@ def check_parity(
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.export_record import read_export
     from qeff_vision.families.base import CROSS_ATTENTION
-    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+    from qeff_vision.runtime.generate import generator_for_export
+    from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
     from qeff_vision.runtime.reference import reference_generate
     from qeff_vision.runtime.session import OnnxProgram

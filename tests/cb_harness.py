@@ -17,7 +17,8 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.families.base import ModelDescription
-from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 
 

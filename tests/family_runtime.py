@@ -17,7 +17,8 @@ from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.export_record import read_export
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape, make_generator
+from qeff_vision.runtime.generate import Generator, make_generator
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers

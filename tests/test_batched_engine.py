@@ -24,8 +24,9 @@ from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import TOKEN_MERGE
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.in_place import aliasable
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 from tests.family_runtime import LOGIT_TOLERANCE, NEW_TOKENS, FamilyRuntime

@@ -117,7 +117,8 @@ def _prompt(processor, family: str):
 
 
 def _generator(export_dir, ccl: bool):
-    from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+    from qeff_vision.runtime.generate import generator_for_export
+    from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
 
     bucket = PrefillBucket(64, 64)

@@ -26,7 +26,8 @@ import yaml
 from qeff_vision import symbols
 from qeff_vision.cli import main
 from qeff_vision.numerics.plan import read_plan, write_plan
-from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+from qeff_vision.runtime.generate import generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import DeviceOverflow
 from tests import helpers

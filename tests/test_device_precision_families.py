@@ -18,7 +18,8 @@ from qeff_vision.compile.calibration import prompt_ranges
 from qeff_vision.families import all_families
 from qeff_vision.families.base import TOKEN_MERGE
 from qeff_vision.numerics.plan import auto_plan
-from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+from qeff_vision.runtime.generate import generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 

@@ -16,7 +16,8 @@ from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.export.exporter import example_values, load_adapter
 from qeff_vision.families import all_families
 from qeff_vision.families.base import TOKEN_MERGE as TOKEN_MERGE_KIND
-from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+from qeff_vision.runtime.generate import generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers

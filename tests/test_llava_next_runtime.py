@@ -16,7 +16,8 @@ from qeff_vision import symbols
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import DEFAULT_CACHE_BYTES, LanguageShape, generator_for_export
+from qeff_vision.runtime.generate import DEFAULT_CACHE_BYTES, generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 

@@ -22,7 +22,7 @@ from qeff_vision.families import get_family
 from qeff_vision.families.base import CROSS_ATTENTION, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.mllama import tiled_canvas
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
-from qeff_vision.runtime.generate import LanguageShape
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers

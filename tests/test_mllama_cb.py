@@ -31,7 +31,7 @@ from qeff_vision.families import get_family
 from qeff_vision.families.base import describe_checkpoint
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.runtime.generate import LanguageShape
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec

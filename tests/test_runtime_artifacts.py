@@ -19,7 +19,8 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.artifacts import compiled_size_for, generator_for_artifacts, load_artifacts
 from qeff_vision.runtime.conversation import open_conversation
-from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import QaicProgram, ShapeMismatch, qaic_runtime_available
 from tests import helpers

@@ -19,7 +19,8 @@ from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.export_record import read_export
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape
+from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers

@@ -13,7 +13,8 @@ import pytest
 from qeff_vision import symbols
 from qeff_vision.families import get_family
 from qeff_vision.families.base import describe_checkpoint
-from qeff_vision.runtime.generate import LanguageShape, generator_for_export
+from qeff_vision.runtime.generate import generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 

@@ -85,7 +85,8 @@ def prompt_ranges(
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
     from qeff_vision.runtime.conversation import Conversation
-    from qeff_vision.runtime.generate import LanguageShape, make_generator
+    from qeff_vision.runtime.generate import make_generator
+    from qeff_vision.runtime.language_shape import LanguageShape
 
     manifest = read_export(export_dir)
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])

@@ -26,7 +26,8 @@ from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
-from qeff_vision.runtime.generate import Generator, LanguageShape, make_generator
+from qeff_vision.runtime.generate import Generator, make_generator
+from qeff_vision.runtime.language_shape import LanguageShape
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,74 +21,17 @@ from qeff_vision.contract.language_io import KV_ROLES, Role
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
-from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, content_key, feed_chunks
-from qeff_vision.runtime.packing import packing_encoder
-from qeff_vision.runtime.planner import (
-    Chunk,
-    ChunkPlan,
-    PrefillBucket,
-    VisionProtocol,
-    plan_chunks,
-)
+from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
+from qeff_vision.runtime.image_encoding import ImageEncoding
+from qeff_vision.runtime.language_shape import LanguageShape
+from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.session import OnnxProgram
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
-@dataclass(frozen=True)
-class LanguageShape:
-    """Compiled language-program shapes: prefill buckets, decode vision size and context length."""
-
-    buckets: tuple[PrefillBucket, ...]
-    decode_vision_size: int
-    ctx_len: int
-    prefill_ccls: tuple[int, ...] = ()
-    decode_ccls: tuple[int, ...] = ()
-
-    @classmethod
-    def from_specializations(cls, specializations: Sequence[Mapping[str, object]]) -> LanguageShape:
-        """Read buckets (and compute-context lengths) from language specializations (seq_len 1 is decode)."""
-        prefill, decode = [], []
-        ccls: dict[bool, set[int]] = {True: set(), False: set()}
-        for spec in specializations:
-            # A cross-attention program has no vision_size (images are retained K/V): V = 0.
-            seq_len, vision = int(spec[symbols.SEQ_LEN]), int(spec.get(symbols.VISION_SIZE, 0))
-            bucket = PrefillBucket(seq_len, vision)
-            phase = decode if seq_len == 1 else prefill
-            if bucket not in phase:  # one per bucket, whatever the CCLs
-                phase.append(bucket)
-            if symbols.COMP_CTX_LENGTHS in spec:
-                ccls[seq_len == 1].add(int(spec[symbols.COMP_CTX_LENGTHS]))
-        ctx_lens = {int(spec[symbols.CTX_LEN]) for spec in specializations}
-        if not prefill or len(ctx_lens) != 1:
-            raise UserError("language specializations need prefill buckets and exactly one ctx_len")
-        decode_vision = max(b.vision_size for b in decode) if decode else max(b.vision_size for b in prefill)
-        return cls(
-            tuple(prefill),
-            decode_vision,
-            ctx_lens.pop(),
-            tuple(sorted(ccls[False])),
-            tuple(sorted(ccls[True])),
-        )
-
-    def comp_ctx_length(self, decode: bool, furthest_position: int) -> int | None:
-        """The smallest compiled CCL whose slots hold ``furthest_position``; None without CCLs.
-
-        Raises:
-            UserError: No CCL of the phase covers the position.
-        """
-        ccls = self.decode_ccls if decode else self.prefill_ccls
-        if not ccls:
-            return None
-        for ccl in ccls:
-            if ccl > furthest_position:
-                return ccl
-        phase = "decode" if decode else "prefill"
-        raise UserError(f"position {furthest_position} is past every {phase} comp_ctx_length {list(ccls)}")
-
-
-class Generator:
+class Generator(ImageEncoding):
     """Runs prompts through a vision program and a language program with the chunk protocol.
 
     Args:
@@ -152,89 +94,6 @@ class Generator:
         #: How the vision program served each image of the last prompt (what ``run`` reports).
         self.served: dict[str, str] = {}
         self._images: list[PreparedImage] = []
-
-    # ---- vision ----
-
-    def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
-        per_image = self.host.vision_inputs(processed)
-        prepared, inputs_by_key = [], {}
-        for inputs in per_image:
-            arrays = list(inputs.values())
-            resolution = tuple(int(d) for array in arrays for d in array.shape)
-            key = content_key(arrays[0], resolution)
-            prepared.append(PreparedImage(arrays[0], resolution, key))
-            inputs_by_key[key] = inputs
-        return prepared, inputs_by_key
-
-    @staticmethod
-    def _vision_feeds(batch: Sequence[PreparedImage], inputs_by_key: Mapping[str, dict]) -> dict:
-        # Same resolution: every input concatenates along its batch axis (axis 0).
-        return {
-            name: np.concatenate([inputs_by_key[image.key][name] for image in batch], axis=0)
-            for name in inputs_by_key[batch[0].key]
-        }
-
-    def _encoder(
-        self, inputs_by_key: Mapping[str, dict], timer: list[float]
-    ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
-        """The cache's encoder: one vision call per resolution, split where the program requires.
-
-        A compiled vision program accepts only its specializations' batch sizes (usually 1), so a
-        group of same-resolution misses is cut into the largest batches it accepts.
-        """
-        if self.patch_buckets is not None:
-            return packing_encoder(self, inputs_by_key, timer)
-
-        def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
-            start = time.perf_counter()
-            embeds: list[np.ndarray] = []
-            pending = list(batch)
-            while pending:
-                size = len(pending)
-                while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
-                    size -= 1
-                output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
-                embeds += [self.wide_rows(output, i) for i in range(size)]
-                for image in pending[:size]:
-                    grid = "x".join(str(d) for d in image.resolution)
-                    self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
-                pending = pending[size:]
-            timer[0] += time.perf_counter() - start
-            return embeds
-
-        return encode
-
-    def wide_rows(self, output: Mapping[str, np.ndarray], item: int, rows: slice = slice(None)) -> np.ndarray:
-        """[tokens, row_width]: image ``item``'s vision_embeds ``rows``, then each stacked input's rows.
-
-        The vision program's outputs are named like the language table's vision-row inputs.
-        """
-        embeds = output[self.io.rows(Role.VISION_ROWS)[0].name][item, rows]
-        columns = [embeds]
-        for name, depth in self.stack_depths.items():
-            stacked = output[name][:, item, rows]  # [depth, tokens, hidden]
-            columns.append(np.moveaxis(stacked, 0, 1).reshape(embeds.shape[0], depth * embeds.shape[1]))
-        return np.concatenate(columns, axis=-1) if len(columns) > 1 else embeds
-
-    def _vision_feeds_of_rows(self, wide: np.ndarray) -> dict[str, np.ndarray]:
-        """Split [1, V, row_width] chunk rows into the table's vision-row inputs, by name.
-
-        The first vision row (``vision_embeds``) takes the first ``hidden`` columns; each stacked
-        row then takes ``depth * hidden`` columns.
-        """
-        hidden = self.dims.hidden_size
-        main, *stacked = self.io.rows(Role.VISION_ROWS)
-        feeds = {main.name: np.ascontiguousarray(wide[..., :hidden])}
-        offset = hidden
-        for row in stacked:
-            depth = self.stack_depths[row.name]
-            block = wide[..., offset : offset + depth * hidden]
-            shaped = block.reshape(wide.shape[0], wide.shape[1], depth, hidden).transpose(2, 0, 1, 3)
-            feeds[row.name] = np.ascontiguousarray(shaped)
-            offset += depth * hidden
-        return feeds
-
-    # ---- language ----
 
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """A zeroed KV cache to pass as :meth:`step`'s ``past``; empty when the device retains it.
@@ -461,13 +320,6 @@ class Generator:
         by_role.update(extra or {})
         return self.io.feeds(by_role)
 
-    def _served_notes(self) -> list[str]:
-        """One line per image of the last prompt: which vision program (mode) served it."""
-        return [
-            f"image {number}: " + self.served.get(image.key, "embedding cache (encoded by an earlier turn)")
-            for number, image in enumerate(self._images, start=1)
-        ]
-
     def _prefill(
         self,
         plan: ChunkPlan,
@@ -560,11 +412,6 @@ class Generator:
             raise RuntimeError(
                 f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
             )
-
-    def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
-        """Zero vision rows of a decode call (decode merges no row; onnxruntime needs the input)."""
-        rows = np.zeros((batch, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
-        return self._vision_feeds_of_rows(rows)
 
     def _decode(
         self,

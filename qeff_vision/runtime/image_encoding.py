@@ -1,0 +1,121 @@
+"""The vision half of a :class:`~qeff_vision.runtime.generate.Generator`: images in, wide rows out.
+
+A prompt's images are prepared (content keys for the embedding cache), encoded by the vision
+program (one call per resolution and accepted batch, or packed into patch buckets by
+:mod:`qeff_vision.runtime.packing`), and their rows laid out as one wide row per placeholder:
+``vision_embeds`` then each stacked input (Qwen3-VL's deepstack), so the cache and the chunk
+slicing treat them as one. A chunk's wide rows are split back into the language program's
+vision-row inputs by name.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from qeff_vision.contract.language_io import Role
+from qeff_vision.runtime.embedding_cache import PreparedImage, content_key
+from qeff_vision.runtime.packing import packing_encoder
+
+
+class ImageEncoding:
+    """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the vision side (a mixin).
+
+    They read the generator's ``host``, ``vision`` (the program), ``io`` (the language IO table),
+    ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets`` and ``_images``, and
+    record in ``served`` how the vision program served each image; the generator sets them all.
+    """
+
+    def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
+        per_image = self.host.vision_inputs(processed)
+        prepared, inputs_by_key = [], {}
+        for inputs in per_image:
+            arrays = list(inputs.values())
+            resolution = tuple(int(d) for array in arrays for d in array.shape)
+            key = content_key(arrays[0], resolution)
+            prepared.append(PreparedImage(arrays[0], resolution, key))
+            inputs_by_key[key] = inputs
+        return prepared, inputs_by_key
+
+    @staticmethod
+    def _vision_feeds(batch: Sequence[PreparedImage], inputs_by_key: Mapping[str, dict]) -> dict:
+        # Same resolution: every input concatenates along its batch axis (axis 0).
+        return {
+            name: np.concatenate([inputs_by_key[image.key][name] for image in batch], axis=0)
+            for name in inputs_by_key[batch[0].key]
+        }
+
+    def _encoder(
+        self, inputs_by_key: Mapping[str, dict], timer: list[float]
+    ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
+        """The cache's encoder: one vision call per resolution, split where the program requires.
+
+        A compiled vision program accepts only its specializations' batch sizes (usually 1), so a
+        group of same-resolution misses is cut into the largest batches it accepts.
+        """
+        if self.patch_buckets is not None:
+            return packing_encoder(self, inputs_by_key, timer)
+
+        def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
+            start = time.perf_counter()
+            embeds: list[np.ndarray] = []
+            pending = list(batch)
+            while pending:
+                size = len(pending)
+                while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
+                    size -= 1
+                output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
+                embeds += [self.wide_rows(output, i) for i in range(size)]
+                for image in pending[:size]:
+                    grid = "x".join(str(d) for d in image.resolution)
+                    self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
+                pending = pending[size:]
+            timer[0] += time.perf_counter() - start
+            return embeds
+
+        return encode
+
+    def wide_rows(self, output: Mapping[str, np.ndarray], item: int, rows: slice = slice(None)) -> np.ndarray:
+        """[tokens, row_width]: image ``item``'s vision_embeds ``rows``, then each stacked input's rows.
+
+        The vision program's outputs are named like the language table's vision-row inputs.
+        """
+        embeds = output[self.io.rows(Role.VISION_ROWS)[0].name][item, rows]
+        columns = [embeds]
+        for name, depth in self.stack_depths.items():
+            stacked = output[name][:, item, rows]  # [depth, tokens, hidden]
+            columns.append(np.moveaxis(stacked, 0, 1).reshape(embeds.shape[0], depth * embeds.shape[1]))
+        return np.concatenate(columns, axis=-1) if len(columns) > 1 else embeds
+
+    def _vision_feeds_of_rows(self, wide: np.ndarray) -> dict[str, np.ndarray]:
+        """Split [1, V, row_width] chunk rows into the table's vision-row inputs, by name.
+
+        The first vision row (``vision_embeds``) takes the first ``hidden`` columns; each stacked
+        row then takes ``depth * hidden`` columns.
+        """
+        hidden = self.dims.hidden_size
+        main, *stacked = self.io.rows(Role.VISION_ROWS)
+        feeds = {main.name: np.ascontiguousarray(wide[..., :hidden])}
+        offset = hidden
+        for row in stacked:
+            depth = self.stack_depths[row.name]
+            block = wide[..., offset : offset + depth * hidden]
+            shaped = block.reshape(wide.shape[0], wide.shape[1], depth, hidden).transpose(2, 0, 1, 3)
+            feeds[row.name] = np.ascontiguousarray(shaped)
+            offset += depth * hidden
+        return feeds
+
+    def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
+        """Zero vision rows of a decode call (decode merges no row; onnxruntime needs the input)."""
+        rows = np.zeros((batch, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
+        return self._vision_feeds_of_rows(rows)
+
+    def _served_notes(self) -> list[str]:
+        """One line per image of the last prompt: which vision program (mode) served it."""
+        return [
+            f"image {number}: " + self.served.get(image.key, "embedding cache (encoded by an earlier turn)")
+            for number, image in enumerate(self._images, start=1)
+        ]
