@@ -330,11 +330,6 @@ class CrossAttentionGenerator(Generator):
         """Inputs of a decode-shaped call: tokens, positions and ``extra`` (the mask rows)."""
         return self.io.feeds({Role.TOKEN_IDS: token_ids, Role.POSITIONS: positions, **(extra or {})})
 
-    def feed_token(self, token, position, past, extra=None) -> dict[str, np.ndarray]:
-        """One decode step: ``token`` at ``position`` with ``extra`` (the cross-attention mask row)."""
-        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
-        return self.step(feeds, past)
-
     def step(
         self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
     ) -> dict[str, np.ndarray]:
