@@ -233,18 +233,10 @@ class CrossAttentionGenerator(Generator):
         ttft = time.perf_counter() - prefill.started
         if on_token:
             on_token(token)
-        decode_start, tokens = time.perf_counter(), [token]
-        for step in range(max_new_tokens - 1):
-            if token in self.eos_token_ids:
-                break
-            position = self.host.decode_positions(positions, step)
-            outputs = self.feed_token(token, position, past, {Role.CROSS_MASK: last_row})
-            if kept is not None:
-                kept.append(outputs[self.logits_name][0, -1].copy())
-            token = int(outputs[self.logits_name][0, -1].argmax())
-            tokens.append(token)
-            if on_token:
-                on_token(token)
+        decode_start = time.perf_counter()
+        tokens = self._decode(
+            token, positions, past, max_new_tokens, on_token, kept, {Role.CROSS_MASK: last_row}
+        )
         return GenerationResult(
             prompt_tokens=prefill.length,
             tokens=tokens,

@@ -421,13 +421,17 @@ class Generator(ImageEncoding):
         max_new_tokens: int,
         on_token: Callable[[int], None] | None,
         kept: list[np.ndarray] | None,
+        extra: Mapping[Role, np.ndarray] | None = None,
     ) -> list[int]:
-        """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given."""
+        """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given.
+
+        ``extra``: further inputs of every decode step by role (:meth:`feed_token`).
+        """
         tokens = [token]
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
                 break
-            outputs = self.feed_token(token, self.host.decode_positions(positions, step), past)
+            outputs = self.feed_token(token, self.host.decode_positions(positions, step), past, extra)
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
             token = int(outputs[self.logits_name][0, -1].argmax())
