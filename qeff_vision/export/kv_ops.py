@@ -325,13 +325,12 @@ def _row_gather_nodes() -> list:
     D-wide slice through a per-triple offset loop, several times slower.
     """
     return [
-        _const("rows_heads_at", [1], []),
         _const("rows_width_at", [3]),
         _const("rows_minus_one", [-1]),
         _const("rows_ax1", [1]),
         _const("rows_ax2", [2]),
         _const("rows_ax_02", [0, 2]),
-        helper.make_node("Gather", ["cache_shape", "rows_heads_at"], ["num_heads"], axis=0),
+        helper.make_node("Gather", ["cache_shape", "one"], ["num_heads"], axis=0),
         helper.make_node("Gather", ["cache_shape", "rows_width_at"], ["width"], axis=0),
         helper.make_node("Concat", ["rows_minus_one", "width"], ["rows_shape"], axis=0),
         helper.make_node("Reshape", ["cache", "rows_shape"], ["rows"]),
