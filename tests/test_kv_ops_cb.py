@@ -1,12 +1,13 @@
 """The onnxruntime body of ``CtxGatherCB`` reads exactly what the continuous-batching cache read means.
 
 The compiler maps the function by name; onnxruntime runs its body. The body branches (fast on
-onnxruntime): a leading run 0..K-1 on every row is a Slice then a slot Gather, anything else one
-Gather over the cache viewed as rows. It must give the same tensor as the former GatherND body and
-as numpy's ``cache[batch_index[b], h, indices[b, k]]`` for every in-range input: any
-``full_batch_size``, slots in any order (or repeated), indices repeated, out of order, or the last
-position (where padding rows write), read lengths shorter or longer than the cache, and a leading
-run on some rows only.
+onnxruntime): a leading run 0..K-1 on every row of consecutive slots s..s+B-1 (a decode call's
+every slot, a prefill chunk's one) is one Slice, anything else one Gather over the cache viewed as
+rows. It must give the same tensor as the former GatherND body and as numpy's
+``cache[batch_index[b], h, indices[b, k]]`` for every in-range input: any ``full_batch_size``,
+slots in any order (or repeated, or consecutive from any slot), indices repeated, out of order, or
+the last position (where padding rows write), read lengths shorter or longer than the cache, and a
+leading run on some rows only.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def _reference(cache: np.ndarray, batch_index: np.ndarray, indices: np.ndarray) 
 def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
     fast, former = _gather_cb_session(), _gather_nd_session()
     rng = np.random.default_rng(0)
-    leading_runs = in_order = 0
-    for case in range(300):
+    leading_runs = in_order = runs_from_a_slot = 0
+    for case in range(400):
         slots, heads, ctx, width = (int(rng.integers(1, n)) for n in (9, 4, 33, 6))
         rows = int(rng.integers(1, slots + 1))
         distinct = case % 3 != 0  # a call's rows name distinct slots; repeated slots are read too
@@ -80,9 +81,13 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
                 rows, batch_index = slots, np.arange(slots).reshape(slots, 1)
                 indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
                 in_order += length <= ctx
-            elif case % 8 == 4:  # every slot, out of order
+            elif case % 16 == 4:  # every slot, out of order
                 rows, batch_index = slots, np.arange(slots)[::-1].reshape(slots, 1)
                 indices = np.broadcast_to(np.arange(length) % ctx, (rows, length))
+            elif case % 16 == 12:  # consecutive slots from any slot (a prefill chunk: one of them)
+                start = int(rng.integers(0, slots - rows + 1))
+                batch_index = np.arange(start, start + rows).reshape(rows, 1)
+                runs_from_a_slot += length <= ctx and start > 0
         elif case % 4 == 1 and length <= ctx:  # a leading run on every row but the last
             indices = np.broadcast_to(np.arange(length), (rows, length)).copy()
             indices[-1] = rng.integers(0, ctx, length)
@@ -99,7 +104,8 @@ def test_gather_cb_body_matches_gather_nd_and_numpy_on_random_inputs():
         assert got.shape == expected.shape == (rows, heads, length, width)
         np.testing.assert_array_equal(got, expected)
         np.testing.assert_array_equal(got, former.run(None, feeds)[0])
-    assert leading_runs > 40 and in_order > 20  # both branches ran, full decode calls among them
+    # both branches ran: full decode calls and slot runs from a later slot among the leading runs
+    assert leading_runs > 60 and in_order > 25 and runs_from_a_slot >= 8
 
 
 def test_gather_body_matches_numpy_on_random_inputs():
@@ -147,7 +153,7 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
     assert list(function.output) == ["output"]
     assert not function.attribute
     branches = [a.g for node in function.node for a in node.attribute if a.type == onnx.AttributeProto.GRAPH]
-    assert len(branches) == 2  # leading run, any positions
+    assert len(branches) == 2  # leading run of consecutive slots, anything else
     ops, nodes = set(), list(function.node)
     while nodes:  # every op of the body and of its branches, nested ones included
         node = nodes.pop()
@@ -168,6 +174,9 @@ def test_gather_cb_function_keeps_its_name_domain_and_signature():
         "Equal",
         "Cast",
         "ReduceMin",
+        "ReduceMax",
+        "Sub",
+        "GreaterOrEqual",
         "LessOrEqual",
         "And",
         "If",

@@ -201,12 +201,20 @@ def _gather_function(opset: int) -> onnx.FunctionProto:
     )
 
 
-def _leading_run_branches(leading: list, leading_out: str, general: list, general_out: str) -> list:
+def _leading_run_branches(
+    leading: list,
+    leading_out: str,
+    general: list,
+    general_out: str,
+    condition: tuple = (),
+    condition_out: str = "is_leading_run",
+) -> list:
     """Nodes computing ``output`` by ``leading`` when ``indices`` is 0..K-1 on every row, else ``general``.
 
     Defines ``zero``, ``one``, ``cache_shape``, ``index_shape``, ``length`` (K) and ``ctx`` (C) for
     both branches. The leading branch also requires K <= C, so an out-of-range read fails in the
-    general branch as it would without the fast path.
+    general branch as it would without the fast path. ``condition`` nodes may narrow the leading
+    branch further: they read ``is_leading_run`` and define ``condition_out``, the If's condition.
     """
     return [
         _const("zero", [0], []),
@@ -223,9 +231,10 @@ def _leading_run_branches(leading: list, leading_out: str, general: list, genera
         helper.make_node("Cast", ["all_in_order"], ["all_in_order_bool"], to=TensorProto.BOOL),
         helper.make_node("LessOrEqual", ["length", "ctx"], ["fits"]),
         helper.make_node("And", ["all_in_order_bool", "fits"], ["is_leading_run"]),
+        *condition,
         helper.make_node(
             "If",
-            ["is_leading_run"],
+            [condition_out],
             ["output"],
             then_branch=_branch("leading_run", leading, leading_out),
             else_branch=_branch("any_positions", general, general_out),
@@ -289,25 +298,60 @@ def _scatter_cb_function(opset: int) -> onnx.FunctionProto:
 
 
 def _gather_cb_function(opset: int) -> onnx.FunctionProto:
-    # output[b, h, k] = cache[batch_index[b], h, indices[b, k]]. Every full-context read our
-    # decoder emits is the leading run 0..K-1 on every row (K = ctx_len or the compute-context
-    # length), so the body branches: such a read is a Slice of the first K positions then a Gather
-    # of the rows' slots, two contiguous block copies; anything else takes the general path.
-    # Both give the tensor GatherND over (slot, head, position) triples gives (tests/test_kv_ops_cb.py).
-    leading = [
-        *_leading_slice_nodes("lead_positions"),
-        _const("lead_slot_axis", [1]),
-        helper.make_node("Squeeze", ["batch_index", "lead_slot_axis"], ["lead_slots"]),
-        helper.make_node("Gather", ["lead_positions", "lead_slots"], ["lead_out"], axis=0),
+    # output[b, h, k] = cache[batch_index[b], h, indices[b, k]]. Every read our decoder emits is
+    # the leading run 0..K-1 on every row (K = ctx_len or the compute-context length) for slots
+    # that follow each other (a decode call's 0..F-1, a prefill chunk's one slot), so the body
+    # branches: such a read is one Slice over the slot and position axes, a single block copy;
+    # anything else (slots out of order, any positions) takes the general row Gather. Both give
+    # the tensor GatherND over (slot, head, position) triples gives (tests/test_kv_ops_cb.py).
+    condition = [
+        *_consecutive_slot_nodes("consecutive", "slot_first", "slot_end"),
+        helper.make_node("And", ["is_leading_run", "consecutive"], ["is_block"]),
+    ]
+    block = [
+        _const("block_axes", [0, 2]),
+        _const("block_zero", [0]),
+        helper.make_node("Unsqueeze", ["length", "block_zero"], ["block_length"]),
+        helper.make_node("Concat", ["slot_first", "block_zero"], ["block_starts"], axis=0),
+        helper.make_node("Concat", ["slot_end", "block_length"], ["block_ends"], axis=0),
+        helper.make_node("Slice", ["cache", "block_starts", "block_ends", "block_axes"], ["block_out"]),
     ]
     return helper.make_function(
         DOMAIN,
         GATHER_CB,
         ["cache", "batch_index", "indices"],
         ["output"],
-        _leading_run_branches(leading, "lead_out", _row_gather_nodes(), "rows_out"),
+        _leading_run_branches(block, "block_out", _row_gather_nodes(), "rows_out", condition, "is_block"),
         [helper.make_opsetid("", opset)],
     )
+
+
+def _consecutive_slot_nodes(out: str, first: str, end: str) -> list:
+    """Whether ``batch_index`` [B, 1] is s, s+1, .., s+B-1 inside the cache's F slots: ``out``.
+
+    Also defines ``first`` = [s] and ``end`` = [s + B] (1-D), the slot Slice's bounds. B is read
+    from ``indices`` [B, K] (same rows as ``batch_index``). Only the last two checks read the
+    cache's shape: the rest is the same for every read of a call, which onnxruntime computes once
+    when the functions are inlined (:mod:`qeff_vision.runtime.ort_graph`).
+    """
+    return [
+        _const("slot_ax1", [1]),
+        helper.make_node("Gather", ["index_shape", "zero"], ["call_rows"], axis=0),
+        helper.make_node("Range", ["zero", "call_rows", "one"], ["row_range"]),
+        helper.make_node("Unsqueeze", ["row_range", "slot_ax1"], ["row_col"]),  # [B, 1]
+        helper.make_node("Sub", ["batch_index", "row_col"], ["slot_offset"]),  # s on every row
+        helper.make_node("ReduceMin", ["slot_offset"], ["offset_min"], keepdims=0),
+        helper.make_node("ReduceMax", ["slot_offset"], ["offset_max"], keepdims=0),
+        helper.make_node("Equal", ["offset_min", "offset_max"], ["one_offset"]),
+        helper.make_node("GreaterOrEqual", ["offset_min", "zero"], ["from_a_slot"]),
+        helper.make_node("And", ["one_offset", "from_a_slot"], ["consecutive_from_a_slot"]),
+        helper.make_node("Add", ["offset_min", "call_rows"], ["offset_end"]),
+        helper.make_node("Reshape", ["offset_min", "slot_ax1"], [first]),
+        helper.make_node("Reshape", ["offset_end", "slot_ax1"], [end]),
+        helper.make_node("Gather", ["cache_shape", "zero"], ["slot_count"], axis=0),
+        helper.make_node("LessOrEqual", ["offset_end", "slot_count"], ["to_a_slot"]),
+        helper.make_node("And", ["consecutive_from_a_slot", "to_a_slot"], [out]),
+    ]
 
 
 def _branch(name: str, nodes: list, output: str) -> onnx.GraphProto:
