@@ -155,20 +155,16 @@ class OnnxProgram(CompiledProgram):
         fp32_values: Collection[str] | None = None,
         mx=None,
     ):
-        import onnxruntime as ort
+        from qeff_vision.numerics.device import device_session, session_for
+        from qeff_vision.runtime.ort_graph import prepared_for_onnxruntime
 
         super().__init__()
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.log_severity_level = 3
         try:
             if fp32_values is None:
-                self.session = ort.InferenceSession(
-                    str(onnx_path), options, providers=["CPUExecutionProvider"]
-                )
+                # Functions inlined and constants shared: each call's KV index arithmetic runs once.
+                model = prepared_for_onnxruntime(Path(onnx_path))
+                self.session = session_for(model, Path(onnx_path).parent, threads)
             else:
-                from qeff_vision.numerics.device import device_session
-
                 self.session = device_session(Path(onnx_path), fp32_values, mx, threads)
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph types
             raise UserError(
