@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.families.base import ModelDescription
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
@@ -27,7 +26,7 @@ class SlotCaches:
 
     def __init__(self, generator: Generator, full_batch_size: int):
         family, dims = generator.family, generator.dims
-        description = ModelDescription(generator.model_config)
+        description = generator.checkpoint.description
         lengths = family.kv_cache_lengths(description, generator.shape.ctx_len)
         self.full_batch_size = full_batch_size
         self.past: dict[str, np.ndarray] = {}

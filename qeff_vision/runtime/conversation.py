@@ -272,13 +272,13 @@ class Conversation:
             raise UserError(
                 f"{clip.source}: {family.title} does not take video ({family.features.video.note})"
             )
-        problems = generator.family.validate_image(ModelDescription(generator.model_config), size)
+        problems = generator.family.validate_image(ModelDescription(generator.checkpoint.config), size)
         if problems:
             raise UserError(f"{clip.source}: {problems[0]}")
         compiled = generator.compiled_vision
         if not compiled:
             return  # a bare export takes any clip
-        description = ModelDescription(generator.model_config, video_processor=self._video_config())
+        description = ModelDescription(generator.checkpoint.config, video_processor=self._video_config())
 
         def fits(frames: int) -> bool:
             wanted = family.vision_symbols(

@@ -59,7 +59,6 @@ class Generator(ImageEncoding):
         self.checkpoint = checkpoint
         family = self.family = checkpoint.family
         self.host = checkpoint.host
-        self.model_config = checkpoint.config
         self.vision = vision
         self.language = language
         self.shape = shape
