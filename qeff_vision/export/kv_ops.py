@@ -17,6 +17,8 @@ eager ``forward`` computes the same result and whose ``symbolic`` emits the cust
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import onnx
 import torch
 from onnx import TensorProto, helper
@@ -206,7 +208,7 @@ def _leading_run_branches(
     leading_out: str,
     general: list,
     general_out: str,
-    condition: tuple = (),
+    condition: Sequence[onnx.NodeProto] = (),
     condition_out: str = "is_leading_run",
 ) -> list:
     """Nodes computing ``output`` by ``leading`` when ``indices`` is 0..K-1 on every row, else ``general``.
