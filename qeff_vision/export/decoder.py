@@ -3,8 +3,9 @@
 It reuses the Hugging Face text model's own layers and replaces only what export needs:
   * the KV cache is a pair of retained-state tensors per layer, updated with ``CtxScatter`` at the
     token positions and read with ``CtxGather`` (see :mod:`qeff_vision.export.kv_ops`);
-  * the attention mask is built from positions, so padding tokens (position -1) attend to nothing
-    and write a slot nobody reads before a real token overwrites it;
+  * the attention mask is built from positions, so padding tokens (position -1) attend to nothing;
+    they write back the value already at their index, where no other token of the call writes
+    (:mod:`qeff_vision.export.kv_writes`), so they change nothing whatever their ``batch_index``;
   * image rows are merged by the rule of the IO contract: the t-th placeholder of the chunk takes
     row ``image_idx + t`` of the flattened ``vision_embeds``; ``image_idx_output`` adds the chunk's
     placeholder count, so it never goes backwards;
@@ -15,7 +16,8 @@ It reuses the Hugging Face text model's own layers and replaces only what export
 With continuous batching (the table's ``batch_index`` row, role ``KV_SLOT``) the caches hold
 ``full_batch_size`` slots on dim 0 and ``batch_index`` [batch, 1] names the slot of each row:
 full-context layers write and read through ``CtxScatterCB`` / ``CtxGatherCB``, window rings read
-their rows out of the slot and write them back, so each row sees only its own sequence
+their rows out of the slot and write back the ring slots the chunk changes, so each row sees only
+its own sequence
 (docs/design.md, "Continuous batching protocol").
 """
 
@@ -34,6 +36,7 @@ from qeff_vision.export.kv_ops import (
     CtxScatterCBFunction,
     CtxScatterFunction,
 )
+from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.families.base import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
@@ -102,15 +105,26 @@ class RingPlan:
             the chunk (negative where a slot was never written), then the chunk's own tokens.
         take_new: [batch, 1, R, 1] slots the chunk overwrites (the last R of its valid tokens).
         source: [batch, 1, R, 1] index in the chunk of the token each overwritten slot takes.
+        write_slots: [batch, K] ring slots each row writes back (continuous batching: only these,
+            :mod:`qeff_vision.export.kv_writes`), or None (the whole ring is rewritten).
+        write_index: [batch, 1, K, 1] where each written slot's value is in (ring, chunk).
     """
 
     key_positions: torch.Tensor
     take_new: torch.Tensor
     source: torch.Tensor
+    write_slots: torch.Tensor | None = None
+    write_index: torch.Tensor | None = None
 
     @classmethod
-    def for_chunk(cls, positions: torch.Tensor, ring_len) -> RingPlan:
-        """The plan for a chunk with token ``positions`` [batch, seq] and ``ring_len`` slots."""
+    def for_chunk(
+        cls, positions: torch.Tensor, ring_len, write_slots: torch.Tensor | None = None
+    ) -> RingPlan:
+        """The plan for a chunk with token ``positions`` [batch, seq] and ``ring_len`` slots.
+
+        ``write_slots`` [batch, K] (:meth:`WritePlan.ring_slots`) names the slots to write back;
+        they must hold every slot the chunk changes.
+        """
         valid = positions >= 0
         count = valid.to(torch.int64).sum(dim=1, keepdim=True)
         first = torch.clamp(positions[:, :1], min=0)  # padding only follows the valid tokens
@@ -120,10 +134,17 @@ class RingPlan:
         held_after = end - 1 - torch.remainder(end - 1 - slots, ring_len)
         take_new = held_after >= first
         source = torch.clamp(held_after - first, min=0, max=positions.shape[1] - 1)
+        write_index = None
+        if write_slots is not None:  # the same rule at the written slots, as an index into (ring, chunk)
+            held = end - 1 - torch.remainder(end - 1 - write_slots, ring_len)
+            chunk_index = ring_len + torch.clamp(held - first, min=0, max=positions.shape[1] - 1)
+            write_index = torch.where(held >= first, chunk_index, write_slots).unsqueeze(1).unsqueeze(-1)
         return cls(
             key_positions=torch.cat([held_before, positions], dim=1),
             take_new=take_new.view(take_new.shape[0], 1, -1, 1),
             source=source.view(source.shape[0], 1, -1, 1),
+            write_slots=write_slots,
+            write_index=write_index,
         )
 
     def update(self, ring: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +161,9 @@ class RetainedKVCache:
     Full-context layers scatter the chunk into their ``ctx_len`` slots and read them all back
     (masked by position); window layers (``ring`` set) keep a ring of ``sliding_window`` slots
     updated by the :class:`RingPlan`. With ``batch_index`` (continuous batching) every read and
-    write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call.
+    write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call. With ``fresh``
+    [batch, seq] (:class:`~qeff_vision.export.kv_writes.WritePlan`) the other tokens write back the
+    value already at their full-context slot, so padding changes nothing.
     """
 
     def __init__(
@@ -151,6 +174,7 @@ class RetainedKVCache:
         ring_layers: Sequence[bool] = (),
         ring: RingPlan | None = None,
         batch_index: torch.Tensor | None = None,
+        fresh: torch.Tensor | None = None,
     ):
         self.keys = list(past[0::2])
         self.values = list(past[1::2])
@@ -159,6 +183,7 @@ class RetainedKVCache:
         self.ring_layers = list(ring_layers) or [False] * len(self.keys)
         self.ring = ring
         self.batch_index = batch_index
+        self.fresh = fresh
 
     def _write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         if self.batch_index is None:
@@ -176,8 +201,21 @@ class RetainedKVCache:
         # The call's rows of the slot-indexed ring, updated, then written back whole: every ring
         # slot of a row is rewritten (unchanged ones with their old value).
         slots = torch.arange(ring.shape[2]).view(1, -1).expand(new.shape[0], -1)
-        attend, rewritten = self.ring.update(self._read(ring, slots), new)
-        return attend, self._write(ring, slots, rewritten)
+        if self.ring.write_slots is None:
+            attend, rewritten = self.ring.update(self._read(ring, slots), new)
+            return attend, self._write(ring, slots, rewritten)
+        # Only the plan's slots are written back (the changed ones among them), so a padding row
+        # sharing this slot writes other ring slots, with their own values (kv_writes).
+        rows = self._read(ring, slots)
+        attend = torch.cat([rows, new.to(rows.dtype)], dim=2)
+        index = self.ring.write_index.expand(-1, rows.shape[1], -1, rows.shape[3])
+        return attend, self._write(ring, self.ring.write_slots, torch.gather(attend, 2, index))
+
+    def _write_full(self, cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        if self.fresh is not None:  # padding writes back what its slot holds (kv_writes)
+            kept = self._read(cache, self.write_slots).to(states.dtype)
+            states = torch.where(self.fresh.unsqueeze(1).unsqueeze(-1), states, kept)
+        return self._write(cache, self.write_slots, states)
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Write this chunk's keys/values and return what attention reads for this layer."""
@@ -185,8 +223,8 @@ class RetainedKVCache:
             keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
             values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)
             return keys, values
-        self.keys[layer_idx] = self._write(self.keys[layer_idx], self.write_slots, key_states)
-        self.values[layer_idx] = self._write(self.values[layer_idx], self.write_slots, value_states)
+        self.keys[layer_idx] = self._write_full(self.keys[layer_idx], key_states)
+        self.values[layer_idx] = self._write_full(self.values[layer_idx], value_states)
         return self._read(self.keys[layer_idx], self.read_slots), self._read(
             self.values[layer_idx], self.read_slots
         )
@@ -358,11 +396,9 @@ class LanguageDecoder(nn.Module):
         rings = ring_layers(parts)
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
         ctx_len = past[2 * rings.index(False)].shape[2] if False in rings else 1
-        # Padding (position -1) writes the last slot: only a query at position ctx_len-1 reads it,
-        # and that query's own token overwrites it first.
-        write_slots = torch.where(
-            text_positions >= 0, text_positions, torch.full_like(text_positions, ctx_len - 1)
-        )
+        # Padding (position -1) writes back what its slot holds, where no other token writes.
+        writes = write_plan(text_positions, batch_index, past[0].shape[0])
+        write_slots = writes.full_slots(text_positions, ctx_len)
         read_len = ctx_len if read_len is None else read_len
         read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
@@ -372,11 +408,13 @@ class LanguageDecoder(nn.Module):
         )
         plan = None
         if any(rings):
-            plan = RingPlan.for_chunk(text_positions, past[2 * rings.index(True)].shape[2])
+            ring_len = past[2 * rings.index(True)].shape[2]
+            ring_writes = None if batch_index is None else writes.ring_slots(ring_len)
+            plan = RingPlan.for_chunk(text_positions, ring_len, ring_writes)
             masks[SLIDING_ATTENTION] = _window_mask(
                 text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
             )
-        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan, batch_index)
+        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh)
         extra = {}
         if stacked_rows:
             gathered = {

@@ -68,7 +68,8 @@ class CtxGatherFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, cache, indices):  # noqa: D102 - ONNX emission
-        return g.op(f"{DOMAIN}::{GATHER}", cache, indices).setType(cache.type())
+        # [B, H, K, D]: K is the read's length, not the cache's (a padding write-back reads S slots).
+        return g.op(f"{DOMAIN}::{GATHER}", cache, indices).setType(cache.type().with_sizes([None] * 4))
 
 
 class CtxScatterCBFunction(torch.autograd.Function):

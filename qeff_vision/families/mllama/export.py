@@ -30,6 +30,7 @@ from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, RetainedKVCache, attention_masks
+from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.families import get_family
 from qeff_vision.families.mllama import ASPECT_RATIO_IDS, ASPECT_RATIO_MASK, CROSS_ATTENTION_MASK
 
@@ -75,8 +76,10 @@ class CrossCache(RetainedKVCache):
     what transformers' skipping of the cross layers amounts to (see ``CrossAttentionDecoder``).
     """
 
-    def __init__(self, past, write_slots, read_slots, cross: set[int], batch_index=None, sees_images=None):
-        super().__init__(past, write_slots, read_slots, batch_index=batch_index)
+    def __init__(
+        self, past, write_slots, read_slots, cross: set[int], batch_index=None, sees_images=None, fresh=None
+    ):
+        super().__init__(past, write_slots, read_slots, batch_index=batch_index, fresh=fresh)
         self.layers = [
             SimpleNamespace(keys=self._slot(self.keys[i]), values=self._slot(self.values[i], sees_images))
             if i in cross
@@ -122,15 +125,16 @@ class CrossAttentionDecoder(nn.Module):
         text = self.text
         hidden = text.embed_tokens(input_ids)
         ctx_len = past[2 * self.first_self].shape[2]
-        # Padding (position -1) writes the last slot, as in the generic decoder.
-        write = torch.where(position_ids >= 0, position_ids, torch.full_like(position_ids, ctx_len - 1))
+        # Padding (position -1) writes back what its slot holds, as in the generic decoder.
+        writes = write_plan(position_ids, batch_index, past[0].shape[0])
         read = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
         # A row whose request uses no image slot (every slot of its valid tokens padded, -1) must
         # not read cross values: under continuous batching its KV slot may still hold a previous
         # request's states. Chunk padding (position -1) does not count, whatever its mask holds.
         in_use = (cross_attention_mask >= 0).flatten(2).any(dim=2) & (position_ids >= 0)
         sees_images = in_use.any(dim=1)
-        cache = CrossCache(past, write, read, self.cross, batch_index, sees_images)
+        write = writes.full_slots(position_ids, ctx_len)
+        cache = CrossCache(past, write, read, self.cross, writes.batch_index, sees_images, writes.fresh)
         mask = attention_masks(position_ids, ctx_len, [FULL_ATTENTION], None, None, hidden.dtype)[
             FULL_ATTENTION
         ]
