@@ -4,7 +4,11 @@ Each program runs in fp32 with every float node output exposed (:class:`Recordin
 the ordinary chunk-aware generation loop, on one prompt per (image, prompt) pair: the spec's
 resolutions as synthetic images (or the user's ``compile.calibration.images``) with a default
 prompt (or ``compile.calibration.prompts``), chunked over the compiled buckets and followed by a few
-decode steps. Token ids, image rows and positions are then those a user's request produces; the
+decode steps. Each prompt is fitted to the compiled ``ctx_len``: its longest leading run of words
+that leaves room for a decode step (fewer decode steps when that is all that fits); an image whose
+prompt cannot fit even without words is skipped, and one note says what was shortened or skipped,
+so a small valid ``ctx_len`` never stops a compile over a prompt the user did not write. Token ids,
+image rows and positions are then those a user's request produces; the
 generated inputs of :func:`qeff_vision.compile.precision.calibration_feeds` (zero token ids, which
 are padding with a zero embedding in some families) complement them with every specialization's
 shape.
@@ -12,8 +16,9 @@ shape.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -69,6 +74,7 @@ def prompt_ranges(
     *,
     images: Sequence[Path] = (),
     prompts: Sequence[str] = (),
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -79,6 +85,7 @@ def prompt_ranges(
         resolutions: (height, width) of the spec's images; a synthetic image each unless ``images``.
         images: The user's calibration images (replace the synthetic ones).
         prompts: The user's calibration prompts (default: one descriptive prompt).
+        say: Called with one note when a prompt was shortened or a run skipped to fit ``ctx_len``.
     """
     from PIL import Image
 
@@ -105,9 +112,64 @@ def prompt_ranges(
             Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
             for height, width in resolutions
         ]
+    fitting = _Fitting(shape.ctx_len)
     for text in prompts or [DEFAULT_PROMPT]:
-        for picture in pictures:
-            chat = Conversation(generator, processor, max_new_tokens=DECODE_STEPS)
-            chat.ask([picture], text)
-        Conversation(generator, processor, max_new_tokens=DECODE_STEPS).ask([], text)
+        for picture in [*pictures, None]:  # each image with the prompt, then the prompt alone
+            chat = Conversation(generator, processor)
+            shown = [] if picture is None else [picture]
+            fitted = fitting.fit(chat, shown, text)
+            if fitted is not None:
+                chat.ask(shown, fitted[0], max_new_tokens=fitted[1])
+    if fitting.note() and say is not None:
+        say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+class _Fitting:
+    """Fits calibration prompts to ``ctx_len`` and remembers what it changed, for one note."""
+
+    def __init__(self, ctx_len: int):
+        self.ctx_len = ctx_len
+        self.runs = 0
+        self.shortened = 0
+        self.skipped: list[int] = []  # prompt lengths (tokens, without words) that did not fit
+
+    def fit(self, chat: Any, images: Sequence[Any], text: str) -> tuple[str, int] | None:
+        """(the longest leading words of ``text`` that fit, decode steps), or None when nothing fits.
+
+        A prompt of L tokens fits when L + 1 <= ctx_len (one generated token at least); it then
+        runs ``min(DECODE_STEPS, ctx_len - L)`` new tokens.
+        """
+        self.runs += 1
+        words = text.split()
+
+        def length(count: int) -> int:
+            return int(chat.prepare(images, " ".join(words[:count])).processed["input_ids"].shape[-1])
+
+        kept = len(words)
+        if length(kept) >= self.ctx_len:
+            shortest = length(0)
+            if shortest >= self.ctx_len:
+                self.skipped.append(shortest)
+                return None
+            low, high = 0, kept - 1  # length(low) fits, length(kept) does not
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if length(middle) < self.ctx_len else (low, middle - 1)
+            kept = low
+            self.shortened += 1
+        return " ".join(words[:kept]), min(DECODE_STEPS, self.ctx_len - length(kept))
+
+    def note(self) -> str:
+        """One line on what was shortened or skipped ('' when every prompt ran whole)."""
+        if not self.shortened and not self.skipped:
+            return ""
+        parts = []
+        if self.shortened:
+            parts.append(f"{self.shortened} of {self.runs} calibration prompts shortened")
+        if self.skipped:
+            parts.append(
+                f"{len(self.skipped)} skipped (an image's prompt needs {min(self.skipped)}+ tokens "
+                "before any words)"
+            )
+        return f"note: to fit the compiled ctx_len {self.ctx_len}, " + ", ".join(parts)

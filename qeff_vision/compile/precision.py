@@ -178,7 +178,7 @@ def resolve_plans(
     prompts: dict[str, dict[str, float]] = {}
     if any(found is None for found in reused.values()):
         say("calibrating device precision: fp32 runs with every node output recorded")
-        prompts = _prompt_ranges(plans, spec, export_dir, export_manifest)
+        prompts = _prompt_ranges(plans, spec, export_dir, export_manifest, say)
     notes = []
     for plan in plans.values():
         precision = reused.get(plan.program)
@@ -214,7 +214,7 @@ def resolve_plans(
     return notes
 
 
-def _prompt_ranges(plans, spec, export_dir: Path, export_manifest) -> dict[str, dict[str, float]]:
+def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[str, dict[str, float]]:
     """Calibration prompts through the runtime (needs the checkpoint's processor; else none)."""
     from qeff_vision.compile.calibration import prompt_ranges
     from qeff_vision.errors import UserError
@@ -235,6 +235,7 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest) -> dict[str, 
         [(image.height, image.width) for image in spec.vision.images if not image.video],  # stills only
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
+        say=say,
     )
 
 

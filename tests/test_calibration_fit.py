@@ -1,0 +1,114 @@
+"""Calibration fits its prompts to the compiled shapes: a small valid ctx_len compiles (issue 31).
+
+Every family's tiny checkpoint compiles on onnxruntime with ``ctx_len`` just above its largest
+image's rows plus its largest prefill bucket, with ``node_precision`` ``auto`` and ``none`` (both
+run the device-precision calibration). The default calibration prompt does not fit whole there
+(tiny tokenizers spend a token on almost every character); it is shortened, one note says so, and
+nothing asks the user to change a prompt they did not write.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qeff_vision.checkpoint import Checkpoint
+from qeff_vision.cli import main
+from qeff_vision.compile.calibration import DEFAULT_PROMPT, _Fitting
+from qeff_vision.export.exporter import load_adapter
+from qeff_vision.families import all_families, get_family
+from qeff_vision.families.base import ImageSize
+from qeff_vision.spec import find_specs, load_spec
+from tests.test_spec_helpers import write_spec as write_spec_data
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+FAMILIES = [family.name for family in all_families()]
+BUCKET = 32
+
+
+def _small_spec(family: str, model: Path, tmp_path: Path, node_precision: str) -> tuple[Path, int]:
+    """(spec path, ctx_len): the family's plain repository spec on ``model``, ctx_len just big enough."""
+    base = next(
+        path
+        for path in find_specs(SPECS)
+        if (spec := load_spec(path)).family == family
+        and spec.full_batch_size is None
+        and spec.compile.comp_ctx_lengths is None
+        and not spec.vision.patch_buckets
+        and not any(image.video for image in spec.vision.images)
+    )
+    description = Checkpoint.open(model, family).description
+    sizes = [ImageSize(height, width) for height, width in load_adapter(get_family(family)).test_image_sizes]
+    largest = max(sizes, key=lambda size: get_family(family).image_tokens(description, size))
+    rows = get_family(family).image_tokens(description, largest)
+    data = yaml.safe_load(base.read_text())
+    data.pop("config")
+    data.pop("compile", None)
+    ctx_len = rows + BUCKET + 1
+    data.update(model=str(model), ctx_len=ctx_len, prefill={"seq_lens": [BUCKET]})
+    data["vision"]["images"] = [{"height": largest.height, "width": largest.width}]
+    data["vision"].pop("max_images", None)
+    data["compile"] = {"node_precision": node_precision}
+    return write_spec_data(tmp_path, data), ctx_len
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_compiles_with_ctx_len_just_above_an_image_and_a_bucket(
+    family, tiny_checkpoint, exported, tmp_path, capsys
+):
+    for node_precision in ("auto", "none"):
+        work = tmp_path / node_precision
+        work.mkdir()
+        path, ctx_len = _small_spec(family, tiny_checkpoint(family), work, node_precision)
+        out = work / "out"
+        args = [
+            "compile",
+            str(path),
+            "-o",
+            str(out),
+            "--backend",
+            "onnxruntime",
+            "--export",
+            str(exported(family)),
+        ]
+        code = main(args)
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        assert "shorten the prompt" not in captured.out + captured.err
+        manifest = json.loads((out / "manifest.json").read_text())
+        runs = manifest["programs"]["lang"]["verification"]["runs"]
+        assert all(run["symbols"]["ctx_len"] == ctx_len for run in runs)
+        # Calibration ran with its prompts fitted (the default one is too long whole here).
+        assert f"to fit the compiled ctx_len {ctx_len}" in captured.out + captured.err
+
+
+class _Chat:
+    """A conversation stand-in whose prompt is the template (``base`` tokens) plus one token a word."""
+
+    def __init__(self, base: int):
+        self.base = base
+
+    def prepare(self, images, text):
+        import numpy as np
+
+        class Inputs:
+            processed = {"input_ids": np.zeros((1, self.base + len(text.split())), np.int64)}
+
+        return Inputs()
+
+
+def test_fitting_keeps_the_longest_prefix_that_leaves_a_decode_step_and_skips_what_cannot_fit():
+    words = len(DEFAULT_PROMPT.split())
+    fitting = _Fitting(ctx_len=20)
+    assert fitting.fit(_Chat(5), [], DEFAULT_PROMPT) == (" ".join(DEFAULT_PROMPT.split()[:words]), 3)
+    assert fitting.note() == ""
+    kept, steps = fitting.fit(_Chat(12), [], DEFAULT_PROMPT)
+    assert len(kept.split()) == 7 and steps == 1  # 12 + 7 = 19 tokens: one new token fits
+    assert fitting.fit(_Chat(20), ["image"], DEFAULT_PROMPT) is None
+    assert fitting.note() == (
+        "note: to fit the compiled ctx_len 20, 1 of 3 calibration prompts shortened, "
+        "1 skipped (an image's prompt needs 20+ tokens before any words)"
+    )
