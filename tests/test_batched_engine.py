@@ -134,3 +134,47 @@ def test_decode_ccl_covers_the_furthest_position_across_the_batch(hf_model, cb_e
     decode = [(furthest, ccl) for batch, furthest, ccl in calls if batch == SLOTS]
     assert decode and all(ccl == min(c for c in decode_ccls if c > furthest) for furthest, ccl in decode)
     assert len({ccl for _, ccl in decode}) > 1, "the decode CCL grows with the furthest position"
+
+
+def test_a_slot_idle_between_prefill_chunks_keeps_its_gemma3_window(hf_model, cb_exported):
+    """Gemma 3: a request prefilled in several chunks while two others decode (issue 31).
+
+    Between its chunks the request's slot is an idle row of every decode call (position -1,
+    ``batch_index`` its own slot): it must write nothing its ring or full layers read, so the
+    request's tokens equal transformers alone. Chunks of 16 tokens over a window of 8 make each
+    chunk rewrite the whole ring, and the decode calls run between those chunks.
+    """
+    family = "gemma3"
+    model, processor = hf_model(family)
+    runtime = FamilyRuntime(family, cb_exported(family), model, processor)
+    generator = runtime.generator((16,))
+    turns = [
+        (("Write a poem.",), [], NEW_TOKENS, 0),
+        (("Hi there",), [], NEW_TOKENS, 0),
+        (("Tell me a long story about a dragon, a castle, the sea and a very old lighthouse.",), [], 3, 2),
+    ]
+    requests = [(runtime.inputs(parts, images), new, arrival) for parts, images, new, arrival in turns]
+    engine = BatchedEngine(generator, full_batch_size=SLOTS)
+    events = []
+    prefill, decode = engine.slots.prefill, engine.slots.decode
+
+    def recording_prefill(slot, feeds):
+        events.append(("prefill", slot))
+        return prefill(slot, feeds)
+
+    def recording_decode(tokens):
+        events.append(("decode", set(tokens)))
+        return decode(tokens)
+
+    engine.slots.prefill, engine.slots.decode = recording_prefill, recording_decode
+    report = engine.run([EngineRequest(p, new, arrival) for p, new, arrival in requests], keep_logits=True)
+    check_against_transformers(runtime, requests, report)
+    long = report.requests[2]
+    assert len(long.result.chunks) >= 3, "the long prompt is prefilled in several chunks"
+    chunk_steps = [i for i, (kind, slot) in enumerate(events) if kind == "prefill" and slot == long.slot]
+    between = [
+        slots for kind, slots in events[chunk_steps[0] : chunk_steps[-1]] if kind == "decode" and slots
+    ]
+    assert len(between) >= 2 and all(long.slot not in slots for slots in between), (
+        "others decode while the long request's slot is idle between its chunks"
+    )
