@@ -158,3 +158,37 @@ def test_a_padding_row_naming_a_slot_mid_prefill_changes_nothing(family, cb_expo
         results = {name: calls.run(state, ids, positions, np.arange(SLOTS)) for name, state in states.items()}
         _assert_same(f"{family} step {step}", results["padded"], results["plain"])
         states = {name: result[1] for name, result in results.items()}
+
+
+@pytest.mark.parametrize(
+    ("positions", "slots"),
+    [
+        ([[5], [9], [-1], [-1], [-1]], [0, 3, -1, 3, 1]),  # three padding rows, two on slot 3 with row 1
+        ([[0], [-1], [-1]], [2, 2, -1]),  # slots given as 2 and -1 (= 2 of 3)
+        ([[4, 5, 6, -1, -1]], [1]),  # a prefill chunk's padded tail
+        ([[-1, -1, -1]], [-1]),  # a call of padding only
+    ],
+)
+def test_write_plan_gives_padding_indices_no_other_token_writes(positions, slots):
+    """Full-context and ring indices are distinct across the call; valid tokens keep their own."""
+    import torch
+
+    from qeff_vision.export.kv_writes import write_plan
+
+    full_batch_size, ctx_len, ring_len = 3 if max(slots) < 3 else 4, 16, 4
+    positions = torch.tensor(positions)
+    plan = write_plan(positions, torch.tensor(slots).view(-1, 1), full_batch_size)
+    slot = plan.batch_index.expand(-1, positions.shape[1])
+    assert int(slot.min()) >= 0 and int(slot.max()) < full_batch_size
+    full = plan.full_slots(positions, ctx_len)
+    assert torch.equal(full[plan.fresh], positions[plan.fresh])
+    written = list(zip(slot.flatten().tolist(), full.flatten().tolist()))
+    assert len(set(written)) == len(written), written
+    ring = plan.ring_slots(ring_len)
+    ring_written = list(
+        zip(plan.batch_index.expand(-1, ring.shape[1]).flatten().tolist(), ring.flatten().tolist())
+    )
+    assert len(set(ring_written)) == len(ring_written), ring_written
+    for row, row_positions in enumerate(positions.tolist()):  # a valid row's ring write holds its changes
+        changed = {p % ring_len for p in row_positions if p >= 0}
+        assert changed <= set(ring[row].tolist())
