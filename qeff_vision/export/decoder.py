@@ -198,8 +198,8 @@ class RetainedKVCache:
     def _ring_update(self, ring: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.batch_index is None:
             return self.ring.update(ring, new)
-        # The call's rows of the slot-indexed ring, updated, then written back whole: every ring
-        # slot of a row is rewritten (unchanged ones with their old value).
+        # The call's rows of the slot-indexed ring are read whole; without a plan's write slots
+        # every ring slot of a row is written back (unchanged ones with their old value).
         slots = torch.arange(ring.shape[2]).view(1, -1).expand(new.shape[0], -1)
         if self.ring.write_slots is None:
             attend, rewritten = self.ring.update(self._read(ring, slots), new)
