@@ -58,8 +58,8 @@ class ProgramFiles:
 
 
 def is_language(program: str) -> bool:
-    """True for the language decoder (``lang`` or ``language``)."""
-    return program in (LANGUAGE, PROGRAM_DIRS[LANGUAGE])
+    """True for a language decoder: ``lang``, ``language``, or ``lang_prefill`` / ``lang_decode``."""
+    return program in (LANGUAGE, PROGRAM_DIRS[LANGUAGE]) or program.startswith(PROGRAM_DIRS[LANGUAGE] + "_")
 
 
 def mdp_partition_config(num_devices: int, num_cores: int) -> dict[str, Any]:
@@ -133,6 +133,15 @@ def build_argv(
         argv.append("-aic-enable-depth-first")
     if files.partition_config is not None:
         argv.append(f"-mdp-load-partition-config={files.partition_config}")
+    # Deployment flags (ref: the Cloud AI disaggregated-serving launcher: prefill
+    # -allow-mxint8-mdp-io, decode also -split-retained-state-io); None counts as off here, the
+    # deployment's defaults are resolved before (qeff_vision.compile.deployment).
+    if options.allow_mxint8_mdp_io:
+        argv.append("-allow-mxint8-mdp-io")
+    if options.split_retained_state_io:
+        argv.append("-split-retained-state-io")
+    if options.split_model_io:
+        argv.append("-split-model-io")
     argv.append(f"-aic-binary-dir={files.binary_dir}")
     if compiler_name == QAIC_EXEC:
         argv.append("-compile-only")

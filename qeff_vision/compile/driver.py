@@ -60,6 +60,7 @@ from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
 from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.spec.deployment import DUAL
 
 LOG_FILE = "compile.log"
 
@@ -146,6 +147,8 @@ def _common_manifest(spec: Any, out_dir: Path, export: Export, backend: str, sdk
         "spec": {"path": str(Path(spec.source).resolve()), "name": spec.name},
         "spec_hash": spec_hash(Path(spec.source), spec.config_path),
         "sdk": sdk.to_dict() if sdk else None,
+        "deployment": spec.deployment.mode,
+        "kv_cache_prefix": spec.deployment.kv_cache_prefix,
         "export": {
             "dir": relative_to(export.directory, out_dir),
             "config_hash": (export.manifest or {}).get("config_hash"),
@@ -431,6 +434,11 @@ def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]
     from qeff_vision.compile.vllm_handoff import handoff_for_spec
 
     model = manifest.get("runtime_model")
+    if spec.deployment.mode != DUAL:
+        return {
+            "available": False,
+            "reason": f"deployment {spec.deployment.mode}: no vLLM serve form generated yet",
+        }
     return handoff_for_spec(spec, entries["vision"]["path"], entries["lang"]["path"], model)
 
 

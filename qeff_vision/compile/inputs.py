@@ -164,6 +164,10 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> di
     from qeff_vision.spec import write_specializations
 
     write_specializations(generated, out_dir)
+    if spec.deployment.kv_cache_prefix and export.manifest is not None:
+        from qeff_vision.compile.kv_prefix import write_prefixed_language
+
+        write_prefixed_language(export.onnx(SECTIONS[LANGUAGE]), spec.deployment.kv_cache_prefix)
     plans = plan_inputs(generated, spec, out_dir, export)
     for plan in plans.values():
         partition = plan.directory / PARTITION_FILE_NAME
@@ -176,21 +180,33 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> di
 
 
 def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:
-    """Each program's plan: where its inputs go under OUT (nothing is written)."""
+    """Each program's plan: where its inputs go under OUT (nothing is written).
+
+    The programs are the spec's deployment's (``generated.programs``): ``vision`` and ``lang``,
+    or ``vision``, ``lang_prefill`` and ``lang_decode`` compiled from the one language graph (its
+    KV-renamed copy beside it with a ``kv_cache_prefix``).
+    """
+    from qeff_vision.compile.deployment import program_options
+    from qeff_vision.compile.kv_prefix import prefixed_language
+
     plans = {}
-    for section, files in ((VISION, generated.vision), (LANGUAGE, generated.language)):
-        program = SECTIONS[section]
-        options = spec.compile.program(section)
+    for files in generated.programs or (generated.vision, generated.language):
+        program = files.directory
+        section = files.program
+        options = program_options(spec.compile, spec.deployment, program)
         directory = out_dir / program
         custom_io_file = directory / "custom_io.yaml"
         has_custom_io = bool(files.custom_io)
         partition = directory / PARTITION_FILE_NAME
+        onnx = export.onnx(SECTIONS[section])
+        if section == LANGUAGE and spec.deployment.kv_cache_prefix:
+            onnx = prefixed_language(onnx, spec.deployment.kv_cache_prefix)
         plans[program] = ProgramPlan(
             program=program,
             section=section,
             options=options,
             directory=directory,
-            onnx=export.onnx(program),
+            onnx=onnx,
             specializations=[{"name": s.name, "symbols": dict(s.symbols)} for s in files.specializations],
             specializations_file=directory / "specializations.json",
             custom_io_file=custom_io_file if has_custom_io else None,

@@ -12,8 +12,9 @@ Layout (format 1)::
       "programs": {
         "vision": {"path": "vision/qpc-<key>" | "export/vision/model.onnx", "onnx": ...,
                    "specializations": [{"name": ..., "symbols": {...}}], ...},
-        "lang": {...}
+        "lang": {...}            (disaggregated: "lang_prefill" and "lang_decode" instead)
       },
+      "deployment": "dual" | "single" | "disaggregated", "kv_cache_prefix": null | "vllmKvCache",
       "runtime_model": "model",
       "vllm": {"qpc_path": "<vision>:<lang>", "override_qaic_config": {...}, "commands": {...}}
     }
@@ -71,7 +72,13 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     manifest = read_json(path, missing=missing)
     if manifest.get("format") != MANIFEST_FORMAT:
         raise UserError(f"{path}: not a format-{MANIFEST_FORMAT} qeff-vision manifest")
-    missing = [p for p in PROGRAMS if p not in manifest.get("programs", {})]
+    from qeff_vision.spec.deployment import DUAL
+    from qeff_vision.spec.deployment import PROGRAMS as DEPLOYMENT_PROGRAMS
+
+    deployment = manifest.get("deployment", DUAL)
+    if deployment not in DEPLOYMENT_PROGRAMS:
+        raise UserError(f"{path}: unknown deployment {deployment!r}")
+    missing = [p for p in DEPLOYMENT_PROGRAMS[deployment] if p not in manifest.get("programs", {})]
     if missing:
         raise UserError(f"{path}: program(s) {', '.join(missing)} missing")
     return manifest

@@ -63,6 +63,12 @@ class ProgramOptions:
             (``-node-precision-info``): ``auto`` computes the plan from calibration runs of the
             fp32 graph (:mod:`qeff_vision.numerics.plan`), ``none`` passes no plan, any other
             value is the path of a plan file in the compiler's format (relative to the spec).
+        split_model_io: ``-split-model-io`` (every QEfficient VLM example passes it); ``None``
+            takes the deployment's default (:mod:`qeff_vision.compile.deployment`).
+        allow_mxint8_mdp_io: ``-allow-mxint8-mdp-io`` (the disaggregated launcher's choice for
+            both language programs); ``None``: the deployment's default.
+        split_retained_state_io: ``-split-retained-state-io`` (the launcher's choice for the
+            decode program); ``None``: the deployment's default.
     """
 
     num_cores: int = MAX_CORES_PER_DEVICE
@@ -76,6 +82,9 @@ class ProgramOptions:
     kv_cache_dtype: str = KV_CACHE_DTYPES[0]
     timeout: float | None = None
     node_precision: str = NODE_PRECISION_AUTO
+    split_model_io: bool | None = None
+    allow_mxint8_mdp_io: bool | None = None
+    split_retained_state_io: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary (for manifests and cache keys)."""
@@ -286,6 +295,9 @@ _CHECKS = {
     "kv_cache_dtype": _choice(KV_CACHE_DTYPES),
     "timeout": _timeout,
     "node_precision": _node_precision,
+    "split_model_io": _boolean,
+    "allow_mxint8_mdp_io": _boolean,
+    "split_retained_state_io": _boolean,
 }
 assert set(_CHECKS) == {f.name for f in fields(ProgramOptions)}, "every option needs a check"
 PROGRAM_KEYS = tuple(_CHECKS)

@@ -228,15 +228,19 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
     for image in images:
         if not image.is_file():
             raise UserError(f"compile.calibration.images: {image} does not exist")
-    return prompt_ranges(
+    # A disaggregated deployment's two language programs are one graph: calibrate it once with
+    # both programs' specializations, and give each the ranges.
+    languages = [plan for name, plan in plans.items() if name != "vision"]
+    ranges = prompt_ranges(
         export_dir,
         plans["vision"].symbol_values(),
-        plans["lang"].symbol_values(),
+        [values for plan in languages for values in plan.symbol_values()],
         [(image.height, image.width) for image in spec.vision.images if not image.video],  # stills only
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
         say=say,
     )
+    return {"vision": ranges["vision"], **{plan.program: ranges["lang"] for plan in languages}}
 
 
 # What a calibration found, next to the plan: reused while its inputs are unchanged, so a cached

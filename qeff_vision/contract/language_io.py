@@ -197,10 +197,58 @@ class LanguageIO:
 
 
 def is_kv_name(name: str) -> bool:
-    """Whether ``name`` is a per-layer KV cache input or its retained output (any layer)."""
+    """Whether ``name`` is a per-layer KV cache input or its retained output (any layer).
+
+    A ``kv_cache_prefix`` name (``past_key.3_vllmKvCache``) counts too.
+    """
     base = name[: -len(symbols.RETAINED_SUFFIX)] if name.endswith(symbols.RETAINED_SUFFIX) else name
-    _, _, layer = base.rpartition(".")
-    return layer.isdigit() and base in (symbols.past_key(int(layer)), symbols.past_value(int(layer)))
+    head, _, layer = base.rpartition(".")
+    layer = layer.partition("_")[0]
+    return layer.isdigit() and f"{head}.{layer}" in (
+        symbols.past_key(int(layer)),
+        symbols.past_value(int(layer)),
+    )
+
+
+def with_kv_prefix_name(name: str, prefix: str) -> str:
+    """``name`` with a ``kv_cache_prefix``; any name other than a KV input or output unchanged.
+
+    ``past_key.{i}`` -> ``past_key.{i}_{prefix}`` and its retained output ->
+    ``past_key.{i}_{prefix}_RetainedState`` (QEfficient's naming, which vLLM's KV hand-off selects
+    by pattern).
+    """
+    if not is_kv_name(name):
+        return name
+    if name.endswith(symbols.RETAINED_SUFFIX):
+        return symbols.retained(f"{name[: -len(symbols.RETAINED_SUFFIX)]}_{prefix}")
+    return f"{name}_{prefix}"
+
+
+def with_kv_prefix(io: LanguageIO, prefix: str | None) -> LanguageIO:
+    """``io`` with every KV input and output renamed by :func:`with_kv_prefix_name` (unchanged for None)."""
+    if not prefix:
+        return io
+
+    def renamed(row: IORow) -> IORow:
+        if row.role not in KV_ROLES:
+            return row
+        retained = with_kv_prefix_name(row.retained, prefix) if row.retained else None
+        return IORow(
+            with_kv_prefix_name(row.name, prefix), row.role, row.dtype, row.shape, retained, row.layer
+        )
+
+    return LanguageIO(tuple(map(renamed, io.inputs)), tuple(map(renamed, io.outputs)))
+
+
+def kv_prefix_of(names: Iterable[str]) -> str | None:
+    """The ``kv_cache_prefix`` a graph's input names carry (``past_key.0_X`` -> ``X``), else None."""
+    for name in names:
+        if is_kv_name(name) and not name.endswith(symbols.RETAINED_SUFFIX):
+            _, _, layer = name.rpartition(".")
+            _, _, prefix = layer.partition("_")
+            if prefix:
+                return prefix
+    return None
 
 
 def language_io(

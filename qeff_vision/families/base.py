@@ -80,6 +80,9 @@ class Features:
             adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
         continuous_batching: The language program exports with ``batch_index`` and
             ``full_batch_size`` KV slots (spec key ``full_batch_size``).
+        single_program: ``deployment: single``: one program holding the encoder and the decoder.
+        disaggregated: ``deployment: disaggregated``: prefill and decode programs compiled from
+            the language graph, the host handing each finished prefill's KV to a decode slot.
     """
 
     export: Support
@@ -89,6 +92,18 @@ class Features:
     video: Support
     deepstack: Support = Support(False, "the architecture has no deepstack layers")
     continuous_batching: Support = Support(True, "batch_index input, full_batch_size KV slots as QEfficient")
+    single_program: Support = Support(
+        False, "not built yet: the encoder-in-decoder graph with once-per-image encoding is issue 24 step 3"
+    )
+    disaggregated: Support = Support(True, "lang_prefill at batch 1, lang_decode at full_batch_size")
+
+    def deployment(self, mode: str) -> Support:
+        """Support of deployment ``mode`` (``dual``, ``single`` or ``disaggregated``)."""
+        if mode == "single":
+            return self.single_program
+        if mode == "disaggregated":
+            return self.disaggregated
+        return Support(True)
 
     def rows(self) -> list[tuple[str, Support]]:
         """Feature name and support, in table order."""
@@ -100,6 +115,9 @@ class Features:
             ("video", self.video),
             ("deepstack", self.deepstack),
             ("continuous batching", self.continuous_batching),
+            ("deployment dual", Support(True, "vision + language programs")),
+            ("deployment disaggregated", self.disaggregated),
+            ("deployment single", self.single_program),
         ]
 
 

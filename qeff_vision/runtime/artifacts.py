@@ -28,6 +28,7 @@ from qeff_vision.families.base import ImageSize, ModelDescription, describe_chec
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
 from qeff_vision.runtime.language_shape import LanguageShape
+from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Artifacts:
         shape: Prefill buckets, decode vision size and ``ctx_len`` of the language program.
         resolutions: The image resolutions the spec compiled (before the processor's resize).
         patch_buckets: The patch counts of a patch-bucket vision program (empty: per resolution).
+        deployment: ``dual`` or ``disaggregated`` (``lang_prefill`` + ``lang_decode``; then
+            ``language_path`` is the decode program and ``language_specializations`` both
+            programs' specializations).
+        phase_specializations: Disaggregated: (prefill, decode) specializations; else empty.
     """
 
     out_dir: Path
@@ -67,6 +72,8 @@ class Artifacts:
     shape: LanguageShape
     resolutions: tuple[ImageSize, ...]
     patch_buckets: tuple[int, ...] = ()
+    deployment: str = "dual"
+    phase_specializations: tuple[tuple[dict[str, int], ...], ...] = ()
 
     def description(self) -> ModelDescription:
         """The checkpoint's config and image-processor config (no torch)."""
@@ -133,7 +140,21 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
     where = str(out_dir / "manifest.json")
     vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
-    language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
+    deployment = manifest.get("deployment", DUAL)
+    language_program, phases = "lang", ()
+    if deployment == DISAGGREGATED:
+        language_program = LANG_DECODE
+        phases = tuple(
+            _symbols(manifest["programs"][name].get("specializations") or [], where)
+            for name in (LANG_PREFILL, LANG_DECODE)
+        )
+        language = phases[0] + phases[1]
+        if not all(phases):
+            raise UserError(f"{where}: a program has no specializations")
+    elif deployment != DUAL:
+        raise UserError(f"{where}: the runtime does not run deployment {deployment!r} yet")
+    else:
+        language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
     if not vision or not language:
         raise UserError(f"{where}: a program has no specializations")
     export_dir = _export_dir(out_dir, manifest)
@@ -148,12 +169,14 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         export_dir=export_dir,
         checkpoint_dir=_weights_dir(_checkpoint_dir(export_dir, manifest)),
         vision_path=program_path(manifest, out_dir, "vision"),
-        language_path=program_path(manifest, out_dir, "lang"),
+        language_path=program_path(manifest, out_dir, language_program),
         vision_specializations=vision,
         language_specializations=language,
         shape=LanguageShape.from_specializations(language),
         resolutions=tuple(ImageSize(int(i["height"]), int(i["width"])) for i in images),
         patch_buckets=tuple(int(count) for count in buckets),
+        deployment=deployment,
+        phase_specializations=phases,
     )
 
 
@@ -203,6 +226,11 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             f"{artifacts.out_dir}: qaic programs run at device precision; --precision fp32 needs "
             "the onnxruntime backend"
         )
+    if artifacts.backend == QAIC and artifacts.deployment == DISAGGREGATED:
+        raise UserError(
+            f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
+            "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
+        )
     if artifacts.backend == QAIC:
         require_qaic_runtime(artifacts.language_path)
         io = read_export(artifacts.export_dir)["programs"]
@@ -212,18 +240,24 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
         )
     device = precision != "fp32"
     mx = _mx_of(artifacts) if precision == "device-mx" else None
+    language_program = LANG_DECODE if artifacts.deployment == DISAGGREGATED else "lang"
+    language = OnnxProgram(
+        artifacts.language_path,
+        artifacts.language_specializations,
+        fp32_values=device_plan(artifacts, language_program) if device else None,
+        mx=mx,
+    )
+    if artifacts.deployment == DISAGGREGATED:
+        from qeff_vision.runtime.disaggregated import phase_programs
+
+        language = phase_programs(language, *artifacts.phase_specializations)
     return (
         OnnxProgram(
             artifacts.vision_path,
             artifacts.vision_specializations,
             fp32_values=device_plan(artifacts, "vision") if device else None,
         ),
-        OnnxProgram(
-            artifacts.language_path,
-            artifacts.language_specializations,
-            fp32_values=device_plan(artifacts, "lang") if device else None,
-            mx=mx,
-        ),
+        language,
     )
 
 
@@ -231,7 +265,8 @@ def _mx_of(artifacts: Artifacts):
     """The microscaling formats of the compiled language program's options."""
     from qeff_vision.numerics.device import MxEmulation
 
-    options = artifacts.manifest["programs"]["lang"].get("options") or {}
+    language = LANG_DECODE if artifacts.deployment == DISAGGREGATED else "lang"
+    options = artifacts.manifest["programs"][language].get("options") or {}
     return MxEmulation.from_options(bool(options.get("mxfp6_matmul")), options.get("kv_cache_dtype", ""))
 
 

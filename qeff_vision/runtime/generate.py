@@ -17,7 +17,7 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
-from qeff_vision.contract.language_io import KV_ROLES, Role
+from qeff_vision.contract.language_io import KV_ROLES, Role, kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
@@ -81,6 +81,8 @@ class Generator(ImageEncoding):
             # A continuous-batching program (it takes batch_index) driven for one sequence, slot 0.
             continuous_batching=symbols.BATCH_INDEX in getattr(language, "input_dims", {}),
         )
+        # A disaggregated compile's kv_cache_prefix: the graph's KV inputs are past_key.{i}_<prefix>.
+        self.io = with_kv_prefix(self.io, kv_prefix_of(getattr(language, "input_dims", {})))
         self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []

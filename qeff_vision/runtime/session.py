@@ -112,6 +112,19 @@ class CompiledProgram:
             state[name] = outputs[retained[name]]
         return outputs
 
+    def restricted(self, specializations: Sequence[Mapping[str, object]]) -> CompiledProgram:
+        """This program (the same loaded graph) accepting only ``specializations``, with its own counters.
+
+        A disaggregated compile builds two programs from one graph; on the host one loaded graph
+        serves both (:mod:`qeff_vision.runtime.disaggregated`).
+        """
+        import copy
+
+        view = copy.copy(self)
+        view.specializations = _as_int_specializations(specializations)
+        view.calls, view.seconds, view._shape_memo = 0, 0.0, {}
+        return view
+
     def _checked(self, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Symbol values of ``feeds`` merged with their specialization, memoized per input shapes."""
         key = tuple((name, value.shape) for name, value in feeds.items())

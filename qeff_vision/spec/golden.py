@@ -3,7 +3,9 @@
 Layout: ``<root>/**/<spec>.yaml`` (any depth, ``<root>/golden`` excluded) and
 ``<root>/golden/<spec name>/{vision,lang}/{specializations.json,custom_io.yaml}`` and
 ``<root>/golden/<spec name>/vllm_serve.txt`` (the vLLM commands ``compile --print-serve``
-prints). ``auto`` layouts are generated as ``flat`` here so golden files never depend on the machine's SDK.
+prints; for a ``single`` or ``disaggregated`` deployment ``compile_commands.txt``, every program's
+compiler command line, instead). ``auto`` layouts are generated as ``flat`` here so golden files
+never depend on the machine's SDK.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qeff_vision.compile.deployment import golden_commands
 from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, golden_serve_text
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.spec.deployment import DUAL
 from qeff_vision.spec.loader import load_spec
 from qeff_vision.spec.specializations import build_specializations
 
 GOLDEN_DIR = "golden"
+COMMANDS_FILE = "compile_commands.txt"  # specs with a deployment other than dual
 SPEC_SUFFIXES = (".yaml", ".yml")
 
 
@@ -102,7 +107,10 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
             continue
         owners[spec.name] = spec_path
         files = build_specializations(spec).files()
-        files[GOLDEN_FILE] = golden_serve_text(spec)  # the vLLM commands compile prints
+        if spec.deployment.mode == DUAL:
+            files[GOLDEN_FILE] = golden_serve_text(spec)  # the vLLM commands compile prints
+        else:  # the programs' command lines (vLLM's forms for these modes are not generated yet)
+            files[COMMANDS_FILE] = golden_commands(spec)
         spec_golden = golden_root / spec.name
         for relative, fresh in files.items():
             golden_path = spec_golden / relative

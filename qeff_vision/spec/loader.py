@@ -12,6 +12,7 @@ from qeff_vision.compile.options import parse_compile_options
 from qeff_vision.errors import SpecError
 from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
+from qeff_vision.spec.deployment import check_deployment, read_deployment
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
     MAX_BATCH_SIZE,
@@ -95,6 +96,7 @@ def spec_from_data(data: object, source: Path) -> Spec:
             f"continuous batching prefills one sequence at a time (batch_size 1) and decodes "
             f"full_batch_size {full_batch_size} at once; it cannot be combined with batch_size {batch_size}",
         )
+    deployment = read_deployment(reader, top, batch_size, full_batch_size)
     ctx_len = reader.integer(top, "ctx_len", "", maximum=MAX_CTX_LEN)
     layout = reader.text(top, "specialization_layout", "", choices=LAYOUTS, default=FLAT)
     seq_lens = read_prefill(reader, top.get("prefill", MISSING), ctx_len)
@@ -124,6 +126,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
     ):
         note = family.features.continuous_batching.note
         reader.add("full_batch_size", f"{family.title} cannot do continuous batching: {note}")
+    if family is not None and deployment is not None:
+        check_deployment(reader, family, deployment)
     if family is not None and description is not None and vision is not None:
         check_images(reader, warnings, family, description, vision, seq_lens, ctx_len)
         if vision.patch_buckets:
@@ -152,4 +156,5 @@ def spec_from_data(data: object, source: Path) -> Spec:
         model_description=description,
         warnings=tuple(warnings),
         full_batch_size=full_batch_size,
+        deployment=deployment,
     )

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from qeff_vision.compile.options import CompileOptions
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.spec.deployment import Deployment
 from qeff_vision.spec.policy import VisionSizePolicy
 
 DTYPES = ("float32", "float16")
@@ -71,6 +72,7 @@ class Spec:
             fixed vision size, so its placeholders must be chunked).
         full_batch_size: KV slots of a continuous-batching language program (``None``: not
             continuous batching). Prefill then runs at batch_size 1, decode at this batch size.
+        deployment: ``deployment`` and ``kv_cache_prefix``: which programs are compiled.
     """
 
     name: str
@@ -89,6 +91,7 @@ class Spec:
     model_description: ModelDescription = field(repr=False, compare=False)
     warnings: tuple[str, ...] = ()
     full_batch_size: int | None = None
+    deployment: Deployment = field(default_factory=Deployment)
 
     def compute_dtype(self, program: str) -> str:
         """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""

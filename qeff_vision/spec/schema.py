@@ -29,6 +29,8 @@ TOP_KEYS = (
     "vision",
     "specialization_layout",
     "compile",
+    "deployment",
+    "kv_cache_prefix",
 )
 PREFILL_KEYS = ("seq_lens",)
 VISION_KEYS = ("images", "videos", "patch_buckets", "max_images", "vision_size")

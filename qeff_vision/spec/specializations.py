@@ -20,6 +20,7 @@ from qeff_vision.contract.language_io import KV_ROLES, DType
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.spec.deployment import split_language
 from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
 from qeff_vision.spec.policy import WholeImages, chunk_span, decode_vision_size, prefill_vision_sizes
 
@@ -120,6 +121,8 @@ class ProgramSpecializations:
         language: Language-program files.
         images: Per-image token and chunk counts.
         request_image_tokens: The most image tokens one request can carry (max image x max_images).
+        programs: The files of every program the spec's deployment compiles, in order (the dual
+            pair when empty; ``disaggregated`` splits the language program in two).
     """
 
     spec: Spec
@@ -127,6 +130,7 @@ class ProgramSpecializations:
     language: ProgramFiles
     images: tuple[ImageChunks, ...]
     request_image_tokens: int
+    programs: tuple[ProgramFiles, ...] = ()
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -136,7 +140,7 @@ class ProgramSpecializations:
     def files(self) -> dict[str, str]:
         """Relative POSIX path -> text of every generated file (the golden layout too)."""
         out: dict[str, str] = {}
-        for program in (self.vision, self.language):
+        for program in self.programs or (self.vision, self.language):
             out[f"{program.directory}/{SPECIALIZATIONS_FILE}"] = program.specializations_json()
             out[f"{program.directory}/{CUSTOM_IO_FILE}"] = program.custom_io_yaml()
         return out
@@ -343,7 +347,8 @@ def build_specializations(
         )
         for image, tokens, name in image_tokens
     )
-    return ProgramSpecializations(spec, vision, language, images, request_tokens)
+    programs = (vision, *split_language(language, spec.deployment.mode, spec.deployment.kv_cache_prefix))
+    return ProgramSpecializations(spec, vision, language, images, request_tokens, programs)
 
 
 def write_specializations(result: ProgramSpecializations, out_dir: str | Path) -> list[Path]:

@@ -46,6 +46,9 @@ SWITCHES = {
     "-mxfp6-matmul",
     "-aic-enable-depth-first",
     "-compile-only",
+    "-allow-mxint8-mdp-io",
+    "-split-retained-state-io",
+    "-split-model-io",
 }
 PRECISIONS = {"float16", "float32", "mxint8", "int8", "int32", "int64", "bfloat16", "uint8", "bool"}
 HW_VERSIONS = {"ai100", "2.0"}

@@ -1,0 +1,150 @@
+"""Spec key ``deployment``: which programs a spec compiles, and the keys that go with each mode.
+
+Three modes, after the Cloud AI multimodal guide (docs/design.md "Contract v3")::
+
+    dual            vision program + language program (prefill and decode specializations)
+    single          one program holding encoder and decoder; batch 1, no full_batch_size
+    disaggregated   vision + lang_prefill (prefill specializations, batch 1)
+                    + lang_decode (decode at full_batch_size, or batch 1)
+
+``kv_cache_prefix`` (disaggregated only) renames every KV input ``past_key.{i}`` to
+``past_key.{i}_<prefix>`` (and its output to ``past_key.{i}_<prefix>_RetainedState``), the names
+vLLM's prefill/decode KV hand-off selects by pattern (QEfficient's ``kv_cache_prefix``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from qeff_vision.spec.strict_yaml import shown
+
+DUAL = "dual"
+SINGLE = "single"
+DISAGGREGATED = "disaggregated"
+DEPLOYMENTS = (DUAL, SINGLE, DISAGGREGATED)
+DEPLOYMENT_KEYS = ("deployment", "kv_cache_prefix")
+# vLLM selects the KV tensors by a name pattern; keep the prefix a plain identifier.
+KV_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+
+# Program directory names under OUT per mode, in compile order; each maps to its compile: section.
+PROGRAMS: dict[str, dict[str, str]] = {
+    DUAL: {"vision": "vision", "lang": "language"},
+    SINGLE: {"lang": "language"},
+    DISAGGREGATED: {"vision": "vision", "lang_prefill": "language", "lang_decode": "language"},
+}
+LANG_PREFILL = "lang_prefill"
+LANG_DECODE = "lang_decode"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """How a spec is deployed.
+
+    Attributes:
+        mode: ``dual``, ``single`` or ``disaggregated``.
+        kv_cache_prefix: Suffix of every KV name (disaggregated only); ``None`` keeps QEfficient's
+            plain ``past_key.{i}``.
+    """
+
+    mode: str = DUAL
+    kv_cache_prefix: str | None = None
+
+    @property
+    def programs(self) -> dict[str, str]:
+        """Program directory -> ``compile:`` section, in compile order."""
+        return PROGRAMS[self.mode]
+
+
+def read_deployment(
+    reader: Any, top: dict, batch_size: int | None, full_batch_size: int | None
+) -> Deployment | None:
+    """``deployment`` and ``kv_cache_prefix`` of a spec's top level, checked against the batch keys.
+
+    Args:
+        reader: The spec's :class:`~qeff_vision.spec.schema.Reader` (problems are recorded there).
+        top: The parsed top-level mapping.
+        batch_size: ``batch_size`` as read (None when invalid).
+        full_batch_size: ``full_batch_size`` as read (None when absent or invalid).
+
+    Returns:
+        The deployment, or None when a value is invalid.
+    """
+    before = len(reader.problems)
+    mode = reader.text(top, "deployment", "", choices=DEPLOYMENTS, default=DUAL)
+    prefix = top.get("kv_cache_prefix")
+    if "kv_cache_prefix" in top:
+        if not isinstance(prefix, str) or not KV_PREFIX_PATTERN.fullmatch(prefix):
+            reader.add(
+                "kv_cache_prefix", f"must be letters and digits, starting with a letter (got {shown(prefix)})"
+            )
+        elif mode != DISAGGREGATED:
+            reader.add(
+                "kv_cache_prefix",
+                "names the KV tensors a prefill program hands to a decode program; it needs "
+                "deployment: disaggregated",
+            )
+    if mode == SINGLE:
+        # One program that encodes and decodes keeps one sequence's state (vLLM asserts
+        # max_num_seqs == 1 for QEfficient's single QPC).
+        if full_batch_size is not None:
+            reader.add(
+                "full_batch_size", "deployment single serves one sequence (batch 1); remove full_batch_size"
+            )
+        if batch_size is not None and batch_size > 1:
+            reader.add("batch_size", f"deployment single serves one sequence (batch 1), got {batch_size}")
+    if len(reader.problems) != before or mode is None:
+        return None
+    return Deployment(mode, prefix if isinstance(prefix, str) else None)
+
+
+def check_deployment(reader: Any, family: Any, deployment: Deployment) -> None:
+    """The family can be deployed that way (its feature matrix says why not)."""
+    support = family.features.deployment(deployment.mode)
+    if not support.supported:
+        reader.add("deployment", f"{family.title} cannot be deployed {deployment.mode}: {support.note}")
+    if deployment.kv_cache_prefix and family.decoder_kind != "token-merge":
+        reader.add(
+            "kv_cache_prefix",
+            f"{family.title}'s cross-attention states are vision-program outputs named past_key.{{i}} "
+            "that the language program retains under the same names; a prefix would break that pairing",
+        )
+
+
+def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None) -> tuple[Any, ...]:
+    """The language program(s) of ``mode`` from the dual language files (``ProgramFiles``).
+
+    ``dual`` and ``single`` keep the one program. ``disaggregated`` gives ``lang_prefill`` (the
+    prefill specializations only, at batch 1: a continuous-batching export binds
+    ``full_batch_size`` 1 there, one request's cache being the unit handed to the decode program)
+    and ``lang_decode`` (the decode specializations only: batch ``full_batch_size``, or 1). Both
+    are compiled from the same language graph with the same custom IO (one KV dtype on both sides
+    of the hand-off), whose KV names carry ``kv_cache_prefix`` when given.
+    """
+    from dataclasses import replace
+
+    from qeff_vision import symbols
+    from qeff_vision.contract.language_io import with_kv_prefix_name
+
+    if mode != DISAGGREGATED:
+        return (language,)
+    prefill, decode = [], []
+    for entry in language.specializations:
+        if entry.name.startswith("Decode"):
+            decode.append(entry)
+            continue
+        values = dict(entry.symbols)
+        for key in (symbols.FULL_BATCH_SIZE, symbols.FULL_BATCH_EXEC_SIZE):
+            if key in values:
+                values[key] = "1"
+        prefill.append(replace(entry, symbols=values))
+    if kv_cache_prefix:
+        custom_io = tuple(
+            (with_kv_prefix_name(name, kv_cache_prefix), kind) for name, kind in language.custom_io
+        )
+        language = replace(language, custom_io=custom_io)
+    return (
+        replace(language, directory=LANG_PREFILL, specializations=tuple(prefill)),
+        replace(language, directory=LANG_DECODE, specializations=tuple(decode)),
+    )
