@@ -44,6 +44,8 @@ class ProgramPlan:
     custom_io_file: Path | None
     partition_file: Path | None
     precision: PrecisionPlan | None = None
+    # The export's graph ``onnx`` is derived from (a kv_cache_prefix copy), written after the checks.
+    source_onnx: Path | None = None
 
     def symbol_values(self) -> list[dict[str, int]]:
         """Specializations as symbol -> int."""
@@ -198,9 +200,9 @@ def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dic
         custom_io_file = directory / "custom_io.yaml"
         has_custom_io = bool(files.custom_io)
         partition = directory / PARTITION_FILE_NAME
-        onnx = export.onnx(SECTIONS[section])
+        onnx = source = export.onnx(SECTIONS[section])
         if section == LANGUAGE and spec.deployment.kv_cache_prefix:
-            onnx = prefixed_language(onnx, spec.deployment.kv_cache_prefix)
+            onnx = prefixed_language(source, spec.deployment.kv_cache_prefix)
         plans[program] = ProgramPlan(
             program=program,
             section=section,
@@ -211,6 +213,7 @@ def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dic
             specializations_file=directory / "specializations.json",
             custom_io_file=custom_io_file if has_custom_io else None,
             partition_file=partition if options.num_devices > 1 else None,
+            source_onnx=source if source != onnx else None,
         )
     return plans
 
@@ -219,7 +222,9 @@ def check_graphs(plans: Mapping[str, ProgramPlan], source: str, *, outputs_requi
     """Every specialization binds exactly its graph's symbols; a SpecError listing all problems if not."""
     problems = []
     for plan in plans.values():
-        graph = read_graph_io(plan.onnx)
+        # The renamed KV copy binds the same symbols as its source (checked before it is written).
+        written = plan.source_onnx is None or plan.onnx.is_file()
+        graph = read_graph_io(plan.onnx if written else plan.source_onnx)
         problems += symbol_problems(
             graph, plan.symbol_values(), plan.program, outputs_required=outputs_required
         )

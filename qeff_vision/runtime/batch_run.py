@@ -28,12 +28,14 @@ class BatchRun:
         report: The engine's report (per-request results in file order).
         notes: Per request, things worth telling the user (e.g. an image resized).
         comparisons: Per request, tokens against transformers alone (with ``compare_hf``).
+        handoffs: Disaggregated artifacts: (prefill KV hand-offs to a decode slot, their bytes).
     """
 
     requests: list[Request]
     report: EngineReport
     notes: list[list[str]] = field(default_factory=list)
     comparisons: list[Any] = field(default_factory=list)
+    handoffs: tuple[int, int] | None = None
 
     @property
     def identical(self) -> bool:
@@ -89,6 +91,9 @@ def run_requests(
         on_finish=finished,
     )
     run = BatchRun(requests, report, [p.notes for p in prepared])
+    language = chat.generator.language
+    if hasattr(language, "handoffs"):  # a disaggregated pair (qeff_vision.runtime.disaggregated)
+        run.handoffs = (language.handoffs, language.handoff_bytes)
     if compare_hf:
         from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
 
@@ -156,4 +161,10 @@ def report_table(run: BatchRun) -> list[str]:
         f"vision: {report.vision_bytes:,} bytes of vision inputs sent; "
         f"{report.encoder_calls} encoder call(s) (the embedding cache is shared by all requests)"
     )
+    if run.handoffs is not None:
+        count, size = run.handoffs
+        lines.append(
+            f"disaggregated: prefill on lang_prefill, decode on lang_decode; {count} KV hand-off(s) "
+            f"into decode slots, {size:,} bytes copied"
+        )
     return lines

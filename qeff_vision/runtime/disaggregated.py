@@ -71,8 +71,47 @@ class PhaseRouter:
         return self.decode if token_ids.shape[-1] == 1 else self.prefill
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run on the phase's program (a shape it was not compiled for is refused)."""
-        return self.program_for(feeds).run(feeds)
+        """Run on the phase's program (a shape it was not compiled for is refused).
+
+        One sequence's decode step on a decode program compiled for ``full_batch_size`` F > 1
+        (``run --prompt``) runs in slot 0 of a batch-F call whose other rows are idle, as the
+        batched engine feeds idle slots: token 0, position -1 (and -1 in every other integer
+        input), zero caches, ``batch_index`` 0..F-1; the outputs are cut back to the sequence's row.
+        """
+        program = self.program_for(feeds)
+        slots = self._decode_slots()
+        if program is self.decode and slots > 1 and feeds[symbols.INPUT_IDS].shape[0] == 1:
+            return self._in_slot_zero(feeds, slots)
+        return program.run(feeds)
+
+    def _decode_slots(self) -> int:
+        return max(
+            (int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in self.decode.specializations or ()), default=1
+        )
+
+    def _in_slot_zero(self, feeds: Mapping[str, np.ndarray], slots: int) -> dict[str, np.ndarray]:
+        """A batch-1 decode call run as row 0 of a ``slots``-row call (see :meth:`run`)."""
+        batch_axes = (symbols.BATCH_SIZE, symbols.FULL_BATCH_SIZE)
+        widened = {}
+        for name, value in feeds.items():
+            dims = self.decode.input_dims.get(name, [])
+            axes = [axis for axis, dim in enumerate(dims) if dim in batch_axes]
+            if not axes or name == symbols.BATCH_INDEX:
+                widened[name] = value
+                continue
+            axis = axes[0]
+            pad = list(value.shape)
+            pad[axis] = slots - value.shape[axis]
+            fill = 0 if name == symbols.INPUT_IDS or value.dtype.kind == "f" else -1
+            widened[name] = np.concatenate([value, np.full(pad, fill, value.dtype)], axis=axis)
+        widened[symbols.BATCH_INDEX] = np.arange(slots, dtype=np.int64).reshape(slots, 1)
+        outputs = self.decode.run(widened)
+        cut = {}
+        for name, value in outputs.items():
+            dims = self.decode.output_dims.get(name, [])
+            axis = next((i for i, dim in enumerate(dims) if dim in batch_axes), None)
+            cut[name] = value if axis is None else value[(slice(None),) * axis + (slice(0, 1),)]
+        return cut
 
     def run_retained(
         self, feeds: Mapping[str, np.ndarray], state: dict[str, np.ndarray], retained: Mapping[str, str]

@@ -187,6 +187,7 @@ class OnnxProgram(CompiledProgram):
         self.fp32_values = None if fp32_values is None else list(fp32_values)
         self.input_dims = {i.name: list(i.shape) for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.output_dims = {o.name: list(o.shape) for o in self.session.get_outputs()}
         self.specializations = _as_int_specializations(specializations)
         self._aliasable: dict[tuple, set[str]] = {}  # retained pairs -> inputs written in place
         self._runner = None  # the IO binding of run_retained, made on first use

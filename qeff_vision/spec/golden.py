@@ -15,7 +15,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qeff_vision.compile.deployment import golden_commands
 from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, golden_serve_text
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.fsutil import atomic_write_text
@@ -92,6 +91,8 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
     Returns:
         The report; ``report.ok`` is the check's verdict.
     """
+    from qeff_vision.compile.deployment import golden_commands  # it reads spec.deployment: import late
+
     root = Path(root)
     golden_root = root / GOLDEN_DIR
     report = GoldenReport(specs=find_specs(root))
