@@ -1,0 +1,175 @@
+"""Disaggregated serving, every family: prefill on one program, decode on the other, KV handed over.
+
+The two programs are each family's continuous-batching language graph viewed with disjoint
+specializations, as ``deployment: disaggregated`` compiles them: ``lang_prefill`` prefill buckets
+at batch 1 with ``full_batch_size`` 1 (one request's cache), ``lang_decode`` the decode step at
+``full_batch_size`` 4. Five staggered requests (the fifth reuses a freed slot) go through the
+batched engine; each finished prefill's KV is copied into its decode slot. Tokens must equal
+transformers generate alone per request, logits within fp32 tolerance; a decode-shaped call on
+the prefill program (or the reverse) would be refused by the views. The CLI path (compile with
+``kv_cache_prefix``, ``run --requests --compare-hf`` and ``run`` over three turns) runs on tiny
+LLaVA. Cost: the session's CB exports (shared with test_batched_engine); LLaVA-NeXT is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import onnx
+import pytest
+import yaml
+
+from qeff_vision import symbols
+from qeff_vision.cli import main
+from qeff_vision.contract.language_io import is_kv_name
+from qeff_vision.families import all_families
+from qeff_vision.families.base import CROSS_ATTENTION
+from qeff_vision.runtime.disaggregated import DisaggregatedSlots, PhaseRouter, phase_programs
+from qeff_vision.runtime.embedding_cache import EmbeddingCache
+from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
+from qeff_vision.runtime.generate import make_generator
+from qeff_vision.runtime.language_shape import LanguageShape
+from qeff_vision.runtime.planner import PrefillBucket
+from qeff_vision.runtime.session import ShapeMismatch
+from tests import helpers
+from tests.family_runtime import CTX_LEN, FamilyRuntime
+from tests.test_batched_engine import SLOTS, check_against_transformers, five_requests
+
+FAMILIES = [
+    pytest.param(f.name, marks=pytest.mark.slow) if f.name == "llava_next" else f.name
+    for f in all_families()
+    if f.features.disaggregated.supported
+]
+SEQ_LENS = (32, 128)
+PREFIX = "vllmKvCache"
+
+
+def _phases(seq_lens, buckets_vision) -> tuple[list[dict], list[dict]]:
+    """QEfficient-shaped prefill (batch 1, one slot) and decode (batch = slots = F) symbol values."""
+    prefill = [
+        {symbols.BATCH_SIZE: 1, symbols.FULL_BATCH_SIZE: 1, symbols.SEQ_LEN: s, symbols.VISION_SIZE: v}
+        for s, v in zip(seq_lens, buckets_vision)
+    ]
+    decode = [{symbols.BATCH_SIZE: SLOTS, symbols.FULL_BATCH_SIZE: SLOTS, symbols.SEQ_LEN: 1}]
+    return prefill, decode
+
+
+def _mllama_requests(processor):
+    """test_mllama_cb's five requests: (numpy inputs, budget, arrival) and the processor outputs."""
+    from tests.test_mllama_cb import _requests
+
+    found = _requests(processor)
+    return [(helpers.as_numpy(p), budget, arrival) for _, p, arrival, budget in found], [
+        p for _, p, _, _ in found
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_five_staggered_requests_prefill_on_one_program_decode_on_the_other(family, hf_model, cb_exported):
+    model, processor = hf_model(family)
+    runtime = FamilyRuntime(family, cb_exported(family), model, processor)
+    cross = runtime.family.decoder_kind == CROSS_ATTENTION
+    seq_lens = (16,) if cross else SEQ_LENS
+    visions = (1,) * len(seq_lens) if cross else seq_lens
+    prefill, decode = _phases(seq_lens, visions)
+    if cross:  # mllama: no vision_size; two image slots of cross states (as tests/test_mllama_cb.py)
+        rows = runtime.family.states_per_image(runtime.checkpoint.description)
+        slots = {symbols.MAX_NUM_IMAGES: 2, "cross_states": 2 * rows}
+        for entry in (*prefill, *decode):
+            entry.pop(symbols.VISION_SIZE, None)
+            entry.update(slots)
+    router = phase_programs(runtime.language, prefill, decode)
+    buckets = tuple(PrefillBucket(s, v) for s, v in zip(seq_lens, visions))
+    shape = LanguageShape(buckets, max(visions), 256 if cross else CTX_LEN)
+    generator = make_generator(runtime.checkpoint, runtime.vision, router, shape, EmbeddingCache(64 * 2**20))
+    requests, originals = _mllama_requests(processor) if cross else (five_requests(runtime), None)
+    engine = BatchedEngine(generator)
+    assert isinstance(engine.slots, DisaggregatedSlots) and engine.full_batch_size == SLOTS
+    report = engine.run([EngineRequest(p, new, arrival) for p, new, arrival in requests], keep_logits=True)
+    if cross:
+        for (_, new, _), processed, done in zip(requests, originals, report.requests):
+            tokens, _ = helpers.hf_generate(model, processed, new)
+            assert done.result.tokens == tokens, f"mllama request {done.number}: tokens differ"
+    else:
+        check_against_transformers(runtime, requests, report)
+    # Each program ran only its own phase; every request's prefill KV was handed over once.
+    assert router.prefill.calls == report.prefill_calls and router.decode.calls == len(report.decode_batches)
+    assert router.handoffs == len(requests)
+    one_cache = sum(array.nbytes for array in generator.empty_cache(1).values())
+    assert router.handoff_bytes == len(requests) * one_cache
+    fifth = report.requests[4]
+    assert any(r.slot == fifth.slot and r.finished_step < fifth.admitted_step for r in report.requests[:4])
+    assert max(report.decode_batches) >= 2
+
+
+def test_each_program_refuses_the_other_phase(hf_model, cb_exported):
+    model, processor = hf_model("qwen2_5_vl")
+    runtime = FamilyRuntime("qwen2_5_vl", cb_exported("qwen2_5_vl"), model, processor)
+    router = phase_programs(runtime.language, *_phases(SEQ_LENS, SEQ_LENS))
+    assert isinstance(router, PhaseRouter)
+    decode_shaped = {symbols.BATCH_SIZE: SLOTS, symbols.FULL_BATCH_SIZE: SLOTS, symbols.SEQ_LEN: 1}
+    with pytest.raises(ShapeMismatch):
+        router.prefill.check_specialization(decode_shaped)
+    prefill_shaped = {symbols.BATCH_SIZE: 1, symbols.FULL_BATCH_SIZE: 1, symbols.SEQ_LEN: 32}
+    with pytest.raises(ShapeMismatch):
+        router.decode.check_specialization(prefill_shaped)
+
+
+@pytest.fixture(scope="module")
+def compiled_llava(tiny_checkpoint, tmp_path_factory):
+    """A tiny LLaVA compiled disaggregated with kv_cache_prefix on the onnxruntime backend."""
+    root = tmp_path_factory.mktemp("disaggregated")
+    spec = {
+        "name": "llava-dis",
+        "model": str(tiny_checkpoint("llava")),
+        "ctx_len": 256,
+        "full_batch_size": SLOTS,
+        "deployment": "disaggregated",
+        "kv_cache_prefix": PREFIX,
+        "prefill": {"seq_lens": [32, 128]},
+        "vision": {"images": [{"height": 336, "width": 336}], "max_images": 2},
+    }
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert (
+        main(["compile", str(root / "spec.yaml"), "-o", str(root / "out"), "--backend", "onnxruntime"]) == 0
+    )
+    for name, (height, width) in {"a": (112, 112), "b": (140, 196)}.items():
+        helpers.image(height, width, len(name)).save(root / f"{name}.png")
+    return root
+
+
+def test_compiled_artifact_names_every_kv_with_the_prefix(compiled_llava):
+    manifest = json.loads((compiled_llava / "out" / "manifest.json").read_text())
+    assert manifest["deployment"] == "disaggregated"
+    (path,) = {manifest["programs"][p]["path"] for p in ("lang_prefill", "lang_decode")}
+    graph = onnx.load(str(compiled_llava / "out" / path), load_external_data=False).graph
+    names = [value.name for value in (*graph.input, *graph.output)]
+    kv = [name for name in names if is_kv_name(name)]
+    assert len(kv) == 2 * 2 * 2  # two layers: key and value, input and retained output
+    assert all(re.fullmatch(rf"past_(key|value)\.\d+_{PREFIX}(_RetainedState)?", name) for name in kv)
+
+
+def test_run_requests_and_a_three_turn_run_match_transformers(compiled_llava, capsys):
+    root = compiled_llava
+    lines = [
+        {"prompt": "Describe it.", "images": ["a.png"], "max_new_tokens": 5},
+        {"prompt": "Tell me a story about a cat.", "max_new_tokens": 4},
+        {"prompt": "Compare.", "images": ["b.png", "a.png"], "arrival_step": 1},
+        {"prompt": "What now?", "images": ["b.png"], "arrival_step": 2, "max_new_tokens": 3},
+        {"prompt": "Write a poem.", "arrival_step": 3, "max_new_tokens": 5},
+    ]
+    (root / "requests.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = str(root / "out")
+    args = ["run", out, "--requests", str(root / "requests.jsonl"), "--max-new-tokens", "5", "--compare-hf"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 5
+    assert "5 KV hand-off(s) into decode slots" in err
+    # One sequence, three turns: prefill on lang_prefill, decode in slot 0 of lang_decode.
+    turns = ["--prompt", "Describe it.", "--prompt", "And the colours?", "--prompt", "Thanks. Summarise."]
+    assert (
+        main(["run", out, "--image", str(root / "a.png"), *turns, "--max-new-tokens", "4", "--compare-hf"])
+        == 0
+    )
+    assert capsys.readouterr().err.count("tokens identical to transformers generate") == 3
