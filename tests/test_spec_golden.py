@@ -35,10 +35,11 @@ def test_repository_specs_match_their_golden_files():
 def test_every_registered_family_has_a_spec_with_golden_files():
     specs = [load_spec(path) for path in find_specs(SPECS)]
     for family in all_families():
-        names = [spec.name for spec in specs if spec.family == family.name]
-        assert names, f"family {family.name} has no spec under specs/"
-        for name in names:
-            assert (SPECS / "golden" / name / "lang" / "specializations.json").is_file()
+        found = [spec for spec in specs if spec.family == family.name]
+        assert found, f"family {family.name} has no spec under specs/"
+        for spec in found:
+            for program in spec.deployment.programs:  # lang, or lang_prefill and lang_decode
+                assert (SPECS / "golden" / spec.name / program / "specializations.json").is_file()
 
 
 def test_spec_discovery_is_recursive_and_skips_golden(specs_copy):
@@ -190,7 +191,8 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
     lines = err.strip().splitlines()
     assert [line for line in lines if line.startswith(f"{bad}: ")] == [
         f"{bad}: colour: unknown key; allowed: name, model, family, config, dtype, batch_size, "
-        "full_batch_size, ctx_len, prefill, vision, specialization_layout, compile",
+        "full_batch_size, ctx_len, prefill, vision, specialization_layout, compile, deployment, "
+        "kv_cache_prefix",
         f"{bad}: batch_size: must be a positive integer (got -1)",
         f"{bad}: prefill.seq_lens[1]: duplicate bucket 64 (also prefill.seq_lens[0])",
     ]

@@ -63,7 +63,7 @@ def write_prefixed_language(source: Path, prefix: str) -> Path:
     names = [v.name for v in (*graph.input, *graph.output)]
     mapping = {name: with_kv_prefix_name(name, prefix) for name in names if is_kv_name(name)}
     if not mapping:
-        raise UserError(f"{source}: no past_key / past_value input to give the prefix {prefix!r}")
+        raise UserError(f"{source}: no KV cache input to give the prefix {prefix!r}")
     _rename_graph(graph, mapping)
     staging = target.with_name(target.name + ".partial")
     try:

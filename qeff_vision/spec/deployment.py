@@ -107,8 +107,8 @@ def check_deployment(reader: Any, family: Any, deployment: Deployment) -> None:
     if deployment.kv_cache_prefix and family.decoder_kind != "token-merge":
         reader.add(
             "kv_cache_prefix",
-            f"{family.title}'s cross-attention states are vision-program outputs named past_key.{{i}} "
-            "that the language program retains under the same names; a prefix would break that pairing",
+            f"{family.title}'s cross-attention states are vision-program outputs that the language "
+            "program retains under the same KV cache names; a prefix would break that pairing",
         )
 
 
