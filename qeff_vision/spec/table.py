@@ -35,9 +35,16 @@ def specialization_table(result: ProgramSpecializations) -> str:
     rows: list[tuple[str, ...]] = [("program", "specialization", "symbols")]
     for entry in result.vision.specializations:
         rows.append(("vision", entry.name, " ".join(f"{k}={v}" for k, v in entry.symbols.items())))
-    for entry in result.language.specializations:
-        shown = [k for k in (symbols.SEQ_LEN, symbols.VISION_SIZE) if k in entry.symbols]
-        rows.append(("language", entry.name, " ".join(f"{k}={entry.symbols[k]}" for k in shown)))
+    # A disaggregated deployment's language programs are named by directory (lang_prefill, ...).
+    languages = [files for files in result.programs if files is not result.vision] or [result.language]
+    for files in languages:
+        label = "language" if len(languages) == 1 else files.directory
+        for entry in files.specializations:
+            keys = (symbols.SEQ_LEN, symbols.VISION_SIZE) + (
+                (symbols.BATCH_SIZE,) if len(languages) > 1 else ()
+            )
+            shown = [k for k in keys if k in entry.symbols]
+            rows.append((label, entry.name, " ".join(f"{k}={entry.symbols[k]}" for k in shown)))
     seq_lens = spec.prefill.seq_lens
     image_rows: list[tuple[str, ...]] = [
         ("image", "tokens", "vision specialization", *(f"chunks@{s}" for s in seq_lens))
