@@ -8,7 +8,8 @@ batched engine; each finished prefill's KV is copied into its decode slot. Token
 transformers generate alone per request, logits within fp32 tolerance; a decode-shaped call on
 the prefill program (or the reverse) would be refused by the views. The CLI path (compile with
 ``kv_cache_prefix``, ``run --requests --compare-hf`` and ``run`` over three turns) runs on tiny
-LLaVA. Cost: the session's CB exports (shared with test_batched_engine); LLaVA-NeXT is ``slow``.
+LLaVA (continuous batching, vLLM's KV names) and Gemma 3 (batch-1 decode, window rings). Cost:
+the session's CB exports (shared with test_batched_engine); LLaVA-NeXT is ``slow``.
 """
 
 from __future__ import annotations
@@ -116,17 +117,26 @@ def test_each_program_refuses_the_other_phase(hf_model, cb_exported):
         router.decode.check_specialization(prefill_shaped)
 
 
-@pytest.fixture(scope="module")
-def compiled_llava(tiny_checkpoint, tmp_path_factory):
-    """A tiny LLaVA compiled disaggregated with kv_cache_prefix on the onnxruntime backend."""
-    root = tmp_path_factory.mktemp("disaggregated")
+# (family, spec keys): LLaVA with continuous batching and vLLM's KV names; Gemma 3 with a batch-1
+# decode program and an 8-slot window ring (the tiny config) that a three-turn chat overruns: the
+# ring handed over serves later turns exactly, without a full-length cache on the window layers.
+COMPILED = {
+    "llava": {"full_batch_size": SLOTS, "kv_cache_prefix": PREFIX},
+    "gemma3": {},
+}
+
+
+@pytest.fixture(scope="module", params=list(COMPILED))
+def compiled(request, tiny_checkpoint, tmp_path_factory):
+    """A tiny checkpoint compiled disaggregated on the onnxruntime backend, with two images beside it."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"disaggregated-{family}")
     spec = {
-        "name": "llava-dis",
-        "model": str(tiny_checkpoint("llava")),
+        "name": f"{family}-dis",
+        "model": str(tiny_checkpoint(family)),
         "ctx_len": 256,
-        "full_batch_size": SLOTS,
         "deployment": "disaggregated",
-        "kv_cache_prefix": PREFIX,
+        **COMPILED[family],
         "prefill": {"seq_lens": [32, 128]},
         "vision": {"images": [{"height": 336, "width": 336}], "max_images": 2},
     }
@@ -136,22 +146,25 @@ def compiled_llava(tiny_checkpoint, tmp_path_factory):
     )
     for name, (height, width) in {"a": (112, 112), "b": (140, 196)}.items():
         helpers.image(height, width, len(name)).save(root / f"{name}.png")
-    return root
+    return family, root
 
 
-def test_compiled_artifact_names_every_kv_with_the_prefix(compiled_llava):
-    manifest = json.loads((compiled_llava / "out" / "manifest.json").read_text())
+def test_compiled_artifact_names_every_kv_with_the_prefix(compiled):
+    family, root = compiled
+    manifest = json.loads((root / "out" / "manifest.json").read_text())
     assert manifest["deployment"] == "disaggregated"
+    assert manifest["kv_cache_prefix"] == COMPILED[family].get("kv_cache_prefix")
     (path,) = {manifest["programs"][p]["path"] for p in ("lang_prefill", "lang_decode")}
-    graph = onnx.load(str(compiled_llava / "out" / path), load_external_data=False).graph
+    graph = onnx.load(str(root / "out" / path), load_external_data=False).graph
     names = [value.name for value in (*graph.input, *graph.output)]
     kv = [name for name in names if is_kv_name(name)]
-    assert len(kv) == 2 * 2 * 2  # two layers: key and value, input and retained output
-    assert all(re.fullmatch(rf"past_(key|value)\.\d+_{PREFIX}(_RetainedState)?", name) for name in kv)
+    assert kv and len(kv) % 4 == 0  # per layer: key and value, input and retained output
+    suffix = f"_{PREFIX}" if "kv_cache_prefix" in COMPILED[family] else ""
+    assert all(re.fullmatch(rf"past_(key|value)\.\d+{suffix}(_RetainedState)?", name) for name in kv)
 
 
-def test_run_requests_and_a_three_turn_run_match_transformers(compiled_llava, capsys):
-    root = compiled_llava
+def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
+    family, root = compiled
     lines = [
         {"prompt": "Describe it.", "images": ["a.png"], "max_new_tokens": 5},
         {"prompt": "Tell me a story about a cat.", "max_new_tokens": 4},
@@ -166,7 +179,7 @@ def test_run_requests_and_a_three_turn_run_match_transformers(compiled_llava, ca
     err = capsys.readouterr().err
     assert err.count("tokens identical to transformers generate") == 5
     assert "5 KV hand-off(s) into decode slots" in err
-    # One sequence, three turns: prefill on lang_prefill, decode in slot 0 of lang_decode.
+    # One sequence, three turns: prefill on lang_prefill, decode on lang_decode (slot 0 of 4 for LLaVA).
     turns = ["--prompt", "Describe it.", "--prompt", "And the colours?", "--prompt", "Thanks. Summarise."]
     assert (
         main(["run", out, "--image", str(root / "a.png"), *turns, "--max-new-tokens", "4", "--compare-hf"])

@@ -240,7 +240,13 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
         prompts=list(calibration.prompts) if calibration else [],
         say=say,
     )
-    return {"vision": ranges["vision"], **{plan.program: ranges["lang"] for plan in languages}}
+    language = ranges["lang"]
+    prefix = spec.deployment.kv_cache_prefix
+    if prefix:  # the programs compile the renamed copy: its KV outputs carry the prefix
+        from qeff_vision.contract.language_io import with_kv_prefix_name
+
+        language = {with_kv_prefix_name(name, prefix): value for name, value in language.items()}
+    return {"vision": ranges["vision"], **{plan.program: language for plan in languages}}
 
 
 # What a calibration found, next to the plan: reused while its inputs are unchanged, so a cached
