@@ -71,8 +71,8 @@ def test_every_problem_reported_with_its_yaml_path():
             "spec.compile.language.timeout: must be a positive number of seconds",
             "spec.compile.language.mos: must be a positive integer",
             "spec.compile.language.extra_flags: unknown key; allowed: num_cores, num_devices, mxfp6_matmul, "
-            "convert_to_fp16, mos, ols, depth_first, aic_hw_version, kv_cache_dtype, timeout, node_precision, "
-            "split_model_io, allow_mxint8_mdp_io, split_retained_state_io",
+            "convert_to_fp16, mos, ols, depth_first, aic_hw_version, kv_cache_dtype, timeout, "
+            "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io",
         ]
     )
 

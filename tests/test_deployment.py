@@ -71,9 +71,8 @@ def test_families_table_has_a_row_per_mode_with_reasons():
     table = api.families_table()
     for family in all_families():
         assert family.features.deployment(DISAGGREGATED).supported, family.name
-    assert table.count("deployment disaggregated") == len(all_families())
-    assert table.count("deployment single") == len(all_families())
-    assert "deployment single         no (not built yet" in table
+    assert table.count("disaggregated        yes (deployment: disaggregated") == len(all_families())
+    assert table.count("single QPC           no (not built yet (deployment: single") == len(all_families())
 
 
 def test_disaggregated_programs_split_the_language_specializations(tmp_path):
@@ -207,3 +206,14 @@ def test_dry_run_prints_three_command_lines(name, tmp_path, monkeypatch, capsys)
     for program in ("vision", LANG_PREFILL, LANG_DECODE):
         assert f"-network-specialization-config=out/{program}/specializations.json" in out
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_kv_cache_prefix_is_refused_for_the_cross_attention_kind(tmp_path):
+    source = REPO / "specs" / "mllama" / "llama-3.2-11b-vision-instruct.yaml"
+    data = yaml.safe_load(source.read_text())
+    data["config"] = str((source.parent / data["config"]).resolve())
+    data.update(deployment="disaggregated", kv_cache_prefix=PREFIX)
+    (problem,) = problems_of(write_spec_data(tmp_path, data))
+    assert problem.startswith("kv_cache_prefix: Llama 3.2 Vision's cross-attention states are vision-program")
+    data.pop("kv_cache_prefix")
+    assert load_spec(write_spec_data(tmp_path, data)).deployment.mode == DISAGGREGATED

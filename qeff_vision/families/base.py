@@ -93,9 +93,11 @@ class Features:
     deepstack: Support = Support(False, "the architecture has no deepstack layers")
     continuous_batching: Support = Support(True, "batch_index input, full_batch_size KV slots as QEfficient")
     single_program: Support = Support(
-        False, "not built yet: the encoder-in-decoder graph with once-per-image encoding is issue 24 step 3"
+        False, "not built yet (deployment: single, one program that encodes each image once; issue 24)"
     )
-    disaggregated: Support = Support(True, "lang_prefill at batch 1, lang_decode at full_batch_size")
+    disaggregated: Support = Support(
+        True, "deployment: disaggregated, lang_prefill at batch 1, lang_decode at full_batch_size"
+    )
 
     def deployment(self, mode: str) -> Support:
         """Support of deployment ``mode`` (``dual``, ``single`` or ``disaggregated``)."""
@@ -115,9 +117,9 @@ class Features:
             ("video", self.video),
             ("deepstack", self.deepstack),
             ("continuous batching", self.continuous_batching),
-            ("deployment dual", Support(True, "vision + language programs")),
-            ("deployment disaggregated", self.disaggregated),
-            ("deployment single", self.single_program),
+            ("dual QPC", Support(True, "deployment: dual (default), vision + language programs")),
+            ("disaggregated", self.disaggregated),
+            ("single QPC", self.single_program),
         ]
 
 

@@ -51,6 +51,9 @@ class PhaseRouter:
         self.specializations = [*(prefill.specializations or ()), *(decode.specializations or ())]
         #: What the batched engine's slot count is read from (prefill binds full_batch_size 1).
         self.decode_specializations = decode.specializations
+        self.decode_slots = max(
+            (int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in decode.specializations or ()), default=1
+        )
         #: Prefill KV hand-offs to a decode slot, and their bytes (what a device pair would transfer).
         self.handoffs = 0
         self.handoff_bytes = 0
@@ -79,15 +82,9 @@ class PhaseRouter:
         input), zero caches, ``batch_index`` 0..F-1; the outputs are cut back to the sequence's row.
         """
         program = self.program_for(feeds)
-        slots = self._decode_slots()
-        if program is self.decode and slots > 1 and feeds[symbols.INPUT_IDS].shape[0] == 1:
-            return self._in_slot_zero(feeds, slots)
+        if program is self.decode and self.decode_slots > 1 and feeds[symbols.INPUT_IDS].shape[0] == 1:
+            return self._in_slot_zero(feeds, self.decode_slots)
         return program.run(feeds)
-
-    def _decode_slots(self) -> int:
-        return max(
-            (int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in self.decode.specializations or ()), default=1
-        )
 
     def _in_slot_zero(self, feeds: Mapping[str, np.ndarray], slots: int) -> dict[str, np.ndarray]:
         """A batch-1 decode call run as row 0 of a ``slots``-row call (see :meth:`run`)."""
