@@ -35,6 +35,7 @@ def _small_spec(family: str, model: Path, tmp_path: Path, node_precision: str) -
         path
         for path in find_specs(SPECS)
         if (spec := load_spec(path)).family == family
+        and spec.deployment.mode == "dual"
         and spec.full_batch_size is None
         and spec.compile.comp_ctx_lengths is None
         and not spec.vision.patch_buckets
