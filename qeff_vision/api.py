@@ -26,17 +26,16 @@ def tiny(family: str, out_dir, *, seed: int = 0, force: bool = False):
 
     from qeff_vision.checkpoint import quiet_transformers
     from qeff_vision.errors import UserError
-    from qeff_vision.export.exporter import load_adapter
     from qeff_vision.families import get_family
     from qeff_vision.fsutil import is_nonempty_dir, staged_directory
 
     out_dir = Path(out_dir)
     if is_nonempty_dir(out_dir) and not force:
         raise UserError(f"{out_dir} is not empty; pass --force to replace it")
-    adapter = load_adapter(get_family(family))
+    builder = get_family(family)
     quiet_transformers()
     with staged_directory(out_dir, force=force) as staging:
-        adapter.write_tiny_checkpoint(staging, seed)
+        builder.write_tiny_checkpoint(staging, seed)
     return out_dir
 
 

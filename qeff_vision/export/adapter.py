@@ -1,12 +1,12 @@
 """The torch side of a family: what the generic exporter and runtime ask of each family module.
 
-A family's ``export_module`` defines a subclass of :class:`ExportAdapter` named ``Adapter``. The
+A family registers a loader of its subclass of :class:`ExportAdapter` (see
+:func:`qeff_vision.families.register`); the adapter is built with the family it serves. The
 generic code never branches on a family name; it calls these methods.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,21 @@ from qeff_vision.families.base import Family
 
 
 class ExportAdapter:
-    """Base class of a family's torch-side adapter. Subclasses override the marked methods."""
+    """Base class of a family's torch-side adapter. Subclasses override the marked methods.
 
-    family: Family
+    Args:
+        family: The registered family this adapter exports.
+    """
+
     #: Image sizes (height, width) the parity tests feed the tiny checkpoint: several aspect ratios
     #: for multi-resolution towers; any sizes for fixed-resolution ones (the processor resizes).
     test_image_sizes: Sequence[tuple[int, int]] = ((100, 150), (224, 224), (300, 120))
     #: ``*RMSNorm`` class name -> offset added to its weight before scaling (Gemma's ``1 + weight``
     #: form); every other RMSNorm scales by its weight (see :mod:`qeff_vision.export.rms_norm`).
     rms_norm_weight_offsets: Mapping[str, float] = {}
+
+    def __init__(self, family: Family):
+        self.family = family
 
     # ---- loading ----
 
@@ -69,13 +75,8 @@ class ExportAdapter:
         return model.eval()
 
     def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:
-        """Write a tiny random-weight checkpoint with the family package's ``tiny`` module.
-
-        Convention: ``<family package>.tiny.write_tiny_checkpoint(out_dir, seed)``, next to the
-        ``export`` module that defines this adapter.
-        """
-        package = self.family.export_module.rsplit(".", 1)[0]
-        return importlib.import_module(f"{package}.tiny").write_tiny_checkpoint(out_dir, seed)
+        """Write a tiny random-weight checkpoint with the family's registered builder."""
+        return self.family.write_tiny_checkpoint(out_dir, seed)
 
     # ---- vision program ----
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib
 import sys
 import time
 import warnings
@@ -103,9 +102,8 @@ class ExportResult:
 
 
 def load_adapter(family: Family) -> ExportAdapter:
-    """Import the family's torch-side module and instantiate its ``Adapter``."""
-    module = importlib.import_module(family.export_module)
-    return module.Adapter()
+    """The family's export adapter (its registered loader imports the torch side)."""
+    return family.adapter()
 
 
 def _load_model(adapter: ExportAdapter, model_dir: Path, dtype: torch.dtype):

@@ -1,20 +1,25 @@
 """Family registry: the only place that maps a checkpoint to the code that knows its family.
 
 Each subpackage of ``qeff_vision.families`` defines one family and registers it with
-:func:`register`. Subpackages are discovered by walking this package, so adding a family adds
-files and edits nothing here. Registration checks the description at import time.
+:func:`register`, handing over every part of the family as an object: the description (a
+:class:`Family` subclass), the host protocol class, a loader of the torch-side export adapter and
+the tiny-checkpoint builder. Subpackages are discovered by walking this package, so adding a
+family adds files and edits nothing here. Registration checks every part at import time.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 
 from qeff_vision.errors import UserError
-from qeff_vision.families.base import Family, ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.families.base import Family, FamilyParts, ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.families.host import Host
 
 __all__ = [
     "Family",
+    "FamilyParts",
     "ImageSize",
     "ModelDescription",
     "all_families",
@@ -28,8 +33,27 @@ _REGISTRY: dict[str, Family] = {}
 _DISCOVERED = False
 
 
-def register(cls: type[Family]) -> type[Family]:
-    """Class decorator: check a family description and add it to the registry."""
+def register(
+    cls: type[Family],
+    *,
+    host: Callable[[], type[Host]],
+    adapter: Callable[[], type],
+    tiny: Callable[..., object],
+) -> type[Family]:
+    """Check a family and every part of it, and add it to the registry.
+
+    Args:
+        cls: The description (token math, IO rows, features); torch-free.
+        host: Zero-argument loader of the family's :class:`~qeff_vision.families.host.Host`
+            subclass (numpy only). Called here, so a missing or wrong host fails at import.
+        adapter: Zero-argument loader of the family's export adapter class (an
+            :class:`~qeff_vision.export.adapter.ExportAdapter` subclass taking the family). It
+            imports torch, so it is called only when a graph is built.
+        tiny: ``tiny(out_dir, seed=0) -> Path``: writes the family's tiny random checkpoint.
+
+    Raises:
+        TypeError: A part is missing or of the wrong kind, or the description is incomplete.
+    """
     family = cls()
     problems = []
     if not family.name or not family.name.isidentifier():
@@ -38,8 +62,6 @@ def register(cls: type[Family]) -> type[Family]:
         problems.append("name already registered")
     if not family.architectures:
         problems.append("architectures is empty")
-    if not family.export_module:
-        problems.append("export_module is not set")
     if not getattr(family, "features", None):
         problems.append("features are not declared")
     else:
@@ -50,8 +72,16 @@ def register(cls: type[Family]) -> type[Family]:
         ]
     if not family.vision_input_axes:
         problems.append("vision_input_axes is empty")
+    host_class = host() if callable(host) else None
+    if not (isinstance(host_class, type) and issubclass(host_class, Host)):
+        problems.append("host must be a loader returning a Host subclass")
+    if not callable(adapter):
+        problems.append("adapter must be a loader of the export adapter class")
+    if not callable(tiny):
+        problems.append("tiny must be the tiny-checkpoint builder")
     if problems:
         raise TypeError(f"family {cls.__name__}: " + "; ".join(problems))
+    family.parts = FamilyParts(host=host_class, adapter=adapter, tiny=tiny)
     _REGISTRY[family.name] = family
     return cls
 

@@ -4,16 +4,15 @@ A family is data plus a little token math: which Hugging Face architectures it a
 config names map to normalized dimensions, the symbolic axes of its two programs, how many
 vision tokens an image of a given resolution becomes, and which features it supports. Nothing in
 this module imports torch; the torch side of a family lives in its ``export`` module and is
-imported only when a graph is built (see :attr:`Family.export_module`).
+imported only when a graph is built (see :class:`FamilyParts` and :meth:`Family.adapter`).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import (
@@ -28,6 +27,9 @@ from qeff_vision.contract.language_io import (
 )
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import read_json
+
+if TYPE_CHECKING:
+    from qeff_vision.families.host import Host
 
 # Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
 FULL_ATTENTION = "full_attention"
@@ -200,6 +202,22 @@ def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = 
     return ModelDescription(read_json(config_file), processor, str(config_file), video)
 
 
+@dataclass(frozen=True)
+class FamilyParts:
+    """The parts of a registered family besides its description (see :func:`~qeff_vision.families.register`).
+
+    Attributes:
+        host: The family's host-protocol class (numpy only).
+        adapter: Zero-argument loader of the export adapter class; it imports torch, so it runs
+            only when a graph is built.
+        tiny: ``tiny(out_dir, seed=0) -> Path``: writes a tiny random checkpoint of the family.
+    """
+
+    host: type[Host]
+    adapter: Callable[[], type]
+    tiny: Callable[..., Path]
+
+
 class Family:
     """Base class of a model family description. Subclasses set the class attributes and token math.
 
@@ -209,7 +227,7 @@ class Family:
         architectures: ``config.architectures`` values this family accepts.
         model_types: ``config.model_type`` values this family accepts.
         features: The feature matrix.
-        export_module: Dotted module with the torch side (loading, export patches, tiny checkpoint).
+        parts: Host class, export-adapter loader and tiny builder, set by registration.
         position_id_rows: ``None`` for ``position_ids`` of shape [batch, seq]; an integer R for
             [R, batch, seq] (Qwen-VL's M-RoPE: row 0 text position, rows 1-3 t/h/w).
         vision_input_axes: Vision-program inputs and their symbolic axes.
@@ -231,7 +249,7 @@ class Family:
     architectures: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()
     features: Features
-    export_module: str = ""
+    parts: FamilyParts | None = None
     position_id_rows: int | None = None
     vision_input_axes: Mapping[str, Mapping[int, str]] = {}
     text_config_key: str = "text_config"
@@ -258,17 +276,22 @@ class Family:
     patch_bucket_input_axes: Mapping[str, Mapping[int, str]] = {}
     patch_bucket_output_axes: Mapping[str, Mapping[int, str]] = {}
 
-    #: Dotted module whose ``Host`` class is the family's torch-free host protocol (vision inputs,
-    #: placeholder counts, positions); empty: :class:`~qeff_vision.families.host.Host` itself.
-    host_module: str = ""
+    def _parts(self) -> FamilyParts:
+        if self.parts is None:
+            raise TypeError(f"family {self.name!r} is not registered (no host, adapter or tiny builder)")
+        return self.parts
 
-    def host(self, model: ModelDescription):
+    def host(self, model: ModelDescription) -> Host:
         """The host protocol of this family for ``model`` (a :class:`~qeff_vision.families.host.Host`)."""
-        if self.host_module:
-            host_class = importlib.import_module(self.host_module).Host
-        else:
-            from qeff_vision.families.host import Host as host_class
-        return host_class(self, model)
+        return self._parts().host(self, model)
+
+    def adapter(self):
+        """The family's export adapter (imports torch): an ``ExportAdapter`` holding this family."""
+        return self._parts().adapter()(self)
+
+    def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:
+        """Write a tiny random-weight checkpoint of this family to ``out_dir``."""
+        return self._parts().tiny(out_dir, seed)
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 

@@ -5,8 +5,8 @@ inputs, the embedding rows each image becomes (in prompt order), the position id
 prompt and of every generated token. These are numpy and token math, so they live here and not
 in a family's torch-side ``export`` module; the runtime imports nothing from ``export/``.
 
-A family whose protocol differs from the defaults names a module with a ``Host`` subclass in
-:attr:`~qeff_vision.families.base.Family.host_module`.
+A family whose protocol differs from the defaults registers a ``Host`` subclass (see
+:func:`qeff_vision.families.register`).
 """
 
 from __future__ import annotations

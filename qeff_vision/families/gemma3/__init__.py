@@ -50,7 +50,6 @@ TEXT_DEFAULTS: dict[str, Any] = {
 VISION_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 16}
 
 
-@register
 class Gemma3(Family):
     """Gemma 3 (4B/12B/27B instruction-tuned and pretrained checkpoints with a vision tower)."""
 
@@ -58,8 +57,6 @@ class Gemma3(Family):
     title = "Gemma 3"
     architectures = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
-    export_module = "qeff_vision.families.gemma3.export"
-    host_module = "qeff_vision.families.gemma3.host"
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
@@ -146,3 +143,27 @@ class Gemma3(Family):
             IMAGE_SIZE: int(self.vision_config(model)["image_size"]),
             symbols.VISION_SIZE: self.top_level(model, "mm_tokens_per_image"),
         }
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.gemma3.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.gemma3.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Gemma3, host=_host, adapter=_export_adapter, tiny=_tiny)

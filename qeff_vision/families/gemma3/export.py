@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from qeff_vision.export.adapter import FixedResolutionAdapter
-from qeff_vision.families import get_family
 
 
 class VisionEncoder(nn.Module):
@@ -43,7 +42,6 @@ class VisionEncoder(nn.Module):
 class Adapter(FixedResolutionAdapter):
     """Torch side of the Gemma 3 family."""
 
-    family = get_family("gemma3")
     bidirectional_images = True  # an image's soft tokens attend to each other both ways
     # Gemma3RMSNorm scales by (1 + weight) (ref: transformers v5 models/gemma3/modeling_gemma3.py).
     rms_norm_weight_offsets = {"Gemma3RMSNorm": 1.0}

@@ -71,7 +71,6 @@ def tile_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles: int
     return best
 
 
-@register
 class InternVL(Family):
     """InternVL (InternVLForConditionalGeneration), e.g. OpenGVLab/InternVL3-8B-hf."""
 
@@ -79,8 +78,6 @@ class InternVL(Family):
     title = "InternVL 3"
     architectures = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
-    export_module = "qeff_vision.families.internvl.export"
-    host_module = "qeff_vision.families.internvl.host"
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
@@ -144,3 +141,27 @@ class InternVL(Family):
         """num_tiles and vision_size (num_tiles * tokens per tile)."""
         tiles = self.num_tiles(model, image)
         return {NUM_TILES: tiles, symbols.VISION_SIZE: tiles * self.tokens_per_tile(model)}
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.internvl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.internvl.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.internvl.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(InternVL, host=_host, adapter=_export_adapter, tiny=_tiny)

@@ -19,7 +19,6 @@ from torch import nn
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
 
 
@@ -77,7 +76,6 @@ class VisionEncoder(nn.Module):
 class Adapter(ExportAdapter):
     """Torch side of the InternVL family."""
 
-    family = get_family("internvl")
     # A 1:1 image (one tile), a 3:2 one (2x1 canvas + thumbnail), a tall one, a panorama.
     test_image_sizes = ((100, 100), (100, 150), (300, 120), (60, 250))
 

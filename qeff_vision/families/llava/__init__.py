@@ -43,7 +43,6 @@ LLAMA_DEFAULTS = {
 }
 
 
-@register
 class Llava(Family):
     """LLaVA-1.5 (llava-hf/llava-1.5-7b-hf, -13b-hf): LlavaForConditionalGeneration with a CLIP tower."""
 
@@ -51,8 +50,6 @@ class Llava(Family):
     title = "LLaVA-1.5"
     architectures = ("LlavaForConditionalGeneration",)
     model_types = ("llava",)
-    export_module = "qeff_vision.families.llava.export"
-    host_module = "qeff_vision.families.llava.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),
@@ -113,3 +110,27 @@ class Llava(Family):
         """img_size (the tower's fixed side) and vision_size (the same for every image)."""
         image_size, _, _ = self.geometry(model)
         return {IMG_SIZE: image_size, symbols.VISION_SIZE: self.tokens_per_image(model)}
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.llava.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.llava.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.llava.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Llava, host=_host, adapter=_export_adapter, tiny=_tiny)

@@ -15,7 +15,6 @@ from torch import nn
 
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import FixedResolutionAdapter
-from qeff_vision.families import get_family
 from qeff_vision.families.llava import DEFAULT_STRATEGY, VISION_MODEL_TYPES
 
 
@@ -58,7 +57,6 @@ class VisionEncoder(nn.Module):
 class Adapter(FixedResolutionAdapter):
     """Torch side of the LLaVA-1.5 family."""
 
-    family = get_family("llava")
     single_mask = True  # Llama builds its causal mask from one 4-D input
     # Any sizes work (the processor resizes and crops); both orientations and a square one.
     test_image_sizes = ((100, 150), (224, 224), (300, 120))

@@ -64,7 +64,6 @@ def unpadded_grid(height: int, width: int, rows: int, cols: int) -> tuple[int, i
     return rows, cols - 2 * ((cols - new_cols) // 2)
 
 
-@register
 class LlavaNext(Family):
     """LLaVA-NeXT (LlavaNextForConditionalGeneration), e.g. IBM Granite Vision 3.2."""
 
@@ -72,8 +71,6 @@ class LlavaNext(Family):
     title = "LLaVA-NeXT (Granite Vision)"
     architectures = ("LlavaNextForConditionalGeneration",)
     model_types = ("llava_next",)
-    export_module = "qeff_vision.families.llava_next.export"
-    host_module = "qeff_vision.families.llava_next.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),
@@ -135,3 +132,27 @@ class LlavaNext(Family):
             FEATURE_WIDTH: feature_width,
             symbols.VISION_SIZE: side * side + feature_height * (feature_width + 1),
         }
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.llava_next.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.llava_next.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(LlavaNext, host=_host, adapter=_export_adapter, tiny=_tiny)

@@ -18,7 +18,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.families import get_family
 from qeff_vision.families.llava_next import (
     FEATURE_GRID,
     TILE_GRID,
@@ -72,7 +71,6 @@ class VisionEncoder(nn.Module):
 class Adapter(ExportAdapter):
     """Torch side of the LLaVA-NeXT family."""
 
-    family = get_family("llava_next")
     single_mask = True  # Granite and Llama take one 4-D mask through create_causal_mask
     # Each lands on a different pinpoint of the tiny checkpoint (112x112, 168x56, 56x168, 56x56),
     # cropping rows, columns, or nothing.

@@ -34,7 +34,6 @@ DEFAULT_PATCH = 16
 DEFAULT_LONGEST_EDGE = 1024
 
 
-@register
 class Mistral3(Family):
     """Mistral 3 (Mistral3ForConditionalGeneration), e.g. Mistral-Small-3.1-24B-Instruct-2503."""
 
@@ -42,8 +41,6 @@ class Mistral3(Family):
     title = "Mistral 3 (Pixtral)"
     architectures = ("Mistral3ForConditionalGeneration",)
     model_types = ("mistral3",)
-    export_module = "qeff_vision.families.mistral3.export"
-    host_module = "qeff_vision.families.mistral3.host"
     image_token_key = "image_token_index"
     features = Features(
         export=yes(),
@@ -108,3 +105,27 @@ class Mistral3(Family):
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """First to last ``[IMG]``: every token but the final ``[IMG_END]``."""
         return self.prompt_tokens(model, image) - 1
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.mistral3.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.mistral3.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.mistral3.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Mistral3, host=_host, adapter=_export_adapter, tiny=_tiny)

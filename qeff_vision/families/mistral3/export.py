@@ -20,7 +20,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.families import get_family
 from qeff_vision.families.mistral3.host import IMAGE_SIZES
 
 
@@ -63,7 +62,6 @@ class VisionEncoder(nn.Module):
 class Adapter(ExportAdapter):
     """Torch side of the Mistral 3 family."""
 
-    family = get_family("mistral3")
     single_mask = True  # MistralModel passes a 4-D mask through create_causal_mask unchanged
     # Square, wide, tall, and one shrunk from beyond longest_edge.
     test_image_sizes = ((100, 100), (100, 150), (300, 120), (60, 400))

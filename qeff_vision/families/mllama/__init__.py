@@ -70,7 +70,6 @@ def cross_layers(text_config: dict[str, Any]) -> list[int]:
     return [int(i) for i in text_config.get("cross_attention_layers") or ()]
 
 
-@register
 class Mllama(Family):
     """Llama 3.2 Vision (MllamaForConditionalGeneration), e.g. meta-llama/Llama-3.2-11B-Vision-Instruct."""
 
@@ -78,8 +77,6 @@ class Mllama(Family):
     title = "Llama 3.2 Vision"
     architectures = ("MllamaForConditionalGeneration",)
     model_types = ("mllama",)
-    export_module = "qeff_vision.families.mllama.export"
-    host_module = "qeff_vision.families.mllama.host"
     decoder_kind = CROSS_ATTENTION
     image_token_key = "image_token_index"
     features = Features(
@@ -171,3 +168,27 @@ class Mllama(Family):
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """Tiles per image: the static last axis of ``cross_attention_mask``."""
         return {MAX_NUM_TILES: int(self.vision_config(model)["max_num_tiles"])}
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.mllama.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.mllama.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.mllama.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Mllama, host=_host, adapter=_export_adapter, tiny=_tiny)

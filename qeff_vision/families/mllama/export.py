@@ -31,7 +31,6 @@ from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, RetainedKVCache, attention_masks
 from qeff_vision.export.kv_writes import write_plan
-from qeff_vision.families import get_family
 from qeff_vision.families.mllama import ASPECT_RATIO_IDS, ASPECT_RATIO_MASK, CROSS_ATTENTION_MASK
 
 
@@ -171,7 +170,6 @@ class CrossAttentionDecoder(nn.Module):
 class Adapter(ExportAdapter):
     """Torch side of the Llama 3.2 Vision family."""
 
-    family = get_family("mllama")
     # One tile, a 1x2 arrangement, a tall 3x1 one (the tiny tower's tiles are 56 px).
     test_image_sizes = ((50, 50), (100, 150), (300, 120))
     single_mask = True

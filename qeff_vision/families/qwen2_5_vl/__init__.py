@@ -38,7 +38,6 @@ MAX_ASPECT_RATIO = 200
 CHANNELS = 3
 
 
-@register
 class Qwen2_5_VL(Family):
     """Qwen2.5-VL (3B/7B/32B/72B Instruct)."""
 
@@ -46,8 +45,6 @@ class Qwen2_5_VL(Family):
     title = "Qwen2.5-VL"
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_types = ("qwen2_5_vl",)
-    export_module = "qeff_vision.families.qwen2_5_vl.export"
-    host_module = "qeff_vision.families.qwen2_5_vl.host"
     position_id_rows = 4
     video_token_key = "video_token_id"
     features = Features(
@@ -210,3 +207,27 @@ class Qwen2_5_VL(Family):
         """Patches of the largest image the processor produces (its ``max_pixels``)."""
         patch = int(self._vision(model).get("patch_size", 14))
         return self.pixel_limits(model)[1] // (patch * patch)
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.qwen2_5_vl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.qwen2_5_vl.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Qwen2_5_VL, host=_host, adapter=_export_adapter, tiny=_tiny)

@@ -22,7 +22,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl import (
     IMAGE_GRID_THW,
     PATCH_IDS,
@@ -216,7 +215,6 @@ class PatchBucketEncoder(VisionEncoder):
 class Adapter(ExportAdapter):
     """Torch side of the Qwen2.5-VL family."""
 
-    family = get_family("qwen2_5_vl")
 
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The symbolic-grid vision tower."""

@@ -44,7 +44,6 @@ DEFAULT_VIDEO_MIN_PIXELS = 128 * 32 * 32
 DEFAULT_VIDEO_MAX_PIXELS = 768 * 32 * 32
 
 
-@register
 class Qwen3_VL(Qwen2_5_VL):
     """Qwen3-VL (2B/4B/8B/32B Instruct and Thinking; dense text models)."""
 
@@ -52,8 +51,6 @@ class Qwen3_VL(Qwen2_5_VL):
     title = "Qwen3-VL"
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
-    export_module = "qeff_vision.families.qwen3_vl.export"
-    host_module = "qeff_vision.families.qwen3_vl.host"
     position_id_rows = 4
     features = Features(
         export=yes(),
@@ -134,3 +131,27 @@ class Qwen3_VL(Qwen2_5_VL):
             symbols.VISION_SIZE: grid_t * grid_h * grid_w // (merge * merge),
             **self.language_symbols(model),
         }
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.qwen3_vl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.qwen3_vl.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.qwen3_vl.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Qwen3_VL, host=_host, adapter=_export_adapter, tiny=_tiny)

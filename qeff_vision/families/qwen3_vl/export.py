@@ -28,7 +28,6 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.decoder import DecoderParts
-from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
 from qeff_vision.families.qwen2_5_vl.export import Adapter as Qwen2_5_VLAdapter
 from qeff_vision.families.qwen3_vl import DEEPSTACK_FEATURES
@@ -154,7 +153,6 @@ def _deepstack_kwargs(is_image: torch.Tensor, gathered: Mapping[str, torch.Tenso
 class Adapter(Qwen2_5_VLAdapter):
     """Torch side of the Qwen3-VL family (positions and vision-input splitting as Qwen2.5-VL's)."""
 
-    family = get_family("qwen3_vl")
     # Qwen3VLTextModel builds its own causal mask from what it is given; a 4-D mask passes through.
     single_mask = True
 

@@ -17,7 +17,6 @@ from qeff_vision.families.base import Features, yes
 from qeff_vision.families.qwen3_vl import Qwen3_VL
 
 
-@register
 class Qwen3_VL_MoE(Qwen3_VL):
     """Qwen3-VL-30B-A3B and 235B-A22B (Instruct and Thinking; mixture-of-experts text models)."""
 
@@ -25,7 +24,6 @@ class Qwen3_VL_MoE(Qwen3_VL):
     title = "Qwen3-VL-MoE"
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
-    export_module = "qeff_vision.families.qwen3_vl_moe.export"
     features = Features(
         export=yes("experts computed densely: every expert on every token, weighted by the router's top-k"),
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
@@ -34,3 +32,27 @@ class Qwen3_VL_MoE(Qwen3_VL):
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
     )
+
+
+def _host():
+    """The host protocol class (numpy only; its module reads this package's constants)."""
+    from qeff_vision.families.qwen3_vl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.qwen3_vl_moe.export import Adapter
+
+    return Adapter
+
+
+def _tiny(out_dir, seed: int = 0):
+    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
+    from qeff_vision.families.qwen3_vl_moe.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(out_dir, seed)
+
+
+register(Qwen3_VL_MoE, host=_host, adapter=_export_adapter, tiny=_tiny)

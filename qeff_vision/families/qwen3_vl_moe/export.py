@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qeff_vision.families import get_family
 from qeff_vision.families.qwen3_vl.export import Adapter as Qwen3_VLAdapter
 
 
@@ -41,7 +40,6 @@ def dense_experts(experts: nn.Module):
 class Adapter(Qwen3_VLAdapter):
     """Torch side of the Qwen3-VL-MoE family: Qwen3-VL's, with dense experts in the exported decoder."""
 
-    family = get_family("qwen3_vl_moe")
 
     def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
         """The exporter's placeholder model with every sparse block's experts written densely."""
