@@ -10,7 +10,7 @@ def families_table() -> str:
     rows = []
     for family in all_families():
         rows.append((f"{family.name} [{family.title}]", "architectures", ", ".join(family.architectures)))
-        rows.append(("", "decoder kind", family.decoder_kind))
+        rows.append(("", "decoder kind", family.decoder_kind.name))
         rows.extend(("", feature, support.cell()) for feature, support in family.features.rows())
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)
@@ -136,6 +136,19 @@ def validate(spec_path):
         return [], list(load_spec(spec_path).warnings)
     except SpecError as exc:
         return list(exc.problems), []
+
+
+def config_notes(spec_path) -> list[str]:
+    """The family defaults a valid spec's checkpoint config relies on (fields it leaves out).
+
+    Raises:
+        SpecError: The spec is invalid.
+    """
+    from qeff_vision.families import get_family
+    from qeff_vision.spec import load_spec
+
+    spec = load_spec(spec_path)
+    return list(get_family(spec.family).config_view(spec.model_description).notes)
 
 
 def bucket_admission(spec_path) -> list[str]:

@@ -57,11 +57,9 @@ def check_parity(
     """
     import torch
 
-    from qeff_vision import symbols
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export.exporter import load_adapter
     from qeff_vision.export_record import read_export
-    from qeff_vision.families.base import CROSS_ATTENTION
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
@@ -84,11 +82,7 @@ def check_parity(
         numpy_inputs = {name: value.numpy() for name, value in processed.items() if torch.is_tensor(value)}
         inputs = checkpoint.host.vision_inputs(numpy_inputs)[0]
         outputs = vision.run(inputs)
-        if family.decoder_kind == CROSS_ATTENTION:  # one reference per output: each cross layer's K, V
-            names = list(family.vision_outputs(checkpoint.description))
-            pairs = [(outputs[name][0], ref.numpy()) for name, ref in zip(names, features)]
-        else:  # the first image's embedding rows
-            pairs = [(outputs[symbols.VISION_EMBEDS][0], features[0].numpy())]
+        pairs = adapter.vision_parity_pairs(outputs, features, checkpoint.description)
         worst = max(float(np.abs(ours - ref).max()) for ours, ref in pairs)
         report.vision_max_diff[f"{height}x{width}"] = worst
 

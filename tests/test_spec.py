@@ -159,6 +159,7 @@ def cross_attention_config(tmp_path, monkeypatch):
                 "num_hidden_layers": 2,
                 "num_attention_heads": 4,
                 "vocab_size": 100,
+                "image_token_id": 99,  # required by the family's config view, as in every real config
             }
         )
     )

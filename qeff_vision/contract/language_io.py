@@ -13,12 +13,34 @@ A row's shape lists every dimension: a symbol (a dynamic axis a specialization b
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from qeff_vision import symbols
+
+#: ``example(shape, values, image_token_id) -> array``: a row's own trace-time example (numpy).
+Example = Callable[[tuple[int, ...], Mapping[str, int], int], np.ndarray]
+
+
+def placeholder_chunk(shape: tuple[int, ...], values: Mapping[str, int], image_token_id: int) -> np.ndarray:
+    """Token ids: a chunk with ``vision_size - 1`` placeholders after two text tokens."""
+    ids = np.ones(shape, dtype=np.int64)
+    ids[..., 2 : 2 + values[symbols.VISION_SIZE] - 1] = image_token_id
+    return ids
+
+
+def counting_positions(shape: tuple[int, ...], values: Mapping[str, int], image_token_id: int) -> np.ndarray:
+    """Positions counting up along the last axis (every M-RoPE row alike)."""
+    return np.broadcast_to(np.arange(shape[-1], dtype=np.int64), shape).copy()
+
+
+def slot_one(shape: tuple[int, ...], values: Mapping[str, int], image_token_id: int) -> np.ndarray:
+    """KV slot 1, not 0: a trace that read slot 0 or the cache's own batch would show."""
+    return np.ones(shape, dtype=np.int64)
 
 
 class Role(Enum):
@@ -70,6 +92,8 @@ class IORow:
         retained: On an input, the ``_RetainedState`` output paired with it; on that output, the
             input it returns. None for a row that is not retained state.
         layer: Decoder layer of a per-layer row, else None.
+        example: The row's own example for tracing (:data:`Example`); None: random values for a
+            compute-dtype row, zeros otherwise.
     """
 
     name: str
@@ -78,6 +102,7 @@ class IORow:
     shape: tuple[str | int, ...] = ()
     retained: str | None = None
     layer: int | None = None
+    example: Example | None = field(default=None, compare=False, repr=False)
 
     @property
     def axes(self) -> dict[int, str]:
@@ -286,8 +311,8 @@ def language_io(
     batch, seq = symbols.BATCH_SIZE, symbols.SEQ_LEN
     positions = (batch, seq) if position_id_rows is None else (position_id_rows, batch, seq)
     inputs = [
-        IORow(symbols.INPUT_IDS, Role.TOKEN_IDS, DType.INT64, (batch, seq)),
-        IORow(symbols.POSITION_IDS, Role.POSITIONS, DType.INT64, positions),
+        IORow(symbols.INPUT_IDS, Role.TOKEN_IDS, DType.INT64, (batch, seq), example=placeholder_chunk),
+        IORow(symbols.POSITION_IDS, Role.POSITIONS, DType.INT64, positions, example=counting_positions),
         *extra_inputs,
     ]
     if merges_vision_rows:
@@ -307,14 +332,14 @@ def language_io(
         inputs.append(IORow(symbols.past_key(layer), Role.KV_KEY, DType.KV, shape, layer=layer))
         inputs.append(IORow(symbols.past_value(layer), Role.KV_VALUE, DType.KV, shape, layer=layer))
     if continuous_batching:  # QEfficient's order: after the caches, before comp_ctx_lengths
-        inputs.append(IORow(symbols.BATCH_INDEX, Role.KV_SLOT, DType.INT64, (batch, 1)))
+        inputs.append(IORow(symbols.BATCH_INDEX, Role.KV_SLOT, DType.INT64, (batch, 1), example=slot_one))
     if comp_ctx_lengths:
         ccl = symbols.COMP_CTX_LENGTHS
         inputs.append(IORow(ccl, Role.COMP_CTX_LENGTHS, DType.INT64, (ccl,)))
     # Vision rows and caches are retained state: the compiler pairs input X with X_RetainedState.
     retained_roles = (Role.VISION_ROWS, *KV_ROLES)
     inputs = [
-        IORow(row.name, row.role, row.dtype, row.shape, symbols.retained(row.name), row.layer)
+        replace(row, retained=symbols.retained(row.name))
         if row.retained is None and row.role in retained_roles
         else row
         for row in inputs

@@ -19,7 +19,7 @@ from qeff_vision.checkpoint import quiet_transformers
 from qeff_vision.contract.language_io import LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
-from qeff_vision.families.base import Family
+from qeff_vision.families.base import Family, ModelDescription
 
 
 class ExportAdapter:
@@ -98,6 +98,16 @@ class ExportAdapter:
         """Transformers' rows [depth, tokens, hidden] per image of each stacked vision-row input."""
         return {}
 
+    def vision_parity_pairs(
+        self, outputs: Mapping[str, Any], features: Sequence[torch.Tensor], model: ModelDescription
+    ) -> list[tuple[Any, Any]]:
+        """(ours, transformers') array pairs that must match for one image (``verify``).
+
+        ``outputs``: the vision program's outputs for the image; ``features``: what
+        :meth:`hf_image_features` returned for it. The default compares its embedding rows.
+        """
+        return [(outputs[symbols.VISION_EMBEDS][0], features[0].numpy())]
+
     # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
 
     def patch_bucket_encoder(self, model: nn.Module) -> nn.Module:
@@ -113,8 +123,6 @@ class ExportAdapter:
     #: The text model takes one 4-D mask instead of ``{layer_type: mask}`` (Llama, Granite: they
     #: pass a 4-D mask through ``create_causal_mask`` unchanged).
     single_mask: bool = False
-    #: Placeholders of one image attend to each other both ways (Gemma 3).
-    bidirectional_images: bool = False
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """The pieces of the HF model the generic :class:`LanguageDecoder` needs.
@@ -135,7 +143,7 @@ class ExportAdapter:
             layer_types=list(layer_types),
             sliding_window=getattr(text_config, "sliding_window", None),
             position_rows=self.family.position_id_rows,
-            bidirectional_images=self.bidirectional_images,
+            bidirectional_images=self.family.bidirectional_images,  # declared once, by chunk_split
             mask_per_layer_type=not self.single_mask,
             video_token_id=(
                 getattr(model.config, self.family.video_token_key)

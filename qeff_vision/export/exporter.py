@@ -25,7 +25,7 @@ import torch
 from onnx import external_data_helper
 
 from qeff_vision import __version__, symbols
-from qeff_vision.contract.language_io import DType, LanguageIO, Role
+from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
@@ -239,24 +239,15 @@ def example_values(family: Family, model: ModelDescription) -> dict[str, int]:
 def language_example(io: LanguageIO, values: Mapping[str, int], image_token_id: int) -> tuple:
     """Small example inputs of the language program, one per row of ``io`` in graph order.
 
-    Filled by role: a chunk with a few placeholders after two text tokens, positions counting up,
-    random vision rows, zero caches and cursors; a cross-attention mask lets every token but the
-    first see the images (both branches of the mask exist in the graph either way).
+    A row that declares its own example (token ids: a chunk with a few placeholders after two text
+    tokens; positions counting up; a family's own inputs) supplies it; otherwise a compute-dtype
+    row gets random values and the rest zeros (caches, cursors).
     """
     example = []
     for row in io.inputs:
         shape = row.concrete_shape(values)
-        if row.role is Role.TOKEN_IDS:
-            tensor = torch.ones(shape, dtype=torch.int64)
-            tensor[..., 2 : 2 + values[symbols.VISION_SIZE] - 1] = image_token_id
-        elif row.role is Role.POSITIONS:
-            tensor = torch.arange(shape[-1], dtype=torch.int64).expand(shape).clone()
-        elif row.role is Role.KV_SLOT:
-            # Slot 1, not 0: a trace that read slot 0 or the cache's own batch would show.
-            tensor = torch.ones(shape, dtype=torch.int64)
-        elif row.role is Role.CROSS_MASK:
-            tensor = torch.zeros(shape, dtype=torch.int64)
-            tensor[:, 1:] = 1
+        if row.example is not None:
+            tensor = torch.from_numpy(row.example(shape, values, image_token_id))
         elif row.dtype is DType.INT64 or row.dtype is DType.KV:
             tensor = torch.zeros(shape, dtype=torch.int64 if row.dtype is DType.INT64 else torch.float32)
         else:
@@ -312,6 +303,10 @@ def export_model(
     if continuous_batching and not family.features.continuous_batching.supported:
         raise UserError(
             f"{family.title}: no continuous batching ({family.features.continuous_batching.note})"
+        )
+    if comp_ctx_lengths and not family.features.comp_ctx_lengths.supported:
+        raise UserError(
+            f"{family.title}: no compute-context lengths ({family.features.comp_ctx_lengths.note})"
         )
     dims = family.text_dims(description)
     timings: dict[str, float] = {}

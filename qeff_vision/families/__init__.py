@@ -81,7 +81,8 @@ def register(
         problems.append("tiny must be the tiny-checkpoint builder")
     if problems:
         raise TypeError(f"family {cls.__name__}: " + "; ".join(problems))
-    family.parts = FamilyParts(host=host_class, adapter=adapter, tiny=tiny)
+    # On the class: a subclass made for a test or an experiment inherits its family's parts.
+    cls.parts = FamilyParts(host=host_class, adapter=adapter, tiny=tiny)
     _REGISTRY[family.name] = family
     return cls
 

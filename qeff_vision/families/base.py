@@ -15,6 +15,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - CROSS_ATTENTION re-exported for families
+    CROSS_ATTENTION,
+    TOKEN_MERGE,
+    DecoderKind,
+)
 from qeff_vision.contract.language_io import (
     HEAD_DIM,
     HIDDEN_SIZE,
@@ -31,24 +36,33 @@ from qeff_vision.fsutil import read_json
 if TYPE_CHECKING:
     from qeff_vision.families.host import Host
 
-# Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
-
-# How a family's decoder sees images (``Family.decoder_kind``). Token-merge: the vision program's
-# rows replace the placeholder tokens' embeddings (``vision_embeds`` / ``image_idx``).
-# Cross-attention: the vision program produces key/value states that dedicated cross-attention
-# layers read as retained state; a prompt holds one placeholder per image and no image rows.
-TOKEN_MERGE = "token-merge"
-CROSS_ATTENTION = "cross-attention"
+from qeff_vision.families.config_view import (  # noqa: F401 - FULL/SLIDING_ATTENTION re-exported
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ConfigReader,
+    ConfigView,
+    Section,
+    TextGeometry,
+    merged_text_config,
+    read_text_geometry,
+)
 
 
 @dataclass(frozen=True)
 class Support:
-    """Whether a feature is supported, and why not when it is not."""
+    """Whether a feature is supported, and why not when it is not.
+
+    Attributes:
+        supported: The feature works.
+        note: A remark, or the reason it does not.
+        bidirectional_images: (``chunk_split`` only) the split is refused because the tokens of one
+            image attend to each other both ways, which the exported decoder's mask implements:
+            one declaration drives both the planner and the export (see :func:`bidirectional`).
+    """
 
     supported: bool
     note: str = ""
+    bidirectional_images: bool = False
 
     def cell(self) -> str:
         """Short table cell: ``yes``, or ``no (reason)``."""
@@ -67,39 +81,55 @@ def no(reason: str) -> Support:
     return Support(False, reason)
 
 
+def bidirectional(reason: str) -> Support:
+    """``chunk_split``: no, because one image's placeholders attend to each other both ways (Gemma 3).
+
+    The exported decoder builds that two-way mask from this declaration, and the planner keeps
+    every image inside one chunk.
+    """
+    return Support(False, reason, bidirectional_images=True)
+
+
+#: A feature the family has not declared: unsupported until the family says otherwise.
+NOT_DECLARED = Support(False, "not declared")
+#: Shared declarations (each family states them; nothing defaults to "yes").
+NO_DEEPSTACK = no("the architecture has no deepstack layers")
+QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slots as QEfficient")
+QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
+
+
 @dataclass(frozen=True)
 class Features:
-    """Feature matrix shown by ``qeff-vision families``.
+    """Feature matrix shown by ``qeff-vision families``; every feature is "no (not declared)" by default.
 
     Attributes:
         export: Both programs export to ONNX.
         dynamic_vision_size: The decoder's ``vision_embeds`` has a symbolic ``vision_size`` axis.
         multi_resolution: One vision graph serves several image resolutions.
         chunk_split: An image's placeholder tokens may be split across prefill chunks. False for
-            families whose image tokens attend to each other bidirectionally.
+            families whose image tokens attend to each other bidirectionally (:func:`bidirectional`).
         video: Video inputs are exported and specialized.
         deepstack: The vision program also returns features of intermediate layers that the decoder
             adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
         continuous_batching: The language program exports with ``batch_index`` and
             ``full_batch_size`` KV slots (spec key ``full_batch_size``).
+        comp_ctx_lengths: The language program exports with the ``comp_ctx_lengths`` input
+            (compute-context lengths; spec key ``compile.comp_ctx_lengths``).
         single_program: ``deployment: single``: one program holding the encoder and the decoder.
         disaggregated: ``deployment: disaggregated``: prefill and decode programs compiled from
             the language graph, the host handing each finished prefill's KV to a decode slot.
     """
 
-    export: Support
-    dynamic_vision_size: Support
-    multi_resolution: Support
-    chunk_split: Support
-    video: Support
-    deepstack: Support = Support(False, "the architecture has no deepstack layers")
-    continuous_batching: Support = Support(True, "batch_index input, full_batch_size KV slots as QEfficient")
-    single_program: Support = Support(
-        False, "not built yet (deployment: single, one program that encodes each image once; issue 24)"
-    )
-    disaggregated: Support = Support(
-        True, "deployment: disaggregated, lang_prefill at batch 1, lang_decode at full_batch_size"
-    )
+    export: Support = NOT_DECLARED
+    dynamic_vision_size: Support = NOT_DECLARED
+    multi_resolution: Support = NOT_DECLARED
+    chunk_split: Support = NOT_DECLARED
+    video: Support = NOT_DECLARED
+    deepstack: Support = NOT_DECLARED
+    continuous_batching: Support = NOT_DECLARED
+    comp_ctx_lengths: Support = NOT_DECLARED
+    single_program: Support = NOT_DECLARED
+    disaggregated: Support = NOT_DECLARED
 
     def deployment(self, mode: str) -> Support:
         """Support of deployment ``mode`` (``dual``, ``single`` or ``disaggregated``)."""
@@ -119,6 +149,7 @@ class Features:
             ("video", self.video),
             ("deepstack", self.deepstack),
             ("continuous batching", self.continuous_batching),
+            ("compute-context lengths", self.comp_ctx_lengths),
             ("dual QPC", Support(True, "deployment: dual (default), vision + language programs")),
             ("disaggregated", self.disaggregated),
             ("single QPC", self.single_program),
@@ -163,16 +194,23 @@ class ModelDescription:
     processor: Mapping[str, Any] = field(default_factory=dict)
     source: str = "<memory>"
     video_processor: Mapping[str, Any] = field(default_factory=dict)
+    #: Typed config views read from this checkpoint, by family name (see :meth:`Family.config_view`).
+    views: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def reader(self) -> tuple[ConfigReader, Section]:
+        """A fresh reader of this checkpoint and its top-level ``config.json`` section."""
+        reader = ConfigReader(self.source)
+        return reader, reader.section(self.config)
 
     @property
     def architectures(self) -> tuple[str, ...]:
         """The ``architectures`` list of the config."""
-        return tuple(self.config.get("architectures") or ())
+        return tuple(self.reader()[1].optional("architectures", list) or ())
 
     @property
     def model_type(self) -> str:
         """The ``model_type`` of the config."""
-        return str(self.config.get("model_type", ""))
+        return self.reader()[1].optional("model_type", str) or ""
 
 
 def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = None) -> ModelDescription:
@@ -193,12 +231,14 @@ def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = 
         if legacy.exists():
             processor = read_json(legacy)
         elif combined.exists():
-            processor = dict(read_json(combined).get("image_processor") or {})
+            processor = dict(
+                ConfigReader(str(combined)).section(read_json(combined)).sub("image_processor").data
+            )
         video_file = model_dir / "video_preprocessor_config.json"
         if video_file.exists():
             video = read_json(video_file)
         elif combined.exists():
-            video = dict(read_json(combined).get("video_processor") or {})
+            video = dict(ConfigReader(str(combined)).section(read_json(combined)).sub("video_processor").data)
     return ModelDescription(read_json(config_file), processor, str(config_file), video)
 
 
@@ -240,8 +280,9 @@ class Family:
         placeholders_in_runs: One image's placeholders are several runs with other tokens between
             them (Mistral 3 ends each row of image tokens with ``[IMG_BREAK]``); the host then
             joins consecutive runs into an image by its row count.
-        decoder_kind: ``token-merge`` (image rows replace placeholder embeddings) or
-            ``cross-attention`` (image states are cross-attention K/V, see :data:`CROSS_ATTENTION`).
+        decoder_kind: :data:`TOKEN_MERGE` (image rows replace placeholder embeddings) or
+            :data:`CROSS_ATTENTION` (image states are cross-attention K/V); see
+            :mod:`qeff_vision.contract.decoder_kinds`.
     """
 
     name: str = ""
@@ -269,12 +310,17 @@ class Family:
     #: :meth:`request_symbols`, their :class:`~qeff_vision.contract.language_io.Fixed` dimensions
     #: by :meth:`language_symbols`.
     extra_language_inputs: tuple[IORow, ...] = ()
-    decoder_kind: str = TOKEN_MERGE
+    decoder_kind: DecoderKind = TOKEN_MERGE
     #: Inputs (and outputs) of the patch-bucket vision program, for families whose tower takes
     #: any resolution: specialized on a patch count instead of a resolution, several images packed
     #: per call. Empty: the family has no such program (``vision.patch_buckets`` is refused).
     patch_bucket_input_axes: Mapping[str, Mapping[int, str]] = {}
     patch_bucket_output_axes: Mapping[str, Mapping[int, str]] = {}
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """Placeholders of one image attend to each other both ways (declared by ``chunk_split``)."""
+        return self.features.chunk_split.bidirectional_images
 
     def _parts(self) -> FamilyParts:
         if self.parts is None:
@@ -295,43 +341,93 @@ class Family:
 
     # ---- config normalization (one place; family code never chains getattr fallbacks) ----
 
+    #: A family's stated defaults of language fields its published configs leave out (their source
+    #: in :attr:`text_defaults_source`); fields without a stated default are required.
+    text_defaults: Mapping[str, Any] = {}
+    text_defaults_source: str = ""
+    #: Default of the image placeholder id when the config omits it (None: the id is required).
+    image_token_default: int | None = None
+
+    def config_view(self, model: ModelDescription) -> ConfigView:
+        """The typed view of ``model``'s configs: text and vision geometry, the defaults used."""
+        text, text_reader = self._read(model, "text", self.read_text)
+        vision, vision_reader = self._read(model, "vision", self.read_vision)
+        placeholders, token_reader = self._read(model, "tokens", self.read_placeholder_ids)
+        readers = (text_reader, vision_reader, token_reader)
+        notes = tuple(note for reader in readers for note in reader.notes)
+        required = tuple(field for r in readers for field in r.required)
+        return ConfigView(text, vision, placeholders, notes, required)
+
+    def _read(self, model: ModelDescription, part: str, read) -> tuple[Any, ConfigReader]:
+        """One part of the view, read once per checkpoint and family (cached on ``model``)."""
+        key = f"{self.name}:{part}"
+        if key not in model.views:
+            reader = ConfigReader(model.source)
+            model.views[key] = (read(reader, model), reader)
+        return model.views[key]
+
+    def text_geometry(self, model: ModelDescription) -> TextGeometry:
+        """The language geometry of ``model`` (:meth:`read_text`, read once)."""
+        return self._read(model, "text", self.read_text)[0]
+
+    def read_text(self, reader: ConfigReader, model: ModelDescription) -> TextGeometry:
+        """The language geometry (the text sub-config over :attr:`text_defaults`)."""
+        return read_text_geometry(
+            reader,
+            merged_text_config(model.config, self.text_config_key),
+            self.text_config_key,
+            self.text_defaults,
+            self.text_defaults_source,
+            self.default_layer_types,
+        )
+
+    def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
+        """Layer types when the config lists none: full attention everywhere."""
+        return [FULL_ATTENTION] * num_layers
+
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Any:
+        """The family's frozen vision geometry (None here; families override)."""
+        return None
+
+    def vision(self, model: ModelDescription) -> Any:
+        """The family's vision geometry of ``model`` (:meth:`read_vision`, read once)."""
+        return self._read(model, "vision", self.read_vision)[0]
+
     def text_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The language sub-config, with top-level fields as fallback for flat configs."""
-        merged = {k: v for k, v in model.config.items() if not isinstance(v, dict)}
-        merged.update(model.config.get(self.text_config_key) or {})
-        return merged
+        """The raw language sub-config over :attr:`text_defaults` (top-level fields for flat configs)."""
+        return {**self.text_defaults, **merged_text_config(model.config, self.text_config_key)}
 
     def text_dims(self, model: ModelDescription) -> TextDims:
         """Normalized language dimensions of ``model``."""
-        text = self.text_config(model)
-        try:
-            heads = int(text["num_attention_heads"])
-            hidden = int(text["hidden_size"])
-            return TextDims(
-                hidden_size=hidden,
-                num_layers=int(text["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_kv_heads=int(text.get("num_key_value_heads") or heads),
-                head_dim=int(text.get("head_dim") or hidden // heads),
-                vocab_size=int(text["vocab_size"]),
-                max_position_embeddings=int(text.get("max_position_embeddings") or 0),
-            )
-        except KeyError as exc:
-            raise UserError(f"{model.source}: language config lacks {exc.args[0]!r}") from exc
+        text = self.text_geometry(model)
+        return TextDims(
+            hidden_size=text.hidden_size,
+            num_layers=text.num_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_kv_heads=text.num_kv_heads,
+            head_dim=text.head_dim,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=text.max_position_embeddings,
+        )
+
+    def read_placeholder_ids(self, reader: ConfigReader, model: ModelDescription) -> tuple[int, ...]:
+        """The image placeholder id, then the video one for a family that exports video."""
+        top = reader.section(model.config)
+        if self.image_token_default is None:
+            ids = [top.required(self.image_token_key)]
+        else:
+            ids = [top.default(self.image_token_key, self.image_token_default, int, f"{self.title} default")]
+        if self.video_token_key and self.features.video.supported:
+            ids.append(top.required(self.video_token_key))
+        return tuple(ids)
 
     def image_token_id(self, model: ModelDescription) -> int:
         """Token id of the image placeholder."""
-        value = model.config.get(self.image_token_key)
-        if value is None:
-            raise UserError(f"{model.source}: config lacks {self.image_token_key!r}")
-        return int(value)
+        return self.placeholder_token_ids(model)[0]
 
     def placeholder_token_ids(self, model: ModelDescription) -> tuple[int, ...]:
         """Every placeholder id whose tokens take vision rows: the image id, then the video id."""
-        ids = [self.image_token_id(model)]
-        if self.video_token_key and self.features.video.supported:
-            ids.append(int(model.config[self.video_token_key]))
-        return tuple(ids)
+        return self._read(model, "tokens", self.read_placeholder_ids)[0]
 
     # ---- token math (subclasses) ----
 
@@ -378,9 +474,7 @@ class Family:
 
     def layer_types(self, model: ModelDescription) -> list[str]:
         """Attention type per decoder layer (``full_attention`` / ``sliding_attention``)."""
-        text = self.text_config(model)
-        declared = text.get("layer_types")
-        return list(declared) if declared else [FULL_ATTENTION] * int(text["num_hidden_layers"])
+        return list(self.text_geometry(model).layer_types)
 
     def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
         """Symbol of each layer's KV slot axis: ``ctx_len``, or ``sliding_window`` for window layers.
@@ -388,7 +482,7 @@ class Family:
         A window layer (``sliding_attention`` with a ``sliding_window``) keeps a ring of that many
         slots; the exporter, the specializations and the runtime all size caches from this list.
         """
-        window = self.text_config(model).get("sliding_window")
+        window = self.text_geometry(model).sliding_window
         return [
             symbols.SLIDING_WINDOW if kind == SLIDING_ATTENTION and window else symbols.CTX_LEN
             for kind in self.layer_types(model)
@@ -398,7 +492,7 @@ class Family:
         """Values of the KV slot symbols for ``ctx_len`` (a window never exceeds the context)."""
         values = {symbols.CTX_LEN: ctx_len}
         if symbols.SLIDING_WINDOW in self.kv_cache_symbols(model):
-            values[symbols.SLIDING_WINDOW] = min(int(self.text_config(model)["sliding_window"]), ctx_len)
+            values[symbols.SLIDING_WINDOW] = min(int(self.text_geometry(model).sliding_window), ctx_len)
         return values
 
     # ---- language IO (one table: qeff_vision/contract/language_io.py) ----
@@ -424,7 +518,7 @@ class Family:
             cache_symbols,
             comp_ctx_lengths,
             self.stacked_vision_rows,
-            merges_vision_rows=self.decoder_kind == TOKEN_MERGE,
+            merges_vision_rows=self.decoder_kind.merges_vision_rows,
             extra_inputs=self.extra_language_inputs,
             continuous_batching=continuous_batching,
         )
@@ -468,7 +562,9 @@ class Family:
         """
         rename = {symbols.VISION_BATCH_SIZE: symbols.BATCH_SIZE}
         return {
-            row.name: {axis: rename.get(symbol, symbol) for axis, symbol in row.axes.items()}
+            row.name: {
+                axis: rename[symbol] if symbol in rename else symbol for axis, symbol in row.axes.items()
+            }
             for row in self.language_table(model).rows(Role.VISION_ROWS)
         }
 

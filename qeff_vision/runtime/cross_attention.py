@@ -1,4 +1,4 @@
-"""Host side of the cross-attention decoder kind (``Family.decoder_kind == "cross-attention"``).
+"""Host side of the cross-attention decoder kind (``contract.decoder_kinds.CROSS_ATTENTION``).
 
 The vision program turns one image into key/value states for every cross-attention layer (its
 outputs are named like the language program's cache inputs of those layers). The host encodes

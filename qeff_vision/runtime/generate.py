@@ -17,9 +17,9 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
+from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
 from qeff_vision.contract.language_io import KV_ROLES, Role, kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
-from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
 from qeff_vision.runtime.image_encoding import ImageEncoding
@@ -487,13 +487,26 @@ def generator_for_export(
     return make_generator(checkpoint, vision, language, shape, cache, patch_buckets=buckets)
 
 
+def _cross_attention_runner() -> type[Generator]:
+    from qeff_vision.runtime.cross_attention import CrossAttentionGenerator  # subclasses Generator
+
+    return CrossAttentionGenerator
+
+
+#: The host runner of each decoder kind (a loader of its :class:`Generator` class). A new decoder
+#: kind registers its runner here; nothing else in the runtime compares kinds.
+RUNNERS: dict[DecoderKind, Callable[[], type[Generator]]] = {
+    TOKEN_MERGE: lambda: Generator,
+    CROSS_ATTENTION: _cross_attention_runner,
+}
+
+
 def make_generator(checkpoint: Checkpoint, *args, **kwargs) -> Generator:
-    """The host of the checkpoint's decoder kind: :class:`Generator` (token-merge) or the cross-attention one.
+    """The runner registered for the checkpoint's decoder kind (:data:`RUNNERS`).
 
     Arguments are :class:`Generator`'s.
     """
-    if checkpoint.family.decoder_kind == CROSS_ATTENTION:
-        from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
-
-        return CrossAttentionGenerator(checkpoint, *args, **kwargs)
-    return Generator(checkpoint, *args, **kwargs)
+    kind = checkpoint.family.decoder_kind
+    if kind not in RUNNERS:
+        raise UserError(f"{checkpoint.family.title}: no runtime for decoder kind {kind.name!r}")
+    return RUNNERS[kind]()(checkpoint, *args, **kwargs)

@@ -118,10 +118,15 @@ def resolve_family(
 def check_model(
     reader: Reader, warnings: list[str], family: Family, model: ModelDescription, ctx_len: int | None
 ) -> None:
-    """The language config is usable; warn when ``ctx_len`` exceeds the model's positions."""
+    """The config reads into the family's typed view; warn when ``ctx_len`` exceeds the model's positions."""
+    try:
+        family.config_view(model)  # every required field, language and vision alike
+    except UserError as exc:
+        reader.add("config", str(exc))
+        return
     try:
         dims = family.text_dims(model)
-    except (UserError, ArithmeticError, TypeError, ValueError) as exc:
+    except (ArithmeticError, TypeError, ValueError) as exc:
         reader.add("config", f"unusable language config: {exc}")
         return
     if ctx_len is not None and 0 < dims.max_position_embeddings < ctx_len:

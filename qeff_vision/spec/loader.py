@@ -126,6 +126,9 @@ def spec_from_data(data: object, source: Path) -> Spec:
     ):
         note = family.features.continuous_batching.note
         reader.add("full_batch_size", f"{family.title} cannot do continuous batching: {note}")
+    if family is not None and ccl is not None and not family.features.comp_ctx_lengths.supported:
+        note = family.features.comp_ctx_lengths.note
+        reader.add("compile.comp_ctx_lengths", f"{family.title} cannot use compute-context lengths: {note}")
     if family is not None and deployment is not None:
         check_deployment(reader, family, deployment)
     if family is not None and description is not None and vision is not None:

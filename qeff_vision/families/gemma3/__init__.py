@@ -16,20 +16,27 @@ are those of transformers v5 ``Gemma3TextConfig``, ``Gemma3Config`` and ``Siglip
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     FULL_ATTENTION,
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
     SLIDING_ATTENTION,
     Family,
     Features,
     ImageSize,
     ModelDescription,
+    bidirectional,
     no,
     yes,
 )
+from qeff_vision.families.config_view import ConfigReader, Section
 
 #: Side of the square ``pixel_values`` (one value per checkpoint: the processor's resize target).
 IMAGE_SIZE = "image_size"
@@ -48,6 +55,26 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "sliding_window": 4096,
 }
 VISION_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 16}
+DEFAULTS_SOURCE = "transformers' Gemma3Config / SiglipVisionConfig default"
+
+
+@dataclass(frozen=True)
+class GemmaVision:
+    """The vision geometry of a Gemma 3 checkpoint, read once.
+
+    Attributes:
+        image_size: The SigLIP tower's side (the processor's resize target).
+        patch_size: Pixels per patch side.
+        tokens_per_image: ``mm_tokens_per_image`` (pooled soft tokens of every image).
+        processor_size: The processor's ``size`` setting as written (empty when absent).
+        pan_and_scan: The processor crops images into a variable number of crops.
+    """
+
+    image_size: int
+    patch_size: int
+    tokens_per_image: int
+    processor_size: dict[str, Any]
+    pan_and_scan: bool
 
 
 class Gemma3(Family):
@@ -65,11 +92,14 @@ class Gemma3(Family):
             "vision_config.image_size (896 px, 256 tokens); specs assume pan-and-scan off (the "
             "processor's default), since its crop count varies per image"
         ),
-        chunk_split=no(
+        chunk_split=bidirectional(
             "the tokens of one image attend to each other both ways (token_type_ids mask), so a "
             "prefill chunk must hold a whole image; the planner moves it into the next chunk"
         ),
         video=no("Gemma 3 has no video input"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_SIZE, 3: IMAGE_SIZE}}
     image_token_key = "image_token_index"
@@ -77,39 +107,40 @@ class Gemma3(Family):
     # adds newlines too, whose token count depends on the tokenizer: 2 is the safe lower bound).
     tokens_between_images = 2
 
-    # ---- config normalization ----
+    text_defaults = TEXT_DEFAULTS
+    text_defaults_source = "transformers' Gemma3TextConfig default"
+    image_token_default = CONFIG_DEFAULTS["image_token_index"]
 
-    def text_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The language sub-config over transformers' ``Gemma3TextConfig`` defaults."""
-        return {**TEXT_DEFAULTS, **super().text_config(model)}
+    # ---- config view ----
 
-    def layer_types(self, model: ModelDescription) -> list[str]:
-        """Every ``sliding_window_pattern``-th layer is global, the rest sliding, unless listed.
+    def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
+        """Every ``sliding_window_pattern``-th layer is global, the rest sliding (unless listed).
 
         ref: transformers v5 models/gemma3/configuration_gemma3.py (``Gemma3TextConfig``: pattern
         6 by default; published configs such as gemma-3-4b-it name neither key).
         """
-        text = self.text_config(model)
-        if text.get("layer_types"):
-            return list(text["layer_types"])
-        pattern = int(text.get("sliding_window_pattern") or 6)
-        return [
-            SLIDING_ATTENTION if (layer + 1) % pattern else FULL_ATTENTION
-            for layer in range(int(text["num_hidden_layers"]))
-        ]
+        pattern = text.default("sliding_window_pattern", 6, int, "Gemma3TextConfig default")
+        return [SLIDING_ATTENTION if (layer + 1) % pattern else FULL_ATTENTION for layer in range(num_layers)]
 
-    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The SigLIP sub-config over transformers' ``SiglipVisionConfig`` defaults."""
-        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> GemmaVision:
+        """The SigLIP geometry and pooled tokens; the processor's resize and pan-and-scan settings.
 
-    def top_level(self, model: ModelDescription, key: str) -> int:
-        """A top-level ``Gemma3Config`` integer, or its transformers default."""
-        value = model.config.get(key)
-        return int(CONFIG_DEFAULTS[key] if value is None else value)
-
-    def image_token_id(self, model: ModelDescription) -> int:
-        """``image_token_index`` (262144 when the config leaves it out)."""
-        return self.top_level(model, self.image_token_key)
+        ``image_size`` is required: SigLIP's 224 px default matches no Gemma 3 checkpoint (all
+        publish 896), so a config without it is refused rather than specialized wrongly.
+        """
+        top = reader.section(model.config)
+        vision = top.sub("vision_config")
+        processor = reader.section(model.processor, "preprocessor_config")
+        size = processor.sub("size")
+        return GemmaVision(
+            image_size=vision.required("image_size"),
+            patch_size=vision.default("patch_size", VISION_DEFAULTS["patch_size"], int, DEFAULTS_SOURCE),
+            tokens_per_image=top.default(
+                "mm_tokens_per_image", CONFIG_DEFAULTS["mm_tokens_per_image"], int, DEFAULTS_SOURCE
+            ),
+            processor_size=dict(size.data),
+            pan_and_scan=bool(processor.optional("do_pan_and_scan", bool)),
+        )
 
     # ---- token math ----
 
@@ -118,30 +149,30 @@ class Gemma3(Family):
         problems = []
         if image.frames != 1:
             problems.append("frames must be 1: Gemma 3 takes images only")
-        vision = self.vision_config(model)
-        tokens = self.top_level(model, "mm_tokens_per_image")
+        vision = self.vision(model)
+        tokens = vision.tokens_per_image
         side = math.isqrt(tokens)
-        patches = int(vision["image_size"]) // int(vision["patch_size"])
+        patches = vision.image_size // vision.patch_size
         if side * side != tokens or side == 0 or patches % side:
             problems.append(
                 f"mm_tokens_per_image {tokens} must be a square whose side divides the "
                 f"{patches}x{patches} patch grid"
             )
-        size = model.processor.get("size") or {}
+        size = vision.processor_size
         wanted = {int(size[k]) for k in ("height", "width") if k in size}
-        if wanted and wanted != {int(vision["image_size"])}:
+        if wanted and wanted != {vision.image_size}:
             problems.append(
-                f"the processor resizes to {size}, but the vision tower takes {vision['image_size']} px"
+                f"the processor resizes to {size}, but the vision tower takes {vision.image_size} px"
             )
-        if model.processor.get("do_pan_and_scan"):
+        if vision.pan_and_scan:
             problems.append("do_pan_and_scan is on: its crop count depends on each image; turn it off")
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """image_size (the processor's resize target) and vision_size (mm_tokens_per_image), any image."""
         return {
-            IMAGE_SIZE: int(self.vision_config(model)["image_size"]),
-            symbols.VISION_SIZE: self.top_level(model, "mm_tokens_per_image"),
+            IMAGE_SIZE: self.vision(model).image_size,
+            symbols.VISION_SIZE: self.vision(model).tokens_per_image,
         }
 
 

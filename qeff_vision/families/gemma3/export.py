@@ -5,7 +5,8 @@ The vision program is transformers' own modules (ref: transformers v5 models/gem
 the resolution is fixed by the checkpoint, so they trace as they are.
 
 The language program is the generic decoder with two Gemma-specific settings:
-  * ``bidirectional_images``: transformers builds the prefill mask from ``token_type_ids`` so the
+  * two-way image attention (declared once, as the family's ``chunk_split = bidirectional(...)``):
+    transformers builds the prefill mask from ``token_type_ids`` so the
     placeholders of one image see each other both ways, on full layers OR(causal, same image) and
     on sliding layers AND(window, OR(causal, same image)) (``create_masks_for_vision_model``).
     The generic position-built masks compose the same way; images are never split across chunks.
@@ -42,7 +43,6 @@ class VisionEncoder(nn.Module):
 class Adapter(FixedResolutionAdapter):
     """Torch side of the Gemma 3 family."""
 
-    bidirectional_images = True  # an image's soft tokens attend to each other both ways
     # Gemma3RMSNorm scales by (1 + weight) (ref: transformers v5 models/gemma3/modeling_gemma3.py).
     rms_norm_weight_offsets = {"Gemma3RMSNorm": 1.0}
 

@@ -17,12 +17,24 @@ varying dimension, and each tile count is one vision specialization.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader
 
 NUM_TILES = "num_tiles"
 
@@ -32,6 +44,29 @@ NUM_TILES = "num_tiles"
 PROCESSOR_DEFAULTS: dict[str, Any] = {"min_patches": 1, "max_patches": 12, "crop_to_patches": True}
 VISION_DEFAULTS: dict[str, Any] = {"image_size": 448, "patch_size": 14}
 DEFAULT_DOWNSAMPLE_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class InternVLVision:
+    """The vision geometry and tiling of an InternVL checkpoint, read once.
+
+    Attributes:
+        tile_size: Side of one tile in pixels (the tower's image size).
+        patch_size: Pixels per patch side.
+        downsample_ratio: Pixel-shuffle ratio per direction.
+        min_patches: Fewest canvas tiles.
+        max_patches: Most canvas tiles.
+        crop_to_patches: The processor tiles images (otherwise one tile each).
+        processor_size: The processor's ``size`` setting as written (empty when absent).
+    """
+
+    tile_size: int
+    patch_size: int
+    downsample_ratio: float
+    min_patches: int
+    max_patches: int
+    crop_to_patches: bool
+    processor_size: dict[str, Any]
 
 
 def _side(value: Any) -> int:
@@ -87,30 +122,53 @@ class InternVL(Family):
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("video frames are not exported yet; images only"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES}}
     # "</img>" and "<img>" always separate the context tokens of two images.
     tokens_between_images = 2
 
-    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The tower's config over transformers' ``InternVLVisionConfig`` defaults."""
-        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> InternVLVision:
+        """Tower sizes over ``InternVLVisionConfig``'s defaults; tiling over the processor's."""
+        top = reader.section(model.config)
+        vision = top.sub("vision_config")
+        processor = reader.section(model.processor, "preprocessor_config")
+        tower = "transformers' InternVLVisionConfig default"
+        tiling = "transformers' GotOcr2ImageProcessor default"
+        return InternVLVision(
+            tile_size=vision.default("image_size", VISION_DEFAULTS["image_size"], _side, tower),
+            patch_size=vision.default("patch_size", VISION_DEFAULTS["patch_size"], _side, tower),
+            downsample_ratio=top.default(
+                "downsample_ratio", DEFAULT_DOWNSAMPLE_RATIO, float, "InternVLConfig default"
+            ),
+            min_patches=processor.default("min_patches", PROCESSOR_DEFAULTS["min_patches"], int, tiling),
+            max_patches=processor.default("max_patches", PROCESSOR_DEFAULTS["max_patches"], int, tiling),
+            crop_to_patches=processor.default(
+                "crop_to_patches", PROCESSOR_DEFAULTS["crop_to_patches"], bool, tiling
+            ),
+            processor_size=dict(processor.sub("size").data),
+        )
 
     def tile_size(self, model: ModelDescription) -> int:
         """Side of one tile in pixels (the tower's image size)."""
-        return _side(self.vision_config(model)["image_size"])
+        return self.vision(model).tile_size
 
     def tokens_per_tile(self, model: ModelDescription) -> int:
         """(image_size / patch)^2 patches, pixel-shuffled by downsample_ratio in each direction."""
-        vision = self.vision_config(model)
-        patches = self.tile_size(model) // _side(vision["patch_size"])
-        ratio = float(model.config.get("downsample_ratio", DEFAULT_DOWNSAMPLE_RATIO))
-        side = int(patches * ratio)
+        vision = self.vision(model)
+        side = int(vision.tile_size // vision.patch_size * vision.downsample_ratio)
         return side * side
 
     def tiling(self, model: ModelDescription) -> dict[str, Any]:
         """The image processor's tiling settings over its defaults."""
-        return {key: model.processor.get(key, default) for key, default in PROCESSOR_DEFAULTS.items()}
+        vision = self.vision(model)
+        return {
+            "min_patches": vision.min_patches,
+            "max_patches": vision.max_patches,
+            "crop_to_patches": vision.crop_to_patches,
+        }
 
     def num_tiles(self, model: ModelDescription, image: ImageSize) -> int:
         """Tiles of one image: the canvas tiles, plus a thumbnail when there is more than one."""
@@ -129,7 +187,7 @@ class InternVL(Family):
         problems = []
         if image.frames != 1:
             problems.append("frames must be 1: InternVL video export is not supported yet")
-        size = model.processor.get("size") or {}
+        size = self.vision(model).processor_size
         wanted = {int(size[k]) for k in ("height", "width") if k in size}
         if wanted and wanted != {self.tile_size(model)}:
             problems.append(

@@ -48,6 +48,6 @@ class Host(BaseHost):
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """The length of each run of context tokens: ``<img>``/``</img>`` fence every image."""
         ids = np.asarray(processed["input_ids"]).reshape(-1)
-        marked = np.concatenate(([0], (ids == int(self.config["image_token_id"])).astype(np.int8), [0]))
+        marked = np.concatenate(([0], (ids == self.family.image_token_id(self.model)).astype(np.int8), [0]))
         edges = np.flatnonzero(np.diff(marked))
         return [int(stop - start) for start, stop in zip(edges[0::2], edges[1::2])]

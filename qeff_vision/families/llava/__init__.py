@@ -12,11 +12,22 @@ the features but not their count.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader
 
 # QEfficient's name for the (square) spatial side of pixel_values, kept so our vision QPC's
 # specialization reads like theirs (ref: quic/efficient-transformers
@@ -31,6 +42,7 @@ VISION_MODEL_TYPES = ("clip_vision_model",)
 # LlavaConfig's vision sub-config defaults (CLIP ViT-L/14 at 336 px), used when the config omits them.
 DEFAULT_IMAGE_SIZE = 336
 DEFAULT_PATCH_SIZE = 14
+DEFAULTS_SOURCE = "LlavaConfig's CLIP ViT-L/14-336 default"
 # Published LLaVA-1.5 configs keep only a few fields of the Vicuna text config; transformers fills
 # the rest from LlamaConfig's defaults (ref: transformers v5 models/llama/configuration_llama.py).
 LLAMA_DEFAULTS = {
@@ -41,6 +53,25 @@ LLAMA_DEFAULTS = {
     "vocab_size": 32000,
     "max_position_embeddings": 2048,
 }
+
+
+@dataclass(frozen=True)
+class LlavaVision:
+    """The vision geometry of a LLaVA-1.5 checkpoint, read once.
+
+    Attributes:
+        image_size: The tower's (square) input side.
+        patch_size: Pixels per patch side.
+        strategy: ``vision_feature_select_strategy``.
+        tower: The vision sub-config's ``model_type``.
+        crop: The processor's center crop (height, width), None when it does not crop.
+    """
+
+    image_size: int
+    patch_size: int
+    strategy: str
+    tower: str
+    crop: tuple[int, int] | None
 
 
 class Llava(Family):
@@ -60,26 +91,51 @@ class Llava(Family):
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-1.5 has no video input"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMG_SIZE, 3: IMG_SIZE}}
 
-    def text_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The Llama sub-config with LlamaConfig's defaults for the fields a checkpoint leaves out."""
-        return {**LLAMA_DEFAULTS, **super().text_config(model)}
+    text_defaults = LLAMA_DEFAULTS
+    text_defaults_source = "LlamaConfig default"
+
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> LlavaVision:
+        """Tower geometry, feature strategy and the processor's crop."""
+        top = reader.section(model.config)
+        vision = top.sub("vision_config")
+        image_size = vision.default("image_size", DEFAULT_IMAGE_SIZE, int, DEFAULTS_SOURCE)
+        processor = reader.section(model.processor, "preprocessor_config")
+        crop_section = processor.sub("crop_size")
+        crop = None
+        if (
+            processor.default("do_center_crop", True, bool, "CLIPImageProcessor default")
+            and crop_section.data
+        ):
+            crop = (
+                crop_section.default("height", image_size, int, "the tower's image_size"),
+                crop_section.default("width", image_size, int, "the tower's image_size"),
+            )
+        return LlavaVision(
+            image_size=image_size,
+            patch_size=vision.default("patch_size", DEFAULT_PATCH_SIZE, int, DEFAULTS_SOURCE),
+            strategy=top.default(
+                "vision_feature_select_strategy", DEFAULT_STRATEGY, str, "LlavaConfig default"
+            ),
+            tower=vision.default("model_type", VISION_MODEL_TYPES[0], str, "LlavaConfig default"),
+            crop=crop,
+        )
 
     def geometry(self, model: ModelDescription) -> tuple[int, int, str]:
         """(image_size, patch_size, vision_feature_select_strategy) of the checkpoint."""
-        vision = model.config.get("vision_config") or {}
-        image_size = vision.get("image_size", DEFAULT_IMAGE_SIZE)
-        patch_size = vision.get("patch_size", DEFAULT_PATCH_SIZE)
-        strategy = model.config.get("vision_feature_select_strategy", DEFAULT_STRATEGY)
-        return int(image_size), int(patch_size), str(strategy)
+        vision = self.vision(model)
+        return vision.image_size, vision.patch_size, vision.strategy
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Any image size is fine (the processor resizes); the tower and processor must agree."""
         image_size, patch_size, strategy = self.geometry(model)
         problems = []
-        tower = (model.config.get("vision_config") or {}).get("model_type", VISION_MODEL_TYPES[0])
+        tower = self.vision(model).tower
         if tower not in VISION_MODEL_TYPES:
             problems.append(f"vision tower {tower!r} is not supported; the llava family exports CLIP towers")
         if image.frames != 1:
@@ -90,9 +146,8 @@ class Llava(Family):
             problems.append(
                 f"vision_feature_select_strategy {strategy!r} is not one of {', '.join(STRATEGIES)}"
             )
-        crop = model.processor.get("crop_size") or {}
-        if model.processor.get("do_center_crop", True) and crop:
-            cropped = (int(crop.get("height", image_size)), int(crop.get("width", image_size)))
+        cropped = self.vision(model).crop
+        if cropped is not None:
             if cropped != (image_size, image_size):
                 problems.append(
                     f"the image processor crops to {cropped[0]}x{cropped[1]} but the vision tower takes "

@@ -17,11 +17,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader, pair
 
 NUM_TILES = "num_tiles"
 TILE_ROWS = "tile_rows"
@@ -30,6 +42,26 @@ FEATURE_HEIGHT = "feature_height"
 FEATURE_WIDTH = "feature_width"
 TILE_GRID = "tile_grid"
 FEATURE_GRID = "feature_grid"
+# LlavaNextConfig's CLIP ViT-L/14-336 vision defaults, used when the config omits them.
+DEFAULT_IMAGE_SIZE = 336
+DEFAULT_PATCH_SIZE = 14
+
+
+@dataclass(frozen=True)
+class LlavaNextVision:
+    """The tiling geometry of a LLaVA-NeXT checkpoint, read once.
+
+    Attributes:
+        tile_size: Side of a tile (the tower's image size).
+        patch_size: Pixels per patch side.
+        pinpoints: The model's grid pinpoints (height, width).
+        processor_pinpoints: The image processor's own pinpoints (None when it names none).
+    """
+
+    tile_size: int
+    patch_size: int
+    pinpoints: tuple[tuple[int, int], ...]
+    processor_pinpoints: tuple[tuple[int, int], ...] | None
 
 
 def best_resolution(height: int, width: int, pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -81,6 +113,9 @@ class LlavaNext(Family):
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
     # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
@@ -90,30 +125,44 @@ class LlavaNext(Family):
         FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
     }
 
-    def _vision(self, model: ModelDescription) -> dict:
-        return dict(model.config.get("vision_config") or {})
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> LlavaNextVision:
+        """Tile and patch sizes over LlavaNextConfig's defaults; the model's and processor's pinpoints.
+
+        The pinpoints are required: the model's, or else the processor's.
+        """
+        top = reader.section(model.config)
+        vision = top.sub("vision_config")
+        processor = reader.section(model.processor, "preprocessor_config")
+        source = "LlavaNextConfig's CLIP ViT-L/14-336 default"
+        own = processor.optional("image_grid_pinpoints", list)
+        pinpoints = (
+            top.optional("image_grid_pinpoints", list) or own or top.required("image_grid_pinpoints", list)
+        )
+        return LlavaNextVision(
+            tile_size=vision.default("image_size", DEFAULT_IMAGE_SIZE, int, source),
+            patch_size=vision.default("patch_size", DEFAULT_PATCH_SIZE, int, source),
+            pinpoints=tuple(pair(p) for p in pinpoints),
+            processor_pinpoints=tuple(pair(p) for p in own) if own else None,
+        )
 
     def tile_size(self, model: ModelDescription) -> int:
         """Side S of a tile: the vision tower's image size."""
-        return int(self._vision(model).get("image_size", 336))
+        return self.vision(model).tile_size
 
     def patches_per_side(self, model: ModelDescription) -> int:
         """P: features per tile side (image size / patch size)."""
-        return self.tile_size(model) // int(self._vision(model).get("patch_size", 14))
+        return self.tile_size(model) // self.vision(model).patch_size
 
     def pinpoints(self, model: ModelDescription) -> list[list[int]]:
         """The model's grid pinpoints (height, width); the model unpads with these, not the processor's."""
-        pinpoints = model.config.get("image_grid_pinpoints") or model.processor.get("image_grid_pinpoints")
-        if not pinpoints:
-            raise UserError(f"{model.source}: config lacks 'image_grid_pinpoints'")
-        return [[int(h), int(w)] for h, w in pinpoints]
+        return [list(p) for p in self.vision(model).pinpoints]
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Images only; the processor's pinpoints must be the model's."""
         problems = []
         if image.frames != 1:
             problems.append("frames must be 1: LLaVA-NeXT takes images only")
-        processor_pinpoints = model.processor.get("image_grid_pinpoints")
+        processor_pinpoints = self.vision(model).processor_pinpoints
         if processor_pinpoints and [list(p) for p in processor_pinpoints] != self.pinpoints(model):
             problems.append("the image processor's image_grid_pinpoints differ from the model config's")
         return problems

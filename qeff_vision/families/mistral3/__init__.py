@@ -17,11 +17,22 @@ resolution and each resolution is one vision specialization.
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader
 
 IMAGE_HEIGHT = "image_height"
 IMAGE_WIDTH = "image_width"
@@ -32,6 +43,26 @@ IMAGE_WIDTH = "image_width"
 DEFAULT_MERGE = 2
 DEFAULT_PATCH = 16
 DEFAULT_LONGEST_EDGE = 1024
+
+
+@dataclass(frozen=True)
+class Mistral3Vision:
+    """The token grid of a Mistral 3 checkpoint, read once (description and host alike).
+
+    Attributes:
+        patch_size: Pixels per patch side.
+        merge: ``spatial_merge_size``: patches per image-token side.
+        longest_edge: The processor's longest side before an image is shrunk.
+    """
+
+    patch_size: int
+    merge: int
+    longest_edge: int
+
+    @property
+    def token_side(self) -> int:
+        """Pixels per image token side (28 for Mistral 3)."""
+        return self.patch_size * self.merge
 
 
 class Mistral3(Family):
@@ -48,23 +79,37 @@ class Mistral3(Family):
         multi_resolution=yes("one vision graph, a specialization per resolution (multiples of 28 px)"),
         chunk_split=yes("causal attention over image tokens; a chunk may end inside a row or after a break"),
         video=no("Mistral 3 takes images only"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_HEIGHT, 3: IMAGE_WIDTH}}
     tokens_between_images = 1  # [IMG_END] closes every image
     placeholders_in_runs = True
 
-    def _vision(self, model: ModelDescription) -> dict[str, Any]:
-        return dict(model.config.get("vision_config") or {})
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Mistral3Vision:
+        """Patch and merge sizes over transformers' defaults; the processor's longest edge."""
+        top = reader.section(model.config)
+        size = reader.section(model.processor, "preprocessor_config").sub("size")
+        return Mistral3Vision(
+            patch_size=top.sub("vision_config").default(
+                "patch_size", DEFAULT_PATCH, int, "transformers' PixtralVisionConfig default"
+            ),
+            merge=top.default(
+                "spatial_merge_size", DEFAULT_MERGE, int, "transformers' Mistral3Config default"
+            ),
+            longest_edge=size.default(
+                "longest_edge", DEFAULT_LONGEST_EDGE, int, "transformers' PixtralImageProcessor default"
+            ),
+        )
 
     def token_side(self, model: ModelDescription) -> int:
         """Pixels per image token side: patch_size * spatial_merge_size (28 for Mistral 3)."""
-        patch = int(self._vision(model).get("patch_size", DEFAULT_PATCH))
-        return patch * int(model.config.get("spatial_merge_size", DEFAULT_MERGE))
+        return self.vision(model).token_side
 
     def longest_edge(self, model: ModelDescription) -> int:
         """The processor's longest side before the image is shrunk."""
-        size = model.processor.get("size") or {}
-        return int(size.get("longest_edge", DEFAULT_LONGEST_EDGE))
+        return self.vision(model).longest_edge
 
     def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
         """Height and width of ``pixel_values`` after the processor's resize."""

@@ -34,5 +34,5 @@ class Host(BaseHost):
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """Rows x columns of 28-px tokens per image (``image_sizes`` are the resized sizes)."""
-        side = int(self.config["vision_config"]["patch_size"]) * int(self.config.get("spatial_merge_size", 2))
+        side = self.family.vision(self.model).token_side
         return [(height // side) * (width // side) for height, width in self.sizes(processed)]

@@ -23,13 +23,26 @@ and decode step reuses them. There is no ``vision_size`` axis.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
+
+import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import KV_ROLES, DType, Fixed, IORow, Role
 from qeff_vision.families import register
-from qeff_vision.families.base import CROSS_ATTENTION, Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    CROSS_ATTENTION,
+    NO_DEEPSTACK,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader, merged_text_config
 
 # QEfficient's names (models/mllama/modeling_mllama.py, get_onnx_dynamic_axes).
 MAX_NUM_IMAGES = symbols.MAX_NUM_IMAGES
@@ -65,9 +78,31 @@ def tiled_canvas(height: int, width: int, max_tiles: int, tile: int) -> tuple[in
     return min(candidates, key=lambda c: c[0] * c[1])
 
 
-def cross_layers(text_config: dict[str, Any]) -> list[int]:
-    """Indices of the decoder's cross-attention layers (the text config's ``cross_attention_layers``)."""
-    return [int(i) for i in text_config.get("cross_attention_layers") or ()]
+@dataclass(frozen=True)
+class MllamaVision:
+    """The tiling geometry and cross-attention layers of a Llama 3.2 Vision checkpoint, read once.
+
+    Attributes:
+        image_size: Side of one tile in pixels.
+        patch_size: Pixels per patch side.
+        max_num_tiles: Tiles per image (every image is padded to this many).
+        cross_layers: Indices of the decoder's cross-attention layers.
+    """
+
+    image_size: int
+    patch_size: int
+    max_num_tiles: int
+    cross_layers: tuple[int, ...]
+
+
+def _images_seen_after_first_token(shape: tuple[int, ...], values, image_token_id: int) -> np.ndarray:
+    """Trace example of the cross-attention mask: every token but the first sees the images.
+
+    Both branches of the mask (a token that sees images, one that sees none) exist in the graph.
+    """
+    mask = np.zeros(shape, dtype=np.int64)
+    mask[:, 1:] = 1
+    return mask
 
 
 class Mllama(Family):
@@ -95,6 +130,8 @@ class Mllama(Family):
             "cross-attention K/V held per KV slot (dim 0 full_batch_size); the host writes a request's "
             "image states into its slot, each row reads its own"
         ),
+        deepstack=NO_DEEPSTACK,
+        comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
     )
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
@@ -108,30 +145,38 @@ class Mllama(Family):
             Role.CROSS_MASK,
             DType.INT64,
             (symbols.BATCH_SIZE, symbols.SEQ_LEN, MAX_NUM_IMAGES, MAX_NUM_TILES),
+            example=_images_seen_after_first_token,
         ),
     )
 
-    def vision_config(self, model: ModelDescription) -> dict[str, Any]:
-        """The tower's config over transformers' defaults."""
-        return {**VISION_DEFAULTS, **(model.config.get("vision_config") or {})}
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> MllamaVision:
+        """Tile geometry over ``MllamaVisionConfig``'s defaults; the cross-attention layer list."""
+        vision = reader.section(model.config).sub("vision_config")
+        text = reader.section(merged_text_config(model.config, self.text_config_key), self.text_config_key)
+        source = "transformers' MllamaVisionConfig default"
+        return MllamaVision(
+            image_size=vision.default("image_size", VISION_DEFAULTS["image_size"], int, source),
+            patch_size=vision.default("patch_size", VISION_DEFAULTS["patch_size"], int, source),
+            max_num_tiles=vision.default("max_num_tiles", VISION_DEFAULTS["max_num_tiles"], int, source),
+            cross_layers=tuple(int(i) for i in text.required("cross_attention_layers", list)),
+        )
 
     def tiles(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
         """(tile rows, tile columns) of one image: its aspect-ratio arrangement."""
-        vision = self.vision_config(model)
-        tile = int(vision["image_size"])
-        canvas_h, canvas_w = tiled_canvas(image.height, image.width, int(vision["max_num_tiles"]), tile)
+        vision = self.vision(model)
+        tile = vision.image_size
+        canvas_h, canvas_w = tiled_canvas(image.height, image.width, vision.max_num_tiles, tile)
         return canvas_h // tile, canvas_w // tile
 
     def aspect_ratio_id(self, model: ModelDescription, image: ImageSize) -> int:
         """The processor's ``aspect_ratio_ids`` value for this image (1-based; 0 pads)."""
-        max_tiles = int(self.vision_config(model)["max_num_tiles"])
-        return supported_aspect_ratios(max_tiles).index(self.tiles(model, image)) + 1
+        return supported_aspect_ratios(self.vision(model).max_num_tiles).index(self.tiles(model, image)) + 1
 
     def states_per_image(self, model: ModelDescription) -> int:
         """Cross-attention rows of one image: max_num_tiles * (patches + 1), whatever its size."""
-        vision = self.vision_config(model)
-        patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2 + 1
-        return int(vision["max_num_tiles"]) * patches
+        vision = self.vision(model)
+        patches = (vision.image_size // vision.patch_size) ** 2 + 1
+        return vision.max_num_tiles * patches
 
     def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
         """One ``<|image|>`` token per image, whatever its size."""
@@ -147,7 +192,7 @@ class Mllama(Family):
 
     def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
         """``cross_states`` on cross-attention layers (the vision K/V), ``ctx_len`` elsewhere."""
-        cross = set(cross_layers(self.text_config(model)))
+        cross = set(self.vision(model).cross_layers)
         return [CROSS_STATES if i in cross else symbols.CTX_LEN for i in range(len(self.layer_types(model)))]
 
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
@@ -160,14 +205,14 @@ class Mllama(Family):
 
     def vision_outputs(self, model: ModelDescription) -> dict[str, dict[int, str]]:
         """Key and value states of every cross-attention layer, QEfficient's names."""
-        cross = set(cross_layers(self.text_config(model)))
+        cross = set(self.vision(model).cross_layers)
         return {
             row.name: row.axes for row in self.language_table(model).rows(*KV_ROLES) if row.layer in cross
         }
 
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """Tiles per image: the static last axis of ``cross_attention_mask``."""
-        return {MAX_NUM_TILES: int(self.vision_config(model)["max_num_tiles"])}
+        return {MAX_NUM_TILES: self.vision(model).max_num_tiles}
 
 
 def _host():

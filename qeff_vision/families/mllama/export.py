@@ -219,6 +219,11 @@ class Adapter(ExportAdapter):
             out += [cache.layers[layer].keys[0], cache.layers[layer].values[0]]
         return out
 
+    def vision_parity_pairs(self, outputs, features, model):
+        """One reference per output: each cross-attention layer's key and value states."""
+        names = list(self.family.vision_outputs(model))
+        return [(outputs[name][0], ref.numpy()) for name, ref in zip(names, features)]
+
     # ---- language program (cross-attention decoder kind) ----
 
     def language_decoder(self, model: nn.Module, parts: DecoderParts, io: LanguageIO) -> nn.Module:

@@ -35,4 +35,4 @@ class Host(BaseHost):
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """One ``<|image|>`` token per image."""
         ids = np.asarray(processed["input_ids"]).reshape(-1)
-        return [1] * int((ids == int(self.config["image_token_index"])).sum())
+        return [1] * int((ids == self.family.image_token_id(self.model)).sum())

@@ -9,10 +9,21 @@ are rounded to a multiple of ``patch_size * merge_size`` (28), the pixel count i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, yes
+from qeff_vision.families.base import (
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    yes,
+)
+from qeff_vision.families.config_view import ConfigReader, Section
 
 GRID_H = "grid_h"
 GRID_W = "grid_w"
@@ -36,6 +47,52 @@ DEFAULT_VIDEO_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_VIDEO_MAX_PIXELS = 768 * 28 * 28
 MAX_ASPECT_RATIO = 200
 CHANNELS = 3
+# Qwen2_5_VLVisionConfig's defaults (ref: transformers v5 models/qwen2_5_vl/configuration_qwen2_5_vl.py).
+VISION_DEFAULTS = {
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "tokens_per_second": 4,
+}
+
+
+@dataclass(frozen=True)
+class QwenVision:
+    """The vision geometry and processor bounds of a Qwen-VL checkpoint, read once.
+
+    Description, host and patch packing all read these; each default is stated once, in the
+    family's ``VISION_DEFAULTS`` and pixel-bound constants.
+
+    Attributes:
+        patch_size: Pixels per patch side.
+        merge: ``spatial_merge_size``: patches per vision-token side.
+        temporal: ``temporal_patch_size``: frames per temporal patch.
+        window_size: Window-attention side in pixels (Qwen2.5-VL's tower).
+        tokens_per_second: M-RoPE temporal spacing of a clip's patches per second.
+        deepstack_layers: Vision blocks whose features feed the decoder (Qwen3-VL; empty otherwise).
+        pixel_limits: (min_pixels, max_pixels) of the image processor.
+        video_pixel_limits: (min_pixels, max_pixels) of the video processor.
+    """
+
+    patch_size: int
+    merge: int
+    temporal: int
+    window_size: int
+    tokens_per_second: float
+    deepstack_layers: tuple[int, ...]
+    pixel_limits: tuple[int, int]
+    video_pixel_limits: tuple[int, int]
+
+    @property
+    def factor(self) -> int:
+        """Pixels per vision-token side: patch_size * merge (28 for Qwen2.5-VL)."""
+        return self.patch_size * self.merge
+
+    @property
+    def window(self) -> int:
+        """Window side in merged tokens."""
+        return self.window_size // self.merge // self.patch_size
 
 
 class Qwen2_5_VL(Family):
@@ -53,6 +110,9 @@ class Qwen2_5_VL(Family):
         multi_resolution=yes("one vision graph; a specialization per resolution or per patch bucket"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     # The grid dims ride on the *shape* of image_grid_thw [batch, 1, grid_h, grid_w], so one graph
     # serves every resolution and the compiler sees them as specialization symbols (QEfficient's
@@ -69,35 +129,67 @@ class Qwen2_5_VL(Family):
     }
     patch_bucket_output_axes = {symbols.VISION_EMBEDS: {1: symbols.VISION_SIZE}}
 
-    def _vision(self, model: ModelDescription) -> dict:
-        return dict(model.config.get("vision_config") or {})
+    #: Whose defaults ``VISION_DEFAULTS`` and the pixel bounds are, for notes.
+    defaults_source = "Qwen2.5-VL default"
+    vision_defaults = VISION_DEFAULTS
+    default_pixel_limits = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    default_video_pixel_limits = (DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS)
 
-    def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> QwenVision:
+        """The tower's geometry over :attr:`vision_defaults`; the image and video processors' bounds."""
+        vision = reader.section(model.config).sub("vision_config")
+        processor = reader.section(model.processor, "preprocessor_config")
+        video = reader.section(model.video_processor, "video_preprocessor_config")
+
+        def default(key: str, kind=int):
+            return vision.default(key, self.vision_defaults[key], kind, self.defaults_source)
+
+        return QwenVision(
+            patch_size=default("patch_size"),
+            merge=default("spatial_merge_size"),
+            temporal=default("temporal_patch_size"),
+            window_size=default("window_size"),
+            tokens_per_second=default("tokens_per_second", float),
+            deepstack_layers=tuple(int(i) for i in vision.optional("deepstack_visual_indexes", list) or ()),
+            pixel_limits=self.read_pixel_limits(processor),
+            video_pixel_limits=self.read_video_pixel_limits(video, processor),
+        )
+
+    def read_pixel_limits(self, processor: Section) -> tuple[int, int]:
         """(min_pixels, max_pixels) from the processor config, or the published defaults."""
-        processor = model.processor
-        size = processor.get("size") or {}
-        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
-        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
-        return int(min_pixels), int(max_pixels)
+        size = processor.sub("size")
+        low, high = self.default_pixel_limits
+        source = f"the published {self.title} preprocessor_config.json"
+        return (
+            processor.first([(processor, "min_pixels"), (size, "shortest_edge")], low, int, source),
+            processor.first([(processor, "max_pixels"), (size, "longest_edge")], high, int, source),
+        )
 
-    def video_pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+    def read_video_pixel_limits(self, video: Section, processor: Section) -> tuple[int, int]:
         """(min_pixels, max_pixels) of the video processor.
 
         transformers reads the video processor from its own config when the checkpoint has one and
         otherwise from preprocessor_config.json (the published Qwen2.5-VL checkpoints), so the
         image bounds apply there; the class defaults when neither names them.
         """
-        for config in (model.video_processor, model.processor):
-            size = config.get("size") or {}
-            low = config.get("min_pixels") or size.get("shortest_edge")
-            high = config.get("max_pixels") or size.get("longest_edge")
+        for config in (video, processor):
+            size = config.sub("size")
+            low = config.optional("min_pixels") or size.optional("shortest_edge")
+            high = config.optional("max_pixels") or size.optional("longest_edge")
             if low and high:
                 return int(low), int(high)
-        return DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS
+        return self.default_video_pixel_limits
+
+    def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) from the processor config, or the published defaults."""
+        return self.vision(model).pixel_limits
+
+    def video_pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of the video processor (see :meth:`read_video_pixel_limits`)."""
+        return self.vision(model).video_pixel_limits
 
     def _factor(self, model: ModelDescription) -> int:
-        vision = self._vision(model)
-        return int(vision.get("patch_size", 14)) * int(vision.get("spatial_merge_size", 2))
+        return self.vision(model).factor
 
     def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
         """Height and width after the processor's smart resize (the video processor's for a clip)."""
@@ -127,7 +219,7 @@ class Qwen2_5_VL(Family):
         problems = []
         if max(image.height, image.width) / min(image.height, image.width) > MAX_ASPECT_RATIO:
             problems.append(f"aspect ratio of {image.height}x{image.width} exceeds {MAX_ASPECT_RATIO}")
-        temporal = int(self._vision(model).get("temporal_patch_size", 2))
+        temporal = self.vision(model).temporal
         if image.video and (image.frames < temporal or image.frames % temporal):
             problems.append(
                 f"a {self.title} clip needs a multiple of {temporal} frames "
@@ -141,14 +233,12 @@ class Qwen2_5_VL(Family):
         """grid_t: 1 for an image, frames / temporal_patch_size for a clip (2 frames per patch)."""
         if not image.video:
             return 1
-        return image.frames // int(self._vision(model).get("temporal_patch_size", 2))
+        return image.frames // self.vision(model).temporal
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """grid_h, grid_w (patches), grid_height (patch rows), grid_width (patch features), vision_size."""
-        vision = self._vision(model)
-        patch = int(vision.get("patch_size", 14))
-        merge = int(vision.get("spatial_merge_size", 2))
-        temporal = int(vision.get("temporal_patch_size", 2))
+        vision = self.vision(model)
+        patch, merge, temporal = vision.patch_size, vision.merge, vision.temporal
         height, width = self.resized(model, image)
         grid_h, grid_w = height // patch, width // patch
         grid_t = self.temporal_patches(model, image)
@@ -166,10 +256,8 @@ class Qwen2_5_VL(Family):
     def _geometry(self, model: ModelDescription):
         from qeff_vision.families.qwen2_5_vl.patches import Geometry
 
-        vision = self._vision(model)
-        merge = int(vision.get("spatial_merge_size", 2))
-        window = int(vision.get("window_size", 112)) // merge // int(vision.get("patch_size", 14))
-        return Geometry(merge, window)
+        vision = self.vision(model)
+        return Geometry(vision.merge, vision.window)
 
     def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
         """Patches of an image at its own (processor-resized) resolution."""
@@ -177,9 +265,8 @@ class Qwen2_5_VL(Family):
 
     def bucket_symbols(self, model: ModelDescription, patches: int) -> dict[str, int]:
         """grid_height (the bucket), grid_width, window_blocks and vision_size of a patch bucket."""
-        vision = self._vision(model)
-        patch = int(vision.get("patch_size", 14))
-        temporal = int(vision.get("temporal_patch_size", 2))
+        vision = self.vision(model)
+        patch, temporal = vision.patch_size, vision.temporal
         geometry = self._geometry(model)
         return {
             GRID_HEIGHT: patches,
@@ -197,15 +284,14 @@ class Qwen2_5_VL(Family):
 
     def fit_to_patches(self, model: ModelDescription, image: ImageSize, patches: int) -> tuple[int, int]:
         """The processor's resize with ``max_pixels`` set to ``patches`` patches (aspect ratio kept)."""
-        vision = self._vision(model)
-        patch = int(vision.get("patch_size", 14))
+        patch = self.vision(model).patch_size
         min_pixels, max_pixels = self.pixel_limits(model)
         limit = min(max_pixels, patches * patch * patch)
         return self._smart_resize(image.height, image.width, self._factor(model), min_pixels, limit)
 
     def max_patches(self, model: ModelDescription) -> int:
         """Patches of the largest image the processor produces (its ``max_pixels``)."""
-        patch = int(self._vision(model).get("patch_size", 14))
+        patch = self.vision(model).patch_size
         return self.pixel_limits(model)[1] // (patch * patch)
 
 

@@ -215,7 +215,6 @@ class PatchBucketEncoder(VisionEncoder):
 class Adapter(ExportAdapter):
     """Torch side of the Qwen2.5-VL family."""
 
-
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The symbolic-grid vision tower."""
         return VisionEncoder(model.model.visual).eval()

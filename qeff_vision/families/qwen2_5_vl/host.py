@@ -25,6 +25,11 @@ from qeff_vision.families.qwen2_5_vl import (
 )
 
 
+def _output(processed: Mapping[str, Any], key: str, absent: np.ndarray) -> Any:
+    """A processor output (not config), or ``absent`` for a prompt without that modality."""
+    return processed[key] if key in processed else absent
+
+
 class Host(BaseHost):
     """Images and clips by their grids (t, h, w)."""
 
@@ -39,7 +44,7 @@ class Host(BaseHost):
 
     @staticmethod
     def _grids(processed: Mapping[str, Any], key: str) -> list[tuple[int, int, int]]:
-        grids = np.asarray(processed.get(key, np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
+        grids = np.asarray(_output(processed, key, np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
         return [tuple(int(x) for x in grid) for grid in grids.tolist()]
 
     def vision_items(self, processed: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -49,10 +54,11 @@ class Host(BaseHost):
         kind's next item, which then owns its t * h * w / merge^2 placeholders (a Qwen3-VL clip's
         are several runs, one per temporal patch, with timestamp text between them).
         """
-        merge = self.config["vision_config"]["spatial_merge_size"]
-        kinds = {self.config["image_token_id"]: "image"}
-        if "pixel_values_videos" in processed:
-            kinds[self.config["video_token_id"]] = "video"
+        merge = self.family.vision(self.model).merge
+        image_id, *video_id = self.family.placeholder_token_ids(self.model)
+        kinds = {image_id: "image"}
+        if "pixel_values_videos" in processed and video_id:
+            kinds[video_id[0]] = "video"
         counts = {
             kind: [t * h * w // (merge * merge) for t, h, w in self._grids(processed, f"{kind}_grid_thw")]
             for kind in ("image", "video")
@@ -80,7 +86,7 @@ class Host(BaseHost):
         """Pixel rows per image or clip in prompt order; the grid (t, h, w) in image_grid_thw's shape."""
         sources = {}
         for kind, pixels_key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-            pixels = np.asarray(processed.get(pixels_key, np.zeros((0, 1))), dtype=np.float32)
+            pixels = np.asarray(_output(processed, pixels_key, np.zeros((0, 1))), dtype=np.float32)
             grids = self._grids(processed, f"{kind}_grid_thw")
             starts = np.cumsum([0] + [t * h * w for t, h, w in grids]).tolist()
             sources[kind] = (pixels, grids, starts)
@@ -98,7 +104,7 @@ class Host(BaseHost):
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """grid_t * grid_h * grid_w / merge^2 per image or clip, in prompt order."""
-        merge = self.config["vision_config"]["spatial_merge_size"]
+        merge = self.family.vision(self.model).merge
         grids = {kind: self._grids(processed, f"{kind}_grid_thw") for kind in ("image", "video")}
         return [
             int(np.prod(grids[kind][index])) // (merge * merge)
@@ -114,8 +120,8 @@ class Host(BaseHost):
         """
         videos = self._grids(processed, "video_grid_thw")
         images = self._grids(processed, "image_grid_thw")
-        seconds = np.asarray(processed.get("second_per_grid_ts", np.ones(len(videos))), dtype=np.float32)
-        per_second = np.float32(self.config["vision_config"].get("tokens_per_second", 4))
+        seconds = np.asarray(_output(processed, "second_per_grid_ts", np.ones(len(videos))), dtype=np.float32)
+        per_second = np.float32(self.family.vision(self.model).tokens_per_second)
         items = []
         for kind, index in self.vision_items(processed):
             if kind == "image":
@@ -135,7 +141,7 @@ class Host(BaseHost):
         position + 1).
         """
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64)[0]
-        merge = self.config["vision_config"]["spatial_merge_size"]
+        merge = self.family.vision(self.model).merge
         placeholder = np.isin(input_ids, self.family.placeholder_token_ids(self.model))
         items = iter(self.position_items(processed) if placeholder.any() else [])
         length = input_ids.shape[0]
@@ -174,9 +180,8 @@ class Host(BaseHost):
             # Packing ids carry (row, col, image, window) per patch, not time: clips keep their
             # per-(resolution, frames) programs (vision.videos), which spec validation requires.
             raise UserError("a video clip needs a per-resolution vision program; patch buckets encode images")
-        vision = self.config["vision_config"]
-        window = vision["window_size"] // vision["spatial_merge_size"] // vision["patch_size"]
-        geometry = patches.Geometry(vision["spatial_merge_size"], window)
+        vision = self.family.vision(self.model)
+        geometry = patches.Geometry(vision.merge, vision.window)
         grids = [tuple(item[IMAGE_GRID_THW].shape[2:]) for item in items]
         return patches.pack_patch_ids(grids, bucket[GRID_HEIGHT], bucket[WINDOW_BLOCKS], geometry)
 
@@ -196,4 +201,4 @@ class Host(BaseHost):
 
     def item_rows(self, item) -> int:
         """Merged tokens: patches / merge^2."""
-        return self.item_patches(item) // self.config["vision_config"]["spatial_merge_size"] ** 2
+        return self.item_patches(item) // self.family.vision(self.model).merge ** 2

@@ -18,7 +18,15 @@ import math
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Features, ImageSize, ModelDescription, yes
+from qeff_vision.families.base import (
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Features,
+    ImageSize,
+    ModelDescription,
+    yes,
+)
+from qeff_vision.families.config_view import Section
 from qeff_vision.families.qwen2_5_vl import (
     CHANNELS,
     GRID_H,
@@ -27,6 +35,7 @@ from qeff_vision.families.qwen2_5_vl import (
     GRID_WIDTH,
     IMAGE_GRID_THW,
     TIME,
+    VISION_DEFAULTS,
     Qwen2_5_VL,
 )
 
@@ -59,6 +68,8 @@ class Qwen3_VL(Qwen2_5_VL):
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
     # A clip is one placeholder run per temporal patch, each after its "<t seconds>" text.
     placeholders_in_runs = True
@@ -68,21 +79,19 @@ class Qwen3_VL(Qwen2_5_VL):
     }
     stacked_vision_rows = {DEEPSTACK_FEATURES: NUM_FEATURE_LAYERS}
 
-    def pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
-        """(min_pixels, max_pixels) from the processor config, or Qwen3-VL's published defaults."""
-        processor = model.processor
-        size = processor.get("size") or {}
-        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or DEFAULT_MIN_PIXELS
-        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or DEFAULT_MAX_PIXELS
-        return int(min_pixels), int(max_pixels)
+    defaults_source = "Qwen3-VL default"
+    # Qwen3VLVisionConfig: 16-px patches (ref: transformers v5 models/qwen3_vl/configuration_qwen3_vl.py).
+    vision_defaults = {**VISION_DEFAULTS, "patch_size": 16}
+    default_pixel_limits = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+    default_video_pixel_limits = (DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS)
 
-    def video_pixel_limits(self, model: ModelDescription) -> tuple[int, int]:
+    def read_video_pixel_limits(self, video: Section, processor: Section) -> tuple[int, int]:
         """(min_pixels, max_pixels) of the video processor (its own config, else its class defaults)."""
-        size = model.video_processor.get("size") or {}
-        low, high = size.get("shortest_edge"), size.get("longest_edge")
+        size = video.sub("size")
+        low, high = size.optional("shortest_edge"), size.optional("longest_edge")
         if low and high:
             return int(low), int(high)
-        return DEFAULT_VIDEO_MIN_PIXELS, DEFAULT_VIDEO_MAX_PIXELS
+        return self.default_video_pixel_limits
 
     def resized(self, model: ModelDescription, image: ImageSize) -> tuple[int, int]:
         """The image processor's smart resize, or for a clip the video processor's.
@@ -91,7 +100,7 @@ class Qwen3_VL(Qwen2_5_VL):
         """
         if not image.video:
             return super().resized(model, image)
-        factor, temporal = self._factor(model), int(self._vision(model).get("temporal_patch_size", 2))
+        factor, temporal = self._factor(model), self.vision(model).temporal
         min_pixels, max_pixels = self.video_pixel_limits(model)
         frames, height, width = image.frames, image.height, image.width
         if height < factor or width < factor:
@@ -111,14 +120,12 @@ class Qwen3_VL(Qwen2_5_VL):
 
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """``num_feature_layers``: how many deepstack layers the vision tower feeds the decoder."""
-        return {NUM_FEATURE_LAYERS: len(self._vision(model).get("deepstack_visual_indexes") or ())}
+        return {NUM_FEATURE_LAYERS: len(self.vision(model).deepstack_layers)}
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """Qwen2.5-VL's grid symbols plus ``time`` (temporal patches) and ``num_feature_layers``."""
-        vision = self._vision(model)
-        patch = int(vision.get("patch_size", 16))
-        merge = int(vision.get("spatial_merge_size", 2))
-        temporal = int(vision.get("temporal_patch_size", 2))
+        vision = self.vision(model)
+        patch, merge, temporal = vision.patch_size, vision.merge, vision.temporal
         height, width = self.resized(model, image)
         grid_h, grid_w = height // patch, width // patch
         grid_t = self.temporal_patches(model, image)

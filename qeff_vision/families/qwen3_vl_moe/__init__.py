@@ -13,7 +13,7 @@ tracing would freeze to the example's routing.
 from __future__ import annotations
 
 from qeff_vision.families import register
-from qeff_vision.families.base import Features, yes
+from qeff_vision.families.base import QEFFICIENT_CCL, QEFFICIENT_CONTINUOUS_BATCHING, Features, yes
 from qeff_vision.families.qwen3_vl import Qwen3_VL
 
 
@@ -31,6 +31,8 @@ class Qwen3_VL_MoE(Qwen3_VL):
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
     )
 
 

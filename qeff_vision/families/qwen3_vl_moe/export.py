@@ -40,7 +40,6 @@ def dense_experts(experts: nn.Module):
 class Adapter(Qwen3_VLAdapter):
     """Torch side of the Qwen3-VL-MoE family: Qwen3-VL's, with dense experts in the exported decoder."""
 
-
     def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
         """The exporter's placeholder model with every sparse block's experts written densely."""
         model = super().empty_model(model_dir, dtype)
