@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qeff_vision.contract.segments import find_segments
 from qeff_vision.runtime.embedding_cache import (
     EmbeddingCache,
     PreparedImage,
@@ -15,7 +16,6 @@ from qeff_vision.runtime.embedding_cache import (
     fetch_embeddings,
 )
 from qeff_vision.runtime.planner import plan_chunks
-from qeff_vision.runtime.segments import find_segments
 
 HIDDEN = 4
 ROW_BYTES = HIDDEN * 4  # float32

@@ -152,8 +152,8 @@ def test_image_then_text_only_chunk_then_image(runtime):
 
 def test_specialize_table_counts_the_row_breaks_an_image_spans():
     """1540x1540 is 55 rows of 55 [IMG] + a break: 3,079 tokens first to last, so 25 chunks of 128, not 24."""
+    from qeff_vision.contract.segments import find_segments
     from qeff_vision.runtime.planner import PrefillBucket, plan_chunks
-    from qeff_vision.runtime.segments import find_segments
 
     result = build_specializations(load_spec(SPECS / "mistral3" / "mistral-small-3.1-24b-instruct-2503.yaml"))
     table = {(row.image.height, row.image.width): row.chunks for row in result.images}

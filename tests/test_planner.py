@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qeff_vision.contract.segments import PlanError, Segment, find_segments
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.planner import (
     ChunkEnd,
@@ -18,7 +19,6 @@ from qeff_vision.runtime.planner import (
     assemble_vision_embeds,
     plan_chunks,
 )
-from qeff_vision.runtime.segments import PlanError, Segment, find_segments
 
 PLACEHOLDER = 7
 

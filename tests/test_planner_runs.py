@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from qeff_vision.contract.segments import PlanError, Segment, find_segments
 from qeff_vision.runtime.planner import PrefillBucket, plan_chunks
-from qeff_vision.runtime.segments import PlanError, Segment, find_segments
 
 IMG, BREAK, END, TEXT = 7, 8, 9, 1
 

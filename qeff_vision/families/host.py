@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.segments import find_segments
 
 if TYPE_CHECKING:
     from qeff_vision.families.base import Family, ModelDescription
@@ -56,13 +57,11 @@ class Host:
         return {self.family.image_token_id(self.model): "image"}
 
     def segments(self, processed: Mapping[str, Any]) -> list:
-        """The prompt's multimodal segments (:class:`~qeff_vision.runtime.segments.Segment`), in order.
+        """The prompt's multimodal segments (:class:`~qeff_vision.contract.segments.Segment`), in order.
 
         Each image (or clip) consumes the rows :meth:`placeholder_counts` gives it at its
         placeholder runs; a family with ``placeholders_in_runs`` joins an item's runs.
         """
-        from qeff_vision.runtime.segments import find_segments
-
         counts = self.placeholder_counts(processed) if self.has_images(processed) else []
         input_ids = np.asarray(processed["input_ids"]).reshape(-1)
         return find_segments(

@@ -4,6 +4,7 @@ The planner and the cache are pure (numpy only); sessions import onnxruntime or 
 their own modules, so importing this package stays cheap.
 """
 
+from qeff_vision.contract.segments import PlanError, Segment, find_segments
 from qeff_vision.runtime.embedding_cache import (
     CacheStats,
     EmbeddingCache,
@@ -23,7 +24,6 @@ from qeff_vision.runtime.planner import (
     assemble_vision_embeds,
     plan_chunks,
 )
-from qeff_vision.runtime.segments import PlanError, Segment, find_segments
 
 __all__ = [
     "CacheStats",

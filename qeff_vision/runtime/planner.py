@@ -1,7 +1,7 @@
 """Chunk planner: which tokens, vision rows and ``image_idx`` each prefill call of a prompt carries.
 
 Pure and torch-free. Inputs are a prompt length L, the prompt's segments (each image's or clip's
-placeholders; :mod:`qeff_vision.runtime.segments`) in prompt order, and the compiled prefill
+placeholders; :mod:`qeff_vision.contract.segments`) in prompt order, and the compiled prefill
 buckets (``seq_len`` S, ``vision_size`` V). ``P[x]`` is the number of placeholder tokens before
 token x; a chunk [a, b) uses rows ``P[a]..P[b]`` of G, the per-image embeddings concatenated in
 prompt order (see docs/design.md, "Host protocol per prefill chunk").
@@ -36,7 +36,7 @@ from enum import Enum
 
 import numpy as np
 
-from qeff_vision.runtime.segments import PlanError, Segment
+from qeff_vision.contract.segments import PlanError, Segment
 
 
 class VisionProtocol(str, Enum):
