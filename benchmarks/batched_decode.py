@@ -66,7 +66,7 @@ def ensure_exports(work: Path, export: Path | None) -> tuple[Path, Path | None]:
     if export is not None:
         return export, None
     from qeff_vision import api
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
 
     checkpoint = work / "tiny"
     if not (checkpoint / "config.json").is_file():

@@ -75,7 +75,7 @@ def _plans(export: Path, length: int) -> tuple[dict[str, list[str]], int]:
 
 def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     """Table rows of one checkpoint."""
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
     from qeff_vision.numerics.device import MxEmulation
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape

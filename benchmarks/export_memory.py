@@ -84,7 +84,7 @@ result = {"weight_params": offset // 4, "tensors": len(params)}
 """
 
 EXPORT = """
-from qeff_vision.export.exporter import export_model
+from qeff_vision.exporter import export_model
 exported = export_model(sys.argv[1], sys.argv[2], force=True, dtype=sys.argv[3], progress=None)
 result = {"timings": exported.timings}
 """

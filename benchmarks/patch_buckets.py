@@ -86,7 +86,7 @@ def _export(work: Path):
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.exporter import load_adapter
     from qeff_vision.families import get_family
     from qeff_vision.families.qwen2_5_vl.export import PatchBucketEncoder, VisionEncoder
 

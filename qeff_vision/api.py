@@ -59,9 +59,9 @@ def export(
     ``full_batch_size`` KV slots (for specs with ``full_batch_size``).
 
     Returns:
-        :class:`qeff_vision.export.exporter.ExportResult`.
+        :class:`qeff_vision.exporter.ExportResult`.
     """
-    from qeff_vision.export.exporter import export_model, stderr_progress
+    from qeff_vision.exporter import export_model, stderr_progress
 
     return export_model(
         model_dir,
@@ -171,9 +171,9 @@ def check_golden(specs_dir, *, update: bool = False):
     """Regenerate every spec under ``specs_dir`` and compare with (or rewrite) ``specs_dir/golden``.
 
     Returns:
-        :class:`qeff_vision.spec.GoldenReport`; ``report.ok`` is the verdict.
+        :class:`qeff_vision.compile.golden.GoldenReport`; ``report.ok`` is the verdict.
     """
-    from qeff_vision.spec import check_golden as check
+    from qeff_vision.compile.golden import check_golden as check
 
     return check(specs_dir, update=update)
 

@@ -18,14 +18,9 @@ from qeff_vision.errors import UserError
 from qeff_vision.families import Family, family_for, get_family
 from qeff_vision.families.base import ModelDescription, TextDims, describe_checkpoint
 from qeff_vision.fsutil import read_json
+from qeff_vision.hf_logging import quiet_transformers
 
-
-def quiet_transformers() -> None:
-    """Silence transformers' progress bars and info logs (our stages print their own progress)."""
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
+__all__ = ["Checkpoint", "quiet_transformers"]
 
 
 def _eos_ids(generation: Mapping[str, Any]) -> tuple[int, ...]:

@@ -33,7 +33,7 @@ def exported(tiny_checkpoint, tmp_path_factory):
 
     def build(family: str) -> Path:
         if family not in built:
-            from qeff_vision.export.exporter import export_model
+            from qeff_vision.exporter import export_model
 
             out = tmp_path_factory.mktemp(f"export-{family}") / "export"
             export_model(tiny_checkpoint(family), out, progress=None)
@@ -53,7 +53,7 @@ def cb_exported(tiny_checkpoint, tmp_path_factory):
 
     def build(family: str, ccl: bool = False) -> Path:
         if (family, ccl) not in built:
-            from qeff_vision.export.exporter import export_model
+            from qeff_vision.exporter import export_model
 
             out = tmp_path_factory.mktemp(f"cb-export-{family}") / "export"
             export_model(

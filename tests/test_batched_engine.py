@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from qeff_vision.contract.language_io import KV_ROLES, Role
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import TOKEN_MERGE
 from qeff_vision.runtime.embedding_cache import EmbeddingCache

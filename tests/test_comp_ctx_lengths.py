@@ -130,7 +130,7 @@ def _generator(export_dir, ccl: bool):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
 def test_ccl_generation_matches_the_run_without_ccl(family, tiny_checkpoint, exported, hf_model, tmp_path):
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
 
     ccl_export = tmp_path / "ccl"
     export_model(tiny_checkpoint(family), ccl_export, comp_ctx_lengths=True, progress=None)

@@ -13,7 +13,7 @@ from qeff_vision.compile.argv import (
     format_command,
     mdp_partition_config,
 )
-from qeff_vision.compile.options import parse_compile_options
+from qeff_vision.spec.compile_options import parse_compile_options
 
 GOLDEN = Path(__file__).parent / "golden" / "compile"
 

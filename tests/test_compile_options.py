@@ -1,6 +1,6 @@
 import pytest
 
-from qeff_vision.compile.options import CompileOptions, ProgramOptions, parse_compile_options
+from qeff_vision.spec.compile_options import CompileOptions, ProgramOptions, parse_compile_options
 
 
 def test_absent_section_gives_defaults():

@@ -47,7 +47,7 @@ def scaled(tmp_path_factory):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
 
     directory = helpers.write_tiny("gemma3", tmp_path_factory.mktemp("scaled") / "checkpoint")
     weights = next(directory.glob("*.safetensors"))

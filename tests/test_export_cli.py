@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from qeff_vision import exporter
 from qeff_vision.cli import main
-from qeff_vision.export import exporter
 from qeff_vision.families import all_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,7 +188,7 @@ def test_help_is_fast_and_does_not_import_torch():
 
 def test_every_family_has_a_tiny_checkpoint_and_parity_coverage():
     """Coverage guard: a registered family needs a tiny checkpoint builder and a spec."""
-    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.exporter import load_adapter
 
     specs = list((ROOT / "specs").rglob("*.yaml"))
     for family in all_families():

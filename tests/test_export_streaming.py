@@ -11,7 +11,7 @@ import torch
 
 from qeff_vision.errors import UserError
 from qeff_vision.export import weights
-from qeff_vision.export.exporter import export_model, load_adapter
+from qeff_vision.exporter import export_model, load_adapter
 from qeff_vision.families import describe_checkpoint, family_for
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from qeff_vision.demo import compile_and_run
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import all_families, get_family
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache

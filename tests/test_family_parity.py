@@ -13,7 +13,7 @@ import torch
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import KV_ROLES
 from qeff_vision.export.decoder import LanguageDecoder
-from qeff_vision.export.exporter import example_values, load_adapter
+from qeff_vision.exporter import example_values, load_adapter
 from qeff_vision.families import all_families
 from qeff_vision.families.base import TOKEN_MERGE as TOKEN_MERGE_KIND
 from qeff_vision.runtime.generate import generator_for_export

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from qeff_vision import families, symbols
-from qeff_vision.export.exporter import export_model
+from qeff_vision.exporter import export_model
 from qeff_vision.runtime.generate import generator_for_export
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket

@@ -79,8 +79,8 @@ SPEC_3B = Path(__file__).resolve().parents[1] / "specs" / "qwen2_5_vl" / "qwen2_
 
 
 def test_declared_rows_flow_through_export_specializations_custom_io_and_feeds(monkeypatch):
+    from qeff_vision import exporter
     from qeff_vision.checkpoint import Checkpoint
-    from qeff_vision.export import exporter
     from qeff_vision.runtime.generate import Generator
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket

@@ -127,7 +127,7 @@ def test_tiny_decoder_exercises_every_granite_multiplier(tiny_checkpoint):
 
 def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
     """Each pinpoint of the tiny checkpoint, two same-size images per call, vs transformers."""
-    from qeff_vision.export.exporter import load_adapter
+    from qeff_vision.exporter import load_adapter
 
     model, processor = hf_model(FAMILY)
     adapter = load_adapter(get_family(FAMILY))

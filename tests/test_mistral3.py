@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qeff_vision import symbols
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.mistral3 import IMAGE_HEIGHT, IMAGE_WIDTH

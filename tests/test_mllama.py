@@ -17,7 +17,7 @@ import torch
 from qeff_vision import api, symbols
 from qeff_vision.cli import main
 from qeff_vision.errors import UserError
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import CROSS_ATTENTION, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.mllama import tiled_canvas

@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from qeff_vision.cli import main
-from qeff_vision.compile.manifest import read_manifest
 from qeff_vision.compile.runtime_files import RUNTIME_MODEL_DIR
+from qeff_vision.compile_record import read_manifest
 from qeff_vision.runtime.artifacts import load_artifacts
 from qeff_vision.runtime.conversation import open_conversation
 from tests import helpers

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, describe_checkpoint
 from qeff_vision.families.qwen2_5_vl import GRID_H, GRID_W

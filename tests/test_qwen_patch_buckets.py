@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qeff_vision import api
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl import GRID_HEIGHT, WINDOW_BLOCKS
 from qeff_vision.families.qwen2_5_vl.patches import Geometry, windows_needed

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl.export import VisionEncoder
 from tests import helpers

@@ -35,7 +35,7 @@ PROMPTS = {
 @pytest.fixture(scope="module")
 def window16(tmp_path_factory):
     """(export dir, HF model, processor) of the tiny Gemma 3 with a 16-token window."""
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
     from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("gemma3-window16")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from qeff_vision.compile.manifest import BACKENDS, QAIC
+from qeff_vision.compile_record import BACKENDS, QAIC
 
 HELP = {
     "out": "Output directory: export/, vision/, lang/ and manifest.json.",

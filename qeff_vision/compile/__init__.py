@@ -1,5 +1,7 @@
-"""Compile stage: typed compiler options, SDK discovery, compiler argv, runner, cache and manifest.
+"""Compile stage: SDK discovery, compiler argv, runner, cache, the vLLM hand-off and the golden check.
 
-Only :mod:`qeff_vision.compile.options` and :mod:`qeff_vision.compile.sdk` are imported by other
-stages (the spec loader validates ``compile:`` with them); nothing here imports torch.
+Above spec/ and runtime/ in the layering (docs/design.md "Layers"): it compiles a loaded spec and
+runs the runtime for calibration; the typed compile options live in
+:mod:`qeff_vision.spec.compile_options` (the ``compile:`` section of a spec) and the manifest
+format in :mod:`qeff_vision.compile_record`. Nothing here imports torch.
 """

@@ -1,6 +1,6 @@
 """The compiler command line of one program: a pure function of files, options and SDK facts.
 
-Every flag comes from a typed option (:class:`~qeff_vision.compile.options.ProgramOptions`); there
+Every flag comes from a typed option (:class:`~qeff_vision.spec.compile_options.ProgramOptions`); there
 is no pass-through of free-form flags. Flag spellings follow QEfficient's compile path
 (ref: quic/efficient-transformers QEfficient/base/modeling_qeff.py ``_compile``), which is what
 the SDK's compiler accepts for these LLM/VLM programs.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qeff_vision.compile.options import LANGUAGE, PROGRAM_DIRS, ProgramOptions
 from qeff_vision.compile.sdk import QAIC_EXEC
+from qeff_vision.spec.compile_options import LANGUAGE, PROGRAM_DIRS, ProgramOptions
 
 PARTITION_FILE_NAME = "mdp_partition.json"
 SPECIALIZATIONS_FILE_NAME = "specializations.json"

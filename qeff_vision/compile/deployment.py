@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from qeff_vision.compile.argv import argv_without_paths, format_command
-from qeff_vision.compile.options import NODE_PRECISION_NONE, CompileOptions, ProgramOptions
+from qeff_vision.spec.compile_options import NODE_PRECISION_NONE, CompileOptions, ProgramOptions
 from qeff_vision.spec.deployment import DISAGGREGATED, LANG_DECODE, LANG_PREFILL, PROGRAMS, Deployment
 
 DEPLOYMENT_FLAGS = ("split_model_io", "allow_mxint8_mdp_io", "split_retained_state_io")

@@ -45,7 +45,10 @@ from qeff_vision.compile.inputs import (
     plan_inputs,
     write_inputs,
 )
-from qeff_vision.compile.manifest import (
+from qeff_vision.compile.precision import resolve_plans
+from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
+from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
+from qeff_vision.compile_record import (
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     ONNXRUNTIME,
@@ -54,12 +57,9 @@ from qeff_vision.compile.manifest import (
     spec_hash,
     tool_name,
 )
-from qeff_vision.compile.options import ProgramOptions
-from qeff_vision.compile.precision import resolve_plans
-from qeff_vision.compile.runner import Job, JobResult, StatusLine, run_jobs
-from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.spec.compile_options import ProgramOptions
 from qeff_vision.spec.deployment import DUAL
 
 LOG_FILE = "compile.log"

@@ -16,12 +16,12 @@ from typing import Any
 
 from qeff_vision.compile.argv import PARTITION_FILE_NAME, mdp_partition_config
 from qeff_vision.compile.graph_io import read_graph_io, symbol_problems
-from qeff_vision.compile.manifest import MANIFEST_FILE
-from qeff_vision.compile.options import LANGUAGE, VISION, ProgramOptions
 from qeff_vision.compile.precision import PrecisionPlan
+from qeff_vision.compile_record import MANIFEST_FILE
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
 
 EXPORT_SUBDIR = "export"
 # Section name in the spec's compile: block -> directory under OUT (and key in export.json).
@@ -69,7 +69,7 @@ class Export:
 def _run_export(
     model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool
 ) -> dict[str, Any]:
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
 
     return export_model(
         model_dir,

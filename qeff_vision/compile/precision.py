@@ -20,7 +20,6 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
-from qeff_vision.compile.options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
 from qeff_vision.numerics.plan import (
     PLAN_FILE,
     Overflow,
@@ -33,6 +32,7 @@ from qeff_vision.numerics.plan import (
     value_ranges,
     write_plan,
 )
+from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
 
 
 @dataclass

@@ -22,6 +22,11 @@ import numpy as np
 
 from qeff_vision import symbols
 
+# Attention types of decoder layers, as transformers' text configs spell them (``layer_types``); a
+# ``sliding_attention`` layer keeps a ring of ``sliding_window`` KV slots.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
 #: ``example(shape, values, image_token_id) -> array``: a row's own trace-time example (numpy).
 Example = Callable[[tuple[int, ...], Mapping[str, int], int], np.ndarray]
 

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from qeff_vision import symbols
-from qeff_vision.checkpoint import quiet_transformers
 from qeff_vision.contract.language_io import LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
-from qeff_vision.families.base import Family, ModelDescription
+from qeff_vision.hf_logging import quiet_transformers
+
+if TYPE_CHECKING:  # the family sits above export/ (its adapter subclasses ExportAdapter)
+    from qeff_vision.families.base import Family, ModelDescription
 
 
 class ExportAdapter:

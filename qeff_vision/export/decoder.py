@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
+from qeff_vision.contract.language_io import FULL_ATTENTION, KV_ROLES, SLIDING_ATTENTION, LanguageIO, Role
 from qeff_vision.export.kv_ops import (
     CtxGatherCBFunction,
     CtxGatherFunction,
@@ -37,7 +37,6 @@ from qeff_vision.export.kv_ops import (
     CtxScatterFunction,
 )
 from qeff_vision.export.kv_writes import write_plan
-from qeff_vision.families.base import FULL_ATTENTION, SLIDING_ATTENTION
 
 __all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
 

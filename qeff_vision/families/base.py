@@ -20,10 +20,12 @@ from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - CROSS_ATTENTION
     TOKEN_MERGE,
     DecoderKind,
 )
-from qeff_vision.contract.language_io import (
+from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION re-exported for families
+    FULL_ATTENTION,
     HEAD_DIM,
     HIDDEN_SIZE,
     NUM_KV_HEADS,
+    SLIDING_ATTENTION,
     VOCAB_SIZE,
     IORow,
     LanguageIO,
@@ -36,9 +38,7 @@ from qeff_vision.fsutil import read_json
 if TYPE_CHECKING:
     from qeff_vision.families.host import Host
 
-from qeff_vision.families.config_view import (  # noqa: F401 - FULL/SLIDING_ATTENTION re-exported
-    FULL_ATTENTION,
-    SLIDING_ATTENTION,
+from qeff_vision.families.config_view import (
     ConfigReader,
     ConfigView,
     Section,

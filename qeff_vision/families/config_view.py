@@ -17,11 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from qeff_vision.contract.language_io import FULL_ATTENTION
 from qeff_vision.errors import UserError
-
-# Attention types of decoder layers, as transformers' text configs spell them (``layer_types``).
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
 
 _MISSING = object()
 

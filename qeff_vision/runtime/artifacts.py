@@ -1,7 +1,7 @@
 """A compile output directory as the runtime sees it: programs, their specializations, the checkpoint.
 
 ``qeff-vision compile SPEC -o OUT`` writes ``OUT/manifest.json`` last (see
-:mod:`qeff_vision.compile.manifest`). From it the runtime takes the backend, both programs and the
+:mod:`qeff_vision.compile_record`). From it the runtime takes the backend, both programs and the
 specializations they were compiled for, the export directory and, through the export's
 ``export.json``, the checkpoint whose config, processor and chat template drive generation.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
-from qeff_vision.compile.manifest import ONNXRUNTIME, QAIC, program_path, read_manifest
+from qeff_vision.compile_record import ONNXRUNTIME, QAIC, program_path, read_manifest
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family

@@ -14,8 +14,7 @@ files for the vision and the language program::
 See the README section "Specs" for the file format.
 """
 
-from qeff_vision.spec.golden import GoldenReport, check_golden, find_specs
-from qeff_vision.spec.loader import load_spec, spec_from_data
+from qeff_vision.spec.loader import find_specs, load_spec, spec_from_data
 from qeff_vision.spec.model import AUTO, DTYPES, FLAT, LAYOUTS, NAMED, PrefillSpec, Spec, VisionSpec
 from qeff_vision.spec.policy import VisionSizePolicy, chunk_span, decode_vision_size, prefill_vision_sizes
 from qeff_vision.spec.specializations import (
@@ -39,7 +38,6 @@ __all__ = [
     "LAYOUTS",
     "NAMED",
     "SPECIALIZATIONS_FILE",
-    "GoldenReport",
     "ImageChunks",
     "PrefillSpec",
     "ProgramFiles",
@@ -49,7 +47,6 @@ __all__ = [
     "VisionSizePolicy",
     "VisionSpec",
     "build_specializations",
-    "check_golden",
     "chunk_span",
     "decode_vision_size",
     "find_specs",

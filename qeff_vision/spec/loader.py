@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qeff_vision.compile.options import parse_compile_options
-from qeff_vision.errors import SpecError
+from qeff_vision.errors import SpecError, UserError
 from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
+from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
 from qeff_vision.spec.deployment import check_deployment, read_deployment
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
@@ -29,8 +29,6 @@ from qeff_vision.spec.strict_yaml import load_strict_yaml, shown
 
 def check_compile_files(reader, options, section, spec_dir: Path) -> None:
     """Files the compile section names (node precision plans, calibration images) exist."""
-    from qeff_vision.compile.options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE
-
     section = section if isinstance(section, dict) else {}
     missing = {}
     for program in ("vision", "language"):
@@ -161,3 +159,26 @@ def spec_from_data(data: object, source: Path) -> Spec:
         full_batch_size=full_batch_size,
         deployment=deployment,
     )
+
+
+GOLDEN_DIR = "golden"  # the golden files of ``specialize --check`` (qeff_vision.compile.golden)
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
+def find_specs(root: str | Path) -> list[Path]:
+    """Every spec file under ``root``, recursively, sorted; skips ``root/golden`` and hidden directories."""
+    root = Path(root)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise UserError(f"{root}: no such file or directory")
+    golden = root / GOLDEN_DIR
+    found = []
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root)
+        if path.suffix not in SPEC_SUFFIXES or not path.is_file():
+            continue
+        if path.is_relative_to(golden) or any(part.startswith(".") for part in relative.parts[:-1]):
+            continue
+        found.append(path)
+    return found

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qeff_vision.compile.options import CompileOptions
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.spec.compile_options import CompileOptions
 from qeff_vision.spec.deployment import Deployment
 from qeff_vision.spec.policy import VisionSizePolicy
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_vision import symbols
-from qeff_vision.compile.options import LANGUAGE, PROGRAM_DIRS, VISION
 from qeff_vision.contract.language_io import KV_ROLES, DType
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.spec.compile_options import LANGUAGE, PROGRAM_DIRS, VISION
 from qeff_vision.spec.deployment import split_language
 from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
 from qeff_vision.spec.policy import WholeImages, chunk_span, decode_vision_size, prefill_vision_sizes

@@ -22,6 +22,9 @@ Layout (format 1)::
 Paths inside OUT are relative to the manifest's directory; others are absolute. ``vllm`` is
 written by :mod:`qeff_vision.compile.vllm_handoff`. The manifest is
 written last and atomically: a directory without one has not finished compiling.
+
+Torch-free and outside compile/ (like :mod:`qeff_vision.export_record`): the runtime reads the
+record without importing the compile driver, which itself runs the runtime (calibration).
 """
 
 from __future__ import annotations

@@ -16,34 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, golden_serve_text
-from qeff_vision.errors import SpecError, UserError
+from qeff_vision.errors import SpecError
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.deployment import DUAL
-from qeff_vision.spec.loader import load_spec
+from qeff_vision.spec.loader import find_specs, load_spec
 from qeff_vision.spec.specializations import build_specializations
 
 GOLDEN_DIR = "golden"
 COMMANDS_FILE = "compile_commands.txt"  # specs with a deployment other than dual
-SPEC_SUFFIXES = (".yaml", ".yml")
-
-
-def find_specs(root: str | Path) -> list[Path]:
-    """Every spec file under ``root``, recursively, sorted; skips ``root/golden`` and hidden directories."""
-    root = Path(root)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise UserError(f"{root}: no such file or directory")
-    golden = root / GOLDEN_DIR
-    found = []
-    for path in sorted(root.rglob("*")):
-        relative = path.relative_to(root)
-        if path.suffix not in SPEC_SUFFIXES or not path.is_file():
-            continue
-        if path.is_relative_to(golden) or any(part.startswith(".") for part in relative.parts[:-1]):
-            continue
-        found.append(path)
-    return found
 
 
 @dataclass

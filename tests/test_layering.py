@@ -1,0 +1,101 @@
+"""The subpackages and top-level modules of qeff_vision form a one-way graph (docs/design.md "Layers").
+
+Every import counts, at module top level or inside a function alike (an import hidden in a
+function is still a dependency); only ``if TYPE_CHECKING:`` blocks, which never run, are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qeff_vision"
+
+# Top to bottom: a unit imports only units of later layers (never its own layer's other units).
+LAYERS: list[set[str]] = [
+    {"__main__"},
+    {"cli"},
+    {"demo"},
+    {"api"},
+    {"verify"},
+    {"compile"},  # compiles a loaded spec; runs the runtime for calibration
+    {"exporter"},  # the export driver: a family's adapter over the export building blocks
+    {"runtime"},
+    {"spec"},
+    {"checkpoint"},
+    {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
+    {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
+    {"numerics", "tiny", "export_record", "compile_record", "hf_logging"},
+    {"contract"},
+    {"symbols", "fsutil", "qeff_vision"},
+    {"errors"},
+]
+RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
+
+
+def _unit(module: str) -> str | None:
+    """The subpackage or top-level module a dotted ``qeff_vision`` module belongs to."""
+    parts = module.split(".")
+    if parts[0] != "qeff_vision":
+        return None
+    if len(parts) == 1:
+        return "qeff_vision"
+    name = parts[1]
+    if (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file():
+        return name
+    return "qeff_vision"  # a name of the package itself (``from qeff_vision import __version__``)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for child in ast.walk(node))
+    return skipped
+
+
+def import_edges() -> dict[tuple[str, str], list[str]]:
+    """(importer unit, imported unit) -> where, for every import between two different units."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE.parent).with_suffix("")
+        module = ".".join(relative.parts).removesuffix(".__init__")
+        source = _unit(module) if "." in module else "qeff_vision"
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                unit = _unit(target)
+                if unit is not None and unit != source:
+                    edges[source, unit].append(f"{relative}.py:{node.lineno}")
+    return edges
+
+
+def test_every_unit_has_a_layer():
+    units = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir()}
+    units = {u for u in units if not u.startswith("__") or u == "__main__"} - {"py"}
+    units = {u for u in units if (PACKAGE / u).is_dir() or (PACKAGE / f"{u}.py").is_file()}
+    assert units - set(RANK) == set(), "add the new unit to LAYERS (and to docs/design.md)"
+
+
+def test_imports_only_point_down():
+    upward = {
+        f"{a} -> {b}": where[:3]
+        for (a, b), where in sorted(import_edges().items())
+        if RANK[a] >= RANK[b] and (a, b) != ("qeff_vision", "qeff_vision")
+    }
+    assert upward == {}
+
+
+def test_no_cycle_between_any_pair_of_units():
+    edges = set(import_edges())
+    assert {(a, b) for a, b in edges if (b, a) in edges} == set()
