@@ -59,6 +59,7 @@ from qeff_vision.compile_record import (
 )
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.spec import build_specializations, load_spec, resolve_layout
 from qeff_vision.spec.compile_options import ProgramOptions
 from qeff_vision.spec.deployment import DUAL
 
@@ -227,8 +228,6 @@ def compile_spec(
         CompileFailed: A compiler failed or timed out (the message names its log).
         UserError: No compiler, no export possible, or a similar environment problem.
     """
-    from qeff_vision.spec import build_specializations, load_spec, resolve_layout
-
     if backend not in (QAIC, ONNXRUNTIME):
         raise UserError(f"unknown backend {backend!r}; expected {QAIC} or {ONNXRUNTIME}")
     say = progress or (lambda message: None)

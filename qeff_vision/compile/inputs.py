@@ -21,6 +21,7 @@ from qeff_vision.compile_record import MANIFEST_FILE
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.spec import write_specializations
 from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
 
 EXPORT_SUBDIR = "export"
@@ -163,8 +164,6 @@ def locate_export(
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:
     """Write specializations, custom IO and partition files under OUT; return each program's plan."""
-    from qeff_vision.spec import write_specializations
-
     write_specializations(generated, out_dir)
     if spec.deployment.kv_cache_prefix and export.manifest is not None:
         from qeff_vision.compile.kv_prefix import write_prefixed_language

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
+from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
@@ -262,8 +263,6 @@ class Conversation:
 
     def _check_clip(self, clip: Clip) -> None:
         """The family's clip rules (e.g. whole temporal patches) and the compiled frame counts."""
-        from qeff_vision.families.base import ImageSize, ModelDescription
-
         generator = self.generator
         first = clip.frames[0]
         size = ImageSize(first.height, first.width, len(clip.frames), video=True)

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from qeff_vision.checkpoint import Checkpoint
+
 
 def load_reference_model(model_dir: str | Path):
     """The checkpoint as a transformers model: float32, eager attention, eval mode."""
-    from qeff_vision.checkpoint import Checkpoint
-
     return Checkpoint.open(model_dir).reference_model()
 
 

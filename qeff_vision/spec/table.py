@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from qeff_vision import symbols
+from qeff_vision.families import get_family
+from qeff_vision.spec.buckets import admission_lines
 from qeff_vision.spec.specializations import ProgramSpecializations
 
 
@@ -57,9 +59,6 @@ def specialization_table(result: ProgramSpecializations) -> str:
         image_rows.append((label, str(image.tokens), image.vision_specialization, *spans))
     lines = [header, "", *_columns(rows), ""]
     if spec.vision.patch_buckets:
-        from qeff_vision.families import get_family
-        from qeff_vision.spec.buckets import admission_lines
-
         family = get_family(spec.family)
         lines += admission_lines(family, spec.model_description, spec.vision.patch_buckets)
     else:

@@ -37,6 +37,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
+from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint  # torch-free until called
 
 #: Side of the square ``pixel_values`` (one value per checkpoint: the processor's resize target).
 IMAGE_SIZE = "image_size"
@@ -190,11 +191,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Gemma3, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Gemma3, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

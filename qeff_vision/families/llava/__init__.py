@@ -28,6 +28,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader
+from qeff_vision.families.llava.tiny import write_tiny_checkpoint  # torch-free until called
 
 # QEfficient's name for the (square) spatial side of pixel_values, kept so our vision QPC's
 # specialization reads like theirs (ref: quic/efficient-transformers
@@ -181,11 +182,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.llava.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Llava, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Llava, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

@@ -34,6 +34,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, pair
+from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint  # torch-free until called
 
 NUM_TILES = "num_tiles"
 TILE_ROWS = "tile_rows"
@@ -197,11 +198,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(LlavaNext, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(LlavaNext, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

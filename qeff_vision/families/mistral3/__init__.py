@@ -33,6 +33,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader
+from qeff_vision.families.mistral3.tiny import write_tiny_checkpoint  # torch-free until called
 
 IMAGE_HEIGHT = "image_height"
 IMAGE_WIDTH = "image_width"
@@ -166,11 +167,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.mistral3.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Mistral3, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Mistral3, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

@@ -43,6 +43,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, merged_text_config
+from qeff_vision.families.mllama.tiny import write_tiny_checkpoint  # torch-free until called
 
 # QEfficient's names (models/mllama/modeling_mllama.py, get_onnx_dynamic_axes).
 MAX_NUM_IMAGES = symbols.MAX_NUM_IMAGES
@@ -229,11 +230,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.mllama.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Mllama, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Mllama, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

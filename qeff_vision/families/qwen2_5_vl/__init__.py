@@ -24,6 +24,7 @@ from qeff_vision.families.base import (
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
+from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint  # torch-free until called
 
 GRID_H = "grid_h"
 GRID_W = "grid_w"
@@ -309,11 +310,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Qwen2_5_VL, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Qwen2_5_VL, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

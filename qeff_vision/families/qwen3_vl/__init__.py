@@ -38,6 +38,7 @@ from qeff_vision.families.qwen2_5_vl import (
     VISION_DEFAULTS,
     Qwen2_5_VL,
 )
+from qeff_vision.families.qwen3_vl.tiny import write_tiny_checkpoint  # torch-free until called
 
 DEEPSTACK_FEATURES = "deepstack_features"
 # QEfficient's symbol for the stack of deepstack layers.
@@ -154,11 +155,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.qwen3_vl.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Qwen3_VL, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Qwen3_VL, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from qeff_vision.families import register
 from qeff_vision.families.base import QEFFICIENT_CCL, QEFFICIENT_CONTINUOUS_BATCHING, Features, yes
 from qeff_vision.families.qwen3_vl import Qwen3_VL
+from qeff_vision.families.qwen3_vl_moe.tiny import write_tiny_checkpoint  # torch-free until called
 
 
 class Qwen3_VL_MoE(Qwen3_VL):
@@ -50,11 +51,4 @@ def _export_adapter():
     return Adapter
 
 
-def _tiny(out_dir, seed: int = 0):
-    """Write the tiny random checkpoint (transformers is imported inside the builder)."""
-    from qeff_vision.families.qwen3_vl_moe.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(out_dir, seed)
-
-
-register(Qwen3_VL_MoE, host=_host, adapter=_export_adapter, tiny=_tiny)
+register(Qwen3_VL_MoE, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)
