@@ -103,7 +103,7 @@ def _export(work: Path):
             "buckets",
             PatchBucketEncoder(visual),
             adapter.patch_bucket_example_inputs,
-            family.patch_bucket_input_axes,
+            family.patch_buckets.input_axes,
         ),
     )
     for name, encoder, example_of, axes in forms:
@@ -193,7 +193,7 @@ def run_buckets(session, family, model, reps: int) -> ModeResult:
     from qeff_vision.runtime.packing import plan_packed_calls
 
     host = family.host(model)
-    buckets = [family.bucket_symbols(model, patches) for patches in BUCKETS]
+    buckets = [family.patch_buckets.bucket_symbols(model, patches) for patches in BUCKETS]
     result = ModeResult()
     for start in range(0, len(SIZES), PER_PROMPT):
         items, sizes = [], []

@@ -37,7 +37,7 @@ def test_validate_refuses_ccl_for_a_family_without_it_with_the_families_reason(t
     assert not reason.supported
     # ``qeff-vision families`` prints the same reason in mllama's row.
     table = api.families_table().split("mllama [")[1].split("\n")
-    assert any("compute-context lengths" in line and line.endswith(reason.cell()) for line in table)
+    assert any("comp_ctx_lengths" in line and line.endswith(reason.cell()) for line in table)
     assert f"{spec}: compile.comp_ctx_lengths: Llama 3.2 Vision cannot use compute-context lengths: " in err
     assert reason.note in err
     # The same spec without the CCL lists is valid.

@@ -110,15 +110,8 @@ class ExportAdapter:
         """
         return [(outputs[symbols.VISION_EMBEDS][0], features[0].numpy())]
 
-    # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
-
-    def patch_bucket_encoder(self, model: nn.Module) -> nn.Module:
-        """Module whose forward takes the patch-bucket inputs (``family.patch_bucket_input_axes`` order)."""
-        raise NotImplementedError
-
-    def patch_bucket_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Small example inputs of the patch-bucket program (two images packed, padding included)."""
-        raise NotImplementedError
+    # The patch-bucket program (``patch_bucket_encoder``, ``patch_bucket_example_inputs``) exists
+    # only on the adapters of families with the optional PatchBuckets capability.
 
     # ---- language program ----
 

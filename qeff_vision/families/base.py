@@ -10,7 +10,7 @@ imported only when a graph is built (see :class:`FamilyParts` and :meth:`Family.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +32,18 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION
     Role,
     language_io,
 )
-from qeff_vision.errors import UserError
-from qeff_vision.fsutil import read_json
+from qeff_vision.families.description import ModelDescription, describe_checkpoint  # noqa: F401
+from qeff_vision.families.features import (  # noqa: F401 - the feature vocabulary, re-exported
+    NO_DEEPSTACK,
+    NOT_DECLARED,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    Features,
+    Support,
+    bidirectional,
+    no,
+    yes,
+)
 
 if TYPE_CHECKING:
     from qeff_vision.families.host import Host
@@ -46,114 +56,6 @@ from qeff_vision.families.config_view import (
     merged_text_config,
     read_text_geometry,
 )
-
-
-@dataclass(frozen=True)
-class Support:
-    """Whether a feature is supported, and why not when it is not.
-
-    Attributes:
-        supported: The feature works.
-        note: A remark, or the reason it does not.
-        bidirectional_images: (``chunk_split`` only) the split is refused because the tokens of one
-            image attend to each other both ways, which the exported decoder's mask implements:
-            one declaration drives both the planner and the export (see :func:`bidirectional`).
-    """
-
-    supported: bool
-    note: str = ""
-    bidirectional_images: bool = False
-
-    def cell(self) -> str:
-        """Short table cell: ``yes``, or ``no (reason)``."""
-        if self.supported:
-            return "yes" + (f" ({self.note})" if self.note else "")
-        return f"no ({self.note})"
-
-
-def yes(note: str = "") -> Support:
-    """A supported feature, with an optional remark."""
-    return Support(True, note)
-
-
-def no(reason: str) -> Support:
-    """An unsupported feature; the reason is mandatory and shown to users."""
-    return Support(False, reason)
-
-
-def bidirectional(reason: str) -> Support:
-    """``chunk_split``: no, because one image's placeholders attend to each other both ways (Gemma 3).
-
-    The exported decoder builds that two-way mask from this declaration, and the planner keeps
-    every image inside one chunk.
-    """
-    return Support(False, reason, bidirectional_images=True)
-
-
-#: A feature the family has not declared: unsupported until the family says otherwise.
-NOT_DECLARED = Support(False, "not declared")
-#: Shared declarations (each family states them; nothing defaults to "yes").
-NO_DEEPSTACK = no("the architecture has no deepstack layers")
-QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slots as QEfficient")
-QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
-
-
-@dataclass(frozen=True)
-class Features:
-    """Feature matrix shown by ``qeff-vision families``; every feature is "no (not declared)" by default.
-
-    Attributes:
-        export: Both programs export to ONNX.
-        dynamic_vision_size: The decoder's ``vision_embeds`` has a symbolic ``vision_size`` axis.
-        multi_resolution: One vision graph serves several image resolutions.
-        chunk_split: An image's placeholder tokens may be split across prefill chunks. False for
-            families whose image tokens attend to each other bidirectionally (:func:`bidirectional`).
-        video: Video inputs are exported and specialized.
-        deepstack: The vision program also returns features of intermediate layers that the decoder
-            adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
-        continuous_batching: The language program exports with ``batch_index`` and
-            ``full_batch_size`` KV slots (spec key ``full_batch_size``).
-        comp_ctx_lengths: The language program exports with the ``comp_ctx_lengths`` input
-            (compute-context lengths; spec key ``compile.comp_ctx_lengths``).
-        single_program: ``deployment: single``: one program holding the encoder and the decoder.
-        disaggregated: ``deployment: disaggregated``: prefill and decode programs compiled from
-            the language graph, the host handing each finished prefill's KV to a decode slot.
-    """
-
-    export: Support = NOT_DECLARED
-    dynamic_vision_size: Support = NOT_DECLARED
-    multi_resolution: Support = NOT_DECLARED
-    chunk_split: Support = NOT_DECLARED
-    video: Support = NOT_DECLARED
-    deepstack: Support = NOT_DECLARED
-    continuous_batching: Support = NOT_DECLARED
-    comp_ctx_lengths: Support = NOT_DECLARED
-    single_program: Support = NOT_DECLARED
-    disaggregated: Support = NOT_DECLARED
-
-    def deployment(self, mode: str) -> Support:
-        """Support of deployment ``mode`` (``dual``, ``single`` or ``disaggregated``)."""
-        if mode == "single":
-            return self.single_program
-        if mode == "disaggregated":
-            return self.disaggregated
-        return Support(True)
-
-    def rows(self) -> list[tuple[str, Support]]:
-        """Feature name and support, in table order."""
-        return [
-            ("export", self.export),
-            ("dynamic vision_size", self.dynamic_vision_size),
-            ("multi-resolution", self.multi_resolution),
-            ("chunk split allowed", self.chunk_split),
-            ("video", self.video),
-            ("deepstack", self.deepstack),
-            ("continuous batching", self.continuous_batching),
-            ("compute-context lengths", self.comp_ctx_lengths),
-            ("dual QPC", Support(True, "deployment: dual (default), vision + language programs")),
-            ("disaggregated", self.disaggregated),
-            ("single QPC", self.single_program),
-        ]
 
 
 @dataclass(frozen=True)
@@ -177,69 +79,6 @@ class TextDims:
     head_dim: int
     vocab_size: int
     max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class ModelDescription:
-    """A checkpoint as read from disk without torch: config.json plus the image-processor config.
-
-    Attributes:
-        config: The raw ``config.json`` dictionary.
-        processor: The raw ``preprocessor_config.json`` dictionary, empty when absent (a pinned
-            config snapshot); families then fall back to their documented processor defaults.
-        source: Where it was read from, for messages.
-    """
-
-    config: Mapping[str, Any]
-    processor: Mapping[str, Any] = field(default_factory=dict)
-    source: str = "<memory>"
-    video_processor: Mapping[str, Any] = field(default_factory=dict)
-    #: Typed config views read from this checkpoint, by family name (see :meth:`Family.config_view`).
-    views: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def reader(self) -> tuple[ConfigReader, Section]:
-        """A fresh reader of this checkpoint and its top-level ``config.json`` section."""
-        reader = ConfigReader(self.source)
-        return reader, reader.section(self.config)
-
-    @property
-    def architectures(self) -> tuple[str, ...]:
-        """The ``architectures`` list of the config."""
-        return tuple(self.reader()[1].optional("architectures", list) or ())
-
-    @property
-    def model_type(self) -> str:
-        """The ``model_type`` of the config."""
-        return self.reader()[1].optional("model_type", str) or ""
-
-
-def describe_checkpoint(model_dir: str | Path, config_path: str | Path | None = None) -> ModelDescription:
-    """Read a checkpoint directory (or a pinned config snapshot) into a :class:`ModelDescription`."""
-    model_dir = Path(model_dir)
-    if config_path is not None:
-        config_file = Path(config_path)
-    elif model_dir.is_dir():
-        config_file = model_dir / "config.json"
-    else:
-        raise UserError(f"{model_dir}: not a checkpoint directory (expected config.json inside)")
-    processor: dict[str, Any] = {}
-    video: dict[str, Any] = {}
-    if model_dir.is_dir():
-        # Older checkpoints keep the image processor in preprocessor_config.json; transformers v5
-        # saves it as the "image_processor" entry of processor_config.json.
-        legacy, combined = model_dir / "preprocessor_config.json", model_dir / "processor_config.json"
-        if legacy.exists():
-            processor = read_json(legacy)
-        elif combined.exists():
-            processor = dict(
-                ConfigReader(str(combined)).section(read_json(combined)).sub("image_processor").data
-            )
-        video_file = model_dir / "video_preprocessor_config.json"
-        if video_file.exists():
-            video = read_json(video_file)
-        elif combined.exists():
-            video = dict(ConfigReader(str(combined)).section(read_json(combined)).sub("video_processor").data)
-    return ModelDescription(read_json(config_file), processor, str(config_file), video)
 
 
 @dataclass(frozen=True)
@@ -311,11 +150,9 @@ class Family:
     #: by :meth:`language_symbols`.
     extra_language_inputs: tuple[IORow, ...] = ()
     decoder_kind: DecoderKind = TOKEN_MERGE
-    #: Inputs (and outputs) of the patch-bucket vision program, for families whose tower takes
-    #: any resolution: specialized on a patch count instead of a resolution, several images packed
-    #: per call. Empty: the family has no such program (``vision.patch_buckets`` is refused).
-    patch_bucket_input_axes: Mapping[str, Mapping[int, str]] = {}
-    patch_bucket_output_axes: Mapping[str, Mapping[int, str]] = {}
+    #: Optional capability: the family's :class:`PatchBuckets` subclass (a vision program on patch
+    #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
+    patch_bucket_capability: type[PatchBuckets] | None = None
 
     @property
     def bidirectional_images(self) -> bool:
@@ -568,18 +405,45 @@ class Family:
             for row in self.language_table(model).rows(Role.VISION_ROWS)
         }
 
-    # ---- patch buckets (families with ``patch_bucket_input_axes``) ----
+    # ---- optional capabilities ----
+
+    @property
+    def patch_buckets(self) -> PatchBuckets | None:
+        """The family's patch-bucket vision program (:attr:`patch_bucket_capability`), or None."""
+        capability = self.patch_bucket_capability
+        return None if capability is None else capability(self)
 
     @property
     def supports_patch_buckets(self) -> bool:
         """The family has a patch-bucket vision program."""
-        return bool(self.patch_bucket_input_axes)
+        return self.patch_bucket_capability is not None
 
     def vision_io(self, model: ModelDescription, patch_buckets: bool = False):
         """(input axes, output axes) of the vision program in the given mode."""
-        if patch_buckets:
-            return dict(self.patch_bucket_input_axes), dict(self.patch_bucket_output_axes)
+        if patch_buckets and self.patch_buckets is not None:
+            return dict(self.patch_buckets.input_axes), dict(self.patch_buckets.output_axes)
         return dict(self.vision_input_axes), self.vision_outputs(model)
+
+
+class PatchBuckets:
+    """Optional capability: a vision program specialized on a patch count instead of a resolution.
+
+    For towers that take any resolution: several images are packed per call into a bucket of
+    patches. A family that has it sets :attr:`Family.patch_bucket_capability` to its subclass;
+    its host then also packs images (``patch_layout``, ``pack_vision_inputs``, ``item_patches``,
+    ``item_rows``) and its export adapter builds the program (``patch_bucket_encoder``,
+    ``patch_bucket_example_inputs``). Families without it have nothing to override.
+
+    Args:
+        family: The family whose token math the buckets follow.
+    """
+
+    #: Inputs and outputs of the patch-bucket vision program and their symbolic axes.
+    input_axes: Mapping[str, Mapping[int, str]] = {}
+    output_axes: Mapping[str, Mapping[int, str]] = {}
+
+    def __init__(self, family: Family):
+        self.family = family
 
     def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
         """Patches an image occupies in a bucket at its own (processor-resized) resolution."""

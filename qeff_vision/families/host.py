@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 class Host:
     """A family's host protocol for one checkpoint (numpy only).
 
+    A family with the optional patch-bucket capability
+    (:class:`~qeff_vision.families.base.PatchBuckets`) gives its host four more methods, which
+    the runtime calls only for such families: ``patch_layout(items, bucket)``,
+    ``pack_vision_inputs(items, bucket, layout=None)``, ``item_patches(item)`` and
+    ``item_rows(item)`` (see the Qwen2.5-VL host).
+
     Args:
         family: The family.
         model: The checkpoint's config (and processor config).
@@ -80,32 +86,3 @@ class Host:
     def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
         """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
         return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
-
-    # ---- patch-bucket vision program (families with ``Family.patch_bucket_input_axes``) ----
-
-    def patch_layout(self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int]) -> Any:
-        """Where ``items`` (from :meth:`vision_inputs`) sit in one call of ``bucket``, or None.
-
-        None when the images do not fit the bucket (its symbol values). The cheap part of
-        :meth:`pack_vision_inputs` (no pixels are copied), so a packer can try many combinations.
-        """
-        raise NotImplementedError
-
-    def pack_vision_inputs(
-        self, items: Sequence[Mapping[str, np.ndarray]], bucket: Mapping[str, int], layout: Any = None
-    ) -> dict[str, np.ndarray] | None:
-        """Feeds of one patch-bucket call encoding ``items`` (from :meth:`vision_inputs`), or None.
-
-        None when the images do not fit the bucket (its symbol values). The output's rows are the
-        images' rows one after another, then padding rows. ``layout``: :meth:`patch_layout` of
-        these items and bucket when already known.
-        """
-        raise NotImplementedError
-
-    def item_patches(self, item: Mapping[str, np.ndarray]) -> int:
-        """Patches one image of :meth:`vision_inputs` occupies in a bucket."""
-        raise NotImplementedError
-
-    def item_rows(self, item: Mapping[str, np.ndarray]) -> int:
-        """Output rows (placeholder tokens) of one image of :meth:`vision_inputs` in a packed call."""
-        raise NotImplementedError

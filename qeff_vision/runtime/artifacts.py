@@ -360,9 +360,9 @@ def _bucket_fitter(artifacts: Artifacts):
 
     def fit(image):
         size = ImageSize(image.height, image.width)
-        if family.patch_count(description, size) <= largest:
+        if family.patch_buckets.patch_count(description, size) <= largest:
             return image, None
-        height, width = family.fit_to_patches(description, size, largest)
+        height, width = family.patch_buckets.fit_to_patches(description, size, largest)
         note = (
             f"downscaled from {image.height}x{image.width} to {height}x{width} (height x width, aspect "
             f"ratio kept) to fit the largest patch bucket ({largest} patches)"

@@ -31,22 +31,23 @@ def check_patch_buckets(
 
     Warning: a bucket no image of the processor's ``max_pixels`` can fill (compiled, never full).
     """
-    if not family.supports_patch_buckets:
+    capability = family.patch_buckets
+    if capability is None:
         reader.add(HERE, f"family {family.name} has no patch-bucket vision program; list vision.images")
         return
     for index, patches in enumerate(buckets):
-        for problem in family.bucket_problems(model, patches):
+        for problem in capability.bucket_problems(model, patches):
             reader.add(yaml_path(HERE, index), problem)
     if not buckets:
         return
-    largest = family.max_patches(model)
+    largest = capability.max_patches(model)
     for patches in buckets:
         if patches > largest:
             warnings.append(
                 f"{HERE}: bucket {patches} is larger than any image the processor produces "
                 f"(max_pixels gives at most {largest} patches): no single image fills it"
             )
-    tokens = family.bucket_symbols(model, min(max(buckets), largest))["vision_size"]
+    tokens = capability.bucket_symbols(model, min(max(buckets), largest))["vision_size"]
     if ctx_len is not None and max_images is not None and tokens * max_images >= ctx_len:
         reader.add(
             HERE,
@@ -61,7 +62,9 @@ def largest_image(
     """The largest image of ``aspect`` (height:width) a bucket of ``patches`` takes unresized."""
     height, width = aspect
     scale = PROBE / max(height, width)
-    fitted = family.fit_to_patches(model, ImageSize(round(height * scale), round(width * scale)), patches)
+    fitted = family.patch_buckets.fit_to_patches(
+        model, ImageSize(round(height * scale), round(width * scale)), patches
+    )
     return ImageSize(*fitted)
 
 
@@ -69,7 +72,7 @@ def admission_lines(family: Family, model: ModelDescription, buckets: tuple[int,
     """One line per bucket: image tokens, and the largest image per aspect ratio it admits unresized."""
     lines = []
     for patches in buckets:
-        tokens = family.bucket_symbols(model, patches)["vision_size"]
+        tokens = family.patch_buckets.bucket_symbols(model, patches)["vision_size"]
         largest = ", ".join(
             f"{h}:{w} {image.height}x{image.width}"
             for (h, w) in ASPECTS

@@ -230,15 +230,15 @@ def build_specializations(
     for patches in buckets:
         values = {
             **family.language_symbols(model),
-            **family.bucket_symbols(model, patches),
+            **family.patch_buckets.bucket_symbols(model, patches),
             symbols.BATCH_SIZE: 1,
         }
         vision_specs.append(Specialization(f"Vision-patches{patches}", _bind(vision_order, values, where)))
 
     if buckets:
         # Images larger than the largest bucket are downscaled into it; none exceeds max_pixels.
-        largest = min(max(buckets), family.max_patches(model))
-        most_tokens = family.bucket_symbols(model, largest)[symbols.VISION_SIZE]
+        largest = min(max(buckets), family.patch_buckets.max_patches(model))
+        most_tokens = family.patch_buckets.bucket_symbols(model, largest)[symbols.VISION_SIZE]
     else:
         most_tokens = max(tokens for _, tokens, _ in image_tokens)
     request_tokens = most_tokens * spec.vision.max_images

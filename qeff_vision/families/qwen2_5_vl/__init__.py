@@ -21,9 +21,11 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    PatchBuckets,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
+from qeff_vision.families.qwen2_5_vl.patches import Geometry
 from qeff_vision.families.qwen2_5_vl.tiny import write_tiny_checkpoint  # torch-free until called
 
 GRID_H = "grid_h"
@@ -96,6 +98,57 @@ class QwenVision:
         return self.window_size // self.merge // self.patch_size
 
 
+class QwenPatchBuckets(PatchBuckets):
+    """Qwen-VL patch buckets: grid_height is the bucket's patch count; a call packs any images that fit."""
+
+    input_axes = {
+        symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
+        PATCH_IDS: {0: GRID_HEIGHT},
+        WINDOW_LAYOUT: {0: WINDOW_BLOCKS},
+    }
+    output_axes = {symbols.VISION_EMBEDS: {1: symbols.VISION_SIZE}}
+
+    def _geometry(self, model: ModelDescription) -> Geometry:
+        vision = self.family.vision(model)
+        return Geometry(vision.merge, vision.window)
+
+    def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
+        """Patches of an image at its own (processor-resized) resolution."""
+        return self.family.vision_symbols(model, image)[GRID_HEIGHT]
+
+    def bucket_symbols(self, model: ModelDescription, patches: int) -> dict[str, int]:
+        """grid_height (the bucket), grid_width, window_blocks and vision_size of a patch bucket."""
+        vision = self.family.vision(model)
+        patch, temporal = vision.patch_size, vision.temporal
+        geometry = self._geometry(model)
+        return {
+            GRID_HEIGHT: patches,
+            GRID_WIDTH: CHANNELS * temporal * patch * patch,
+            WINDOW_BLOCKS: geometry.window_blocks(patches),
+            symbols.VISION_SIZE: patches // (geometry.merge * geometry.merge),
+        }
+
+    def bucket_problems(self, model: ModelDescription, patches: int) -> list[str]:
+        """A bucket holds whole merged tokens: a multiple of merge^2 patches, at least one token."""
+        group = self._geometry(model).merge ** 2
+        if patches % group:
+            return [f"{patches} patches is not a multiple of {group} (one merged token is {group} patches)"]
+        return []
+
+    def fit_to_patches(self, model: ModelDescription, image: ImageSize, patches: int) -> tuple[int, int]:
+        """The processor's resize with ``max_pixels`` set to ``patches`` patches (aspect ratio kept)."""
+        family = self.family
+        patch = family.vision(model).patch_size
+        min_pixels, max_pixels = family.pixel_limits(model)
+        limit = min(max_pixels, patches * patch * patch)
+        return family._smart_resize(image.height, image.width, family._factor(model), min_pixels, limit)
+
+    def max_patches(self, model: ModelDescription) -> int:
+        """Patches of the largest image the processor produces (its ``max_pixels``)."""
+        patch = self.family.vision(model).patch_size
+        return self.family.pixel_limits(model)[1] // (patch * patch)
+
+
 class Qwen2_5_VL(Family):
     """Qwen2.5-VL (3B/7B/32B/72B Instruct)."""
 
@@ -105,6 +158,7 @@ class Qwen2_5_VL(Family):
     model_types = ("qwen2_5_vl",)
     position_id_rows = 4
     video_token_key = "video_token_id"
+    patch_bucket_capability = QwenPatchBuckets  # optional capability: images packed on patch counts
     features = Features(
         export=yes(),
         dynamic_vision_size=yes(),
@@ -122,14 +176,6 @@ class Qwen2_5_VL(Family):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
-    # Patch buckets: grid_height is the bucket's patch count; one call packs any images that fit.
-    patch_bucket_input_axes = {
-        symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
-        PATCH_IDS: {0: GRID_HEIGHT},
-        WINDOW_LAYOUT: {0: WINDOW_BLOCKS},
-    }
-    patch_bucket_output_axes = {symbols.VISION_EMBEDS: {1: symbols.VISION_SIZE}}
-
     #: Whose defaults ``VISION_DEFAULTS`` and the pixel bounds are, for notes.
     defaults_source = "Qwen2.5-VL default"
     vision_defaults = VISION_DEFAULTS
@@ -251,49 +297,6 @@ class Qwen2_5_VL(Family):
             GRID_WIDTH: CHANNELS * temporal * patch * patch,
             symbols.VISION_SIZE: grid_t * grid_h * grid_w // (merge * merge),
         }
-
-    # ---- patch buckets ----
-
-    def _geometry(self, model: ModelDescription):
-        from qeff_vision.families.qwen2_5_vl.patches import Geometry
-
-        vision = self.vision(model)
-        return Geometry(vision.merge, vision.window)
-
-    def patch_count(self, model: ModelDescription, image: ImageSize) -> int:
-        """Patches of an image at its own (processor-resized) resolution."""
-        return self.vision_symbols(model, image)[GRID_HEIGHT]
-
-    def bucket_symbols(self, model: ModelDescription, patches: int) -> dict[str, int]:
-        """grid_height (the bucket), grid_width, window_blocks and vision_size of a patch bucket."""
-        vision = self.vision(model)
-        patch, temporal = vision.patch_size, vision.temporal
-        geometry = self._geometry(model)
-        return {
-            GRID_HEIGHT: patches,
-            GRID_WIDTH: CHANNELS * temporal * patch * patch,
-            WINDOW_BLOCKS: geometry.window_blocks(patches),
-            symbols.VISION_SIZE: patches // (geometry.merge * geometry.merge),
-        }
-
-    def bucket_problems(self, model: ModelDescription, patches: int) -> list[str]:
-        """A bucket holds whole merged tokens: a multiple of merge^2 patches, at least one token."""
-        group = self._geometry(model).merge ** 2
-        if patches % group:
-            return [f"{patches} patches is not a multiple of {group} (one merged token is {group} patches)"]
-        return []
-
-    def fit_to_patches(self, model: ModelDescription, image: ImageSize, patches: int) -> tuple[int, int]:
-        """The processor's resize with ``max_pixels`` set to ``patches`` patches (aspect ratio kept)."""
-        patch = self.vision(model).patch_size
-        min_pixels, max_pixels = self.pixel_limits(model)
-        limit = min(max_pixels, patches * patch * patch)
-        return self._smart_resize(image.height, image.width, self._factor(model), min_pixels, limit)
-
-    def max_patches(self, model: ModelDescription) -> int:
-        """Patches of the largest image the processor produces (its ``max_pixels``)."""
-        patch = self.vision(model).patch_size
-        return self.pixel_limits(model)[1] // (patch * patch)
 
 
 def _host():
