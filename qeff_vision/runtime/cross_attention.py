@@ -151,8 +151,6 @@ class CrossAttentionGenerator(Generator):
         started = time.perf_counter()
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if history is not None and self.host.has_images(processed):
             raise UserError("a continued turn of a cross-attention model cannot add images")
         positions = self.host.prompt_positions(processed)
@@ -162,11 +160,7 @@ class CrossAttentionGenerator(Generator):
             first = self._feed_history(history, past)
             positions = continued_positions(positions, first)
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
-        if used + length + max_new_tokens > self.shape.ctx_len:
-            raise UserError(
-                f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
-                f"ctx_len {self.shape.ctx_len}"
-            )
+        self.check_fits(length, max_new_tokens, used)  # the one fit check of every runner
         plan = self.plan(input_ids, processed, protocol)
         calls_before = self.vision.calls
         encode_start = time.perf_counter()

@@ -25,10 +25,10 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
+from qeff_vision.runtime.sequence_runner import SequenceRunner
 from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
 
 
@@ -129,7 +129,7 @@ class EngineReport:
 class _Sequence:
     """A request's host state while it runs (plan, positions, chunk feed, tokens, timings)."""
 
-    def __init__(self, number: int, request: EngineRequest, generator: Generator, plan: ChunkPlan):
+    def __init__(self, number: int, request: EngineRequest, generator: SequenceRunner, plan: ChunkPlan):
         self.number = number
         self.request = request
         self.plan = plan
@@ -149,7 +149,7 @@ class _Sequence:
         self.decode_base: np.ndarray | None = None
         self.affine = False
 
-    def admit(self, generator: Generator, slot: int, step: int) -> None:
+    def admit(self, generator: SequenceRunner, slot: int, step: int) -> None:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
         self.slot, self.admitted_step = slot, step
         self.chunks = generator.request_chunks(
@@ -191,7 +191,7 @@ class BatchedEngine:
 
     def __init__(
         self,
-        generator: Generator,
+        generator: SequenceRunner,
         full_batch_size: int | None = None,
         protocol: str = VisionProtocol.CHUNK.value,
     ):
