@@ -132,7 +132,6 @@ class CrossAttentionFamily(Family):
     name = "test_cross_attention"
     title = "Test cross-attention"
     architectures = ("TestCrossAttentionForConditionalGeneration",)
-    export_module = "tests.none"
     features = Features(
         export=yes(),
         dynamic_vision_size=no("cross-attention over a fixed number of image rows"),
