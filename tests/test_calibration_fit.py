@@ -18,7 +18,7 @@ import yaml
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.cli import main
 from qeff_vision.compile.calibration import DEFAULT_PROMPT, _Fitting
-from qeff_vision.export.exporter import load_adapter
+from qeff_vision.exporter import load_adapter
 from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import ImageSize
 from qeff_vision.spec import find_specs, load_spec
