@@ -34,10 +34,12 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION
 )
 from qeff_vision.families.description import ModelDescription, describe_checkpoint  # noqa: F401
 from qeff_vision.families.features import (  # noqa: F401 - the feature vocabulary, re-exported
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
     NOT_DECLARED,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     Support,
     bidirectional,

@@ -52,6 +52,14 @@ NOT_DECLARED = Support(False, "not declared")
 #: Shared declarations (each family states them; nothing defaults to "yes").
 NO_DEEPSTACK = no("the architecture has no deepstack layers")
 QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slots as QEfficient")
+#: Every graph of the token-merge or cross-attention kinds splits into prefill and decode programs.
+DISAGGREGATED_PROGRAMS = yes(
+    "deployment: disaggregated, lang_prefill at batch 1, lang_decode at full_batch_size"
+)
+#: ``deployment: single`` is specified but not built for any family yet (issue 24).
+SINGLE_PROGRAM_NOT_BUILT = no(
+    "not built yet (deployment: single, one program that encodes each image once; issue 24)"
+)
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 
 

@@ -23,10 +23,12 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     FULL_ATTENTION,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     SLIDING_ATTENTION,
     Family,
     Features,
@@ -98,6 +100,8 @@ class Gemma3(Family):
             "prefill chunk must hold a whole image; the planner moves it into the next chunk"
         ),
         video=no("Gemma 3 has no video input"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -92,6 +94,8 @@ class Llava(Family):
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-1.5 has no video input"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

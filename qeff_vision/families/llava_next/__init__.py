@@ -23,9 +23,11 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -114,6 +116,8 @@ class LlavaNext(Family):
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -80,6 +82,8 @@ class Mistral3(Family):
         multi_resolution=yes("one vision graph, a specialization per resolution (multiples of 28 px)"),
         chunk_split=yes("causal attention over image tokens; a chunk may end inside a row or after a break"),
         video=no("Mistral 3 takes images only"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

@@ -34,7 +34,9 @@ from qeff_vision.contract.language_io import KV_ROLES, DType, Fixed, IORow, Role
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     CROSS_ATTENTION,
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -131,6 +133,8 @@ class Mllama(Family):
             "cross-attention K/V held per KV slot (dim 0 full_batch_size); the host writes a request's "
             "image states into its slot, each row reads its own"
         ),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
     )

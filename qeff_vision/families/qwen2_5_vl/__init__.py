@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -165,6 +167,8 @@ class Qwen2_5_VL(Family):
         multi_resolution=yes("one vision graph; a specialization per resolution or per patch bucket"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

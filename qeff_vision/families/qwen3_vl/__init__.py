@@ -19,8 +19,10 @@ import math
 from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     ImageSize,
     ModelDescription,
@@ -68,6 +70,8 @@ class Qwen3_VL(Qwen2_5_VL):
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

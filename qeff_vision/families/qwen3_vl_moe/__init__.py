@@ -13,7 +13,14 @@ tracing would freeze to the example's routing.
 from __future__ import annotations
 
 from qeff_vision.families import register
-from qeff_vision.families.base import QEFFICIENT_CCL, QEFFICIENT_CONTINUOUS_BATCHING, Features, yes
+from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
+    Features,
+    yes,
+)
 from qeff_vision.families.qwen3_vl import Qwen3_VL
 from qeff_vision.families.qwen3_vl_moe.tiny import write_tiny_checkpoint  # torch-free until called
 
@@ -31,6 +38,8 @@ class Qwen3_VL_MoE(Qwen3_VL):
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
