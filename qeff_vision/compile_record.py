@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision import __version__
+from qeff_vision.contract.deployment_programs import DUAL
+from qeff_vision.contract.deployment_programs import PROGRAMS as DEPLOYMENT_PROGRAMS
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import read_json
 
@@ -75,9 +77,6 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     manifest = read_json(path, missing=missing)
     if manifest.get("format") != MANIFEST_FORMAT:
         raise UserError(f"{path}: not a format-{MANIFEST_FORMAT} qeff-vision manifest")
-    from qeff_vision.spec.deployment import DUAL
-    from qeff_vision.spec.deployment import PROGRAMS as DEPLOYMENT_PROGRAMS
-
     deployment = manifest.get("deployment", DUAL)
     if deployment not in DEPLOYMENT_PROGRAMS:
         raise UserError(f"{path}: unknown deployment {deployment!r}")

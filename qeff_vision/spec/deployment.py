@@ -18,24 +18,20 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from qeff_vision.contract.deployment_programs import (  # noqa: F401 - the modes, re-exported
+    DEPLOYMENTS,
+    DISAGGREGATED,
+    DUAL,
+    LANG_DECODE,
+    LANG_PREFILL,
+    PROGRAMS,
+    SINGLE,
+)
 from qeff_vision.spec.strict_yaml import shown
 
-DUAL = "dual"
-SINGLE = "single"
-DISAGGREGATED = "disaggregated"
-DEPLOYMENTS = (DUAL, SINGLE, DISAGGREGATED)
 DEPLOYMENT_KEYS = ("deployment", "kv_cache_prefix")
 # vLLM selects the KV tensors by a name pattern; keep the prefix a plain identifier.
 KV_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9]*")
-
-# Program directory names under OUT per mode, in compile order; each maps to its compile: section.
-PROGRAMS: dict[str, dict[str, str]] = {
-    DUAL: {"vision": "vision", "lang": "language"},
-    SINGLE: {"lang": "language"},
-    DISAGGREGATED: {"vision": "vision", "lang_prefill": "language", "lang_decode": "language"},
-}
-LANG_PREFILL = "lang_prefill"
-LANG_DECODE = "lang_decode"
 
 
 @dataclass(frozen=True)
@@ -104,7 +100,7 @@ def check_deployment(reader: Any, family: Any, deployment: Deployment) -> None:
     support = family.features.deployment(deployment.mode)
     if not support.supported:
         reader.add("deployment", f"{family.title} cannot be deployed {deployment.mode}: {support.note}")
-    if deployment.kv_cache_prefix and family.decoder_kind != "token-merge":
+    if deployment.kv_cache_prefix and not family.decoder_kind.merges_vision_rows:
         reader.add(
             "kv_cache_prefix",
             f"{family.title}'s cross-attention states are vision-program outputs that the language "
