@@ -248,7 +248,7 @@ def language_example(io: LanguageIO, values: Mapping[str, int], image_token_id: 
         shape = row.concrete_shape(values)
         if row.example is not None:
             tensor = torch.from_numpy(row.example(shape, values, image_token_id))
-        elif row.dtype is DType.INT64 or row.dtype is DType.KV:
+        elif row.dtype in (DType.INT64, DType.KV, DType.STATE):
             tensor = torch.zeros(shape, dtype=torch.int64 if row.dtype is DType.INT64 else torch.float32)
         else:
             tensor = torch.randn(shape)

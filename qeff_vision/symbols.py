@@ -50,6 +50,16 @@ def past_value(layer: int) -> str:
     return f"past_value.{layer}"
 
 
+def conv_state(layer: int) -> str:
+    """Name of the convolution-state input of linear-attention layer ``layer`` (QEfficient MoE's name)."""
+    return f"conv_state.{layer}"
+
+
+def recurrent_state(layer: int) -> str:
+    """Name of the recurrent-state input of linear-attention layer ``layer`` (QEfficient MoE's name)."""
+    return f"recurrent_state.{layer}"
+
+
 def retained(name: str) -> str:
     """Output name the compiler pairs with input ``name`` to keep it resident on the device."""
     return f"{name}{RETAINED_SUFFIX}"

@@ -17,7 +17,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
-from qeff_vision.contract.language_io import is_kv_name
+from qeff_vision.contract.language_io import is_slot_name
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message
@@ -115,7 +115,7 @@ def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any, slots:
 
 
 def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
-    """Continuous batching: KV slots no row of the call names come back unchanged.
+    """Continuous batching: KV and recurrent-state slots no row of the call names come back unchanged.
 
     Each retained cache whose input has ``full_batch_size`` rows is compared with its input on
     the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here).
@@ -128,7 +128,7 @@ def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]
     problems = []
     for name, value in feeds.items():
         retained = outputs.get(symbols.retained(name))
-        if retained is None or not is_kv_name(name):
+        if retained is None or not is_slot_name(name):
             continue
         others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
         if not np.array_equal(retained[others], value[others]):

@@ -13,7 +13,7 @@ A row's shape lists every dimension: a symbol (a dynamic axis a specialization b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -26,6 +26,8 @@ from qeff_vision import symbols
 # ``sliding_attention`` layer keeps a ring of ``sliding_window`` KV slots.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# A linear-attention layer keeps a recurrent state (conv + recurrent rows) instead of a KV cache.
+LINEAR_ATTENTION = "linear_attention"
 
 #: ``example(shape, values, image_token_id) -> array``: a row's own trace-time example (numpy).
 Example = Callable[[tuple[int, ...], Mapping[str, int], int], np.ndarray]
@@ -61,14 +63,17 @@ class Role(Enum):
     COMP_CTX_LENGTHS = "comp_ctx_lengths"
     KV_SLOT = "kv_slot"
     LOGITS = "logits"
+    CONV_STATE = "conv_state"
+    RECURRENT_STATE = "recurrent_state"
 
 
 class DType(Enum):
-    """Element type class: fixed int64, the model's compute dtype, or the KV cache dtype."""
+    """Element type class: int64, the compute dtype, the KV cache dtype, or the recurrent-state dtype."""
 
     INT64 = "int64"
     COMPUTE = "compute"
     KV = "kv"
+    STATE = "state"
 
 
 class Fixed(str):
@@ -82,6 +87,16 @@ NUM_KV_HEADS = Fixed("num_kv_heads")
 HEAD_DIM = Fixed("head_dim")
 VOCAB_SIZE = Fixed("vocab_size")
 KV_ROLES = (Role.KV_KEY, Role.KV_VALUE)
+# Recurrent (linear-attention) layers keep a fixed-size state instead of a KV cache: the last
+# ``conv_kernel`` inputs of their causal convolution and a [value_heads, key_dim, value_dim] matrix.
+CONV_DIM = Fixed("conv_dim")
+CONV_KERNEL = Fixed("conv_kernel")
+STATE_VALUE_HEADS = Fixed("state_value_heads")
+STATE_KEY_DIM = Fixed("state_key_dim")
+STATE_VALUE_DIM = Fixed("state_value_dim")
+STATE_ROLES = (Role.CONV_STATE, Role.RECURRENT_STATE)
+# Every per-slot retained row: what continuous batching indexes by ``batch_index``.
+SLOT_ROLES = (*KV_ROLES, *STATE_ROLES)
 
 
 @dataclass(frozen=True)
@@ -281,6 +296,18 @@ def kv_prefix_of(names: Iterable[str]) -> str | None:
     return None
 
 
+def is_state_name(name: str) -> bool:
+    """Whether ``name`` is a recurrent layer's conv or recurrent state input or its retained output."""
+    base = name[: -len(symbols.RETAINED_SUFFIX)] if name.endswith(symbols.RETAINED_SUFFIX) else name
+    _, _, layer = base.rpartition(".")
+    return layer.isdigit() and base in (symbols.conv_state(int(layer)), symbols.recurrent_state(int(layer)))
+
+
+def is_slot_name(name: str) -> bool:
+    """Whether ``name`` is per-slot retained state (KV cache or recurrent state) or its output."""
+    return is_kv_name(name) or is_state_name(name)
+
+
 def language_io(
     num_layers: int,
     position_id_rows: int | None = None,
@@ -291,6 +318,7 @@ def language_io(
     merges_vision_rows: bool = True,
     extra_inputs: Sequence[IORow] = (),
     continuous_batching: bool = False,
+    recurrent_layers: Collection[int] = (),
 ) -> LanguageIO:
     """The language program's IO table.
 
@@ -309,6 +337,10 @@ def language_io(
         continuous_batching: QEfficient's continuous-batching IO: the caches hold
             ``full_batch_size`` sequence slots on dim 0 and ``batch_index`` [batch_size, 1] (role
             ``KV_SLOT``) after them names the slot each row of a call reads and writes.
+        recurrent_layers: Layers of the recurrent kind (linear attention): instead of a KV pair
+            each has ``conv_state.{i}`` [slots, conv_dim, conv_kernel] and ``recurrent_state.{i}``
+            [slots, state_value_heads, state_key_dim, state_value_dim] (dtype class ``STATE``),
+            retained and slot-indexed like the caches; its entry of ``cache_symbols`` is unused.
 
     Returns:
         The table; outputs pair each retained input with its ``_RetainedState`` output.
@@ -332,8 +364,20 @@ def language_io(
     slots = list(cache_symbols or [symbols.CTX_LEN] * num_layers)
     if len(slots) != num_layers:
         raise ValueError(f"{len(slots)} cache symbols for {num_layers} layers")
+    recurrent = set(recurrent_layers)
+    if not recurrent <= set(range(num_layers)):
+        raise ValueError(f"recurrent layers {sorted(recurrent)} outside 0..{num_layers - 1}")
+    cache_batch = symbols.FULL_BATCH_SIZE if continuous_batching else batch
     for layer, slot in enumerate(slots):
-        shape = (symbols.FULL_BATCH_SIZE if continuous_batching else batch, NUM_KV_HEADS, slot, HEAD_DIM)
+        if layer in recurrent:
+            conv = (cache_batch, CONV_DIM, CONV_KERNEL)
+            state = (cache_batch, STATE_VALUE_HEADS, STATE_KEY_DIM, STATE_VALUE_DIM)
+            inputs.append(IORow(symbols.conv_state(layer), Role.CONV_STATE, DType.STATE, conv, layer=layer))
+            inputs.append(
+                IORow(symbols.recurrent_state(layer), Role.RECURRENT_STATE, DType.STATE, state, layer=layer)
+            )
+            continue
+        shape = (cache_batch, NUM_KV_HEADS, slot, HEAD_DIM)
         inputs.append(IORow(symbols.past_key(layer), Role.KV_KEY, DType.KV, shape, layer=layer))
         inputs.append(IORow(symbols.past_value(layer), Role.KV_VALUE, DType.KV, shape, layer=layer))
     if continuous_batching:  # QEfficient's order: after the caches, before comp_ctx_lengths
@@ -342,7 +386,7 @@ def language_io(
         ccl = symbols.COMP_CTX_LENGTHS
         inputs.append(IORow(ccl, Role.COMP_CTX_LENGTHS, DType.INT64, (ccl,)))
     # Vision rows and caches are retained state: the compiler pairs input X with X_RetainedState.
-    retained_roles = (Role.VISION_ROWS, *KV_ROLES)
+    retained_roles = (Role.VISION_ROWS, *SLOT_ROLES)
     inputs = [
         replace(row, retained=symbols.retained(row.name))
         if row.retained is None and row.role in retained_roles

@@ -24,6 +24,7 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION
     FULL_ATTENTION,
     HEAD_DIM,
     HIDDEN_SIZE,
+    LINEAR_ATTENTION,
     NUM_KV_HEADS,
     SLIDING_ATTENTION,
     VOCAB_SIZE,
@@ -327,6 +328,10 @@ class Family:
             for kind in self.layer_types(model)
         ]
 
+    def recurrent_layers(self, model: ModelDescription) -> tuple[int, ...]:
+        """Layers of the recurrent kind (``linear_attention``): conv and recurrent state rows, no KV."""
+        return tuple(i for i, kind in enumerate(self.layer_types(model)) if kind == LINEAR_ATTENTION)
+
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
         """Values of the KV slot symbols for ``ctx_len`` (a window never exceeds the context)."""
         values = {symbols.CTX_LEN: ctx_len}
@@ -342,12 +347,14 @@ class Family:
         cache_symbols: Sequence[str] | None = None,
         comp_ctx_lengths: bool = False,
         continuous_batching: bool = False,
+        recurrent_layers: Sequence[int] = (),
     ) -> LanguageIO:
         """The language program's IO table, from which every consumer derives its names and shapes.
 
         ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
         ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
-        ``continuous_batching`` gives the caches ``full_batch_size`` slots and adds ``batch_index``.
+        ``continuous_batching`` gives the caches ``full_batch_size`` slots and adds ``batch_index``;
+        ``recurrent_layers`` (from :meth:`recurrent_layers`) get conv and recurrent state rows.
         A family reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
         :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`kv_cache_symbols`.
         """
@@ -360,6 +367,7 @@ class Family:
             merges_vision_rows=self.decoder_kind.merges_vision_rows,
             extra_inputs=self.extra_language_inputs,
             continuous_batching=continuous_batching,
+            recurrent_layers=recurrent_layers,
         )
 
     def language_table(
@@ -367,7 +375,13 @@ class Family:
     ) -> LanguageIO:
         """:meth:`language_io` for ``model`` (its layer count and per-layer cache symbols)."""
         layers = self.text_dims(model).num_layers
-        return self.language_io(layers, self.kv_cache_symbols(model), comp_ctx_lengths, continuous_batching)
+        return self.language_io(
+            layers,
+            self.kv_cache_symbols(model),
+            comp_ctx_lengths,
+            continuous_batching,
+            recurrent_layers=self.recurrent_layers(model),
+        )
 
     def language_dims(self, model: ModelDescription) -> dict[str, int]:
         """Values of the table's fixed model dimensions (:class:`~qeff_vision.contract.language_io.Fixed`)."""

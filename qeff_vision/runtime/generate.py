@@ -18,7 +18,7 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
-from qeff_vision.contract.language_io import KV_ROLES, Role, kv_prefix_of, with_kv_prefix
+from qeff_vision.contract.language_io import SLOT_ROLES, Role, kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
@@ -118,7 +118,11 @@ class Generator(ImageEncoding):
             **self.family.language_dims(description),
             **self.family.kv_cache_lengths(description, self.shape.ctx_len),
         }
-        return {row.name: np.zeros(row.concrete_shape(values), np.float32) for row in self.io.rows(*KV_ROLES)}
+        # Recurrent layers' conv and recurrent states start at zero too (a chunk at text position 0
+        # also resets them in the graph, so a reused slot never sees its previous occupant's).
+        return {
+            row.name: np.zeros(row.concrete_shape(values), np.float32) for row in self.io.rows(*SLOT_ROLES)
+        }
 
     def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
         window = positions[..., start:stop]

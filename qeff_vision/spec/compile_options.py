@@ -31,6 +31,8 @@ LANGUAGE = "language"
 PROGRAM_DIRS: dict[str, str] = {VISION: "vision", LANGUAGE: "lang"}
 
 KV_CACHE_DTYPES = ("float16", "mxint8")
+# Recurrent (linear-attention) state on the device: fp32 as transformers keeps it, or fp16.
+STATE_DTYPES = ("float32", "float16")
 NODE_PRECISION_AUTO = "auto"
 NODE_PRECISION_NONE = "none"
 # "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass.
@@ -38,7 +40,7 @@ AIC_HW_VERSIONS = ("ai100", "2.0")
 # One AI 100 SoC has up to 16 neural signal processors (cores).
 MAX_CORES_PER_DEVICE = 16
 # Keys that only make sense for the language program (it owns the KV cache).
-LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype"})
+LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype"})
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class ProgramOptions:
         aic_hw_version: Target hardware (``-aic-hw-version``).
         kv_cache_dtype: Element type of the KV cache held on the device, ``float16`` or ``mxint8``
             (language program only; it decides the custom IO of ``past_key.*``/``past_value.*``).
+        state_dtype: Element type of recurrent layers' state held on the device (``conv_state.*``,
+            ``recurrent_state.*``), ``float32`` (as transformers keeps it) or ``float16``
+            (language program only; unused by families without recurrent layers).
         timeout: Seconds the compiler may run before it is stopped; ``None`` waits forever.
         node_precision: Node outputs kept in fp32 under ``-convert-to-fp16``
             (``-node-precision-info``): ``auto`` computes the plan from calibration runs of the
@@ -80,6 +85,7 @@ class ProgramOptions:
     depth_first: bool = False
     aic_hw_version: str = AIC_HW_VERSIONS[0]
     kv_cache_dtype: str = KV_CACHE_DTYPES[0]
+    state_dtype: str = STATE_DTYPES[0]
     timeout: float | None = None
     node_precision: str = NODE_PRECISION_AUTO
     split_model_io: bool | None = None
@@ -293,6 +299,7 @@ _CHECKS = {
     "depth_first": _boolean,
     "aic_hw_version": _choice(AIC_HW_VERSIONS),
     "kv_cache_dtype": _choice(KV_CACHE_DTYPES),
+    "state_dtype": _choice(STATE_DTYPES),
     "timeout": _timeout,
     "node_precision": _node_precision,
     "split_model_io": _boolean,

@@ -254,7 +254,11 @@ def build_specializations(
     fbs = spec.full_batch_size
     cb = fbs is not None
     language_io = family.language_io(
-        num_layers, cache_symbols, comp_ctx_lengths=ccl is not None, continuous_batching=cb
+        num_layers,
+        cache_symbols,
+        comp_ctx_lengths=ccl is not None,
+        continuous_batching=cb,
+        recurrent_layers=family.recurrent_layers(model),
     )
     language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
     # Continuous batching (QEfficient's get_specializations with continuous_batching): prefill at
@@ -309,7 +313,10 @@ def build_specializations(
 
     vision_dtype, language_dtype = spec.compute_dtype(VISION), spec.compute_dtype(LANGUAGE)
     kv_dtype = spec.compile.language.kv_cache_dtype
-    language_custom_io = language_io.custom_io({DType.COMPUTE: language_dtype, DType.KV: kv_dtype})
+    state_dtype = spec.compile.language.state_dtype
+    language_custom_io = language_io.custom_io(
+        {DType.COMPUTE: language_dtype, DType.KV: kv_dtype, DType.STATE: state_dtype}
+    )
     vision_precision = {symbols.PIXEL_VALUES: vision_dtype, symbols.VISION_EMBEDS: vision_dtype}
     for name in family.stacked_vision_rows:  # vision rows in the compute dtype, like vision_embeds
         vision_precision[name] = vision_dtype
