@@ -29,6 +29,7 @@ from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
+from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.weights import (
@@ -194,6 +195,7 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.Model
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
     attach_rms_norm(model)
+    attach_gated_delta(model)
     _pin_static_dims(model, traced.output_shapes, traced.axes)
     with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
         _stream_constants(model, traced.raw_path.parent, data)

@@ -1,0 +1,269 @@
+"""The gated delta rule (Gated DeltaNet linear attention) as an exact, exportable ONNX function.
+
+transformers computes a multi-token call with ``torch_chunk_gated_delta_rule`` (ref: transformers
+v5.23 models/qwen3_5/modeling_qwen3_5.py): 64-token chunks, a unit lower-triangular system per
+chunk solved with ``torch.linalg.solve_triangular`` (no ONNX export), then a Python loop over the
+chunks that tracing unrolls to the count of the example, so a graph traced at 8 tokens is wrong for
+a 128-token bucket. Here the chunk count is data:
+
+* the chunk length is ``c = min(seq_len, 64)`` and the sequence is padded to ``n = ceil(seq_len / c)``
+  chunks inside the graph, so a one-token decode step is a single 1x1 chunk, which is algebraically
+  the one-token recurrence of ``torch_recurrent_gated_delta_rule`` (no padding to 64);
+* the triangular inverse is a fixed product instead of a solve: with ``M`` strictly lower
+  triangular of order c <= 64, ``M ** 64 == 0`` and
+  ``(I - M) ** -1 = (I + M)(I + M ** 2)(I + M ** 4)...(I + M ** 32)`` exactly (6 factors, 5
+  squarings, whatever c is);
+* the scan over chunks is an ONNX ``Scan`` whose iteration count is the chunk count of the call:
+  nothing depends on the trace length, and the work is linear in ``seq_len`` (each chunk costs
+  c ** 2 (d_k + d_v) + c d_k d_v multiply-adds per head).
+
+The function ``GatedDeltaRule`` (domain ``com.qeff_vision``) takes fp32 ``query``, ``key``
+[batch, heads, seq, d_k] (already L2-normalized, query scaled by d_k ** -0.5, key heads repeated to
+the value heads), ``value`` [batch, heads, seq, d_v], ``decay`` (log-space gate g) and ``beta``
+[batch, heads, seq], and the ``state`` [batch, heads, d_k, d_v]; it returns the output
+[batch, heads, seq, d_v] and the final state. A token with ``decay == 0`` and ``beta == 0`` leaves
+the state unchanged, which is how callers make padding and idle rows inert.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, helper
+
+DOMAIN = "com.qeff_vision"
+DOMAIN_VERSION = 1
+NAME = "GatedDeltaRule"
+CHUNK = 64
+# (I - M)^-1 = prod_{j < DOUBLINGS} (I + M^(2^j)) is exact for a strictly lower M of order <= 2^DOUBLINGS.
+DOUBLINGS = 6
+assert 2**DOUBLINGS >= CHUNK
+
+
+def gated_delta_rule(query, key, value, decay, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager gated delta rule with exactly the graph's algebra (see the module docstring)."""
+    batch, heads, seq_len, _ = query.shape
+    chunk = min(seq_len, CHUNK)
+    chunks = -(-seq_len // chunk)
+    pad = chunks * chunk - seq_len
+    query, key, value = (
+        F.pad(x, (0, 0, 0, pad)).reshape(batch, heads, chunks, chunk, -1) for x in (query, key, value)
+    )
+    decay, beta = (F.pad(x, (0, pad)).reshape(batch, heads, chunks, chunk) for x in (decay, beta))
+    key_beta, value_beta = key * beta.unsqueeze(-1), value * beta.unsqueeze(-1)
+    cum = decay.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    strict = -((key_beta @ key.transpose(-1, -2)) * pairwise).tril(-1)
+    inverse, power = torch.eye(chunk) + strict, strict
+    for _ in range(DOUBLINGS - 1):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    new_values = inverse @ value_beta
+    state_read = inverse @ (key_beta * cum.exp().unsqueeze(-1))
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    query = query * cum.exp().unsqueeze(-1)
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    outputs = []
+    for i in range(chunks):
+        corrected = new_values[:, :, i] - state_read[:, :, i] @ state
+        outputs.append(query[:, :, i] @ state + intra[:, :, i] @ corrected)
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ corrected
+    output = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk, -1)[:, :, :seq_len]
+    return output, state
+
+
+class GatedDeltaRuleFunction(torch.autograd.Function):
+    """:func:`gated_delta_rule` that exports as one ``GatedDeltaRule`` node."""
+
+    @staticmethod
+    def forward(query, key, value, decay, beta, state):
+        """Eager result (also what tracing records as the example output)."""
+        with warnings.catch_warnings():  # the eager body's Python ints are not what the graph records
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return gated_delta_rule(query, key, value, decay, beta, state)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102 - inference only
+        pass
+
+    @staticmethod
+    def symbolic(g, query, key, value, decay, beta, state):  # noqa: D102 - ONNX emission
+        output, final = g.op(f"{DOMAIN}::{NAME}", query, key, value, decay, beta, state, outputs=2)
+        return output.setType(value.type()), final.setType(state.type())
+
+
+def _ints(name: str, values: list[int]) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    )
+
+
+def _scalar(name: str, value: float) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value])
+    )
+
+
+def _scan_body() -> onnx.GraphProto:
+    """One chunk: read the state, correct the chunk's values (delta rule), emit, update the state."""
+    names = (
+        "step_state",
+        "step_state_read",
+        "step_new_values",
+        "step_query",
+        "step_intra",
+        "step_key",
+        "step_chunk_decay",
+    )
+    nodes = [
+        helper.make_node("MatMul", ["step_state_read", "step_state"], ["step_predicted"]),
+        helper.make_node("Sub", ["step_new_values", "step_predicted"], ["step_corrected"]),
+        helper.make_node("MatMul", ["step_query", "step_state"], ["step_inter_out"]),
+        helper.make_node("MatMul", ["step_intra", "step_corrected"], ["step_intra_out"]),
+        helper.make_node("Add", ["step_inter_out", "step_intra_out"], ["step_chunk_out"]),
+        helper.make_node("Mul", ["step_state", "step_chunk_decay"], ["step_decayed"]),
+        helper.make_node("Transpose", ["step_key"], ["step_key_t"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["step_key_t", "step_corrected"], ["step_written"]),
+        helper.make_node("Add", ["step_decayed", "step_written"], ["step_next_state"]),
+    ]
+    inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in names]
+    outputs = [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+        for name in ("step_next_state", "step_chunk_out")
+    ]
+    return helper.make_graph(nodes, "gated_delta_chunk", inputs, outputs)
+
+
+def _chunked(nodes: list, source: str, out: str, shape: str, pads: str) -> None:
+    nodes.append(helper.make_node("Pad", [source, pads], [f"{out}_padded"]))
+    nodes.append(helper.make_node("Reshape", [f"{out}_padded", shape], [out]))
+
+
+def gated_delta_function(opset: int) -> onnx.FunctionProto:
+    """The ``GatedDeltaRule`` definition from standard ops (Pad, CumSum, Trilu, MatMul, Scan)."""
+    nodes = [
+        helper.make_node("Shape", ["query"], ["seq_len"], start=2, end=3),
+        _ints("max_chunk", [CHUNK]),
+        _ints("one", [1]),
+        _ints("zero", [0]),
+        _ints("keep2", [0, 0]),
+        _ints("minus_one", [-1]),
+        _ints("zeros6", [0] * 6),
+        _ints("zeros5", [0] * 5),
+        helper.make_node("Min", ["seq_len", "max_chunk"], ["chunk"]),
+        helper.make_node("Sub", ["chunk", "one"], ["chunk_less_one"]),
+        helper.make_node("Add", ["seq_len", "chunk_less_one"], ["rounded_up"]),
+        helper.make_node("Div", ["rounded_up", "chunk"], ["chunks"]),
+        helper.make_node("Mul", ["chunks", "chunk"], ["padded_len"]),
+        helper.make_node("Sub", ["padded_len", "seq_len"], ["pad"]),
+        helper.make_node("Concat", ["zeros6", "pad", "zero"], ["pads4"], axis=0),
+        helper.make_node("Concat", ["zeros5", "pad"], ["pads3"], axis=0),
+        helper.make_node("Concat", ["keep2", "chunks", "chunk", "minus_one"], ["shape5"], axis=0),
+        helper.make_node("Concat", ["keep2", "chunks", "chunk"], ["shape4"], axis=0),
+    ]
+    for name in ("query", "key", "value"):
+        _chunked(nodes, name, f"{name}_c", "shape5", "pads4")
+    for name in ("decay", "beta"):
+        _chunked(nodes, name, f"{name}_c", "shape4", "pads3")
+    _ints_axis = _ints("last_axis", [-1])
+    nodes += [
+        _ints_axis,
+        _ints("second_last_axis", [-2]),
+        _scalar("minus_inf", float("-inf")),
+        helper.make_node("Unsqueeze", ["beta_c", "last_axis"], ["beta_u"]),
+        helper.make_node("Mul", ["key_c", "beta_u"], ["key_beta"]),
+        helper.make_node("Mul", ["value_c", "beta_u"], ["value_beta"]),
+        helper.make_node(
+            "Constant", [], ["axis"], value=helper.make_tensor("axis", TensorProto.INT64, [], [-1])
+        ),
+        helper.make_node("CumSum", ["decay_c", "axis"], ["cum"]),
+        helper.make_node("Unsqueeze", ["cum", "last_axis"], ["cum_rows"]),
+        helper.make_node("Unsqueeze", ["cum", "second_last_axis"], ["cum_cols"]),
+        helper.make_node("Sub", ["cum_rows", "cum_cols"], ["pair_log"]),
+        helper.make_node("Concat", ["chunk", "chunk"], ["square"], axis=0),
+        helper.make_node(
+            "ConstantOfShape",
+            ["square"],
+            ["ones"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]),
+        ),
+        helper.make_node("Trilu", ["ones"], ["lower"], upper=0),
+        helper.make_node(
+            "Constant", [], ["below"], value=helper.make_tensor("below", TensorProto.INT64, [], [-1])
+        ),
+        helper.make_node("Trilu", ["ones", "below"], ["strict"], upper=0),
+        helper.make_node("Cast", ["lower"], ["lower_mask"], to=TensorProto.BOOL),
+        helper.make_node("Where", ["lower_mask", "pair_log", "minus_inf"], ["pair_masked"]),
+        helper.make_node("Exp", ["pair_masked"], ["pairwise"]),
+        helper.make_node("Transpose", ["key_c"], ["key_t"], perm=[0, 1, 2, 4, 3]),
+        helper.make_node("MatMul", ["key_beta", "key_t"], ["kk"]),
+        helper.make_node("Mul", ["kk", "pairwise"], ["kk_decayed"]),
+        helper.make_node("Mul", ["kk_decayed", "strict"], ["kk_strict"]),
+        helper.make_node("Neg", ["kk_strict"], ["power0"]),
+        helper.make_node("EyeLike", ["ones"], ["eye"]),
+        helper.make_node("Add", ["eye", "power0"], ["inverse0"]),
+    ]
+    for step in range(1, DOUBLINGS):
+        nodes += [
+            helper.make_node("MatMul", [f"power{step - 1}", f"power{step - 1}"], [f"power{step}"]),
+            helper.make_node("MatMul", [f"inverse{step - 1}", f"power{step}"], [f"inverse_term{step}"]),
+            helper.make_node("Add", [f"inverse{step - 1}", f"inverse_term{step}"], [f"inverse{step}"]),
+        ]
+    inverse = f"inverse{DOUBLINGS - 1}"
+    nodes += [
+        helper.make_node("MatMul", [inverse, "value_beta"], ["new_values"]),
+        helper.make_node("Exp", ["cum"], ["cum_exp"]),
+        helper.make_node("Unsqueeze", ["cum_exp", "last_axis"], ["cum_exp_u"]),
+        helper.make_node("Mul", ["key_beta", "cum_exp_u"], ["key_beta_decayed"]),
+        helper.make_node("MatMul", [inverse, "key_beta_decayed"], ["state_read"]),
+        helper.make_node("MatMul", ["query_c", "key_t"], ["qk"]),
+        helper.make_node("Mul", ["qk", "pairwise"], ["intra"]),
+        helper.make_node("Mul", ["query_c", "cum_exp_u"], ["query_decayed"]),
+        helper.make_node("Slice", ["cum", "minus_one", "max_int", "last_axis"], ["cum_last"]),
+        helper.make_node("Sub", ["cum_last", "cum"], ["to_end"]),
+        helper.make_node("Exp", ["to_end"], ["to_end_exp"]),
+        helper.make_node("Unsqueeze", ["to_end_exp", "last_axis"], ["to_end_u"]),
+        helper.make_node("Mul", ["key_c", "to_end_u"], ["key_decayed"]),
+        helper.make_node("Exp", ["cum_last"], ["chunk_decay_3"]),
+        helper.make_node("Unsqueeze", ["chunk_decay_3", "last_axis"], ["chunk_decay"]),
+        helper.make_node(
+            "Scan",
+            ["state", "state_read", "new_values", "query_decayed", "intra", "key_decayed", "chunk_decay"],
+            ["final_state", "chunk_outputs"],
+            body=_scan_body(),
+            num_scan_inputs=6,
+            scan_input_axes=[2] * 6,
+            scan_output_axes=[2],
+        ),
+        helper.make_node("Concat", ["keep2", "padded_len", "minus_one"], ["flat_shape"], axis=0),
+        helper.make_node("Reshape", ["chunk_outputs", "flat_shape"], ["padded_output"]),
+        _ints("seq_axis", [2]),
+        helper.make_node("Slice", ["padded_output", "zero", "seq_len", "seq_axis"], ["output"]),
+    ]
+    nodes.insert(0, _ints("max_int", [2**62]))
+    return helper.make_function(
+        DOMAIN,
+        NAME,
+        ["query", "key", "value", "decay", "beta", "state"],
+        ["output", "final_state"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+    )
+
+
+def attach_gated_delta(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add the ``GatedDeltaRule`` definition (and the domain import) when the graph uses it."""
+    used = any(node.domain == DOMAIN and node.op_type == NAME for node in model.graph.node)
+    if not used:
+        return model
+    opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))
+    if not any(f.domain == DOMAIN and f.name == NAME for f in model.functions):
+        model.functions.append(gated_delta_function(opset))
+    if not any(op.domain == DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
+    return model
