@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import KV_ROLES
+from qeff_vision.contract.language_io import SLOT_ROLES
 from qeff_vision.export.decoder import LanguageDecoder
 from qeff_vision.exporter import example_values, load_adapter
 from qeff_vision.families import all_families
@@ -97,7 +97,7 @@ def test_patched_language_decoder_matches_transformers(family, hf_model):
         symbols.CTX_LEN: length + 8,
         symbols.SLIDING_WINDOW: length + 8,
     }
-    past = [torch.zeros(row.concrete_shape(values)) for row in io.rows(*KV_ROLES)]
+    past = [torch.zeros(row.concrete_shape(values)) for row in io.rows(*SLOT_ROLES)]
     positions = torch.as_tensor(helpers.host(model, family).prompt_positions(numpy_inputs))
     with torch.no_grad():
         logits = decoder(

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qeff_vision.contract.language_io import FULL_ATTENTION, KV_ROLES, SLIDING_ATTENTION, LanguageIO, Role
+from qeff_vision.contract.language_io import (
+    FULL_ATTENTION,
+    KV_ROLES,
+    SLIDING_ATTENTION,
+    STATE_ROLES,
+    LanguageIO,
+    Role,
+)
 from qeff_vision.export.kv_ops import (
     CtxGatherCBFunction,
     CtxGatherFunction,
@@ -37,6 +44,7 @@ from qeff_vision.export.kv_ops import (
     CtxScatterFunction,
 )
 from qeff_vision.export.kv_writes import write_plan
+from qeff_vision.export.recurrent_state import RecurrentStates
 
 __all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
 
@@ -163,6 +171,9 @@ class RetainedKVCache:
     write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call. With ``fresh``
     [batch, seq] (:class:`~qeff_vision.export.kv_writes.WritePlan`) the other tokens write back the
     value already at their full-context slot, so padding changes nothing.
+    ``kv_layers`` names the decoder layer of each K/V pair when some layers keep none (recurrent
+    layers, whose states are ``recurrent``, a
+    :class:`~qeff_vision.export.recurrent_state.RecurrentStates`).
     """
 
     def __init__(
@@ -174,6 +185,8 @@ class RetainedKVCache:
         ring: RingPlan | None = None,
         batch_index: torch.Tensor | None = None,
         fresh: torch.Tensor | None = None,
+        kv_layers: Sequence[int] | None = None,
+        recurrent: RecurrentStates | None = None,
     ):
         self.keys = list(past[0::2])
         self.values = list(past[1::2])
@@ -183,6 +196,9 @@ class RetainedKVCache:
         self.ring = ring
         self.batch_index = batch_index
         self.fresh = fresh
+        layers = range(len(self.keys)) if kv_layers is None else kv_layers
+        self.kv_index = {layer: index for index, layer in enumerate(layers)}
+        self.recurrent = recurrent
 
     def _write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         if self.batch_index is None:
@@ -218,6 +234,7 @@ class RetainedKVCache:
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Write this chunk's keys/values and return what attention reads for this layer."""
+        layer_idx = self.kv_index[layer_idx]
         if self.ring_layers[layer_idx]:
             keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
             values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)
@@ -382,6 +399,8 @@ class LanguageDecoder(nn.Module):
         vision_row, *stacked_rows = io.rows(Role.VISION_ROWS)  # vision_embeds first, then stacked
         vision_embeds, image_idx = named[vision_row.name], named[io.name(Role.VISION_CURSOR)]
         past = [named[row.name] for row in io.rows(*KV_ROLES)]
+        kv_layers = [row.layer for row in io.rows(Role.KV_KEY)]
+        state_rows = io.rows(*STATE_ROLES)  # recurrent layers keep conv and recurrent states instead
         # With CCL, full-context layers read only as many leading slots as ``comp_ctx_lengths`` has
         # elements (QEfficient's mechanism; the host picks a length that covers every position
         # written so far).
@@ -392,7 +411,8 @@ class LanguageDecoder(nn.Module):
         inputs_embeds, image_idx_output = merge_vision_rows(
             input_ids, inputs_embeds, vision_embeds, image_idx, parts.placeholder_ids
         )
-        rings = ring_layers(parts)
+        layer_rings = ring_layers(parts)
+        rings = [layer_rings[layer] for layer in kv_layers]  # per K/V pair
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
         ctx_len = past[2 * rings.index(False)].shape[2] if False in rings else 1
         # Padding (position -1) writes back what its slot holds, where no other token writes.
@@ -401,7 +421,7 @@ class LanguageDecoder(nn.Module):
         read_len = ctx_len if read_len is None else read_len
         read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
-        full_types = [t for t, is_ring in zip(parts.layer_types, rings) if not is_ring]
+        full_types = [t for t, is_ring in zip(parts.layer_types, layer_rings) if not is_ring]
         masks = attention_masks(
             text_positions, read_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
         )
@@ -413,7 +433,18 @@ class LanguageDecoder(nn.Module):
             masks[SLIDING_ATTENTION] = _window_mask(
                 text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
             )
-        cache = RetainedKVCache(past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh)
+        recurrent = None
+        if state_rows:
+            by_role = {
+                role: {row.layer: named[row.name] for row in state_rows if row.role is role}
+                for role in STATE_ROLES
+            }
+            recurrent = RecurrentStates(
+                by_role[Role.CONV_STATE], by_role[Role.RECURRENT_STATE], text_positions, batch_index
+            )
+        cache = RetainedKVCache(
+            past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh, kv_layers, recurrent
+        )
         extra = {}
         if stacked_rows:
             gathered = {
@@ -440,4 +471,6 @@ class LanguageDecoder(nn.Module):
             results[io.output_of(row)] = named[row.name]
         for row, tensor in zip(io.rows(*KV_ROLES), cache.retained(), strict=True):
             results[io.output_of(row)] = tensor
+        for row in state_rows:
+            results[io.output_of(row)] = recurrent.retained(row.layer, conv=row.role is Role.CONV_STATE)
         return tuple(results[name] for name in io.output_names)
