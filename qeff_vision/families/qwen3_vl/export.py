@@ -21,7 +21,7 @@ transformers' boolean-index assignment, which does not trace to a fixed-shape gr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -58,15 +58,16 @@ def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[
 
 
 class VisionEncoder(nn.Module):
-    """pixel_values [N, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds, deepstack_features."""
+    """pixel_values [N, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds (, deepstack_features)."""
 
-    def __init__(self, visual: nn.Module):
+    def __init__(self, visual: nn.Module, deepstack: Sequence[int] | None = None):
         super().__init__()
         self.visual = visual
         config = visual.config
         self.merge = config.spatial_merge_size
         self.side = visual.num_grid_per_side
-        self.deepstack = list(config.deepstack_visual_indexes)
+        # Qwen3.5's tower is this one without deepstack mergers: it passes ``deepstack=()``.
+        self.deepstack = list(config.deepstack_visual_indexes if deepstack is None else deepstack)
         self.out_hidden = config.out_hidden_size
 
     def _grid_indices(self, image_grid_thw: torch.Tensor):
@@ -111,6 +112,8 @@ class VisionEncoder(nn.Module):
                 features.append(visual.deepstack_merger_list[self.deepstack.index(index)](hidden))
         batch = image_grid_thw.shape[0]
         merged = visual.merger(hidden).reshape(batch, -1, self.out_hidden)
+        if not self.deepstack:
+            return merged
         stacked = torch.stack([f.reshape(batch, -1, self.out_hidden) for f in features], dim=0)
         return merged, stacked
 

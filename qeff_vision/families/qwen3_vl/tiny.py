@@ -63,8 +63,13 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     return write_checkpoint(out_dir, seed, Qwen3VLConfig, Qwen3VLForConditionalGeneration, TEXT)
 
 
-def write_checkpoint(out_dir: str | Path, seed: int, config_class, model_class, text: dict) -> Path:
-    """A tiny checkpoint of a Qwen3-VL architecture (dense or MoE) with text config ``text``."""
+def write_checkpoint(
+    out_dir: str | Path, seed: int, config_class, model_class, text: dict, vision: dict | None = None
+) -> Path:
+    """A tiny checkpoint of a Qwen3-VL architecture (dense or MoE, or Qwen3.5) with text config ``text``.
+
+    ``vision`` replaces the Qwen3-VL vision config (Qwen3.5's has no deepstack layers).
+    """
     import torch
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
@@ -88,7 +93,7 @@ def write_checkpoint(out_dir: str | Path, seed: int, config_class, model_class, 
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
         ),
-        vision_config=VISION,
+        vision_config=VISION if vision is None else vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],

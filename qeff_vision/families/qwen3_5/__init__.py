@@ -1,0 +1,114 @@
+"""Qwen3.5: Qwen3-VL's vision tower (no deepstack) over a hybrid decoder of Gated DeltaNet and full attention.
+
+Everything image-side is Qwen3-VL's (ref: transformers v5.23 models/qwen3_5/modeling_qwen3_5.py:
+the vision model, ``get_rope_index`` and the processor, ``Qwen3VLProcessor``, are Qwen3-VL's), so
+the family reuses :class:`~qeff_vision.families.qwen3_vl.Qwen3_VL`'s token math and host and drops
+the deepstack rows. The text model differs: three of every four layers (``layer_types`` entry
+``linear_attention``) are Gated DeltaNet layers that keep a fixed-size state instead of a KV cache,
+so the language program has ``conv_state.{i}`` / ``recurrent_state.{i}`` rows for them
+(:meth:`Family.recurrent_layers <qeff_vision.families.base.Family.recurrent_layers>`) and
+``past_key.{i}`` / ``past_value.{i}`` for the full-attention layers. Their dimensions are read
+once, by :class:`LinearAttentionDims`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from qeff_vision.contract.language_io import (
+    CONV_DIM,
+    CONV_KERNEL,
+    STATE_KEY_DIM,
+    STATE_VALUE_DIM,
+    STATE_VALUE_HEADS,
+)
+from qeff_vision.errors import UserError
+from qeff_vision.families import register
+from qeff_vision.families.base import Features, ModelDescription, no, yes
+from qeff_vision.families.qwen3_vl import Qwen3_VL
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """The Gated DeltaNet dimensions of a Qwen3.5 text config (the only place that reads them).
+
+    Attributes:
+        key_heads: ``linear_num_key_heads`` (query/key heads; each serves several value heads).
+        value_heads: ``linear_num_value_heads``.
+        key_dim: ``linear_key_head_dim``.
+        value_dim: ``linear_value_head_dim``.
+        conv_kernel: ``linear_conv_kernel_dim``.
+    """
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_text_config(cls, text: Mapping[str, Any], source: str = "<config>") -> LinearAttentionDims:
+        """Read the five values from a text config; a user error naming the missing key otherwise."""
+        try:
+            return cls(
+                key_heads=int(text["linear_num_key_heads"]),
+                value_heads=int(text["linear_num_value_heads"]),
+                key_dim=int(text["linear_key_head_dim"]),
+                value_dim=int(text["linear_value_head_dim"]),
+                conv_kernel=int(text["linear_conv_kernel_dim"]),
+            )
+        except KeyError as exc:
+            raise UserError(f"{source}: language config lacks {exc.args[0]!r}") from exc
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: queries, keys and values."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_dims(self) -> dict[str, int]:
+        """Values of the recurrent rows' fixed dimensions in the language IO table."""
+        return {
+            CONV_DIM: self.conv_dim,
+            CONV_KERNEL: self.conv_kernel,
+            STATE_VALUE_HEADS: self.value_heads,
+            STATE_KEY_DIM: self.key_dim,
+            STATE_VALUE_DIM: self.value_dim,
+        }
+
+
+FEATURES = dict(
+    dynamic_vision_size=yes("vision_embeds sliced per chunk"),
+    multi_resolution=yes("one vision graph, a specialization per resolution"),
+    chunk_split=yes("causal attention over image tokens"),
+    video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+    deepstack=no("the architecture has no deepstack layers"),
+    continuous_batching=yes("conv/recurrent states and KV caches indexed by batch_index"),
+)
+
+
+@register
+class Qwen3_5(Qwen3_VL):
+    """Qwen3.5 (dense text models, e.g. Qwen3.5-27B)."""
+
+    name = "qwen3_5"
+    title = "Qwen3.5"
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+    model_types = ("qwen3_5",)
+    export_module = "qeff_vision.families.qwen3_5.export"
+    host_module = "qeff_vision.families.qwen3_vl.host"
+    features = Features(export=yes("Gated DeltaNet layers as an ONNX Scan over 64-token chunks"), **FEATURES)
+    stacked_vision_rows = {}
+
+    def linear_attention(self, model: ModelDescription) -> LinearAttentionDims:
+        """The Gated DeltaNet dimensions of ``model``."""
+        return LinearAttentionDims.from_text_config(self.text_config(model), model.source)
+
+    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
+        """None: no deepstack rows (Qwen3-VL's ``num_feature_layers`` does not exist here)."""
+        return {}
+
+    def language_dims(self, model: ModelDescription) -> dict[str, int]:
+        """The table's fixed dimensions, the recurrent rows' included."""
+        return {**super().language_dims(model), **self.linear_attention(model).state_dims()}
