@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import SLOT_ROLES
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
@@ -25,15 +26,19 @@ class SlotCaches:
     """The language program's KV inputs with ``full_batch_size`` slots on dim 0, zero at start."""
 
     def __init__(self, generator: Generator, full_batch_size: int):
-        family, dims = generator.family, generator.dims
-        description = generator.checkpoint.description
-        lengths = family.kv_cache_lengths(description, generator.shape.ctx_len)
+        family, description = generator.family, generator.checkpoint.description
+        values = {
+            symbols.FULL_BATCH_SIZE: full_batch_size,
+            symbols.BATCH_SIZE: full_batch_size,  # dim 0 of a table built without batch_index
+            **family.language_dims(description),
+            **family.kv_cache_lengths(description, generator.shape.ctx_len),
+        }
         self.full_batch_size = full_batch_size
-        self.past: dict[str, np.ndarray] = {}
-        for layer, symbol in enumerate(family.kv_cache_symbols(description)):
-            shape = (full_batch_size, dims.num_kv_heads, lengths[symbol], dims.head_dim)
-            self.past[symbols.past_key(layer)] = np.zeros(shape, np.float32)
-            self.past[symbols.past_value(layer)] = np.zeros(shape, np.float32)
+        # Every per-slot row of the table: KV caches and recurrent layers' states.
+        self.past: dict[str, np.ndarray] = {
+            row.name: np.zeros(row.concrete_shape(values), np.float32)
+            for row in generator.io.rows(*SLOT_ROLES)
+        }
 
     def run(self, program, feeds: Mapping[str, np.ndarray], batch_index: np.ndarray) -> dict[str, np.ndarray]:
         """One call of ``program`` whose rows use the slots ``batch_index`` [batch, 1]; caches updated."""

@@ -65,7 +65,12 @@ def test_language_io_is_qefficients_continuous_batching_io(family, cb_exported):
     }
     graph = onnx.load(str(cb_exported(family) / "lang" / "model.onnx"), load_external_data=False).graph
     names = [value.name for value in graph.input if value.name in inputs]  # graph order, no weights
-    caches = [name for name in names if name.startswith(("past_key.", "past_value."))]
+    # Every per-slot row: KV caches, and a recurrent layer's conv and recurrent states (Qwen3.5).
+    caches = [
+        name
+        for name in names
+        if name.startswith(("past_key.", "past_value.", "conv_state.", "recurrent_state."))
+    ]
     assert caches and names.index(symbols.BATCH_INDEX) == names.index(caches[-1]) + 1  # QEfficient's order
     for name in caches:
         assert inputs[name]["axes"]["0"] == symbols.FULL_BATCH_SIZE

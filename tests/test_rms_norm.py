@@ -57,7 +57,7 @@ def test_every_rms_norm_exports_as_custom_function(family, exported, hf_model):
     epsilons = sorted(
         float(getattr(module, "variance_epsilon", getattr(module, "eps", None)))
         for module in model.modules()
-        if type(module).__name__.endswith("RMSNorm")
+        if type(module).__name__.endswith(("RMSNorm", "RMSNormGated"))  # gated norms call it too
     )
     calls = []
     for program in PROGRAMS:
