@@ -13,8 +13,11 @@ Checkpoint keys are mapped to model parameters with transformers' own loading ru
 renamings and base-model-prefix handling, ref: transformers v5 core_model_loading.py
 ``convert_and_load_state_dict_in_model``). The one value conversion done is an axis swap (a
 ``WeightConverter`` whose only operation is ``Transpose``: Qwen3-VL-MoE's published expert tensors
-are stored [experts, in, out] and transformers v5 swaps them on load); any other conversion (fused
-or split tensors) is refused with one clear line, since no supported family needs one.
+are stored [experts, in, out] and transformers v5 swaps them on load); and a stack of per-expert
+tensors (``MergeModulelist``, optionally followed by ``Concatenate``: Qwen3.5-MoE's published
+``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` become ``gate_up_proj`` [experts,
+2 x intermediate, hidden] and ``down_proj``, ref: transformers conversion_mapping.py ``qwen2_moe``),
+read expert by expert when the weight is written. Any other conversion is refused with one clear line.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import contextlib
 import functools
 import json
 import os
+import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +182,56 @@ class Source:
             return tensor.transpose(*self.swap)
         return tensor
 
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The parameter's values, reading checkpoint tensors with ``read``."""
+        return self.load(read(self.key), shape)
+
+
+@dataclass(frozen=True)
+class MergedSource:
+    """A parameter stacked from per-module checkpoint tensors (``MergeModulelist`` [+ ``Concatenate``]).
+
+    Attributes:
+        parts: Per source pattern, the checkpoint keys in module (expert) order.
+        merge_dim: Axis the modules are stacked on.
+        concat_dim: Axis the patterns' stacks are concatenated on, None for a single pattern.
+    """
+
+    parts: tuple[tuple[str, ...], ...]
+    merge_dim: int
+    concat_dim: int | None
+
+    @property
+    def key(self) -> str:
+        """The first checkpoint key (for messages)."""
+        return self.parts[0][0]
+
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """Stack each pattern's tensors, then concatenate the stacks (transformers' order)."""
+        stacks = [torch.stack([read(key) for key in keys], dim=self.merge_dim) for keys in self.parts]
+        return stacks[0] if self.concat_dim is None else torch.cat(stacks, dim=self.concat_dim)
+
+
+def _merge_of(converters, pattern: str) -> tuple[list[str], int, int | None] | None:
+    """(source patterns, merge dim, concat dim) of the converter for ``pattern`` when it stacks modules."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    for converter in converters:
+        if pattern in converter.source_patterns:
+            ops = list(converter.operations)
+            if not ops or not isinstance(ops[0], MergeModulelist) or len(ops) > 2:
+                return None
+            if len(ops) == 2 and not isinstance(ops[1], Concatenate):
+                return None
+            return list(converter.source_patterns), ops[0].dim, ops[1].dim if len(ops) == 2 else None
+    return None
+
+
+def _module_index(pattern: str, key: str) -> int | None:
+    """The module number the ``*`` of ``pattern`` matches in ``key``."""
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    return int(found.group(1)) if found else None
+
 
 def _swap_of(converters, pattern: str) -> tuple[tuple[int, int], bool] | None:
     """The (dims, always) of the converter for ``pattern`` when a single ``Transpose`` is all it does."""
@@ -208,7 +262,8 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     wanted = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
-    found: dict[str, Source] = {}
+    found: dict[str, Source | MergedSource] = {}
+    merged: dict[str, tuple[list[str], int, int | None, dict[tuple[int, int], str]]] = {}
     for key in checkpoint.location:
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
         if renamed not in wanted and key in wanted:
@@ -219,11 +274,25 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
             found[renamed] = Source(key)
             continue
         swap = _swap_of(converters, pattern)
-        if swap is None:
+        merge = _merge_of(converters, pattern) if swap is None else None
+        index = _module_index(pattern, key) if merge is not None else None
+        if swap is None and index is None:
             raise UserError(
                 f"{checkpoint.model_dir}: weight {key!r} needs a conversion that streaming export does not do"
             )
-        found[renamed] = Source(key, *swap)
+        if swap is not None:
+            found[renamed] = Source(key, *swap)
+            continue
+        patterns, merge_dim, concat_dim = merge
+        entry = merged.setdefault(renamed, (patterns, merge_dim, concat_dim, {}))
+        entry[3][(patterns.index(pattern), index)] = key
+    for renamed, (patterns, merge_dim, concat_dim, keys) in merged.items():
+        modules = sorted({module for _, module in keys})
+        try:
+            parts = tuple(tuple(keys[(p, m)] for m in modules) for p in range(len(patterns)))
+        except KeyError:
+            raise UserError(f"{checkpoint.model_dir}: {renamed}: a module of {patterns} is missing") from None
+        found[renamed] = MergedSource(parts, merge_dim, concat_dim)
     return found
 
 
@@ -238,13 +307,13 @@ class WeightPlan:
     """
 
     checkpoint: Checkpoint
-    sources: dict[int, Source]
+    sources: dict[int, Source | MergedSource]
     dtype: torch.dtype
 
     def read(self, param: torch.Tensor) -> torch.Tensor:
         """The real values of a placeholder parameter, in the export dtype."""
         source = self.sources[id(param)]
-        return source.load(self.checkpoint.read(source.key), param.shape).to(self.dtype)
+        return source.values(self.checkpoint.read, param.shape).to(self.dtype)
 
 
 def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype) -> WeightPlan:
@@ -260,7 +329,7 @@ def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype)
     keys = checkpoint_keys_for(model, checkpoint)
     placeholders: dict[int, nn.Parameter] = {}
     originals: list[nn.Parameter] = []  # keep the meta objects alive so their ids stay unique
-    sources: dict[int, Source] = {}
+    sources: dict[int, Source | MergedSource] = {}
     missing = []
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
@@ -464,7 +533,7 @@ def assign_mapped_weights(model_dir: Path, model: nn.Module) -> nn.Module:
         for name, param in module._parameters.items()
         if param is not None
     ]
-    key_of: dict[int, Source] = {}
+    key_of: dict[int, Source | MergedSource] = {}
     for _, _, param, full_name in slots:  # a tied parameter's key comes from whichever name has one
         if full_name in keys:
             key_of.setdefault(id(param), keys[full_name])
@@ -472,7 +541,7 @@ def assign_mapped_weights(model_dir: Path, model: nn.Module) -> nn.Module:
     for module, name, param, _ in slots:
         if id(param) not in done:
             source = key_of[id(param)]
-            tensor = source.load(mapped[source.key], param.shape)
+            tensor = source.values(mapped.__getitem__, param.shape)
             done[id(param)] = nn.Parameter(tensor.to(param.dtype), requires_grad=False)
         module._parameters[name] = done[id(param)]
     return model
