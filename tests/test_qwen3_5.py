@@ -4,8 +4,10 @@ The tiny checkpoint has layers linear, linear, full, linear (a linear layer befo
 one) and 4 value heads over 2 key heads. Chunked generation must equal transformers generate
 whatever the buckets (48: one partial 64-chunk of the gated delta rule; 160: three), across a
 400-token prompt with two images and a text-only chunk between them, and for 200 decode steps.
-(The three-turn conversation and the compile-and-run pipeline are the registry-wide harness's,
-tests/test_family_harness.py; three-stage parity is tests/test_family_parity.py's.)
+The chunked tests run for Qwen3.5-MoE too, whose tiny checkpoint stores its experts per expert as
+the published ones do (streaming export stacks them). The three-turn conversation and the
+compile-and-run pipeline are the registry-wide harness's (tests/test_family_harness.py), three-stage
+parity is tests/test_family_parity.py's.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ LONG_TEXT = (
 )
 
 
-@pytest.fixture(scope="module")
-def runtime(exported, hf_model):
-    return FamilyRuntime(FAMILY, exported(FAMILY), *hf_model(FAMILY))
+@pytest.fixture(scope="module", params=[FAMILY, "qwen3_5_moe"])
+def runtime(exported, hf_model, request):
+    """Chunked generation of Qwen3.5 and of its MoE variant (same decoder layers, sparse MLPs)."""
+    return FamilyRuntime(request.param, exported(request.param), *hf_model(request.param))
 
 
 def test_language_program_has_state_rows_for_linear_layers(exported, tiny_checkpoint):
