@@ -304,7 +304,9 @@ def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
             source=str(run.spec_path),
             progress=run.say,
             device_values=plan.precision.device_values if plan.precision else None,
-            mx=MxEmulation.from_options(plan.options.mxfp6_matmul, plan.options.kv_cache_dtype),
+            mx=MxEmulation.from_options(
+                plan.options.mxfp6_matmul, plan.options.kv_cache_dtype, plan.options.state_dtype
+            ),
         )
         entry = _program_entry(plan, run.out_dir, plan.onnx)
         entry["verification"] = {

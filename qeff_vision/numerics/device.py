@@ -33,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import is_kv_name
+from qeff_vision.contract.language_io import is_kv_name, is_state_name
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -182,18 +182,23 @@ class MxEmulation:
             ``fp6_e2m3`` or ``fp6_e3m2``), or ``None`` for fp16 weights.
         kv_mxint8: The KV cache is stored as MXINT8 (``kv_cache_dtype: mxint8``): every
             ``past_*_RetainedState`` output is rounded to it.
+        state_fp16: Recurrent layers' states are stored in fp16 (``state_dtype: float16``): every
+            ``conv_state.*`` / ``recurrent_state.*`` retained output is rounded to fp16.
     """
 
     matmul_weights: str | None = None
     kv_mxint8: bool = False
+    state_fp16: bool = False
 
     @classmethod
-    def from_options(cls, mxfp6_matmul: bool, kv_cache_dtype: str) -> MxEmulation:
+    def from_options(
+        cls, mxfp6_matmul: bool, kv_cache_dtype: str, state_dtype: str = "float32"
+    ) -> MxEmulation:
         """The formats a compile's options ask of the device.
 
         The FP6 element of ``-mxfp6-matmul`` is not public; E2M3 is assumed (see numerics/mx.py).
         """
-        return cls("fp6_e2m3" if mxfp6_matmul else None, kv_cache_dtype == "mxint8")
+        return cls("fp6_e2m3" if mxfp6_matmul else None, kv_cache_dtype == "mxint8", state_dtype == "float16")
 
     def label(self) -> str:
         """Short description for reports: ``fp16``, ``fp16+mxfp6 (fp6_e2m3)``, ``+mxint8 KV``."""
@@ -202,6 +207,8 @@ class MxEmulation:
             parts.append(f"mxfp6 {self.matmul_weights}")
         if self.kv_mxint8:
             parts.append("mxint8 KV")
+        if self.state_fp16:
+            parts.append("fp16 state")
         return " + ".join(parts)
 
 
@@ -216,10 +223,37 @@ def device_session(
     graph = device_graph(model, fp32_values)
     if mx.kv_mxint8:
         graph = _kv_as_mxint8(graph)
+    if mx.state_fp16:
+        graph = _state_as_fp16(graph)
     weights = None
     if mx.matmul_weights:
         weights = formats.rounded_weights(model, onnx_path.parent, formats.FORMATS[mx.matmul_weights])
     return session_for(graph, onnx_path.parent, threads, weights)
+
+
+def _state_as_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Round every recurrent-state retained output to fp16 (what an fp16 custom IO stores)."""
+    outputs = [o.name for o in model.graph.output]
+    states = [name for name in outputs if is_state_name(name) and name.endswith(symbols.RETAINED_SUFFIX)]
+    renamed = {name: f"{name}__before_fp16" for name in states}
+    for node in model.graph.node:
+        for index, name in enumerate(node.output):
+            if name in renamed:
+                node.output[index] = renamed[name]
+        for index, name in enumerate(node.input):
+            if name in renamed:
+                node.input[index] = renamed[name]
+    for name in states:
+        half = f"{name}__stored_fp16"
+        model.graph.node.extend(
+            [
+                helper.make_node(
+                    "Cast", [renamed[name]], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"
+                ),
+                helper.make_node("Cast", [half], [name], to=TensorProto.FLOAT, name=f"{half}__back"),
+            ]
+        )
+    return model
 
 
 def _kv_as_mxint8(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -267,7 +267,11 @@ def _mx_of(artifacts: Artifacts):
 
     language = LANG_DECODE if artifacts.deployment == DISAGGREGATED else "lang"
     options = artifacts.manifest["programs"][language].get("options") or {}
-    return MxEmulation.from_options(bool(options.get("mxfp6_matmul")), options.get("kv_cache_dtype", ""))
+    return MxEmulation.from_options(
+        bool(options.get("mxfp6_matmul")),
+        options.get("kv_cache_dtype", ""),
+        options.get("state_dtype", "float32"),
+    )
 
 
 def generator_for_artifacts(
