@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from qeff_vision import symbols
 from qeff_vision.export.gated_delta import NAME as GATED_DELTA
@@ -125,3 +126,19 @@ def test_a_chunk_at_position_0_starts_from_zero_state(runtime):
     for name in dirty_cache:
         if name.startswith(("conv_state", "recurrent_state")):
             np.testing.assert_array_equal(dirty[symbols.retained(name)], clean[symbols.retained(name)])
+
+
+def test_per_expert_tensors_are_stacked_as_transformers_loads_them(tiny_checkpoint, hf_model):
+    """Qwen3.5-MoE checkpoints store experts one by one; streaming export stacks them like transformers."""
+    from qeff_vision.export.weight_sources import MergedSource, checkpoint_keys_for
+    from qeff_vision.export.weights import Checkpoint
+
+    model, _ = hf_model("qwen3_5_moe")
+    checkpoint = Checkpoint(tiny_checkpoint("qwen3_5_moe"))
+    sources = checkpoint_keys_for(model, checkpoint)
+    params = dict(model.named_parameters())
+    merged = [name for name, source in sources.items() if isinstance(source, MergedSource)]
+    assert len(merged) == 2 * len(model.model.language_model.layers)  # gate_up_proj, down_proj
+    for name in merged:
+        values = sources[name].values(checkpoint.read, params[name].shape)
+        assert torch.equal(values, params[name].detach()), name

@@ -1,0 +1,159 @@
+"""Where a model parameter's values come from in a checkpoint, by transformers' own loading rules.
+
+Checkpoint keys are mapped to model parameters with transformers' weight renamings and
+base-model-prefix handling (ref: transformers v5 core_model_loading.py
+``convert_and_load_state_dict_in_model``). Two value conversions are done: an axis swap (a
+``WeightConverter`` whose only operation is ``Transpose``, Qwen3-VL-MoE's experts) and a stack of
+per-module tensors (``MergeModulelist``, optionally then ``Concatenate``: Qwen3.5-MoE's
+per-expert tensors, ref: transformers conversion_mapping.py ``qwen2_moe``). Any other conversion is
+refused with one clear line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from qeff_vision.errors import UserError
+
+if TYPE_CHECKING:
+    from qeff_vision.export.weights import Checkpoint
+
+
+@dataclass(frozen=True)
+class Source:
+    """A parameter's checkpoint tensor and the axis swap transformers applies to it on load.
+
+    Attributes:
+        key: The checkpoint key.
+        swap: ``(dim0, dim1)`` of a ``Transpose`` conversion, or None.
+        always: Swap even when the stored shape already equals the parameter's (``check_dims`` off).
+    """
+
+    key: str
+    swap: tuple[int, int] | None = None
+    always: bool = False
+
+    def load(self, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """``tensor`` as the parameter holds it (transformers' ``Transpose.convert`` rule)."""
+        if self.swap is not None and (self.always or tuple(tensor.shape) != tuple(shape)):
+            return tensor.transpose(*self.swap)
+        return tensor
+
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The parameter's values, reading checkpoint tensors with ``read``."""
+        return self.load(read(self.key), shape)
+
+
+@dataclass(frozen=True)
+class MergedSource:
+    """A parameter stacked from per-module checkpoint tensors (``MergeModulelist`` [+ ``Concatenate``]).
+
+    Attributes:
+        parts: Per source pattern, the checkpoint keys in module (expert) order.
+        merge_dim: Axis the modules are stacked on.
+        concat_dim: Axis the patterns' stacks are concatenated on, None for a single pattern.
+    """
+
+    parts: tuple[tuple[str, ...], ...]
+    merge_dim: int
+    concat_dim: int | None
+
+    @property
+    def key(self) -> str:
+        """The first checkpoint key (for messages)."""
+        return self.parts[0][0]
+
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """Stack each pattern's tensors, then concatenate the stacks (transformers' order)."""
+        stacks = [torch.stack([read(key) for key in keys], dim=self.merge_dim) for keys in self.parts]
+        return stacks[0] if self.concat_dim is None else torch.cat(stacks, dim=self.concat_dim)
+
+
+def _merge_of(converters, pattern: str) -> tuple[list[str], int, int | None] | None:
+    """(source patterns, merge dim, concat dim) of the converter for ``pattern`` when it stacks modules."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    for converter in converters:
+        if pattern in converter.source_patterns:
+            ops = list(converter.operations)
+            if not ops or not isinstance(ops[0], MergeModulelist) or len(ops) > 2:
+                return None
+            if len(ops) == 2 and not isinstance(ops[1], Concatenate):
+                return None
+            return list(converter.source_patterns), ops[0].dim, ops[1].dim if len(ops) == 2 else None
+    return None
+
+
+def _module_index(pattern: str, key: str) -> int | None:
+    """The module number the ``*`` of ``pattern`` matches in ``key``."""
+    found = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+    return int(found.group(1)) if found else None
+
+
+def _swap_of(converters, pattern: str) -> tuple[tuple[int, int], bool] | None:
+    """The (dims, always) of the converter for ``pattern`` when a single ``Transpose`` is all it does."""
+    from transformers.core_model_loading import Transpose
+
+    for converter in converters:
+        if pattern in converter.source_patterns:
+            operations = list(converter.operations)
+            if len(operations) == 1 and isinstance(operations[0], Transpose):
+                operation = operations[0]
+                return (operation.dim0, operation.dim1), not operation.check_dims
+            return None
+    return None
+
+
+def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, Source]:
+    """Model state-dict key -> its checkpoint source, by transformers' loading rules.
+
+    Raises:
+        UserError: A weight the model needs is absent, or a key needs a value conversion other
+            than an axis swap.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+    found: dict[str, Source | MergedSource] = {}
+    merged: dict[str, tuple[list[str], int, int | None, dict[tuple[int, int], str]]] = {}
+    for key in checkpoint.location:
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
+        if renamed not in wanted and key in wanted:
+            renamed, pattern = rename_source_key(key, [], [], prefix, wanted)
+        if renamed not in wanted:
+            continue
+        if pattern is None:
+            found[renamed] = Source(key)
+            continue
+        swap = _swap_of(converters, pattern)
+        merge = _merge_of(converters, pattern) if swap is None else None
+        index = _module_index(pattern, key) if merge is not None else None
+        if swap is None and index is None:
+            raise UserError(
+                f"{checkpoint.model_dir}: weight {key!r} needs a conversion that streaming export does not do"
+            )
+        if swap is not None:
+            found[renamed] = Source(key, *swap)
+            continue
+        patterns, merge_dim, concat_dim = merge
+        entry = merged.setdefault(renamed, (patterns, merge_dim, concat_dim, {}))
+        entry[3][(patterns.index(pattern), index)] = key
+    for renamed, (patterns, merge_dim, concat_dim, keys) in merged.items():
+        modules = sorted({module for _, module in keys})
+        try:
+            parts = tuple(tuple(keys[(p, m)] for m in modules) for p in range(len(patterns)))
+        except KeyError:
+            raise UserError(f"{checkpoint.model_dir}: {renamed}: a module of {patterns} is missing") from None
+        found[renamed] = MergedSource(parts, merge_dim, concat_dim)
+    return found
