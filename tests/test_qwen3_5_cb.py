@@ -42,7 +42,7 @@ def test_six_staggered_requests_through_three_slots_match_transformers(cb_export
     report = engine.run([EngineRequest(p, new, arrival) for p, new, arrival in requests], keep_logits=True)
     assert report.batched and report.full_batch_size == SLOTS
     check_against_transformers(runtime, requests, report)
-    # KV caches are updated in place; recurrent states (a ScatterND on their slot rows) too.
+    # KV caches are updated in place; recurrent states are rewritten whole (a Where over the slots).
     kv = {row.name for row in generator.io.rows(*KV_ROLES)}
     assert kv <= aliasable(generator.language.path, generator.io.retained_outputs())
     reused = [
