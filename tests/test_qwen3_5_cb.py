@@ -80,3 +80,28 @@ def test_six_staggered_requests_through_three_slots_match_transformers(cb_export
     ]
     assert prefilling and decoding, f"slots reused {schedule} while others are mid-prefill and mid-decode"
     assert max(report.decode_batches) >= 2
+
+
+def test_filler_rows_leave_every_slot_but_the_valid_rows_own():
+    """A decode call whose padding rows name slot -1 or a slot a valid row writes (vLLM's filler rows)."""
+    import torch
+
+    from qeff_vision.export.recurrent_state import RecurrentStates
+
+    state = torch.arange(4 * 2 * 3, dtype=torch.float32).reshape(4, 2, 3)
+    conv = torch.arange(4 * 5 * 2, dtype=torch.float32).reshape(4, 5, 2)
+    positions = torch.tensor([[7], [-1], [-1], [3]])  # rows 0 and 3 valid; rows 1 and 2 filler
+    batch_index = torch.tensor([[2], [2], [-1], [0]])  # row 1 names row 0's slot, row 2 names -1
+    states = RecurrentStates({0: conv}, {0: state}, positions, batch_index)
+    read = states.state(0)
+    assert torch.equal(read[0], state[2]) and torch.equal(read[3], state[0])
+    new = torch.full((4, 2, 3), -5.0)
+    new[0], new[3] = 100.0, 200.0
+    states.update_state(0, new)
+    written = states.retained(0, conv=False)
+    assert torch.equal(written[2], new[0]) and torch.equal(written[0], new[3])
+    assert torch.equal(written[1], state[1]) and torch.equal(written[3], state[3])  # no valid row named them
+    window = states.conv_window(0, torch.ones(4, 5, 1))
+    kept = states.retained(0, conv=True)
+    assert torch.equal(kept[2], window[0, :, 1:]) and torch.equal(kept[0], window[3, :, 1:])
+    assert torch.equal(kept[1], conv[1]) and torch.equal(kept[3], conv[3])
