@@ -166,7 +166,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="Keep the checkpoint and export here.")
     args = parser.parse_args()
     from qeff_vision import api
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
     from tests import helpers
 
     root = args.out or Path(tempfile.mkdtemp(prefix="recurrent-state-"))

@@ -4,7 +4,6 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.compile.onnxruntime_backend import untouched_slot_problems
-from qeff_vision.compile.options import parse_compile_options
 from qeff_vision.contract.language_io import (
     CONV_DIM,
     CONV_KERNEL,
@@ -19,6 +18,7 @@ from qeff_vision.contract.language_io import (
     is_state_name,
     language_io,
 )
+from qeff_vision.spec.compile_options import parse_compile_options
 
 DIMS = {
     CONV_DIM: 12,

@@ -26,7 +26,15 @@ from qeff_vision.contract.language_io import (
 )
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
-from qeff_vision.families.base import Features, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    DISAGGREGATED_PROGRAMS,
+    SINGLE_PROGRAM_NOT_BUILT,
+    Features,
+    ModelDescription,
+    no,
+    yes,
+)
+from qeff_vision.families.qwen3_5.tiny import write_tiny_checkpoint  # torch-free until called
 from qeff_vision.families.qwen3_vl import Qwen3_VL
 
 
@@ -85,10 +93,12 @@ FEATURES = dict(
     video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
     deepstack=no("the architecture has no deepstack layers"),
     continuous_batching=yes("conv/recurrent states and KV caches indexed by batch_index"),
+    disaggregated=DISAGGREGATED_PROGRAMS,
+    single_program=SINGLE_PROGRAM_NOT_BUILT,
+    comp_ctx_lengths=no("not yet tested with recurrent layers"),
 )
 
 
-@register
 class Qwen3_5(Qwen3_VL):
     """Qwen3.5 (dense text models, e.g. Qwen3.5-27B)."""
 
@@ -96,8 +106,6 @@ class Qwen3_5(Qwen3_VL):
     title = "Qwen3.5"
     architectures = ("Qwen3_5ForConditionalGeneration",)
     model_types = ("qwen3_5",)
-    export_module = "qeff_vision.families.qwen3_5.export"
-    host_module = "qeff_vision.families.qwen3_vl.host"
     features = Features(export=yes("Gated DeltaNet layers as an ONNX Scan over 64-token chunks"), **FEATURES)
     stacked_vision_rows = {}
 
@@ -112,3 +120,20 @@ class Qwen3_5(Qwen3_VL):
     def language_dims(self, model: ModelDescription) -> dict[str, int]:
         """The table's fixed dimensions, the recurrent rows' included."""
         return {**super().language_dims(model), **self.linear_attention(model).state_dims()}
+
+
+def _host():
+    """Qwen3-VL's host protocol class (numpy only): same processor, rope index and clips."""
+    from qeff_vision.families.qwen3_vl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.qwen3_5.export import Adapter
+
+    return Adapter
+
+
+register(Qwen3_5, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

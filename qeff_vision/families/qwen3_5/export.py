@@ -27,7 +27,6 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.export.gated_delta import GatedDeltaRuleFunction
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
-from qeff_vision.families import get_family
 from qeff_vision.families.qwen3_vl.export import Adapter as Qwen3_VLAdapter
 from qeff_vision.families.qwen3_vl.export import VisionEncoder
 
@@ -109,7 +108,6 @@ def use_retained_linear_attention(text_model: nn.Module) -> int:
 class Adapter(Qwen3_VLAdapter):
     """Torch side of the Qwen3.5 family."""
 
-    family = get_family("qwen3_5")
     # The text model takes {layer_type: mask}: full_attention and linear_attention (ignored by ours).
     single_mask = False
     rms_norm_weight_offsets = {"Qwen3_5RMSNorm": 1.0}

@@ -13,9 +13,9 @@ from __future__ import annotations
 from qeff_vision.families import register
 from qeff_vision.families.base import Features, yes
 from qeff_vision.families.qwen3_5 import FEATURES, Qwen3_5
+from qeff_vision.families.qwen3_5_moe.tiny import write_tiny_checkpoint  # torch-free until called
 
 
-@register
 class Qwen3_5_MoE(Qwen3_5):
     """Qwen3.5 mixture-of-experts models (e.g. Qwen3.5-122B-A10B)."""
 
@@ -23,10 +23,26 @@ class Qwen3_5_MoE(Qwen3_5):
     title = "Qwen3.5-MoE"
     architectures = ("Qwen3_5MoeForConditionalGeneration",)
     model_types = ("qwen3_5_moe",)
-    export_module = "qeff_vision.families.qwen3_5_moe.export"
     features = Features(
         export=yes(
             "Gated DeltaNet as an ONNX Scan; experts computed densely, weighted by the router's top-k"
         ),
         **FEATURES,
     )
+
+
+def _host():
+    """Qwen3-VL's host protocol class (numpy only), as Qwen3.5's."""
+    from qeff_vision.families.qwen3_vl.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.qwen3_5_moe.export import Adapter
+
+    return Adapter
+
+
+register(Qwen3_5_MoE, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

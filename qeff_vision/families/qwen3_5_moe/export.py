@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qeff_vision.families import get_family
 from qeff_vision.families.qwen3_5.export import Adapter as Qwen3_5Adapter
 from qeff_vision.families.qwen3_vl_moe.export import dense_experts
 
@@ -21,7 +20,6 @@ from qeff_vision.families.qwen3_vl_moe.export import dense_experts
 class Adapter(Qwen3_5Adapter):
     """Torch side of the Qwen3.5-MoE family."""
 
-    family = get_family("qwen3_5_moe")
     rms_norm_weight_offsets = {"Qwen3_5MoeRMSNorm": 1.0}
 
     def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
