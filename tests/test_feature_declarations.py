@@ -14,7 +14,9 @@ MLLAMA_SPEC = SPECS / "mllama" / "llama-3.2-11b-vision-instruct.yaml"
 
 
 def test_every_feature_defaults_to_not_declared():
-    assert {support.cell() for _, support in Features().rows()} == {"no (not declared)"}
+    # "dual QPC" is the one row no family declares: the default deployment works for every family.
+    defaults = {name: support.cell() for name, support in Features().rows() if name != "dual QPC"}
+    assert set(defaults.values()) == {"no (not declared)"}, defaults
     # Every registered family states each fact itself: none reads as "not declared".
     for family in all_families():
         assert all(support.note != "not declared" for _, support in family.features.rows()), family.name
