@@ -1,0 +1,103 @@
+"""Serve one compiled OUT through the real vLLM + vllm-qaic plugin (runs in the vLLM venv).
+
+Usage: ``python serve.py JOB.json RESULT.json``. The job names OUT's model directory, its vision
+and language program directories, the engine sizes and the requests (prompt text, optional image
+file). Like the plugin's ``examples/qaic_vision_language.py``: a pooling instance on the vision
+program encodes each image, a generate instance on the language program (``enable_mm_embeds``)
+generates from the embeddings. ``VLLM_QAIC_QPC_PATH=vision:language`` gives each instance its
+program (index 0 to the pooling runner, 1 to the generate runner). The result records each
+request's prompt and output token ids and every plugin warning.
+
+The device runtime is the stand-in (tests/device_double, first on ``PYTHONPATH``); this script
+never imports qeff_vision (another venv, another transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+
+class Collect(logging.Handler):
+    """Keeps every WARNING+ record of the vllm_qaic loggers."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(f"{record.name}: {record.getMessage()}")
+
+
+def main(job_file: str, result_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    # One process: the engine core's warnings and the stand-in's call log are seen here.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_QAIC_QPC_PATH"] = f"{job['vision_program']}:{job['language_program']}"
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    collect = Collect()
+    for name in ("vllm_qaic", "vllm"):
+        logging.getLogger(name).addHandler(collect)
+
+    overrides = job.get("override_qaic_config", {})
+    common = {
+        "model": job["model"],
+        "max_model_len": job["ctx_len"],
+        "long_prefill_token_threshold": job["prefill_seq_len"],
+        "enable_prefix_caching": False,
+        "limit_mm_per_prompt": {"image": job.get("max_images", 1), "video": 0, "audio": 0},
+        "mm_processor_cache_gb": 0,
+        "seed": 0,
+    }
+    # ref: vllm-qaic examples/qaic_vision_language.py main(): the two engines' arguments
+    language = LLM(
+        **common,
+        enable_mm_embeds=True,
+        max_num_seqs=job["max_num_seqs"],
+        additional_config={"override_qaic_config": dict(overrides)},
+    )
+    vision = LLM(
+        **common,
+        runner="pooling",
+        max_num_seqs=1,
+        async_scheduling=False,
+        additional_config={"override_qaic_config": dict(overrides)},
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    results = []
+    for batch in job["batches"]:
+        inputs = []
+        for request in batch:
+            item = {"prompt": request["prompt"]}
+            if request.get("image"):
+                image = Image.open(request["image"]).convert("RGB")
+                encoded = vision.encode(
+                    [{"prompt": request["prompt"], "multi_modal_data": {"image": image}}], pooling_task="embed"
+                )
+                embeds = encoded[0].outputs.data
+                if request.get("image_grid_thw"):
+                    import torch
+
+                    item["multi_modal_data"] = {
+                        "image": {"image_embeds": embeds, "image_grid_thw": torch.tensor(request["image_grid_thw"])}
+                    }
+                else:
+                    item["multi_modal_data"] = {"image": embeds}
+            inputs.append(item)
+        outputs = language.generate(inputs, sampling_params=params)
+        results.append(
+            [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)} for o in outputs]
+        )
+    import qaicrt  # the stand-in runtime the engine ran in this process: what reached the "device"
+
+    record = {"batches": results, "warnings": collect.messages, "device_calls": qaicrt.LOG, "device_errors": qaicrt.ERRORS}
+    Path(result_file).write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
