@@ -129,13 +129,18 @@ def validate(spec_path):
         ``(problems, warnings)``: every problem (``"<yaml path>: <what is wrong>"``; empty when the
         spec is valid) and every warning.
     """
+    from qeff_vision.compile.serve_fit import serving_warnings
     from qeff_vision.errors import SpecError
-    from qeff_vision.spec import load_spec
+    from qeff_vision.spec import build_specializations, load_spec
 
     try:
-        return [], list(load_spec(spec_path).warnings)
+        spec = load_spec(spec_path)
     except SpecError as exc:
         return list(exc.problems), []
+    if spec.deployment.mode != "dual":
+        return [], list(spec.warnings)  # vLLM forms are generated for the dual deployment only
+    # The printed vLLM forms' servers: does the spec fit them (qeff_vision.compile.serve_fit)?
+    return [], [*spec.warnings, *serving_warnings(build_specializations(spec))]
 
 
 def config_notes(spec_path) -> list[str]:

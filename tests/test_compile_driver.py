@@ -16,10 +16,11 @@ import pytest
 from qeff_vision.cli import main
 from qeff_vision.compile import cache, sdk
 from qeff_vision.compile.driver import CompileFailed, compile_spec
-from qeff_vision.compile.vllm_handoff import QPC_PLACEHOLDER, golden_serve_text, serve_text
+from qeff_vision.compile.vllm_handoff import QPC_PLACEHOLDER, golden_serve_text, serve_sections, serve_text
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.spec import load_spec
 from tests.compile_fixtures import REPO, calls, stand_in, synthetic_export, write_spec
+from tests.serve_form_rules import launcher_args, launcher_override
 
 
 @pytest.fixture
@@ -330,8 +331,8 @@ def test_qaic_compile_name_and_multi_device_language(tmp_path):
     assert "Precision: mxint8" in (tmp_path / "out" / lang["custom_io_file"]).read_text()
     commands = outcome.manifest["vllm"]["commands"]
     assert "--encode-device-group 0 --decode-device-group 1,2,3,4" in commands["epd"]
-    assert "--device-group 0,1,2,3" in commands["dual_qpc"]
-    assert all("--kv-cache-dtype mxint8" in command for command in commands.values())
+    assert "'device_group': [1, 2, 3, 4]" in commands["plugin_offline"]
+    assert all("mxint8" in command for command in commands.values())
 
 
 def test_print_serve_prints_the_golden_vllm_commands(setup, tmp_path, capsys):
@@ -356,24 +357,29 @@ def test_print_serve_prints_the_golden_vllm_commands(setup, tmp_path, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["runtime_model"] is None  # the synthetic spec names no local checkpoint
 
-    def words(text, real=False):
-        # Shell words of each command line (quoting aside); golden <hash> keys become the real ones.
-        if real:
-            for program in ("vision", "lang"):
-                text = text.replace(f"{program}/{QPC_PLACEHOLDER}", manifest["programs"][program]["path"])
-        return [shlex.split(line) for line in text.splitlines() if not line.startswith("#")]
-
     loaded = load_spec(spec)
-    printed = stdout[stdout.index("# dual QPC") :]
-    golden = golden_serve_text(loaded).replace(" --model model ", f" --model {loaded.model} ")
-    golden = golden.replace(" serve model ", f" serve {loaded.model} ")
-    assert words(printed) == words(golden, real=True)
-    dual, epd = words(printed)
-    assert dual[0] == f"VLLM_QAIC_QPC_PATH={manifest['vllm']['qpc_path']}" and dual[1:3] == ["vllm", "serve"]
-    assert dual[-2:] == ["--override-qaic-config", '{"kv_offload": true}']
-    assert epd[0] == "qaic-disagg"
-    encode = epd[epd.index("--encode-override-qaic-config") + 1]
-    assert encode == f"height=224 width=224 kv_offload=True qpc_path={manifest['programs']['vision']['path']}"
+    printed = stdout[stdout.index("# vLLM 0.23.0") :]
+    golden = golden_serve_text(loaded).replace("'model': 'model'", f"'model': '{loaded.model}'")
+    golden = golden.replace(" --model model ", f" --model {loaded.model} ").replace(
+        " serve model ", f" serve {loaded.model} "
+    )
+    real = {program: manifest["programs"][program]["path"] for program in ("vision", "lang")}
+    placeholder = f"vision/{QPC_PLACEHOLDER}:lang/{QPC_PLACEHOLDER}"  # the shell-quoted env value
+    golden = golden.replace(
+        f"={shlex.quote(placeholder)}", f"={shlex.quote(real['vision'] + ':' + real['lang'])}"
+    )
+    for program in ("vision", "lang"):  # golden <hash> keys become the real ones
+        golden = golden.replace(f"{program}/{QPC_PLACEHOLDER}", manifest["programs"][program]["path"])
+    assert printed == golden
+    forms = serve_sections(printed)
+    assert f"VLLM_QAIC_QPC_PATH={manifest['vllm']['qpc_path']} vllm serve" in forms["plugin_serve"]
+    encode = launcher_override(launcher_args(forms["epd"])[1]["--encode-override-qaic-config"])
+    assert encode == {
+        "height": "224",
+        "width": "224",
+        "kv_offload": "True",
+        "qpc_path": manifest["programs"]["vision"]["path"],
+    }
 
 
 def test_onnxruntime_backend_on_synthetic_graphs(setup):
