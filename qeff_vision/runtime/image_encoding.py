@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.runtime.embedding_cache import PreparedImage, content_key
 from qeff_vision.runtime.packing import packing_encoder
@@ -24,7 +25,7 @@ from qeff_vision.runtime.packing import packing_encoder
 class ImageEncoding:
     """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the vision side (a mixin).
 
-    They read the generator's ``host``, ``vision`` (the program), ``io`` (the language IO table),
+    They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
     ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets`` and ``_images``, and
     record in ``served`` how the vision program served each image; the generator sets them all.
     """
@@ -59,12 +60,17 @@ class ImageEncoding:
         if self.patch_buckets is not None:
             return packing_encoder(self, inputs_by_key, timer)
 
+        # Images stack along axis 0 only when some vision input carries the image count there (a
+        # batch axis); a program whose inputs only count one image's tiles (InternVL, QEfficient's
+        # layout) takes one image per call.
+        stackable = any(axes.get(0) == symbols.BATCH_SIZE for axes in self.family.vision_input_axes.values())
+
         def encode(batch: Sequence[PreparedImage]) -> list[np.ndarray]:
             start = time.perf_counter()
             embeds: list[np.ndarray] = []
             pending = list(batch)
             while pending:
-                size = len(pending)
+                size = len(pending) if stackable else 1
                 while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))

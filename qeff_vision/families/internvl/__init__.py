@@ -11,8 +11,10 @@ becomes (image_size / patch)^2 patches, pixel-shuffled by ``downsample_ratio`` (
 into one token), so a tile is always the same number of tokens (256 for 448 px tiles of 14 px
 patches). The prompt wraps them in ``<img>`` ... ``</img>``.
 
-The vision program takes ``pixel_values`` [batch, num_tiles, 3, S, S]: the tile count is its only
-varying dimension, and each tile count is one vision specialization.
+The vision program takes one image's tiles, ``pixel_values`` [num_tiles, 3, S, S] (QEfficient's
+layout, ``batched_num_patches``, which the vllm-qaic plugin sends), and returns ``vision_embeds``
+[1, num_tiles * tokens_per_tile, hidden]: the tile count is its only varying dimension, and each
+tile count is one vision specialization.
 """
 
 from __future__ import annotations
@@ -131,7 +133,9 @@ class InternVL(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
-    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES}}
+    # ref: QEfficient QEffInternVLModel.get_onnx_dynamic_axes (pixel_values {0: batched_num_patches});
+    # vllm-qaic's qaic_multimodal.py splits pixel_values_flat per image into [tiles, 3, S, S].
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: NUM_TILES}}
     # "</img>" and "<img>" always separate the context tokens of two images.
     tokens_between_images = 2
 

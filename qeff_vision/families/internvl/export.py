@@ -23,7 +23,7 @@ from qeff_vision.families.base import ModelDescription
 
 
 class VisionEncoder(nn.Module):
-    """pixel_values [B, tiles, 3, S, S] -> vision_embeds [B, tiles * tokens_per_tile, text hidden]."""
+    """pixel_values [tiles, 3, S, S] of one image -> vision_embeds [1, tiles * tokens_per_tile, hidden]."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -56,9 +56,9 @@ class VisionEncoder(nn.Module):
         return states[self.feature_layer]
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Encode a batch of images with the same tile count."""
-        batch, tiles = pixel_values.shape[0], pixel_values.shape[1]
-        features = self._features(pixel_values.flatten(0, 1))
+        """Encode one image's tiles."""
+        tiles = pixel_values.shape[0]
+        features = self._features(pixel_values)
         if self.drop_cls:
             features = features[:, 1:]
         count, channels = features.shape[0], features.shape[-1]
@@ -70,7 +70,7 @@ class VisionEncoder(nn.Module):
         grid = grid.permute(0, 2, 1, 3).reshape(count, out, out, int(channels / self.ratio**2))
         grid = grid.permute(0, 2, 1, 3).reshape(count, out * out, -1)
         embeds = self.projector(grid)
-        return embeds.reshape(batch, tiles * out * out, embeds.shape[-1])
+        return embeds.reshape(1, tiles * out * out, embeds.shape[-1])
 
 
 class Adapter(ExportAdapter):
@@ -88,7 +88,7 @@ class Adapter(ExportAdapter):
         vision = model.config.vision_config
         side = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
         generator = torch.Generator().manual_seed(0)
-        return {symbols.PIXEL_VALUES: torch.randn(1, 2, vision.num_channels, side, side, generator=generator)}
+        return {symbols.PIXEL_VALUES: torch.randn(2, vision.num_channels, side, side, generator=generator)}
 
     def hf_image_features(self, model, processed):
         """Transformers' ``get_image_features`` per tile, joined per image [tiles * tokens, hidden]."""

@@ -40,10 +40,10 @@ class Host(BaseHost):
         return [values[offsets[i] : offsets[i + 1]] for i in range(len(tiles))]
 
     def vision_inputs(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
-        """Per image: its tiles as [1, tiles, 3, S, S]."""
+        """Per image: its tiles as [tiles, 3, S, S] (the vision program's layout)."""
         pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
         tiles = self.tiles_per_image(processed)
-        return [{symbols.PIXEL_VALUES: part[None]} for part in self.split_tiles(pixels, tiles)]
+        return [{symbols.PIXEL_VALUES: part} for part in self.split_tiles(pixels, tiles)]
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """The length of each run of context tokens: ``<img>``/``</img>`` fence every image."""
