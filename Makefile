@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test test-all lint golden clean
+.PHONY: install demo test test-all test-vllm lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,24 @@ golden: install
 
 clean:
 	rm -rf $(DEMO_DIR) build *.egg-info
+
+# Opt-in tier: the real vLLM 0.23.0 + Qualcomm's vllm-qaic plugin serving our onnxruntime-compiled
+# artifacts over the device-runtime stand-in (tests/device_double). VLLM_QAIC_SRC is a checkout of
+# github.com/qualcomm/vllm-qaic; its entry points are declared by tests/vllm_tier/shim (the
+# plugin's setup.py needs the SDK) and a .pth puts the checkout on the venv's path.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP = $(VLLM_VENV)/.installed-stamp
+
+$(VLLM_STAMP): tests/vllm_tier/shim/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm==0.23.0 transformers==5.5.4 peft onnxruntime pyyaml timm==1.0.14 qwen-vl-utils==0.0.8
+	$(VLLM_VENV)/bin/pip install --quiet ./tests/vllm_tier/shim
+	rm -rf tests/vllm_tier/shim/build tests/vllm_tier/shim/*.egg-info
+	$(VLLM_VENV)/bin/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm_qaic_src.pth').write_text(\"import os, sys; _p = os.environ.get('VLLM_QAIC_SRC'); _p and _p not in sys.path and sys.path.append(_p)\\n\")"
+	touch $(VLLM_STAMP)
+
+test-vllm: install $(VLLM_STAMP)
+	@test -d "$(VLLM_QAIC_SRC)/vllm_qaic" || { echo "set VLLM_QAIC_SRC to a checkout of github.com/qualcomm/vllm-qaic" >&2; exit 2; }
+	QEFF_VLLM_TIER=1 VLLM_VENV=$(abspath $(VLLM_VENV)) VLLM_QAIC_SRC=$(abspath $(VLLM_QAIC_SRC)) \
+		$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_tier

@@ -85,16 +85,19 @@ def BufferDimensionsVecRef(dims):  # noqa: N802
     return list(dims)
 
 
+DEVICES = 16  # an AI 100 Ultra card set: enough ids for any printed device group
+
+
 class Util:
-    """Device queries: one device (id 0) with 16 cores."""
+    """Device queries: DEVICES devices with 16 cores each."""
 
     def getResourceInfo(self, device_id):  # noqa: N802
-        if int(device_id) != 0:
+        if not 0 <= int(device_id) < DEVICES:
             return ERROR, None
         return OK, SimpleNamespace(nspTotal=16, nspFree=16)
 
     def getDeviceIds(self):  # noqa: N802
-        return OK, [0]
+        return OK, list(range(DEVICES))
 
 
 def _program_files(directory: Path) -> tuple[Path, list[dict], Path | None]:

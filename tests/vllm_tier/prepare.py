@@ -15,10 +15,11 @@ from pathlib import Path
 import yaml
 
 from qeff_vision import api
+from qeff_vision.compile.vllm_handoff import handoff_for_spec
+from qeff_vision.spec import load_spec
 from tests import helpers
 
 NEW_TOKENS = 8
-RESOLUTION_OVERRIDE = {"qwen2_5_vl"}
 CTX_LEN = 256
 
 
@@ -104,20 +105,16 @@ def build(case: Case, root: Path) -> dict:
     jobs = {}
     for label, batches, slots in (("single", single, None), ("cb", concurrent, 3)):
         out = compile_case(case, root, checkpoint, full_batch_size=slots)
+        # The printed plugin form's engine arguments, with OUT's absolute paths: the tier serves
+        # exactly what --print-serve tells a user to run.
+        spec = load_spec(root / f"{out.name}.yaml")
+        handoff = handoff_for_spec(spec, str(out / "vision"), str(out / "lang"), str(out / "model"))
         jobs[label] = {
             "family": case.family,
-            "model": str(out / "model"),
-            "vision_program": str(out / "vision"),
-            "language_program": str(out / "lang"),
-            "ctx_len": CTX_LEN,
-            "prefill_seq_len": case.seq_len,
-            "max_num_seqs": slots or 1,
+            "qpc_path": handoff["qpc_path"],
+            "engine_args": handoff["plugin"]["engine_args"],
             "max_tokens": NEW_TOKENS,
             "batches": batches,
         }
-        if case.family in RESOLUTION_OVERRIDE:
-            # The plugin's Qwen processor resizes every image to one of the compiled resolutions
-            # it is told (else it imports QEfficient's defaults): the guide's height/width.
-            jobs[label]["override_qaic_config"] = {"height": [case.image[0]], "width": [case.image[1]]}
         (root / f"job-{label}.json").write_text(json.dumps(jobs[label], indent=1))
     return jobs

@@ -36,41 +36,24 @@ def main(job_file: str, result_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     # One process: the engine core's warnings and the stand-in's call log are seen here.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_QAIC_QPC_PATH"] = f"{job['vision_program']}:{job['language_program']}"
+    os.environ["VLLM_QAIC_QPC_PATH"] = job["qpc_path"]
     from PIL import Image
     from vllm import LLM, SamplingParams
 
     collect = Collect()
     for name in ("vllm_qaic", "vllm"):
         logging.getLogger(name).addHandler(collect)
+    # The printed plugin form's arguments; the tier adds only determinism (seed, no media cache).
+    extra = {"seed": 0, "mm_processor_cache_gb": 0}
+    language = LLM(**job["engine_args"]["language"], **extra)
+    vision = LLM(**job["engine_args"]["vision"], **extra)
+    max_tokens = job["max_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    import qaicrt  # the stand-in runtime the engine runs in this process: what reached the "device"
 
-    overrides = job.get("override_qaic_config", {})
-    common = {
-        "model": job["model"],
-        "max_model_len": job["ctx_len"],
-        "long_prefill_token_threshold": job["prefill_seq_len"],
-        "enable_prefix_caching": False,
-        "limit_mm_per_prompt": {"image": job.get("max_images", 1), "video": 0, "audio": 0},
-        "mm_processor_cache_gb": 0,
-        "seed": 0,
-    }
-    # ref: vllm-qaic examples/qaic_vision_language.py main(): the two engines' arguments
-    language = LLM(
-        **common,
-        enable_mm_embeds=True,
-        max_num_seqs=job["max_num_seqs"],
-        additional_config={"override_qaic_config": dict(overrides)},
-    )
-    vision = LLM(
-        **common,
-        runner="pooling",
-        max_num_seqs=1,
-        async_scheduling=False,
-        additional_config={"override_qaic_config": dict(overrides)},
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
-    results = []
+    results, calls = [], []
     for batch in job["batches"]:
+        first_call = len(qaicrt.LOG)
         inputs = []
         for request in batch:
             item = {"prompt": request["prompt"]}
@@ -93,9 +76,8 @@ def main(job_file: str, result_file: str) -> None:
         results.append(
             [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)} for o in outputs]
         )
-    import qaicrt  # the stand-in runtime the engine ran in this process: what reached the "device"
-
-    record = {"batches": results, "warnings": collect.messages, "device_calls": qaicrt.LOG, "device_errors": qaicrt.ERRORS}
+        calls.append(qaicrt.LOG[first_call:])
+    record = {"batches": results, "warnings": collect.messages, "device_calls": calls, "device_errors": qaicrt.ERRORS}
     Path(result_file).write_text(json.dumps(record))
 
 
