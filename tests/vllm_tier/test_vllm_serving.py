@@ -29,15 +29,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VENV = Path(os.environ.get("VLLM_VENV", REPO / ".venv-vllm"))
 PLUGIN = os.environ.get("VLLM_QAIC_SRC", "")
-SERVED = ("llava", "qwen2_5_vl")
+SERVED = ("llava", "qwen2_5_vl", "internvl")
 # Families the plugin does not serve from our artifacts, and why (the README lists them too).
 NOT_SERVED = {
-    "internvl": "our vision program takes pixel_values [batch, tiles, 3, S, S]; the plugin sends "
-    "QEfficient's [tiles, 3, S, S] and the stand-in rejects the shape",
     "gemma3": "the plugin's Gemma 3 processor calls Gemma3ProcessingInfo._resolve_image_kwargs, "
     "which vLLM 0.23.0 does not have (AttributeError before any request reaches the device)",
 }
-NOT_SERVED_SIGN = {"internvl": "pixel_values", "gemma3": "_resolve_image_kwargs"}
+NOT_SERVED_SIGN = {"gemma3": "_resolve_image_kwargs"}
 # The plugin asks every program for a logits binding, the vision encoder too (which has none,
 # as QEfficient's vision QPCs have none): the one binding warning that is not ours to fix.
 VISION_LOGITS_PROBE = "Unable to find binding: logits"
