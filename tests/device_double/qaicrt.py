@@ -35,7 +35,12 @@ TYPES = {
     "int8": aicapi.INT8_TYPE,
 }
 NUMPY = {code: np.dtype(name) for name, code in TYPES.items()}
-ONNX_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64", "tensor(int32)": "int32"}
+ONNX_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+}
 SUFFIX = "_RetainedState"
 LOG: list[dict] = []  # what the host sent per call: {binding name: shape} (for assertions)
 ERRORS: list[str] = []  # every rejected call's message (also printed to stderr, as the runtime logs it)
@@ -164,7 +169,9 @@ class Qpc:
 
     def getIoDescriptor(self):  # noqa: N802
         bindings = [{k: v for k, v in b.items() if k != "allowed"} for b in self.bindings]
-        allowed = [[(b["type"], b["allowed"][i]) for b in self.bindings] for i in range(len(self.specializations))]
+        allowed = [
+            [(b["type"], b["allowed"][i]) for b in self.bindings] for i in range(len(self.specializations))
+        ]
         return OK, json.dumps({"bindings": bindings, "allowed_shapes": allowed}).encode()
 
 
@@ -237,9 +244,17 @@ class ExecObj:
             if array.size == 0:
                 continue  # skipped: retained state stays on the device
             if array.dtype != NUMPY[binding["type"]]:
-                return self._reject(f"{binding['name']}: buffer dtype {array.dtype}, binding is {NUMPY[binding['type']]}")
+                return self._reject(
+                    f"{binding['name']}: buffer dtype {array.dtype}, binding is {NUMPY[binding['type']]}"
+                )
             given[index] = array
-        LOG.append({self.bindings[i]["name"]: list(a.shape) for i, a in given.items() if self.bindings[i]["dir"] == 0})
+        LOG.append(
+            {
+                self.bindings[i]["name"]: list(a.shape)
+                for i, a in given.items()
+                if self.bindings[i]["dir"] == 0
+            }
+        )
         matches = [
             s
             for s in range(len(self.program.qpc.specializations))

@@ -60,24 +60,36 @@ def main(job_file: str, result_file: str) -> None:
             if request.get("image"):
                 image = Image.open(request["image"]).convert("RGB")
                 encoded = vision.encode(
-                    [{"prompt": request["prompt"], "multi_modal_data": {"image": image}}], pooling_task="embed"
+                    [{"prompt": request["prompt"], "multi_modal_data": {"image": image}}],
+                    pooling_task="embed",
                 )
                 embeds = encoded[0].outputs.data
                 if request.get("image_grid_thw"):
                     import torch
 
                     item["multi_modal_data"] = {
-                        "image": {"image_embeds": embeds, "image_grid_thw": torch.tensor(request["image_grid_thw"])}
+                        "image": {
+                            "image_embeds": embeds,
+                            "image_grid_thw": torch.tensor(request["image_grid_thw"]),
+                        }
                     }
                 else:
                     item["multi_modal_data"] = {"image": embeds}
             inputs.append(item)
         outputs = language.generate(inputs, sampling_params=params)
         results.append(
-            [{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)} for o in outputs]
+            [
+                {"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids)}
+                for o in outputs
+            ]
         )
         calls.append(qaicrt.LOG[first_call:])
-    record = {"batches": results, "warnings": collect.messages, "device_calls": calls, "device_errors": qaicrt.ERRORS}
+    record = {
+        "batches": results,
+        "warnings": collect.messages,
+        "device_calls": calls,
+        "device_errors": qaicrt.ERRORS,
+    }
     Path(result_file).write_text(json.dumps(record))
 
 

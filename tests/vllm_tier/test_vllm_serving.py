@@ -64,7 +64,9 @@ def _serve(job_file: Path) -> dict:
         timeout=1200,
     )
     job_file.with_suffix(".log").write_text(run.stdout + run.stderr)
-    assert run.returncode == 0, f"serve.py failed; log in {job_file.with_suffix('.log')}:\n{run.stderr[-3000:]}"
+    assert run.returncode == 0, (
+        f"serve.py failed; log in {job_file.with_suffix('.log')}:\n{run.stderr[-3000:]}"
+    )
     return json.loads(result_file.read_text())
 
 
@@ -86,7 +88,9 @@ def served(tmp_path_factory):
 def _check_tokens(job: dict, result: dict) -> None:
     for requests, outputs in zip(job["batches"], result["batches"], strict=True):
         for request, output in zip(requests, outputs, strict=True):
-            assert output["prompt_token_ids"] == request["input_ids"], "vLLM's prompt differs from the processor's"
+            assert output["prompt_token_ids"] == request["input_ids"], (
+                "vLLM's prompt differs from the processor's"
+            )
             assert output["token_ids"] == request["reference"], "greedy tokens differ from transformers"
     assert result["device_errors"] == []
     binding = [w for w in result["warnings"] if any(key in w for key in BINDING_WARNINGS)]
@@ -150,5 +154,9 @@ def _offline_kwargs(script: str):
     body = "\n".join(script.splitlines()[1:-1])
     for node in ast.walk(ast.parse(body)):
         call = getattr(node, "value", None)
-        if isinstance(node, ast.Assign) and isinstance(call, ast.Call) and getattr(call.func, "id", "") == "LLM":
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(call, ast.Call)
+            and getattr(call.func, "id", "") == "LLM"
+        ):
             yield ast.literal_eval(call.keywords[0].value)
