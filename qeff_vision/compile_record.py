@@ -16,11 +16,13 @@ Layout (format 1)::
       },
       "deployment": "dual" | "single" | "disaggregated", "kv_cache_prefix": null | "vllmKvCache",
       "runtime_model": "model",
-      "vllm": {"qpc_path": "<vision>:<lang>", "override_qaic_config": {...}, "commands": {...}}
+      "vllm": {"qpc_path": "<vision>:<lang>", "plugin": {"engine_args": {"vision": ..., "language": ...}},
+               "override_qaic_config": {"encode": ..., "decode": ...}, "commands": {...}}
     }
 
 Paths inside OUT are relative to the manifest's directory; others are absolute. ``vllm`` is
-written by :mod:`qeff_vision.compile.vllm_handoff`. The manifest is
+written by :mod:`qeff_vision.compile.vllm_handoff`: the two engines' arguments for vLLM 0.23 + the
+vllm-qaic plugin, the 0.8.5 launcher's override configs, and the four printed forms. The manifest is
 written last and atomically: a directory without one has not finished compiling.
 
 Torch-free and outside compile/ (like :mod:`qeff_vision.export_record`): the runtime reads the
