@@ -34,12 +34,14 @@ class Case:
         whole_images: The family keeps an image in one chunk (its image tokens attend both ways),
             so the bucket holds a whole image and the "several chunks" request is the prompt, not
             the image.
+        ctx_len: Context length (a LLaVA-NeXT image is hundreds of tokens even when tiny).
     """
 
     family: str
     seq_len: int
     image: tuple[int, int]
     whole_images: bool = False
+    ctx_len: int = CTX_LEN
 
 
 CASES = {
@@ -47,6 +49,10 @@ CASES = {
     "qwen2_5_vl": Case("qwen2_5_vl", 8, (112, 112)),
     "internvl": Case("internvl", 8, (448, 448)),
     "gemma3": Case("gemma3", 32, (896, 896), whole_images=True),
+    "qwen3_vl": Case("qwen3_vl", 8, (128, 128)),
+    "qwen3_vl_moe": Case("qwen3_vl_moe", 8, (128, 128)),
+    "llava_next": Case("llava_next", 8, (40, 40), ctx_len=1024),
+    "mistral3": Case("mistral3", 8, (112, 112)),
 }
 
 
@@ -56,7 +62,7 @@ def compile_case(case: Case, root: Path, checkpoint: Path, *, full_batch_size: i
     spec = {
         "name": name,
         "model": str(checkpoint),
-        "ctx_len": CTX_LEN,
+        "ctx_len": case.ctx_len,
         "prefill": {"seq_lens": [case.seq_len]},
         "vision": {"images": [{"height": case.image[0], "width": case.image[1]}], "vision_size": "chunk"},
     }
