@@ -14,7 +14,10 @@ HELP = {
     "dry_run": "Write the compiler inputs and print both command lines; compile nothing.",
     "force": "Recompile both programs even when the cache holds them.",
     "timeout": "Seconds each compiler may run before it is killed (overrides compile.*.timeout).",
-    "print_serve": "Print the vLLM command lines for the compiled programs.",
+    "print_serve": (
+        "Print how vLLM serves the compiled programs: vLLM 0.23 + vllm-qaic (offline, vllm serve) "
+        "and the guide's 0.8.5 forms (two LLMs, E-PD in docker)."
+    ),
 }
 
 
