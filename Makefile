@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test test-all test-vllm lint golden clean
+.PHONY: install demo test test-all test-vllm vllm-qaic-src lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,7 +55,9 @@ $(VLLM_STAMP): tests/vllm_tier/shim/pyproject.toml
 	$(VLLM_VENV)/bin/python -c "import sysconfig, pathlib; pathlib.Path(sysconfig.get_paths()['purelib'], 'vllm_qaic_src.pth').write_text(\"import os, sys; _p = os.environ.get('VLLM_QAIC_SRC'); _p and _p not in sys.path and sys.path.append(_p)\\n\")"
 	touch $(VLLM_STAMP)
 
-test-vllm: install $(VLLM_STAMP)
-	@test -d "$(VLLM_QAIC_SRC)/vllm_qaic" || { echo "set VLLM_QAIC_SRC to a checkout of github.com/qualcomm/vllm-qaic" >&2; exit 2; }
+vllm-qaic-src:
+	@test -n "$(VLLM_QAIC_SRC)" -a -d "$(VLLM_QAIC_SRC)/vllm_qaic" || { echo "set VLLM_QAIC_SRC to a checkout of github.com/qualcomm/vllm-qaic" >&2; exit 2; }
+
+test-vllm: vllm-qaic-src install $(VLLM_STAMP)
 	QEFF_VLLM_TIER=1 VLLM_VENV=$(abspath $(VLLM_VENV)) VLLM_QAIC_SRC=$(abspath $(VLLM_QAIC_SRC)) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_tier
