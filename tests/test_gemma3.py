@@ -196,4 +196,6 @@ def test_a_spec_whose_buckets_cannot_hold_a_whole_image_is_rejected(tmp_path):
     assert len(problems) == 1
     assert "256 image tokens do not fit one chunk" in problems[0] and "both ways" in problems[0]
     spec.write_text(spec.read_text().replace("[128]", "[128, 512]"))
-    assert api.validate(spec) == ([], [])
+    problems, warnings = api.validate(spec)
+    # Valid; only the vLLM 0.23 plugin cannot serve it (it cuts chunks inside images: serve_fit).
+    assert problems == [] and warnings and all(w.startswith("vLLM 0.23.0 + vllm-qaic") for w in warnings)
