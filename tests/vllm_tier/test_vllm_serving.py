@@ -145,6 +145,8 @@ def test_printed_forms_of_every_golden_spec_parse_with_vllm(tmp_path):
     entries = []
     for path in find_specs(SPECS):
         spec = load_spec(path)
+        if spec.deployment.mode != "dual":
+            continue  # vLLM forms are generated for the dual deployment only
         forms = serve_sections((SPECS / "golden" / spec.name / "vllm_serve.txt").read_text())
         serve = [words for _, words in rules.plugin_serve_lines(forms["plugin_serve"])]
         offline = list(_offline_kwargs(forms["plugin_offline"]))
