@@ -20,9 +20,10 @@ from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.compile_options import LANGUAGE, PROGRAM_DIRS, VISION
-from qeff_vision.spec.deployment import split_language
+from qeff_vision.spec.deployment import SINGLE, split_language
 from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
 from qeff_vision.spec.policy import WholeImages, chunk_span, decode_vision_size, prefill_vision_sizes
+from qeff_vision.spec.single import single_program
 
 SPECIALIZATIONS_FILE = "specializations.json"
 CUSTOM_IO_FILE = "custom_io.yaml"
@@ -354,7 +355,10 @@ def build_specializations(
         )
         for image, tokens, name in image_tokens
     )
-    programs = (vision, *split_language(language, spec.deployment.mode, spec.deployment.kv_cache_prefix))
+    if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
+        programs = (single_program(vision, language, request_tokens, spec.vision.max_images),)
+    else:
+        programs = (vision, *split_language(language, spec.deployment.mode, spec.deployment.kv_cache_prefix))
     return ProgramSpecializations(spec, vision, language, images, request_tokens, programs)
 
 

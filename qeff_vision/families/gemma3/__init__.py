@@ -28,7 +28,6 @@ from qeff_vision.families.base import (
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     SLIDING_ATTENTION,
     Family,
     Features,
@@ -101,7 +100,10 @@ class Gemma3(Family):
         ),
         video=no("Gemma 3 has no video input"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the SigLIP tower composed in, run once per image in the first chunk; "
+            "later chunks and decode read the retained rows"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

@@ -21,7 +21,6 @@ from qeff_vision.families.base import (
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -95,7 +94,10 @@ class Llava(Family):
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-1.5 has no video input"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the CLIP tower composed in, run once per image in the first chunk; "
+            "later chunks and decode read the retained rows"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

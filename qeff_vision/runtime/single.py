@@ -1,0 +1,193 @@
+"""``deployment: single`` on the host: one ``lang`` program that encodes each image once.
+
+The program (:mod:`qeff_vision.compile.single_program`) holds the vision tower behind an If whose
+condition is the pixel input's side: the first prefill chunk of a prompt with images sends every
+image of the prompt (``pixel_values`` [n, C, H, W]) and the program writes their rows at the front
+of its retained ``vision_embeds`` buffer; every later chunk and every decode step sends a
+[1, C, 1, 1] placeholder (the compiled keep specializations), and placeholders read rows by
+``image_idx``, the running count (the planner's ``full`` protocol: ``image_idx = P[a]``). On
+onnxruntime the buffer travels as ``vision_embeds`` / ``vision_embeds_RetainedState`` like a KV
+cache; a device keeps it resident.
+
+QEfficient's single QPC encodes in every prefill call (ref: quic/efficient-transformers
+``_QEFFAutoModelForImageTextToTextSingleQPC``); :class:`EncoderCount` counts ours per call and
+per image, and ``run`` prints the count.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from qeff_vision.contract.language_io import Role
+from qeff_vision.errors import UserError
+from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol
+from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+
+KEEP_SIDE = 1  # a keep specialization's image side (compile/single_program.py)
+
+
+class EncoderCount:
+    """The encoder inside the single program, as a generator sees a vision program: runs counted.
+
+    Attributes:
+        calls: Program calls that ran the encoder (encode specializations).
+        images: Images those calls encoded.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.images = 0
+        self.seconds = 0.0
+
+    def accepts(self, feeds: Mapping[str, np.ndarray]) -> bool:
+        """The single program is never called as a vision program."""
+        return False
+
+
+class SingleGenerator(Generator):
+    """A :class:`Generator` over one single-deployment program (batch 1).
+
+    Args:
+        checkpoint: The checkpoint the program was exported from.
+        program: The composed ``lang`` program.
+        shape: Its compiled shapes (every bucket's ``vision_size`` is the retained buffer's rows).
+        cache: Unused by this program (images are encoded inside it); kept for the signature.
+        **kwargs: :class:`Generator`'s keyword arguments.
+    """
+
+    def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
+        self.encoder = EncoderCount()
+        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
+        names = set(self.io.input_names)
+        dims = getattr(program, "input_dims", {})
+        #: The composed graph's image inputs (the vision graph's), with their axes.
+        self.image_inputs = {name: axes for name, axes in dims.items() if name not in names}
+        if not self.image_inputs:
+            raise UserError(f"{program.path}: not a single-deployment program (no image input)")
+        self.rows_name = self.io.rows(Role.VISION_ROWS)[0].name
+        self._buffer: np.ndarray | None = None
+        #: Content keys of the images whose rows the retained buffer holds, in row order.
+        self._held: tuple[str, ...] = ()
+        self._fresh: list[bool] = []
+
+    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
+        """The ``full`` protocol: rows stay in the program; ``image_idx`` is the running count."""
+        return super().plan(input_ids, processed, VisionProtocol.FULL.value)
+
+    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
+        """:meth:`Generator.generate`, with the images the program's encoder ran on."""
+        before = self.encoder.images
+        result = super().generate(processed, *args, **kwargs)
+        return replace(result, images_encoded=self.encoder.images - before, served=self._served_lines())
+
+    def _served_lines(self) -> list[str]:
+        return [
+            f"image {number}: " + ("encoded inside the single program" if fresh else "rows retained from the last prompt")
+            for number, fresh in enumerate(self._fresh, start=1)
+        ]
+
+    def _placeholder(self) -> dict[str, np.ndarray]:
+        """The keep specializations' image inputs: every symbolic axis 1, fixed axes kept."""
+        return {
+            name: np.zeros([axis if isinstance(axis, int) else KEEP_SIDE for axis in axes], np.float32)
+            for name, axes in self.image_inputs.items()
+        }
+
+    def _pixels(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Every image of the prompt in one batch per input (the encode specialization's)."""
+        per_image = self.host.vision_inputs(processed)
+        shapes = {tuple(array.shape[1:]) for inputs in per_image for array in inputs.values()}
+        if len(shapes) > len(self.image_inputs):
+            raise UserError("deployment single encodes a prompt's images in one call: they must share a size")
+        return {
+            name: np.concatenate([inputs[name] for inputs in per_image], axis=0).astype(np.float32)
+            for name in self.image_inputs
+        }
+
+    def _rows_feed(self) -> dict[Role, np.ndarray]:
+        """The retained buffer on onnxruntime (a device keeps it resident)."""
+        if self.language.retains_state:
+            return {}
+        if self._buffer is None:
+            self._buffer = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
+        return {Role.VISION_ROWS: self._buffer}
+
+    def _call(self, by_role: dict, images: Mapping[str, np.ndarray], past: dict) -> dict[str, np.ndarray]:
+        return self.step({**self.io.feeds({**by_role, **self._rows_feed()}), **images}, past)
+
+    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
+        """A decode call: the retained rows (onnxruntime) and the keep placeholder; no encoder."""
+        by_role = {
+            Role.TOKEN_IDS: token_ids,
+            Role.POSITIONS: positions,
+            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
+            **self._rows_feed(),
+            **(extra or {}),
+        }
+        return {**self.io.feeds(by_role), **self._placeholder()}
+
+    def step(self, feeds, past, in_place=False):
+        """:meth:`Generator.step`, keeping the retained rows of a decode step too."""
+        outputs = super().step(feeds, past, in_place)
+        if not self.language.retains_state and self.rows_name in feeds:
+            self._buffer = outputs[self.io.name(Role.VISION_ROWS, output=True)]
+        return outputs
+
+    def _prefill(
+        self,
+        plan: ChunkPlan,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        processed: Mapping[str, Any],
+        past: dict[str, np.ndarray],
+    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
+        """Every chunk of ``plan``; the first of a prompt with images encodes them all."""
+        images, _ = self._prepare_images(processed) if plan.segments else ([], {})
+        self._images = images
+        # The planner already refused a prompt whose rows exceed the buffer (every bucket's V).
+        keys = tuple(image.key for image in images)
+        # A conversation prefills its whole history again each turn: when the retained buffer
+        # already holds exactly this prompt's images (a text-only follow-up), nothing is encoded.
+        fresh = bool(keys) and keys != self._held
+        pending = self._pixels(processed) if fresh else None
+        self._fresh = [fresh] * len(images)
+        pixel_bytes = sum(array.nbytes for array in (pending or {}).values())
+        records, outputs = [], {}
+        for chunk in plan.chunks:
+            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+            token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+            by_role = {
+                Role.TOKEN_IDS: token_ids,
+                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
+            }
+            encoding = pending is not None
+            start = time.perf_counter()
+            outputs = self._call(by_role, pending if encoding else self._placeholder(), past)
+            seconds = time.perf_counter() - start
+            self.check_chunk_outputs(chunk, outputs)
+            count = len(images) if encoding else 0
+            if encoding:
+                self.encoder.calls += 1
+                self.encoder.images += count
+                pending, self._held = None, keys
+            records.append(
+                ChunkRecord(
+                    tokens=chunk.tokens,
+                    seq_len=chunk.seq_len,
+                    vision_size=chunk.vision_size,
+                    rows=chunk.rows,
+                    vision_bytes=pixel_bytes if count else 0,
+                    seconds=seconds,
+                    encode_seconds=0.0,
+                    images_encoded=count,
+                    start=chunk.start,
+                )
+            )
+        return outputs, records

@@ -1,0 +1,78 @@
+"""Specializations of ``deployment: single``: one ``lang`` program holding the encoder.
+
+The program is the vision graph composed into the language graph
+(:mod:`qeff_vision.compile.single_program`). Its ``vision_embeds`` is a retained buffer of the
+most image rows one request carries (``max_images`` x the largest image), so every
+specialization binds that one ``vision_size``. Three kinds of entries, all batch 1:
+
+- ``Encode-<S>-<n>x<image>``: a first prefill chunk of S tokens that encodes the request's n
+  images (n = 1 .. ``max_images``, one per vision specialization's resolution) and writes their
+  rows at the front of the buffer;
+- ``Prefill-<S>``: a later chunk (or a text-only prompt): the image symbols bound to 1, the
+  buffer kept, rows read by ``image_idx``;
+- ``Decode``: one token, no encoder.
+
+A compiler folds the encoder's If per specialization (its condition is a shape), so only the
+``Encode`` entries hold the vision tower. Pure; no torch, no onnx.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from qeff_vision import symbols
+
+ENCODE = "Encode"
+KEEP_SIDE = "1"  # the keep entries' image symbols (the compiler takes positive values only)
+NUM_IMAGES = "num_images"  # the vision graph's batch symbol in the composed graph
+
+
+def _image_symbols(vision_entry: Any) -> dict[str, str]:
+    """The composed graph's image-input symbols of one vision specialization (outputs dropped)."""
+    return {
+        (NUM_IMAGES if name == symbols.BATCH_SIZE else name): value
+        for name, value in vision_entry.symbols.items()
+        if name != symbols.VISION_SIZE  # the vision output's rows: internal to the composed graph
+    }
+
+
+def single_program(vision: Any, language: Any, request_rows: int, max_images: int) -> Any:
+    """The ``lang`` program files of a single deployment from the dual pair's files.
+
+    Args:
+        vision: The dual vision ``ProgramFiles`` (one entry per resolution).
+        language: The dual language ``ProgramFiles`` (prefill buckets, then decode).
+        request_rows: The retained buffer's rows: the most image rows one request carries.
+        max_images: The most images one request carries.
+
+    Returns:
+        One ``ProgramFiles`` (directory ``lang``) with the language custom IO.
+    """
+    from qeff_vision.spec.specializations import Specialization
+
+    buffer = {symbols.VISION_SIZE: str(request_rows)}
+    entries = []
+    keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0])}
+    for entry in language.specializations:
+        base = dict(entry.symbols)
+        decode = entry.name.startswith("Decode")
+        if not decode:
+            for image in vision.specializations:
+                pixels = _image_symbols(image)
+                for count in range(1, max_images + 1):
+                    encode = _ordered(base, {**pixels, NUM_IMAGES: str(count)}, buffer)
+                    name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{image.name.removeprefix('Vision-')}"
+                    entries.append(Specialization(name, encode))
+        entries.append(replace(entry, symbols=_ordered(base, keep_images, buffer)))
+    return replace(language, specializations=tuple(entries))
+
+
+def _ordered(base: dict[str, str], images: dict[str, str], buffer: dict[str, str]) -> dict[str, str]:
+    """Symbols in graph order: the language's up to ``seq_len``, the image inputs', then the rest."""
+    out: dict[str, str] = {}
+    for name, value in base.items():
+        out[name] = buffer.get(name, value)
+        if name == symbols.SEQ_LEN:
+            out.update(images)
+    return out

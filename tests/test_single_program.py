@@ -1,0 +1,123 @@
+"""``deployment: single``: one program holding the encoder, each image encoded once, vs transformers.
+
+Per enabled family (llava, gemma3), on the session's tiny export: the composed graph
+(``compile/single_program.py``) against the dual pair (the encode branch's retained rows equal
+the vision program's, logits equal the language program's on those rows; the keep branch
+returns the buffer unchanged); chunked runs of two images token-identical to transformers
+generate with the encoder run once for the prompt (an image straddling chunks for LLaVA, whose
+decoder is causal); a three-turn conversation. Then the CLI on tiny LLaVA: ``compile --backend
+onnxruntime`` of a single spec (one program ``lang``, every specialization run), ``run`` over two
+images and three turns with ``--compare-hf``, the encoder runs printed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from qeff_vision.cli import main
+from qeff_vision.compile.single_program import write_single_program
+from qeff_vision.contract.language_io import Role
+from qeff_vision.export.exporter import load_adapter
+from qeff_vision.export_record import read_export
+from qeff_vision.runtime.conversation import Conversation
+from qeff_vision.runtime.language_shape import LanguageShape
+from qeff_vision.runtime.planner import PrefillBucket
+from qeff_vision.runtime.session import OnnxProgram
+from qeff_vision.runtime.single import SingleGenerator
+from tests import helpers
+from tests.family_runtime import CTX_LEN, NEW_TOKENS, FamilyRuntime
+
+FAMILIES = ["llava", "gemma3"]
+SEQ_LENS = {"llava": (8,), "gemma3": (24,)}  # LLaVA's 8-token chunks cut a 16-row image
+MAX_IMAGES = 2
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def single(request, exported, hf_model):
+    """(runtime harness, composed program) of one family."""
+    family = request.param
+    export_dir = exported(family)
+    manifest = read_export(export_dir)
+    path = write_single_program(
+        export_dir,
+        export_dir / manifest["programs"]["vision"]["path"],
+        export_dir / manifest["programs"]["lang"]["path"],
+    )
+    return FamilyRuntime(family, export_dir, *hf_model(family)), OnnxProgram(path)
+
+
+def _generator(runtime: FamilyRuntime, program: OnnxProgram) -> SingleGenerator:
+    rows = MAX_IMAGES * _tokens(runtime)  # the retained buffer: the most rows one request carries
+    buckets = tuple(PrefillBucket(s, rows) for s in SEQ_LENS[runtime.family.name])
+    return SingleGenerator(runtime.checkpoint, program, LanguageShape(buckets, rows, CTX_LEN))
+
+
+def _tokens(runtime: FamilyRuntime) -> int:
+    """Rows of one image of the tiny checkpoint (the processor's placeholder count)."""
+    processed = runtime.inputs(["<image>", "x"], [helpers.image(64, 64, 1)])
+    return int(sum(runtime.checkpoint.host.placeholder_counts(processed)))
+
+
+def test_composed_graph_equals_the_dual_pair(single):
+    runtime, program = single
+    sizes = load_adapter(runtime.family).test_image_sizes
+    processed = runtime.inputs(["<image>", "<image>", "Compare."], [helpers.image(*sizes[0], 1), helpers.image(*sizes[-1], 2)])
+    pixels = {
+        name: np.concatenate([item[name] for item in runtime.checkpoint.host.vision_inputs(processed)])
+        for name in ("pixel_values",)
+    }
+    rows = runtime.vision.run(pixels)["vision_embeds"]
+    hidden = rows.shape[-1]
+    buffer = np.zeros((1, rows.shape[0] * rows.shape[1] + 3, hidden), np.float32)
+    buffer[0, : rows.shape[0] * rows.shape[1]] = rows.reshape(-1, hidden)
+    generator = _generator(runtime, program)
+    tokens = np.arange(8, dtype=np.int64)[None] % 50
+    positions = np.arange(8, dtype=np.int64)[None]
+    if runtime.family.position_id_rows:
+        positions = np.repeat(positions[None], runtime.family.position_id_rows, axis=0)
+    by_role = {Role.TOKEN_IDS: tokens, Role.POSITIONS: positions, Role.VISION_CURSOR: np.zeros((1, 1), np.int64)}
+    past = generator.empty_cache()
+    dual = runtime.language.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: buffer}), **past})
+    encode = program.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: np.zeros_like(buffer)}), **past, **pixels})
+    assert np.abs(encode["vision_embeds_RetainedState"] - buffer).max() < 1e-5
+    assert np.array_equal(encode["logits"], dual["logits"]) or np.abs(encode["logits"] - dual["logits"]).max() < 1e-5
+    keep = program.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: buffer}), **past, **generator._placeholder()})
+    assert np.array_equal(keep["vision_embeds_RetainedState"], buffer)
+    assert np.array_equal(keep["logits"], dual["logits"])
+
+
+def test_two_images_chunked_match_transformers_and_encode_once(single):
+    runtime, program = single
+    sizes = load_adapter(runtime.family).test_image_sizes
+    images = [helpers.image(*sizes[0], 3), helpers.image(*sizes[-1], 4)]
+    processed = runtime.inputs(["<image>", "A first picture, then a second one.", "<image>", "What changed?"], images)
+    generator = _generator(runtime, program)
+    plan = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk")
+    assert len(plan.chunks) >= 3
+    if runtime.family.features.chunk_split.supported:  # an image straddles chunks
+        cuts = [c.start for c in plan.chunks]
+        assert any(seg.start < cut < seg.stop for seg in plan.segments for cut in cuts)
+    result = generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)
+    runtime.check(result, processed, f"{runtime.family.name} single")
+    assert (result.encoder_calls, result.images_encoded) == (1, 2)
+    assert [chunk.images_encoded for chunk in result.chunks] == [2] + [0] * (len(result.chunks) - 1)
+
+
+def test_three_turn_conversation(single):
+    runtime, program = single
+    sizes = load_adapter(runtime.family).test_image_sizes
+    chat = Conversation(_generator(runtime, program), runtime.processor, max_new_tokens=NEW_TOKENS)
+    first, second = helpers.image(*sizes[0], 5), helpers.image(*sizes[-1], 6)
+    results = []
+    for images, text in [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]:
+        result = chat.ask(images, text, keep_logits=True)
+        runtime.check(result, chat.last_inputs.processed, f"{runtime.family.name} turn {len(results) + 1}")
+        results.append(result)
+    # Each turn prefills the whole conversation again (Conversation.ask): the text-only turn reads
+    # the retained rows; the third turn's prompt holds both images, encoded in its first chunk.
+    assert [r.images_encoded for r in results] == [1, 0, 2]
+    assert [r.encoder_calls for r in results] == [1, 0, 1]
