@@ -12,13 +12,9 @@ images and three turns with ``--compare-hf``, the encoder runs printed.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-import yaml
 
-from qeff_vision.cli import main
 from qeff_vision.compile.single_program import write_single_program
 from qeff_vision.contract.language_io import Role
 from qeff_vision.export.exporter import load_adapter
@@ -65,7 +61,9 @@ def _tokens(runtime: FamilyRuntime) -> int:
 def test_composed_graph_equals_the_dual_pair(single):
     runtime, program = single
     sizes = load_adapter(runtime.family).test_image_sizes
-    processed = runtime.inputs(["<image>", "<image>", "Compare."], [helpers.image(*sizes[0], 1), helpers.image(*sizes[-1], 2)])
+    processed = runtime.inputs(
+        ["<image>", "<image>", "Compare."], [helpers.image(*sizes[0], 1), helpers.image(*sizes[-1], 2)]
+    )
     pixels = {
         name: np.concatenate([item[name] for item in runtime.checkpoint.host.vision_inputs(processed)])
         for name in ("pixel_values",)
@@ -79,13 +77,24 @@ def test_composed_graph_equals_the_dual_pair(single):
     positions = np.arange(8, dtype=np.int64)[None]
     if runtime.family.position_id_rows:
         positions = np.repeat(positions[None], runtime.family.position_id_rows, axis=0)
-    by_role = {Role.TOKEN_IDS: tokens, Role.POSITIONS: positions, Role.VISION_CURSOR: np.zeros((1, 1), np.int64)}
+    by_role = {
+        Role.TOKEN_IDS: tokens,
+        Role.POSITIONS: positions,
+        Role.VISION_CURSOR: np.zeros((1, 1), np.int64),
+    }
     past = generator.empty_cache()
     dual = runtime.language.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: buffer}), **past})
-    encode = program.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: np.zeros_like(buffer)}), **past, **pixels})
+    encode = program.run(
+        {**generator.io.feeds({**by_role, Role.VISION_ROWS: np.zeros_like(buffer)}), **past, **pixels}
+    )
     assert np.abs(encode["vision_embeds_RetainedState"] - buffer).max() < 1e-5
-    assert np.array_equal(encode["logits"], dual["logits"]) or np.abs(encode["logits"] - dual["logits"]).max() < 1e-5
-    keep = program.run({**generator.io.feeds({**by_role, Role.VISION_ROWS: buffer}), **past, **generator._placeholder()})
+    assert (
+        np.array_equal(encode["logits"], dual["logits"])
+        or np.abs(encode["logits"] - dual["logits"]).max() < 1e-5
+    )
+    keep = program.run(
+        {**generator.io.feeds({**by_role, Role.VISION_ROWS: buffer}), **past, **generator._placeholder()}
+    )
     assert np.array_equal(keep["vision_embeds_RetainedState"], buffer)
     assert np.array_equal(keep["logits"], dual["logits"])
 
@@ -94,7 +103,9 @@ def test_two_images_chunked_match_transformers_and_encode_once(single):
     runtime, program = single
     sizes = load_adapter(runtime.family).test_image_sizes
     images = [helpers.image(*sizes[0], 3), helpers.image(*sizes[-1], 4)]
-    processed = runtime.inputs(["<image>", "A first picture, then a second one.", "<image>", "What changed?"], images)
+    processed = runtime.inputs(
+        ["<image>", "A first picture, then a second one.", "<image>", "What changed?"], images
+    )
     generator = _generator(runtime, program)
     plan = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk")
     assert len(plan.chunks) >= 3
@@ -113,7 +124,11 @@ def test_three_turn_conversation(single):
     chat = Conversation(_generator(runtime, program), runtime.processor, max_new_tokens=NEW_TOKENS)
     first, second = helpers.image(*sizes[0], 5), helpers.image(*sizes[-1], 6)
     results = []
-    for images, text in [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]:
+    for images, text in [
+        ([first], "Describe this picture."),
+        ([], "What colour dominates?"),
+        ([second], "Compare them."),
+    ]:
         result = chat.ask(images, text, keep_logits=True)
         runtime.check(result, chat.last_inputs.processed, f"{runtime.family.name} turn {len(results) + 1}")
         results.append(result)

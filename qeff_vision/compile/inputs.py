@@ -17,12 +17,14 @@ from typing import Any
 from qeff_vision.compile.argv import PARTITION_FILE_NAME, mdp_partition_config
 from qeff_vision.compile.graph_io import read_graph_io, symbol_problems
 from qeff_vision.compile.precision import PrecisionPlan
+from qeff_vision.compile.single_program import SINGLE_FILE, single_program_path
 from qeff_vision.compile_record import MANIFEST_FILE
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
 from qeff_vision.fsutil import atomic_write_json
 from qeff_vision.spec import write_specializations
 from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
+from qeff_vision.spec.deployment import SINGLE
 
 EXPORT_SUBDIR = "export"
 # Section name in the spec's compile: block -> directory under OUT (and key in export.json).
@@ -169,6 +171,8 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> di
         from qeff_vision.compile.kv_prefix import write_prefixed_language
 
         write_prefixed_language(export.onnx(SECTIONS[LANGUAGE]), spec.deployment.kv_cache_prefix)
+    if spec.deployment.mode == SINGLE and export.manifest is not None:
+        _write_single(export)  # again each time: the export may have been redone since
     plans = plan_inputs(generated, spec, out_dir, export)
     for plan in plans.values():
         partition = plan.directory / PARTITION_FILE_NAME
@@ -200,6 +204,8 @@ def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dic
         has_custom_io = bool(files.custom_io)
         partition = directory / PARTITION_FILE_NAME
         onnx = source = export.onnx(SECTIONS[section])
+        if spec.deployment.mode == SINGLE:  # the vision graph composed into the language graph
+            onnx = source = single_program_path(export.directory)
         if section == LANGUAGE and spec.deployment.kv_cache_prefix:
             onnx = prefixed_language(source, spec.deployment.kv_cache_prefix)
         plans[program] = ProgramPlan(
@@ -217,11 +223,20 @@ def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dic
     return plans
 
 
+def _write_single(export: Export) -> Path:
+    """Compose the export's two graphs into its single program (``single.onnx``, beside them)."""
+    from qeff_vision.compile.single_program import write_single_program
+
+    return write_single_program(export.directory, export.onnx("vision"), export.onnx("lang"))
+
+
 def check_graphs(plans: Mapping[str, ProgramPlan], source: str, *, outputs_required: bool) -> None:
     """Every specialization binds exactly its graph's symbols; a SpecError listing all problems if not."""
     problems = []
     for plan in plans.values():
         # The renamed KV copy binds the same symbols as its source (checked before it is written).
+        if plan.onnx.name == SINGLE_FILE and not plan.onnx.is_file():
+            _write_single(Export(plan.onnx.parent, read_export(plan.onnx.parent)))
         written = plan.source_onnx is None or plan.onnx.is_file()
         graph = read_graph_io(plan.onnx if written else plan.source_onnx)
         problems += symbol_problems(

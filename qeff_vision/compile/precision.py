@@ -222,6 +222,10 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
     model = export_manifest.get("model")
     if not model or not (Path(model) / "config.json").is_file():
         return {}
+    if "vision" not in plans:
+        # deployment single: one composed program; its plan comes from the generated inputs of
+        # every specialization (encode ones run the tower), not from prompts through two programs.
+        return {}
     calibration = spec.compile.calibration
     spec_dir = Path(spec.source).resolve().parent
     images = [spec_dir / image for image in calibration.images] if calibration else []

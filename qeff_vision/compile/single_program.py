@@ -123,15 +123,27 @@ def compose(vision_path: Path, language_path: Path):
     hidden, dtype = buffer.shape.dim[2].dim_value, buffer.elem_type
     encoded = vg.output[0].name
     then_nodes = list(vg.node) + [
-        helper.make_node("Constant", [], ["single/rows_shape"], value=helper.make_tensor(
-            "single/rows_shape", TensorProto.INT64, [3], [1, -1, hidden])),
+        helper.make_node(
+            "Constant",
+            [],
+            ["single/rows_shape"],
+            value=helper.make_tensor("single/rows_shape", TensorProto.INT64, [3], [1, -1, hidden]),
+        ),
         helper.make_node("Reshape", [encoded, "single/rows_shape"], ["single/rows"]),
         # n = rows written; the rest of the retained buffer keeps its tail (Slice from n).
         helper.make_node("Shape", ["single/rows"], ["single/n"], start=1, end=2),
-        helper.make_node("Constant", [], ["single/axis1"], value=helper.make_tensor(
-            "single/axis1", TensorProto.INT64, [1], [1])),
-        helper.make_node("Constant", [], ["single/end"], value=helper.make_tensor(
-            "single/end", TensorProto.INT64, [1], [2**62])),
+        helper.make_node(
+            "Constant",
+            [],
+            ["single/axis1"],
+            value=helper.make_tensor("single/axis1", TensorProto.INT64, [1], [1]),
+        ),
+        helper.make_node(
+            "Constant",
+            [],
+            ["single/end"],
+            value=helper.make_tensor("single/end", TensorProto.INT64, [1], [2**62]),
+        ),
         helper.make_node("Slice", [embeds, "single/n", "single/end", "single/axis1"], ["single/tail"]),
         helper.make_node("Concat", ["single/rows", "single/tail"], ["single/encoded"], axis=1),
     ]
@@ -146,8 +158,12 @@ def compose(vision_path: Path, language_path: Path):
     )
     gate = [
         helper.make_node("Shape", [pixel.name], ["single/side"], start=3, end=4),
-        helper.make_node("Constant", [], ["single/keep_side"], value=helper.make_tensor(
-            "single/keep_side", TensorProto.INT64, [1], [KEEP_SIDE])),
+        helper.make_node(
+            "Constant",
+            [],
+            ["single/keep_side"],
+            value=helper.make_tensor("single/keep_side", TensorProto.INT64, [1], [KEEP_SIDE]),
+        ),
         helper.make_node("Greater", ["single/side", "single/keep_side"], ["single/encode_1"]),
         helper.make_node("Squeeze", ["single/encode_1"], ["single/encode"]),
         helper.make_node("If", ["single/encode"], [ROWS], then_branch=then_branch, else_branch=else_branch),

@@ -28,7 +28,7 @@ from qeff_vision.families.base import ImageSize, ModelDescription, describe_chec
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
 from qeff_vision.runtime.language_shape import LanguageShape
-from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL
+from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL, SINGLE
 
 
 @dataclass(frozen=True)
@@ -139,9 +139,15 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     if backend not in (QAIC, ONNXRUNTIME):
         raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
     where = str(out_dir / "manifest.json")
-    vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
     deployment = manifest.get("deployment", DUAL)
     language_program, phases = "lang", ()
+    if deployment == SINGLE:  # one program: its encode entries stand for the vision program's
+        from qeff_vision.runtime.single import image_specializations
+
+        language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
+        vision = image_specializations(language)
+    else:
+        vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
     if deployment == DISAGGREGATED:
         language_program = LANG_DECODE
         phases = tuple(
@@ -151,9 +157,9 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         language = phases[0] + phases[1]
         if not all(phases):
             raise UserError(f"{where}: a program has no specializations")
-    elif deployment != DUAL:
+    elif deployment not in (DUAL, SINGLE):
         raise UserError(f"{where}: the runtime does not run deployment {deployment!r} yet")
-    else:
+    elif deployment == DUAL:
         language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
     if not vision or not language:
         raise UserError(f"{where}: a program has no specializations")
@@ -168,7 +174,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         model_dir=_model_dir(out_dir, export_dir, manifest),
         export_dir=export_dir,
         checkpoint_dir=_weights_dir(_checkpoint_dir(export_dir, manifest)),
-        vision_path=program_path(manifest, out_dir, "vision"),
+        vision_path=program_path(manifest, out_dir, "lang" if deployment == SINGLE else "vision"),
         language_path=program_path(manifest, out_dir, language_program),
         vision_specializations=vision,
         language_specializations=language,
@@ -231,6 +237,11 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
             "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
         )
+    if artifacts.backend == QAIC and artifacts.deployment == SINGLE:
+        raise UserError(
+            f"{artifacts.out_dir}: running a single-program qaic artifact is not built yet (its keep "
+            "specializations feed a placeholder image); the onnxruntime backend runs it"
+        )
     if artifacts.backend == QAIC:
         require_qaic_runtime(artifacts.language_path)
         io = read_export(artifacts.export_dir)["programs"]
@@ -284,6 +295,12 @@ def generator_for_artifacts(
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
     vision, language = open_programs(artifacts, precision)
+    if artifacts.deployment == SINGLE:
+        from qeff_vision.runtime.single import SingleGenerator
+
+        generator = SingleGenerator(artifacts.checkpoint(), language, artifacts.shape, cache)
+        generator.compiled_vision = list(artifacts.vision_specializations)
+        return generator
     buckets = artifacts.vision_specializations if artifacts.patch_buckets else None
     generator = make_generator(
         artifacts.checkpoint(), vision, language, artifacts.shape, cache, patch_buckets=buckets

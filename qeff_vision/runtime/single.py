@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
@@ -30,6 +31,37 @@ from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 
 KEEP_SIDE = 1  # a keep specialization's image side (compile/single_program.py)
+NUM_IMAGES = "num_images"
+# The language program's own symbols; the others of a single program's entries are the image inputs'.
+LANGUAGE_SYMBOLS = {
+    symbols.BATCH_SIZE,
+    symbols.SEQ_LEN,
+    symbols.CTX_LEN,
+    symbols.VISION_BATCH_SIZE,
+    symbols.VISION_SIZE,
+    symbols.FULL_BATCH_SIZE,
+    symbols.SLIDING_WINDOW,
+    symbols.COMP_CTX_LENGTHS,
+}
+
+
+def image_specializations(specializations) -> tuple[dict[str, int], ...]:
+    """The image symbols of a single program's encode entries, named as the vision program's.
+
+    ``num_images`` is the vision graph's ``batch_size``; keep entries (every image symbol 1) and
+    duplicates are dropped. What the image fitter checks a resolution against.
+    """
+    found: list[dict[str, int]] = []
+    for entry in specializations:
+        images = {name: value for name, value in entry.items() if name not in LANGUAGE_SYMBOLS}
+        if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
+            continue
+        vision = {
+            (symbols.BATCH_SIZE if name == NUM_IMAGES else name): value for name, value in images.items()
+        }
+        if vision not in found:
+            found.append(vision)
+    return tuple(found)
 
 
 class EncoderCount:
@@ -88,7 +120,8 @@ class SingleGenerator(Generator):
 
     def _served_lines(self) -> list[str]:
         return [
-            f"image {number}: " + ("encoded inside the single program" if fresh else "rows retained from the last prompt")
+            f"image {number}: "
+            + ("encoded inside the single program" if fresh else "rows retained from the last prompt")
             for number, fresh in enumerate(self._fresh, start=1)
         ]
 
