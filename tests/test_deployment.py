@@ -48,11 +48,11 @@ def test_single_refuses_batching_keys_each_in_one_line(tmp_path):
     assert all("\n" not in problem for problem in problems)
 
 
-def test_single_is_refused_with_the_familys_reason_while_not_built(tmp_path, capsys):
+def test_single_is_refused_with_the_familys_reason_where_not_built(tmp_path, capsys):
     path = write_spec_data(tmp_path, spec_data(deployment="single"))
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "deployment: Qwen2.5-VL cannot be deployed single: not built yet" in err
+    assert "deployment: Qwen2.5-VL cannot be deployed single: not built for this family" in err
     assert "Traceback" not in err
 
 
@@ -72,7 +72,10 @@ def test_families_table_has_a_row_per_mode_with_reasons():
     for family in all_families():
         assert family.features.deployment(DISAGGREGATED).supported, family.name
     assert table.count("disaggregated        yes (deployment: disaggregated") == len(all_families())
-    assert table.count("single QPC           no (not built yet (deployment: single") == len(all_families())
+    single = {f.name for f in all_families() if f.features.deployment("single").supported}
+    assert {"llava", "gemma3"} <= single
+    assert table.count("single QPC           yes (one lang program") == len(single)
+    assert table.count("single QPC           no (not built") == len(all_families()) - len(single)
 
 
 def test_disaggregated_programs_split_the_language_specializations(tmp_path):

@@ -56,9 +56,11 @@ QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slot
 DISAGGREGATED_PROGRAMS = yes(
     "deployment: disaggregated, lang_prefill at batch 1, lang_decode at full_batch_size"
 )
-#: ``deployment: single`` is specified but not built for any family yet (issue 24).
+#: ``deployment: single`` is built for families whose vision graph composes into the language
+#: graph as one If branch (compile/single_program.py); the others declare this (or their own reason).
 SINGLE_PROGRAM_NOT_BUILT = no(
-    "not built yet (deployment: single, one program that encodes each image once; issue 24)"
+    "not built for this family: the single program composes a vision graph with one "
+    "[images, C, H, W] input and one vision_embeds output (built: llava, gemma3)"
 )
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 

@@ -65,7 +65,11 @@ def single_program(vision: Any, language: Any, request_rows: int, max_images: in
                     name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{image.name.removeprefix('Vision-')}"
                     entries.append(Specialization(name, encode))
         entries.append(replace(entry, symbols=_ordered(base, keep_images, buffer)))
-    return replace(language, specializations=tuple(entries))
+    # The image inputs keep the vision program's precision (its custom IO, outputs dropped: the
+    # rows stay inside the program); the language's entries follow, vision_embeds among them.
+    named = {name for name, _ in language.custom_io}
+    images = tuple((name, kind) for name, kind in vision.custom_io if name not in named)
+    return replace(language, specializations=tuple(entries), custom_io=images + tuple(language.custom_io))
 
 
 def _ordered(base: dict[str, str], images: dict[str, str], buffer: dict[str, str]) -> dict[str, str]:

@@ -30,7 +30,6 @@ from qeff_vision.families.base import (
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -128,7 +127,10 @@ class InternVL(Family):
         chunk_split=yes("causal attention over image tokens"),
         video=no("video frames are not exported yet; images only"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=no(
+            "not built: a prompt's images may have different tile counts, so the first chunk "
+            "would need one encoder batch per tile count (the composed If encodes one batch)"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,

@@ -36,7 +36,6 @@ from qeff_vision.families.base import (
     CROSS_ATTENTION,
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -134,7 +133,10 @@ class Mllama(Family):
             "image states into its slot, each row reads its own"
         ),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=no(
+            "not built: the vision outputs are the cross layers' K/V (retained under the KV "
+            "names), not rows of vision_embeds; the composition would write the K/V slots instead"
+        ),
         deepstack=NO_DEEPSTACK,
         comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
     )
