@@ -12,9 +12,13 @@ images and three turns with ``--compare-hf``, the encoder runs printed.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+import yaml
 
+from qeff_vision.cli import main
 from qeff_vision.compile.single_program import write_single_program
 from qeff_vision.contract.language_io import Role
 from qeff_vision.export.exporter import load_adapter
@@ -136,3 +140,68 @@ def test_three_turn_conversation(single):
     # the retained rows; the third turn's prompt holds both images, encoded in its first chunk.
     assert [r.images_encoded for r in results] == [1, 0, 2]
     assert [r.encoder_calls for r in results] == [1, 0, 1]
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_checkpoint, exported, tmp_path_factory):
+    """Tiny LLaVA compiled ``deployment: single`` on the onnxruntime backend, two images beside it."""
+    root = tmp_path_factory.mktemp("single-llava")
+    spec = {
+        "name": "llava-single",
+        "model": str(tiny_checkpoint("llava")),
+        "ctx_len": 256,
+        "deployment": "single",
+        "prefill": {"seq_lens": [8, 32]},
+        "vision": {"images": [{"height": 336, "width": 336}], "max_images": 2},
+    }
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    args = ["compile", str(root / "spec.yaml"), "-o", str(root / "out"), "--backend", "onnxruntime"]
+    assert main([*args, "--export", str(exported("llava"))]) == 0
+    for name, (height, width) in {"a": (112, 112), "b": (140, 196)}.items():
+        helpers.image(height, width, len(name)).save(root / f"{name}.png")
+    return root
+
+
+def test_compile_lists_one_program_and_runs_every_specialization(compiled):
+    manifest = json.loads((compiled / "out" / "manifest.json").read_text())
+    assert manifest["deployment"] == "single" and list(manifest["programs"]) == ["lang"]
+    lang = manifest["programs"]["lang"]
+    names = [entry["name"] for entry in lang["specializations"]]
+    assert names == [
+        "Encode-8-1x336x336", "Encode-8-2x336x336", "Prefill-8",
+        "Encode-32-1x336x336", "Encode-32-2x336x336", "Prefill-32", "Decode",
+    ]  # fmt: skip
+    assert len(lang["verification"]["runs"]) == len(names)  # each run on onnxruntime
+    assert lang["onnx"].endswith("single.onnx")
+
+
+def test_run_shows_the_encoder_runs_and_matches_transformers(compiled, capsys):
+    out = str(compiled / "out")
+    images = ["--image", str(compiled / "a.png"), "--image", str(compiled / "b.png")]
+    turns = ["--prompt", "Compare.", "--prompt", "And the colours?", "--prompt", "Thanks."]
+    assert main(["run", out, *images, *turns, "--max-new-tokens", "4", "--compare-hf"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 3
+    # Turn one encodes both images in its first chunk; the follow-ups read the retained rows.
+    assert err.count("1 encoder call(s) encoding 2 image(s)") == 1
+    assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
+
+
+def test_stand_in_compiler_takes_the_single_program(compiled, exported, tmp_path):
+    """The stand-in compiler (which checks every specialization binds the graph's symbols) takes it."""
+    from qeff_vision.compile.driver import compile_spec
+    from tests.compile_fixtures import calls, stand_in
+
+    compiler, record = stand_in(tmp_path)
+    outcome = compile_spec(
+        compiled / "spec.yaml",
+        tmp_path / "out",
+        compiler=compiler,
+        export_dir=exported("llava"),
+        progress=None,
+        status_stream=None,
+        env={},
+    )
+    (call,) = calls(record)
+    assert list(outcome.manifest["programs"]) == ["lang"]
+    assert any(arg.startswith("-m=") and arg.endswith("single.onnx") for arg in call["argv"])
