@@ -19,6 +19,20 @@ def _span_cell(low: int, high: int) -> str:
     return f"{low}" if low == high else f"{low}-{high}"
 
 
+# The language program's own symbols; a single program's others are its image inputs'.
+LANGUAGE_SYMBOLS = {
+    symbols.BATCH_SIZE,
+    symbols.SEQ_LEN,
+    symbols.CTX_LEN,
+    symbols.VISION_BATCH_SIZE,
+    symbols.VISION_SIZE,
+    symbols.FULL_BATCH_SIZE,
+    symbols.FULL_BATCH_EXEC_SIZE,
+    symbols.SLIDING_WINDOW,
+    symbols.COMP_CTX_LENGTHS,
+}
+
+
 def specialization_table(result: ProgramSpecializations) -> str:
     """One row per specialization, then one row per image with the chunks each bucket needs.
 
@@ -35,16 +49,20 @@ def specialization_table(result: ProgramSpecializations) -> str:
         f"({spec.vision.max_images} image(s))"
     )
     rows: list[tuple[str, ...]] = [("program", "specialization", "symbols")]
-    for entry in result.vision.specializations:
-        rows.append(("vision", entry.name, " ".join(f"{k}={v}" for k, v in entry.symbols.items())))
+    single = bool(result.programs) and result.vision not in result.programs
+    if not single:  # a single deployment has no vision program: its encode entries show the images
+        for entry in result.vision.specializations:
+            rows.append(("vision", entry.name, " ".join(f"{k}={v}" for k, v in entry.symbols.items())))
     # A disaggregated deployment's language programs are named by directory (lang_prefill, ...).
     languages = [files for files in result.programs if files is not result.vision] or [result.language]
     for files in languages:
-        label = "language" if len(languages) == 1 else files.directory
+        label = "language" if len(languages) == 1 and not single else files.directory
         for entry in files.specializations:
             keys = (symbols.SEQ_LEN, symbols.VISION_SIZE) + (
                 (symbols.BATCH_SIZE,) if len(languages) > 1 else ()
             )
+            if single:  # the image inputs' symbols: which entries run the encoder
+                keys += tuple(k for k in entry.symbols if k not in LANGUAGE_SYMBOLS)
             shown = [k for k in keys if k in entry.symbols]
             rows.append((label, entry.name, " ".join(f"{k}={entry.symbols[k]}" for k in shown)))
     seq_lens = spec.prefill.seq_lens
