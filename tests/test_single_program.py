@@ -205,3 +205,11 @@ def test_stand_in_compiler_takes_the_single_program(compiled, exported, tmp_path
     (call,) = calls(record)
     assert list(outcome.manifest["programs"]) == ["lang"]
     assert any(arg.startswith("-m=") and arg.endswith("single.onnx") for arg in call["argv"])
+
+
+def test_run_requests_is_refused_in_one_line(compiled, capsys):
+    (compiled / "requests.jsonl").write_text(json.dumps({"prompt": "Hi.", "images": ["a.png"]}) + "\n")
+    assert main(["run", str(compiled / "out"), "--requests", str(compiled / "requests.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "deployment single serves one sequence at a time" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

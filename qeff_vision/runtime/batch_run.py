@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qeff_vision.errors import UserError
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
@@ -76,6 +77,12 @@ def run_requests(
         for image in request.images:
             load_image(image)  # a bad image fails before anything heavy loads
     chat = open_conversation(artifacts_dir, protocol=protocol, precision=precision)
+    if getattr(chat.generator, "single_program", False):
+        raise UserError(
+            f"{artifacts_dir}: deployment single serves one sequence at a time (batch 1, its image "
+            "rows retained in the program); serve --requests from a dual or disaggregated compile, "
+            "or run each prompt with --prompt"
+        )
     prepared = [chat.prepare(list(request.images), request.prompt) for request in requests]
     tokenizer = chat.processor.tokenizer
 

@@ -83,7 +83,7 @@ class EncoderCount:
 
 
 class SingleGenerator(Generator):
-    """A :class:`Generator` over one single-deployment program (batch 1).
+    """A :class:`Generator` over one single-deployment program (batch 1; not for the batched engine).
 
     Args:
         checkpoint: The checkpoint the program was exported from.
@@ -92,6 +92,9 @@ class SingleGenerator(Generator):
         cache: Unused by this program (images are encoded inside it); kept for the signature.
         **kwargs: :class:`Generator`'s keyword arguments.
     """
+
+    #: The batched engine and ``run --requests`` refuse it (one sequence's rows live in the program).
+    single_program = True
 
     def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
         self.encoder = EncoderCount()
