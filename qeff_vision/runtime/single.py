@@ -138,9 +138,13 @@ class SingleGenerator(Generator):
     def _pixels(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Every image of the prompt in one batch per input (the encode specialization's)."""
         per_image = self.host.vision_inputs(processed)
-        shapes = {tuple(array.shape[1:]) for inputs in per_image for array in inputs.values()}
-        if len(shapes) > len(self.image_inputs):
-            raise UserError("deployment single encodes a prompt's images in one call: they must share a size")
+        for name in self.image_inputs:
+            shapes = {tuple(inputs[name].shape[1:]) for inputs in per_image}
+            if len(shapes) > 1:
+                raise UserError(
+                    f"deployment single encodes a prompt's images in one call, so their {name} must share "
+                    f"a shape (got {', '.join(str(list(shape)) for shape in sorted(shapes))})"
+                )
         return {
             name: np.concatenate([inputs[name] for inputs in per_image], axis=0).astype(np.float32)
             for name in self.image_inputs
