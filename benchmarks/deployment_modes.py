@@ -100,7 +100,7 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
     from qeff_vision import api
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.compile.single_program import write_single_program
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket

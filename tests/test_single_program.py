@@ -21,8 +21,8 @@ import yaml
 from qeff_vision.cli import main
 from qeff_vision.compile.single_program import write_single_program
 from qeff_vision.contract.language_io import Role
-from qeff_vision.export.exporter import load_adapter
 from qeff_vision.export_record import read_export
+from qeff_vision.exporter import load_adapter
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
