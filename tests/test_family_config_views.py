@@ -26,6 +26,8 @@ REQUIRED = {
     "mistral3": "image_token_index",
     "mllama": "text_config.cross_attention_layers",
     "qwen2_5_vl": "video_token_id",
+    "qwen3_5": "video_token_id",
+    "qwen3_5_moe": "video_token_id",
     "qwen3_vl": "video_token_id",
     "qwen3_vl_moe": "video_token_id",
 }
