@@ -9,6 +9,12 @@ QEfficient's dual-QPC VLM export so vLLM's qaic backend loads our programs.
 
 A row's shape lists every dimension: a symbol (a dynamic axis a specialization binds), a
 :class:`Fixed` model dimension (static in the graph, read from the text config), or an int.
+
+Each decoder layer declares what it keeps between calls (:class:`LayerCache`): its slot-axis
+symbol (the whole context or a sliding-window ring), its own KV head count and head dim (Gemma 4's
+full layers are wider than its sliding ones), the earlier layer whose cache it reads, in which
+case it has no rows at all (Gemma 4's ``num_kv_shared_layers``), or that it is recurrent (conv and
+recurrent state rows instead of a KV pair: Qwen3.5's linear-attention layers).
 """
 
 from __future__ import annotations
@@ -100,6 +106,88 @@ SLOT_ROLES = (*KV_ROLES, *STATE_ROLES)
 
 
 @dataclass(frozen=True)
+class LayerCache:
+    """What one decoder layer keeps between calls, declared once; its rows follow from it.
+
+    A layer is of one of four kinds (:attr:`kind`): a full-context KV cache (``length`` is
+    ``ctx_len`` or a family's own symbol), a sliding-window ring (``length`` is
+    ``sliding_window``), shared (``reads`` names the earlier layer whose cache it reads: no rows),
+    or recurrent (``recurrent``: conv and recurrent state rows instead of a KV pair).
+
+    Attributes:
+        length: Symbol of the slot axis: ``ctx_len``, ``sliding_window`` for a ring, or a family's
+            own symbol (cross-attention states). Unused by a recurrent or shared layer.
+        kv_heads: KV heads of this layer's cache: a :class:`Fixed` model dimension or an int.
+        head_dim: Head dim of this layer's cache: a :class:`Fixed` model dimension or an int.
+        reads: For a layer that computes no K/V of its own, the earlier layer whose cache it reads;
+            such a layer has no rows. None for a layer with its own cache.
+        recurrent: A linear-attention layer: ``conv_state.{i}`` and ``recurrent_state.{i}`` rows,
+            no KV pair.
+    """
+
+    length: str = symbols.CTX_LEN
+    kv_heads: str | int = NUM_KV_HEADS
+    head_dim: str | int = HEAD_DIM
+    reads: int | None = None
+    recurrent: bool = False
+
+    def __post_init__(self):
+        if self.recurrent and self.reads is not None:
+            raise ValueError("a recurrent layer keeps its own state; it cannot read another layer's cache")
+
+    @property
+    def shared(self) -> bool:
+        """The layer reads another layer's cache and has no rows of its own."""
+        return self.reads is not None
+
+    @property
+    def kind(self) -> str:
+        """``recurrent``, ``shared``, ``ring`` (a ``sliding_window`` slot axis) or ``full``."""
+        if self.recurrent:
+            return "recurrent"
+        if self.shared:
+            return "shared"
+        return "ring" if self.length == symbols.SLIDING_WINDOW else "full"
+
+    @property
+    def has_kv(self) -> bool:
+        """The layer has past_key/past_value rows of its own (neither shared nor recurrent)."""
+        return not (self.shared or self.recurrent)
+
+
+#: A recurrent (linear-attention) layer's declaration.
+RECURRENT = LayerCache(recurrent=True)
+
+
+def layer_caches(
+    declared: Sequence[str | LayerCache], num_layers: int, recurrent_layers: Collection[int] = ()
+) -> tuple[LayerCache, ...]:
+    """Each layer's :class:`LayerCache` from symbols or declarations, checked.
+
+    Args:
+        declared: One slot symbol or :class:`LayerCache` per layer.
+        num_layers: Decoder layers.
+        recurrent_layers: Layers declared recurrent here rather than in ``declared`` (their entry
+            there is unused).
+
+    Raises:
+        ValueError: Not one entry per layer, a recurrent layer out of range, or a shared layer
+            reads a later layer, itself, or a layer without KV rows (shared or recurrent).
+    """
+    caches = tuple(entry if isinstance(entry, LayerCache) else LayerCache(entry) for entry in declared)
+    if len(caches) != num_layers:
+        raise ValueError(f"{len(caches)} cache symbols for {num_layers} layers")
+    recurrent = set(recurrent_layers)
+    if not recurrent <= set(range(num_layers)):
+        raise ValueError(f"recurrent layers {sorted(recurrent)} outside 0..{num_layers - 1}")
+    caches = tuple(RECURRENT if layer in recurrent else cache for layer, cache in enumerate(caches))
+    for layer, cache in enumerate(caches):
+        if cache.shared and not (0 <= cache.reads < layer and caches[cache.reads].has_kv):
+            raise ValueError(f"layer {layer} reads layer {cache.reads}'s cache: not an earlier one with rows")
+    return caches
+
+
+@dataclass(frozen=True)
 class IORow:
     """One graph input (or output) of the language program.
 
@@ -147,6 +235,13 @@ class LanguageIO:
 
     inputs: tuple[IORow, ...]
     outputs: tuple[IORow, ...]
+    #: Each decoder layer's cache declaration (a shared layer has no rows); empty for a table
+    #: built without layers.
+    layers: tuple[LayerCache, ...] = ()
+
+    def shared_layers(self) -> dict[int, int]:
+        """Layer -> the earlier layer whose cache it reads, for every layer without rows."""
+        return {layer: cache.reads for layer, cache in enumerate(self.layers) if cache.reads is not None}
 
     @property
     def input_names(self) -> list[str]:
@@ -282,7 +377,7 @@ def with_kv_prefix(io: LanguageIO, prefix: str | None) -> LanguageIO:
             with_kv_prefix_name(row.name, prefix), row.role, row.dtype, row.shape, retained, row.layer
         )
 
-    return LanguageIO(tuple(map(renamed, io.inputs)), tuple(map(renamed, io.outputs)))
+    return LanguageIO(tuple(map(renamed, io.inputs)), tuple(map(renamed, io.outputs)), io.layers)
 
 
 def kv_prefix_of(names: Iterable[str]) -> str | None:
@@ -311,7 +406,7 @@ def is_slot_name(name: str) -> bool:
 def language_io(
     num_layers: int,
     position_id_rows: int | None = None,
-    cache_symbols: Sequence[str] | None = None,
+    cache_symbols: Sequence[str | LayerCache] | None = None,
     comp_ctx_lengths: bool = False,
     stacked_rows: Mapping[str, str] | None = None,
     *,
@@ -323,10 +418,13 @@ def language_io(
     """The language program's IO table.
 
     Args:
-        num_layers: Decoder layers (one key and one value cache row each).
+        num_layers: Decoder layers (one key and one value cache row each, unless shared or
+            recurrent).
         position_id_rows: Leading rows of ``position_ids`` (3 for M-RoPE), None for [batch, seq].
         cache_symbols: Each layer's slot-axis symbol (``sliding_window`` for a ring layer, a
-            family's own symbol for cross-attention states); ``ctx_len`` for every layer when omitted.
+            family's own symbol for cross-attention states) or its whole :class:`LayerCache`
+            (own head count and head dim, the layer whose cache it reads: then no rows, or
+            :data:`RECURRENT`); ``ctx_len`` for every layer when omitted.
         comp_ctx_lengths: Add the compute-context-length input last.
         stacked_rows: Extra vision inputs after ``vision_embeds`` (Qwen3-VL ``deepstack_features``),
             name -> symbol of their leading stack axis; each is retained like ``vision_embeds``.
@@ -340,7 +438,8 @@ def language_io(
         recurrent_layers: Layers of the recurrent kind (linear attention): instead of a KV pair
             each has ``conv_state.{i}`` [slots, conv_dim, conv_kernel] and ``recurrent_state.{i}``
             [slots, state_value_heads, state_key_dim, state_value_dim] (dtype class ``STATE``),
-            retained and slot-indexed like the caches; its entry of ``cache_symbols`` is unused.
+            retained and slot-indexed like the caches; its entry of ``cache_symbols`` is unused
+            (the same as declaring it :data:`RECURRENT` there).
 
     Returns:
         The table; outputs pair each retained input with its ``_RetainedState`` output.
@@ -361,15 +460,10 @@ def language_io(
         ]
         # image_idx_output is a running cursor returned under its own name, not X_RetainedState.
         inputs.append(IORow(symbols.IMAGE_IDX, Role.VISION_CURSOR, DType.INT64, (1, 1)))
-    slots = list(cache_symbols or [symbols.CTX_LEN] * num_layers)
-    if len(slots) != num_layers:
-        raise ValueError(f"{len(slots)} cache symbols for {num_layers} layers")
-    recurrent = set(recurrent_layers)
-    if not recurrent <= set(range(num_layers)):
-        raise ValueError(f"recurrent layers {sorted(recurrent)} outside 0..{num_layers - 1}")
+    caches = layer_caches(cache_symbols or [symbols.CTX_LEN] * num_layers, num_layers, recurrent_layers)
     cache_batch = symbols.FULL_BATCH_SIZE if continuous_batching else batch
-    for layer, slot in enumerate(slots):
-        if layer in recurrent:
+    for layer, cache in enumerate(caches):
+        if cache.recurrent:
             conv = (cache_batch, CONV_DIM, CONV_KERNEL)
             state = (cache_batch, STATE_VALUE_HEADS, STATE_KEY_DIM, STATE_VALUE_DIM)
             inputs.append(IORow(symbols.conv_state(layer), Role.CONV_STATE, DType.STATE, conv, layer=layer))
@@ -377,7 +471,9 @@ def language_io(
                 IORow(symbols.recurrent_state(layer), Role.RECURRENT_STATE, DType.STATE, state, layer=layer)
             )
             continue
-        shape = (cache_batch, NUM_KV_HEADS, slot, HEAD_DIM)
+        if cache.shared:  # reads an earlier layer's rows: none of its own
+            continue
+        shape = (cache_batch, cache.kv_heads, cache.length, cache.head_dim)
         inputs.append(IORow(symbols.past_key(layer), Role.KV_KEY, DType.KV, shape, layer=layer))
         inputs.append(IORow(symbols.past_value(layer), Role.KV_VALUE, DType.KV, shape, layer=layer))
     if continuous_batching:  # QEfficient's order: after the caches, before comp_ctx_lengths
@@ -399,4 +495,4 @@ def language_io(
             outputs.append(IORow(symbols.IMAGE_IDX_OUTPUT, row.role, row.dtype, ()))
         elif row.retained is not None:
             outputs.append(IORow(row.retained, row.role, row.dtype, row.shape, row.name, row.layer))
-    return LanguageIO(tuple(inputs), tuple(outputs))
+    return LanguageIO(tuple(inputs), tuple(outputs), caches)

@@ -171,33 +171,34 @@ class RetainedKVCache:
     write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call. With ``fresh``
     [batch, seq] (:class:`~qeff_vision.export.kv_writes.WritePlan`) the other tokens write back the
     value already at their full-context slot, so padding changes nothing.
-    ``kv_layers`` names the decoder layer of each K/V pair when some layers keep none (recurrent
-    layers, whose states are ``recurrent``, a
+    The caches are keyed by decoder layer: a layer that keeps none has no entry (a shared layer,
+    which reads an earlier layer's cache, or a recurrent layer, whose states are ``recurrent``, a
     :class:`~qeff_vision.export.recurrent_state.RecurrentStates`).
     """
 
     def __init__(
         self,
-        past: Sequence[torch.Tensor],
+        past: Sequence[torch.Tensor] | Mapping[int, tuple[torch.Tensor, torch.Tensor]],
         write_slots: torch.Tensor,
         read_slots: torch.Tensor,
         ring_layers: Sequence[bool] = (),
         ring: RingPlan | None = None,
         batch_index: torch.Tensor | None = None,
         fresh: torch.Tensor | None = None,
-        kv_layers: Sequence[int] | None = None,
         recurrent: RecurrentStates | None = None,
     ):
-        self.keys = list(past[0::2])
-        self.values = list(past[1::2])
+        # Keyed by decoder layer: a layer that reads another layer's cache (Gemma 4's shared KV
+        # layers) or keeps recurrent state instead (Qwen3.5) has no entry and never calls update.
+        if not isinstance(past, Mapping):
+            past = {layer: pair for layer, pair in enumerate(zip(past[0::2], past[1::2]))}
+        self.keys = {layer: pair[0] for layer, pair in past.items()}
+        self.values = {layer: pair[1] for layer, pair in past.items()}
         self.write_slots = write_slots
         self.read_slots = read_slots
-        self.ring_layers = list(ring_layers) or [False] * len(self.keys)
+        self.ring_layers = list(ring_layers) or [False] * (max(self.keys, default=-1) + 1)
         self.ring = ring
         self.batch_index = batch_index
         self.fresh = fresh
-        layers = range(len(self.keys)) if kv_layers is None else kv_layers
-        self.kv_index = {layer: index for index, layer in enumerate(layers)}
         self.recurrent = recurrent
 
     def _write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,6 @@ class RetainedKVCache:
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
         """Write this chunk's keys/values and return what attention reads for this layer."""
-        layer_idx = self.kv_index[layer_idx]
         if self.ring_layers[layer_idx]:
             keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
             values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)
@@ -250,8 +250,15 @@ class RetainedKVCache:
         return 0
 
     def retained(self) -> list[torch.Tensor]:
-        """Updated caches in IO order: key.0, value.0, key.1, ..."""
-        return [t for pair in zip(self.keys, self.values) for t in pair]
+        """Updated caches in IO order: key, value of each layer with a cache, by layer."""
+        return [t for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])]
+
+
+def layer_past(io: LanguageIO, named: Mapping[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Layer -> (key cache, value cache) of every layer with rows of its own, in layer order."""
+    keys = {row.layer: named[row.name] for row in io.rows(Role.KV_KEY)}
+    values = {row.layer: named[row.name] for row in io.rows(Role.KV_VALUE)}
+    return {layer: (keys[layer], values[layer]) for layer in sorted(keys)}
 
 
 def ring_layers(parts: DecoderParts) -> list[bool]:
@@ -398,8 +405,7 @@ class LanguageDecoder(nn.Module):
         input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
         vision_row, *stacked_rows = io.rows(Role.VISION_ROWS)  # vision_embeds first, then stacked
         vision_embeds, image_idx = named[vision_row.name], named[io.name(Role.VISION_CURSOR)]
-        past = [named[row.name] for row in io.rows(*KV_ROLES)]
-        kv_layers = [row.layer for row in io.rows(Role.KV_KEY)]
+        past = layer_past(io, named)  # only layers with rows: shared and recurrent layers have none
         state_rows = io.rows(*STATE_ROLES)  # recurrent layers keep conv and recurrent states instead
         # With CCL, full-context layers read only as many leading slots as ``comp_ctx_lengths`` has
         # elements (QEfficient's mechanism; the host picks a length that covers every position
@@ -411,23 +417,23 @@ class LanguageDecoder(nn.Module):
         inputs_embeds, image_idx_output = merge_vision_rows(
             input_ids, inputs_embeds, vision_embeds, image_idx, parts.placeholder_ids
         )
-        layer_rings = ring_layers(parts)
-        rings = [layer_rings[layer] for layer in kv_layers]  # per K/V pair
+        rings = ring_layers(parts)  # per decoder layer; the cache is keyed by layer
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
-        ctx_len = past[2 * rings.index(False)].shape[2] if False in rings else 1
+        full = [layer for layer in past if not rings[layer]]
+        ctx_len = past[full[0]][0].shape[2] if full else 1
         # Padding (position -1) writes back what its slot holds, where no other token writes.
-        writes = write_plan(text_positions, batch_index, past[0].shape[0])
+        writes = write_plan(text_positions, batch_index, next(iter(past.values()))[0].shape[0])
         write_slots = writes.full_slots(text_positions, ctx_len)
         read_len = ctx_len if read_len is None else read_len
         read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
-        full_types = [t for t, is_ring in zip(parts.layer_types, layer_rings) if not is_ring]
+        full_types = [t for t, is_ring in zip(parts.layer_types, rings) if not is_ring]
         masks = attention_masks(
             text_positions, read_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
         )
         plan = None
         if any(rings):
-            ring_len = past[2 * rings.index(True)].shape[2]
+            ring_len = past[next(layer for layer in past if rings[layer])][0].shape[2]
             ring_writes = None if batch_index is None else writes.ring_slots(ring_len)
             plan = RingPlan.for_chunk(text_positions, ring_len, ring_writes)
             masks[SLIDING_ATTENTION] = _window_mask(
@@ -443,7 +449,7 @@ class LanguageDecoder(nn.Module):
                 by_role[Role.CONV_STATE], by_role[Role.RECURRENT_STATE], text_positions, batch_index
             )
         cache = RetainedKVCache(
-            past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh, kv_layers, recurrent
+            past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh, recurrent
         )
         extra = {}
         if stacked_rows:

@@ -26,10 +26,12 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION
     HIDDEN_SIZE,
     LINEAR_ATTENTION,
     NUM_KV_HEADS,
+    RECURRENT,
     SLIDING_ATTENTION,
     VOCAB_SIZE,
     IORow,
     LanguageIO,
+    LayerCache,
     Role,
     language_io,
 )
@@ -332,6 +334,21 @@ class Family:
         """Layers of the recurrent kind (``linear_attention``): conv and recurrent state rows, no KV."""
         return tuple(i for i, kind in enumerate(self.layer_types(model)) if kind == LINEAR_ATTENTION)
 
+    def layer_caches(self, model: ModelDescription) -> list[LayerCache]:
+        """What each decoder layer keeps: full cache, sliding ring, a layer it reads, or recurrent state.
+
+        The default gives every layer a cache of the model's ``num_kv_heads`` x ``head_dim`` on
+        its :meth:`kv_cache_symbols` axis, and each of :meth:`recurrent_layers` the recurrent kind.
+        A family whose layers differ (per-layer head dims, layers that read an earlier layer's
+        cache and keep none) overrides it; the IO table and so the export, zero caches, custom IO
+        and specializations follow.
+        """
+        recurrent = set(self.recurrent_layers(model))
+        return [
+            RECURRENT if layer in recurrent else LayerCache(symbol)
+            for layer, symbol in enumerate(self.kv_cache_symbols(model))
+        ]
+
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
         """Values of the KV slot symbols for ``ctx_len`` (a window never exceeds the context)."""
         values = {symbols.CTX_LEN: ctx_len}
@@ -344,17 +361,18 @@ class Family:
     def language_io(
         self,
         num_layers: int,
-        cache_symbols: Sequence[str] | None = None,
+        cache_symbols: Sequence[str | LayerCache] | None = None,
         comp_ctx_lengths: bool = False,
         continuous_batching: bool = False,
         recurrent_layers: Sequence[int] = (),
     ) -> LanguageIO:
         """The language program's IO table, from which every consumer derives its names and shapes.
 
-        ``cache_symbols`` (from :meth:`kv_cache_symbols`) names each layer's slot axis; all
-        ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
+        ``cache_symbols`` (from :meth:`layer_caches`, or bare slot symbols) declares each layer's
+        cache; all ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
         ``continuous_batching`` gives the caches ``full_batch_size`` slots and adds ``batch_index``;
-        ``recurrent_layers`` (from :meth:`recurrent_layers`) get conv and recurrent state rows.
+        ``recurrent_layers`` (from :meth:`recurrent_layers`) get conv and recurrent state rows
+        (as a :data:`~qeff_vision.contract.language_io.RECURRENT` entry of ``cache_symbols`` does).
         A family reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
         :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`kv_cache_symbols`.
         """
@@ -373,15 +391,9 @@ class Family:
     def language_table(
         self, model: ModelDescription, comp_ctx_lengths: bool = False, continuous_batching: bool = False
     ) -> LanguageIO:
-        """:meth:`language_io` for ``model`` (its layer count and per-layer cache symbols)."""
+        """:meth:`language_io` for ``model`` (its layer count and per-layer caches)."""
         layers = self.text_dims(model).num_layers
-        return self.language_io(
-            layers,
-            self.kv_cache_symbols(model),
-            comp_ctx_lengths,
-            continuous_batching,
-            recurrent_layers=self.recurrent_layers(model),
-        )
+        return self.language_io(layers, self.layer_caches(model), comp_ctx_lengths, continuous_batching)
 
     def language_dims(self, model: ModelDescription) -> dict[str, int]:
         """Values of the table's fixed model dimensions (:class:`~qeff_vision.contract.language_io.Fixed`)."""

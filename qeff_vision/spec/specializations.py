@@ -249,17 +249,14 @@ def build_specializations(
         tokens = tuple(count for _, count, _ in image_tokens)
         whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
-    cache_symbols = family.kv_cache_symbols(model)
+    cache_symbols = family.layer_caches(model)
     ccl = spec.compile.comp_ctx_lengths
     ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
     fbs = spec.full_batch_size
     cb = fbs is not None
+    # The layer declarations carry every kind (full, ring, shared, recurrent).
     language_io = family.language_io(
-        num_layers,
-        cache_symbols,
-        comp_ctx_lengths=ccl is not None,
-        continuous_batching=cb,
-        recurrent_layers=family.recurrent_layers(model),
+        num_layers, cache_symbols, comp_ctx_lengths=ccl is not None, continuous_batching=cb
     )
     language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
     # Continuous batching (QEfficient's get_specializations with continuous_batching): prefill at
