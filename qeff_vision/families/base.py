@@ -271,6 +271,16 @@ class Family:
         """Every placeholder id whose tokens take vision rows: the image id, then the video id."""
         return self._read(model, "tokens", self.read_placeholder_ids)[0]
 
+    def splits_images(self, model: ModelDescription) -> bool:
+        """Whether ``model``'s image placeholders may be split across prefill chunks.
+
+        The family's ``chunk_split`` feature by default. A family whose image attention depends on
+        the checkpoint (Gemma 4: bidirectional on sliding layers only with
+        ``use_bidirectional_attention == "vision"``) reads it here; the planner, the spec checks
+        and the specializations ask this, not the feature.
+        """
+        return self.features.chunk_split.supported
+
     # ---- token math (subclasses) ----
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:

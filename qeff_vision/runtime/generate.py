@@ -200,7 +200,7 @@ class Generator(ImageEncoding):
             len(input_ids),
             self.host.segments({**processed, "input_ids": input_ids}),
             self.shape.buckets,
-            allow_image_split=self.family.features.chunk_split.supported,
+            allow_image_split=self.family.splits_images(self.checkpoint.description),
             protocol=protocol,
         )
 

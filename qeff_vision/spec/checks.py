@@ -185,7 +185,7 @@ def check_images(
                 f"{here}: {image_label(labels[index])} becomes {count} image tokens, more than vision_size "
                 f"{policy.size}: its placeholders must be split over several chunks (chunking required)"
             )
-    if not (seq_lens and tokens and policy and max_images) or family.features.chunk_split.supported:
+    if not (seq_lens and tokens and policy and max_images) or family.splits_images(model):
         return
     request = max(tokens.values()) * max_images
     capacity = max(min(s, policy.for_bucket(s, request)) for s in seq_lens)

@@ -245,7 +245,7 @@ def build_specializations(
     request_tokens = most_tokens * spec.vision.max_images
     seq_lens = spec.prefill.seq_lens
     whole = None
-    if not family.features.chunk_split.supported:
+    if not family.splits_images(model):
         tokens = tuple(count for _, count, _ in image_tokens)
         whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
@@ -337,7 +337,7 @@ def build_specializations(
         tuple(language_specs),
         tuple(language_custom_io),
     )
-    splittable = family.features.chunk_split.supported
+    splittable = family.splits_images(model)
     images = tuple(
         ImageChunks(
             image,
