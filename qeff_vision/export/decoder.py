@@ -73,6 +73,11 @@ class DecoderParts:
         video_token_id: Video placeholder id (families with video): its tokens take rows too.
         stacked_rows_kwargs: Turns (placeholder mask [batch, seq], {name: gathered rows
             [depth, batch, seq, hidden]}) into keyword arguments of the text model.
+        bidirectional_layer_types: With ``bidirectional_images``, the layer types whose masks
+            link an image's placeholders both ways; None for every type (Gemma 3). Gemma 4's
+            ``use_bidirectional_attention == "vision"`` links them on sliding layers only.
+        token_kwargs: Turns the chunk's token ids [batch, seq] into keyword arguments of the text
+            model computed from the ids themselves (Gemma 4's per-layer embeddings).
     """
 
     embed_tokens: nn.Module
@@ -87,6 +92,13 @@ class DecoderParts:
     stacked_rows: Mapping[str, int] = field(default_factory=dict)
     stacked_rows_kwargs: Callable | None = None
     video_token_id: int | None = None
+    bidirectional_layer_types: tuple[str, ...] | None = None
+    token_kwargs: Callable | None = None
+
+    def links_images(self, layer_type: str) -> bool:
+        """Whether layers of ``layer_type`` see an image's placeholders both ways."""
+        types = self.bidirectional_layer_types
+        return self.bidirectional_images and (types is None or layer_type in types)
 
     @property
     def placeholder_ids(self) -> tuple[int, ...]:
@@ -298,27 +310,29 @@ def attention_masks(
     sliding_window: int | None,
     same_image: torch.Tensor | None,
     dtype: torch.dtype,
+    linked_types: Sequence[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Additive masks [batch, 1, seq, ctx] per layer type from token positions.
 
     A query at position p sees slots j <= p (and j > p - window on sliding layers). Padding
     queries (p = -1) see nothing; their rows stay finite (no NaN) because the mask adds the
     dtype's minimum instead of -inf. ``same_image`` [batch, seq, seq] adds bidirectional links
-    between placeholders of one image.
+    between placeholders of one image, on the ``linked_types`` only (every type when None).
     """
     slots = torch.arange(ctx_len).view(1, 1, -1)
     query = positions.unsqueeze(-1)
     causal = (slots <= query) & (query >= 0)
+    linked_causal = causal
     if same_image is not None:
         # Scatter the chunk-local [seq, seq] links into slot space at the keys' positions.
         key_slots = torch.where(positions >= 0, positions, torch.zeros_like(positions))
         onehot = key_slots.unsqueeze(-1) == slots  # [batch, seq_k, ctx]
         linked = torch.matmul(same_image.to(dtype), onehot.to(dtype)) > 0
-        causal = causal | linked
+        linked_causal = causal | linked
     minimum = torch.finfo(dtype).min
     masks = {}
     for layer_type in set(layer_types):
-        allowed = causal
+        allowed = linked_causal if linked_types is None or layer_type in linked_types else causal
         if layer_type == SLIDING_ATTENTION and sliding_window:
             allowed = allowed & (slots > query - sliding_window)
         masks[layer_type] = torch.where(allowed, 0.0, minimum).to(dtype).unsqueeze(1)
@@ -428,16 +442,18 @@ class LanguageDecoder(nn.Module):
         read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
         full_types = [t for t, is_ring in zip(parts.layer_types, rings) if not is_ring]
-        masks = attention_masks(
-            text_positions, read_len, full_types, parts.sliding_window, same_image, inputs_embeds.dtype
-        )
+        linked = [t for t in set(parts.layer_types) if parts.links_images(t)]
+        dtype = inputs_embeds.dtype
+        window = parts.sliding_window
+        masks = attention_masks(text_positions, read_len, full_types, window, same_image, dtype, linked)
         plan = None
         if any(rings):
             ring_len = past[next(layer for layer in past if rings[layer])][0].shape[2]
             ring_writes = None if batch_index is None else writes.ring_slots(ring_len)
             plan = RingPlan.for_chunk(text_positions, ring_len, ring_writes)
+            ring_links = same_image if parts.links_images(SLIDING_ATTENTION) else None
             masks[SLIDING_ATTENTION] = _window_mask(
-                text_positions, plan.key_positions, parts.sliding_window, same_image, inputs_embeds.dtype
+                text_positions, plan.key_positions, window, ring_links, dtype
             )
         recurrent = None
         if state_rows:
@@ -452,13 +468,15 @@ class LanguageDecoder(nn.Module):
             past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh, recurrent
         )
         extra = {}
+        if parts.token_kwargs is not None:
+            extra.update(parts.token_kwargs(input_ids))
         if stacked_rows:
             gathered = {
                 row.name: gather_stacked_rows(input_ids, named[row.name], image_idx, parts.placeholder_ids)
                 for row in stacked_rows
             }
             is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
-            extra = parts.stacked_rows_kwargs(is_image, gathered)
+            extra.update(parts.stacked_rows_kwargs(is_image, gathered))
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,
             attention_mask=masks if parts.mask_per_layer_type else _only_mask(masks),
