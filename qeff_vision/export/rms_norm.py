@@ -11,8 +11,10 @@ ops that compute in fp32 whatever the graph's float type, then cast back, which 
 dedicated kernel does and what transformers' RMSNorms do (they upcast to float32).
 
 Which modules: every module whose class name ends in ``RMSNorm`` (transformers' naming for
-``weight * x / sqrt(mean(x ** 2) + eps)``). A family whose norm scales by ``offset + weight``
-(Gemma's ``1 + weight``) declares the offset per class name in its adapter
+``weight * x / sqrt(mean(x ** 2) + eps)``). A norm built without a weight (``with_scale=False``,
+Gemma 4's ``v_norm`` and its router and projector pre-norms) exports the same function with a
+weight of ones, so the compiler still sees its own kernel. A family whose norm scales by
+``offset + weight`` (Gemma's ``1 + weight``) declares the offset per class name in its adapter
 (:attr:`~qeff_vision.export.adapter.ExportAdapter.rms_norm_weight_offsets`); the offset is an
 ``Add`` on the weight in front of the function, as QEfficient folds ``+ 1`` into Gemma's weight.
 """
@@ -67,6 +69,8 @@ def _epsilon_of(module: nn.Module) -> float:
 
 def _custom_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     weight = module.weight
+    if weight is None:  # a unit-weight norm: the function's weight input is ones
+        weight = torch.ones(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
     if module.rms_weight_offset:
         weight = weight + module.rms_weight_offset
     return CustomRMSNormFunction.apply(hidden_states, weight, module.rms_epsilon)
@@ -95,7 +99,9 @@ def use_custom_rms_norm(model: nn.Module, weight_offsets: Mapping[str, float] | 
         if not name.endswith(CLASS_SUFFIX):
             continue
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        if weight is None and getattr(module, "with_scale", True) is False:
+            module.weight = None  # unit weight (Gemma 4's v_norm, router and projector pre-norms)
+        elif not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             raise RuntimeError(f"{name}: RMSNorm without a 1-D weight cannot export as {RMS_NORM}")
         module.rms_epsilon = _epsilon_of(module)
         module.rms_weight_offset = float(offsets.get(name, 0.0))
