@@ -34,7 +34,8 @@ class SlotCaches:
             **family.kv_cache_lengths(description, generator.shape.ctx_len),
         }
         self.full_batch_size = full_batch_size
-        # Every per-slot row of the table: KV caches and recurrent layers' states.
+        # Every per-slot row of the table: KV caches (per-layer heads and head dims; shared-KV
+        # layers have none) and recurrent layers' states.
         self.past: dict[str, np.ndarray] = {
             row.name: np.zeros(row.concrete_shape(values), np.float32)
             for row in generator.io.rows(*SLOT_ROLES)

@@ -1,0 +1,184 @@
+"""Gemma 4 export: the patch-list tower with a traceable pooler; the text model over per-layer caches.
+
+Vision program (ref: transformers v5.23 models/gemma4/modeling_gemma4.py, ``Gemma4VisionModel``,
+``Gemma4VisionPooler``, ``Gemma4Model.get_image_features``): transformers' patch embedder, 2-D
+RoPE and encoder layers as they are; the host sends an image's real patches only, so no
+attention mask is needed and no padded row exists to strip. The pooler averages each k x k block
+of patches found from the positions (transformers' ``one_hot`` over a Python length becomes a
+comparison with ``arange``, so one graph serves every patch count) and scales by sqrt(hidden) in
+float32: that product leaves fp16's range, and transformers computes it in float32 too. The
+projector's unit-weight pre-norm also reads the float32 rows; only its output takes the graph dtype.
+
+Language program: the generic decoder with Gemma 4's pieces:
+  * token embedding with image, video and audio ids replaced by the pad id, as transformers
+    embeds them (``Gemma4Model.forward``); image rows are merged after it, unscaled;
+  * per-layer embeddings (``get_per_layer_inputs``) looked up from the same padded ids inside the
+    graph (``DecoderParts.token_kwargs``); the text model projects them with the merged rows;
+  * final-logit soft-capping ``tanh(logits / c) * c`` (``Gemma4ForConditionalGeneration.forward``);
+  * with ``use_bidirectional_attention == "vision"`` an image's placeholders see each other both
+    ways on sliding layers only (``create_masks_for_vision_model``: full layers stay causal);
+  * shared-KV layers call no cache update: their producer's attention keys/values reach them
+    through transformers' own ``shared_kv_states``, and the IO table gives them no rows;
+  * MoE experts computed densely (Qwen3-VL-MoE's form: the same routed sum without data-dependent
+    loops), in the exporter's own model only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import SLIDING_ATTENTION, DecoderParts
+from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
+from qeff_vision.families.qwen3_vl_moe.export import dense_experts
+
+
+def pool_by_positions(hidden: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Average every ``kernel`` x ``kernel`` block of patches: [batch, patches // kernel**2, hidden] in fp32.
+
+    Cell of a patch at (x, y): ``x // k + (width // k) * (y // k)``, width the patch columns
+    (ref: ``Gemma4VisionPooler._avg_pool_by_positions``); every patch is real here.
+    """
+    x, y = positions[..., 0], positions[..., 1]
+    width = x.max(dim=-1, keepdim=True)[0] + 1
+    cell = torch.div(x, kernel, rounding_mode="floor") + torch.div(
+        width, kernel, rounding_mode="floor"
+    ) * torch.div(y, kernel, rounding_mode="floor")
+    cells = torch.arange(hidden.shape[1] // (kernel * kernel), device=hidden.device)
+    weights = (cell.unsqueeze(-1) == cells).to(torch.float32) / (kernel * kernel)
+    return weights.transpose(1, 2) @ hidden.to(torch.float32)
+
+
+def trace_buffers_as_constants(module: nn.Module) -> None:
+    """Make every buffer of ``module`` and its submodules non-persistent.
+
+    The exporter keeps initializers as inputs (``keep_initializers_as_inputs``) and turns only
+    parameters into weights, so a persistent buffer (Gemma 4's ``layer_scalar``, the tower's
+    ``std_bias`` / ``std_scale`` and clipped-linear bounds) would stay a graph input nobody feeds.
+    Their values are already loaded from the checkpoint; non-persistent, they trace as constants.
+    """
+    for submodule in module.modules():
+        submodule._non_persistent_buffers_set.update(submodule._buffers)
+
+
+class VisionEncoder(nn.Module):
+    """(pixel_values, image_position_ids) of one image's real patches -> vision_embeds [1, rows, text]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.tower = model.model.vision_tower
+        self.embedder = model.model.embed_vision
+        self.kernel = self.tower.config.pooling_kernel_size
+        trace_buffers_as_constants(self.tower)
+
+    def forward(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor) -> torch.Tensor:
+        """Embed, encode, pool in fp32, standardize, project."""
+        tower = self.tower
+        padding = image_position_ids[..., 0] < 0  # all False: the host sends real patches only
+        hidden = tower.patch_embedder(pixel_values, image_position_ids, padding)
+        rotary = tower.encoder.rotary_emb(hidden, image_position_ids)
+        for layer in tower.encoder.layers:
+            hidden = layer(
+                hidden, attention_mask=None, position_embeddings=rotary, position_ids=image_position_ids
+            )
+        pooled = pool_by_positions(hidden, image_position_ids, self.kernel) * tower.pooler.root_hidden_size
+        if tower.config.standardize:
+            pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
+        normed = self.embedder.embedding_pre_projection_norm(pooled).to(hidden.dtype)
+        return self.embedder.embedding_projection(normed)
+
+
+class PaddedEmbedding(nn.Module):
+    """The scaled token embedding of ``ids`` with every multimodal placeholder id replaced by ``pad``."""
+
+    def __init__(self, embed: nn.Module, placeholders: tuple[int, ...], pad: int):
+        super().__init__()
+        self.embed, self.placeholders, self.pad = embed, placeholders, pad
+
+    def padded(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with placeholders replaced by the pad id."""
+        is_placeholder = torch.zeros_like(ids, dtype=torch.bool)
+        for placeholder in self.placeholders:
+            is_placeholder = is_placeholder | (ids == placeholder)
+        return torch.where(is_placeholder, torch.full_like(ids, self.pad), ids)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of the padded ids."""
+        return self.embed(self.padded(ids))
+
+
+class SoftCappedHead(nn.Module):
+    """``lm_head`` followed by Gemma's final-logit soft-capping (none when ``cap`` is None)."""
+
+    def __init__(self, head: nn.Module, cap: float | None):
+        super().__init__()
+        self.head, self.cap = head, cap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits, soft-capped."""
+        logits = self.head(hidden)
+        return logits if self.cap is None else torch.tanh(logits / self.cap) * self.cap
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the Gemma 4 family."""
+
+    # Gemma4RMSNorm scales by its weight (not 1 + weight); unit-weight ones have none.
+    rms_norm_weight_offsets = {}
+
+    def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
+        """The exporter's placeholder model with every MoE block's experts written densely."""
+        model = super().empty_model(model_dir, dtype)
+        for layer in model.model.language_model.layers:
+            if getattr(layer, "enable_moe_block", False):
+                layer.experts.forward = dense_experts(layer.experts)
+        return model
+
+    # ---- vision program ----
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """The patch-list tower, pooler and projector."""
+        return VisionEncoder(model).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """A 2 x 3 grid of pooled cells (6 x 9 patches at kernel 3), row-major as the processor lists them."""
+        config = model.config.vision_config
+        kernel, patch = config.pooling_kernel_size, config.patch_size
+        rows, cols = 2 * kernel, 3 * kernel
+        ys, xs = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        positions = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1).unsqueeze(0)
+        pixels = torch.rand(1, rows * cols, 3 * patch * patch, generator=torch.Generator().manual_seed(0))
+        return {symbols.PIXEL_VALUES: pixels, IMAGE_POSITION_IDS: positions}
+
+    def hf_image_features(self, model, processed):
+        """The reference: transformers' ``get_image_features``, one [tokens, hidden] tensor per image."""
+        pixels = torch.as_tensor(processed[symbols.PIXEL_VALUES])
+        positions = torch.as_tensor(processed[IMAGE_POSITION_IDS])
+        with torch.no_grad():
+            return list(model.model.get_image_features(pixels, positions).pooler_output)
+
+    # ---- language program ----
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """The generic parts plus Gemma 4's embedding, PLE, soft-capping and image attention."""
+        parts = super().decoder_parts(model)
+        config, text = model.config, model.config.text_config
+        placeholders = tuple(
+            int(i)
+            for i in (config.image_token_id, config.video_token_id, config.audio_token_id)
+            if i is not None
+        )
+        language = model.model.language_model
+        trace_buffers_as_constants(language)
+        embed = PaddedEmbedding(language.embed_tokens, placeholders, text.pad_token_id)
+        parts.embed_tokens = embed
+        parts.lm_head = SoftCappedHead(model.lm_head, text.final_logit_softcapping)
+        parts.bidirectional_images = text.use_bidirectional_attention == "vision"
+        parts.bidirectional_layer_types = (SLIDING_ATTENTION,)
+        if text.hidden_size_per_layer_input:
+            parts.token_kwargs = lambda ids: {
+                "per_layer_inputs": language.get_per_layer_inputs(embed.padded(ids))
+            }
+        return parts
