@@ -1,0 +1,191 @@
+"""Gemma 4 in its three tiny layouts against transformers generate (greedy, tokens identical).
+
+* ``e`` (E2B/E4B, the family's default tiny, also run by the registry suites): PLE, two shared-KV
+  layers without cache rows, causal image attention, so the planner splits an image.
+* ``moe`` (26B-A4B): experts computed densely, ``attention_k_eq_v`` full layers with one KV head,
+  ``"vision"`` attention: images bidirectional on sliding layers, so the planner moves them whole.
+* ``dense`` (31B): the same without experts.
+
+Every layout has a sliding window of 8 (prompts and decode run far past it) and full layers twice
+as wide as the sliding ones. One export per layout per session (built here for moe and dense).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from qeff_vision import symbols
+from qeff_vision.errors import UserError
+from qeff_vision.families import get_family
+from qeff_vision.families.base import ModelDescription, describe_checkpoint
+from qeff_vision.families.gemma4.tiny import SLIDING_WINDOW, write_tiny_checkpoint
+from qeff_vision.runtime.conversation import Conversation
+from qeff_vision.runtime.embedding_cache import EmbeddingCache
+from tests import helpers
+from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
+
+FAMILY = "gemma4"
+LAYOUTS = ("e", "moe", "dense")
+LONG_TEXT = "A paragraph of plain text that fills at least one whole prefill chunk between two images."
+# Prompt name -> (chat parts, image sizes). The 100x150 image is 60 placeholders, 90x120 63.
+PROMPTS = {
+    "one_image": (("<image>", "Describe this image."), [(100, 150)]),
+    "two_images": (("<image>", "<image>", "Compare."), [(90, 120), (120, 90)]),
+    "image_text_image": (("<image>", LONG_TEXT, "<image>", "Which?"), [(90, 120), (100, 150)]),
+}
+
+
+@pytest.fixture(scope="module")
+def layout(request, tiny_checkpoint, exported, hf_model, tmp_path_factory):
+    """``layout(name) -> FamilyRuntime`` of the tiny checkpoint in that layout, built once."""
+    built: dict[str, FamilyRuntime] = {}
+
+    def build(name: str) -> FamilyRuntime:
+        if name not in built:
+            if name == "e":  # the registry's tiny checkpoint and export
+                built[name] = FamilyRuntime(FAMILY, exported(FAMILY), *hf_model(FAMILY))
+            else:
+                from qeff_vision.export.exporter import export_model
+
+                root = tmp_path_factory.mktemp(f"gemma4-{name}")
+                checkpoint = write_tiny_checkpoint(root / "model", 0, name)
+                export_model(checkpoint, root / "export", progress=None)
+                built[name] = FamilyRuntime(FAMILY, root / "export", *helpers.load_hf(checkpoint))
+        return built[name]
+
+    return build
+
+
+def _run(runtime: FamilyRuntime, prompt: str, seq_lens, protocol: str = "chunk"):
+    parts, sizes = PROMPTS[prompt]
+    images = [helpers.image(h, w, seed) for seed, (h, w) in enumerate(sizes)]
+    return runtime.run(runtime.inputs(parts, images), seq_lens, protocol)
+
+
+def test_shared_kv_layers_have_no_cache_rows(layout):
+    """E layout: layers 3 and 4 read layers 2 and 1; the graph has KV rows for layers 0-2 only."""
+    runtime = layout("e")
+    graph = onnx.load(str(runtime.language.path), load_external_data=False).graph
+    names = [value.name for value in (*graph.input, *graph.output)]
+    kv = sorted(name for name in names if name.startswith("past_"))
+    assert kv == sorted(
+        f"past_{kind}.{layer}{suffix}"
+        for kind in ("key", "value")
+        for layer in (0, 1, 2)
+        for suffix in ("", "_RetainedState")
+    )
+    shapes = {
+        value.name: [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
+        for value in graph.input
+    }
+    assert shapes["past_key.0"] == [symbols.BATCH_SIZE, 2, symbols.SLIDING_WINDOW, 16]  # sliding
+    assert shapes["past_key.1"] == [symbols.BATCH_SIZE, 2, symbols.CTX_LEN, 32]  # full: global_head_dim
+    table = get_family(FAMILY).language_table(runtime.checkpoint.description)
+    assert table.shared_layers() == {3: 2, 4: 1}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_full_layers_have_their_own_heads_and_width(name, layout):
+    """k_eq_v layouts: full layers keep 1 KV head of 32 (sliding: 2 of 16)."""
+    runtime = layout(name)
+    graph = onnx.load(str(runtime.language.path), load_external_data=False).graph
+    shapes = {
+        value.name: [d.dim_value or d.dim_param for d in value.type.tensor_type.shape.dim]
+        for value in graph.input
+    }
+    view = get_family(FAMILY).config(runtime.checkpoint.description)
+    for layer in range(view.num_layers):
+        if view.reads(layer) is None:
+            heads, width = shapes[symbols.past_key(layer)][1], shapes[symbols.past_key(layer)][3]
+            assert (heads, width) == (view.kv_heads[layer], view.head_dims[layer]), layer
+    full_heads = {view.kv_heads[i] for i, kind in enumerate(view.layer_types) if kind == "full_attention"}
+    assert full_heads == ({2} if name == "e" else {1})
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_image_straddling_a_chunk_boundary(name, layout):
+    """The 60-row image at [8, 68) crosses a 64-token cut: E splits it, 26B/31B move it whole."""
+    runtime = layout(name)
+    plan, _ = _run(runtime, "one_image", [32, 64])
+    span, chunks = plan.segments[0], chunks_of_image(plan, 0)
+    if name == "e":
+        assert len(chunks) == 2  # split, and still identical to transformers
+    else:
+        assert len(chunks) == 1 and plan.chunks[0].stop == span.start  # the first chunk stops before it
+        chunk = plan.chunks[chunks[0]]
+        assert chunk.start <= span.start and span.stop <= chunk.stop
+    assert runtime.family.splits_images(runtime.checkpoint.description) is (name == "e")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_two_images_in_one_chunk(name, layout):
+    """Both images (2 x 63 rows and their markers) in one 160-token chunk."""
+    plan, _ = _run(layout(name), "two_images", [160])
+    assert plan.chunks[0].images == (0, 1)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_image_then_text_only_chunk_then_image(name, layout):
+    """Image A, a chunk without placeholders, image B: B reads its own rows."""
+    # E splits images, so 32-token chunks leave whole chunks of text; 26B/31B need 64 for an image.
+    plan, _ = _run(layout(name), "image_text_image", [16, 32] if name == "e" else [16, 64])
+    first, second = chunks_of_image(plan, 0), chunks_of_image(plan, 1)
+    between = plan.chunks[first[-1] + 1 : second[0]]
+    assert between and all(chunk.placeholders == 0 for chunk in between)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_decode_runs_past_the_sliding_window(name, layout):
+    """Text-only prompt, then decode: every step past the window of 8 matches transformers."""
+    runtime = layout(name)
+    processed = runtime.inputs(("Tell me a long story about a lighthouse keeper.",), [])
+    assert processed["input_ids"].shape[1] > 4 * SLIDING_WINDOW
+    result = runtime.generator([16]).generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)
+    runtime.check(result, processed, f"{name} decode past the window")
+
+
+@pytest.mark.parametrize("name", ("moe", "dense"))
+def test_three_turn_conversation(name, layout):
+    """The registry suite runs the E layout's; here the 26B and 31B layouts (images moved whole)."""
+    runtime = layout(name)
+    generator = runtime.generator([16, 96], "chunk", EmbeddingCache(2**24))
+    chat = Conversation(generator, runtime.processor, max_new_tokens=NEW_TOKENS)
+    turns = [
+        ([helpers.image(100, 150, 5)], "Describe."),
+        ([], "And the colours?"),
+        ([helpers.image(90, 120, 6)], "Compare."),
+    ]
+    for number, (images, text) in enumerate(turns, 1):
+        result = chat.ask(images, text, keep_logits=True)
+        runtime.check(result, chat.last_inputs.processed, f"{name} turn {number}")
+
+
+def test_audio_and_video_inputs_are_refused_in_one_line(layout):
+    """The host refuses audio features (and video frames): only images and text are exported."""
+    runtime = layout("e")
+    processed = runtime.inputs(("Describe.",), [])
+    host = runtime.family.host(runtime.checkpoint.description)
+    for key in ("input_features", "pixel_values_videos"):
+        with pytest.raises(UserError, match="not supported") as error:
+            host.segments({**processed, key: np.zeros((1, 4, 4), np.float32)})
+        assert "\n" not in str(error.value)
+
+
+def test_published_config_keys_give_the_same_caches(layout):
+    """A published config (global_head_dim, num_global_key_value_heads) reads like transformers' saved one."""
+    saved = layout("moe").checkpoint.description
+    text = {k: v for k, v in saved.config["text_config"].items() if k != "per_layer_config"}
+    text.update(global_head_dim=32, num_global_key_value_heads=1)
+    published = ModelDescription({**saved.config, "text_config": text}, saved.processor)
+    family = get_family(FAMILY)
+    assert family.layer_caches(published) == family.layer_caches(saved)
+    assert family.language_symbols(published) == family.language_symbols(saved)
+
+
+def test_planner_reads_image_attention_from_the_checkpoint(layout, tmp_path):
+    """Same family, two checkpoints: the E config splits images, the 'vision' one keeps them whole."""
+    family = get_family(FAMILY)
+    assert family.splits_images(describe_checkpoint(layout("e").checkpoint.directory))
+    assert not family.splits_images(describe_checkpoint(layout("dense").checkpoint.directory))
