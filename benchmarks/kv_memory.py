@@ -1,15 +1,18 @@
 """KV-cache bytes of the language program: ours (window layers as rings), QEfficient's layout, full ctx.
 
-Usage: python benchmarks/kv_memory.py [--config specs/configs/gemma-3-4b-it/config.json]
+Usage: python benchmarks/kv_memory.py [--config specs/configs/gemma-3-4b-it/config.json ...]
                                       [--ctx 4096 8192 32768] [--kv-bytes 2] [--batch 1]
 
-Ours comes from the family's declaration (``Family.kv_cache_symbols`` / ``kv_cache_lengths``), the
-same data the exporter, the specializations and the runtime size caches from. QEfficient's layout
-is computed from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py,
-``get_onnx_dynamic_axes`` and ``get_specializations``: sliding layers' cache axis is the symbol
-``sliding_window``, bound to ``config.sliding_window`` in every specialization; other layers
-``ctx_len``). Full ctx gives every self-attention layer ``ctx_len`` slots. Bytes count keys and
-values of every layer for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
+Ours is the language IO table's KV rows (``Family.layer_caches``: per layer its slot symbol, KV
+heads and head dim, or no rows for a layer that reads another layer's cache), the same rows the
+exporter, the specializations and the runtime size caches from. QEfficient's layout is computed
+from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py and
+gemma4/modeling_gemma4.py, ``get_onnx_dynamic_axes``, ``get_specializations`` and
+``get_dummy_pkv_cache``: sliding layers' cache axis is the symbol ``sliding_window``, bound to
+``config.sliding_window`` in every specialization; other layers ``ctx_len``; every layer has its
+own cache, Gemma 4's shared-KV layers included, with its layer type's heads and head dim). Full
+ctx gives every self-attention layer ``ctx_len`` slots. Bytes count keys and values of every layer
+for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
 
 A cross-attention family's cross layers hold the vision K/V of ``--images`` image slots
 (``Family.request_symbols``), the same rows in every layout (QEfficient pins them at export too).
@@ -21,15 +24,11 @@ import argparse
 from pathlib import Path
 
 from qeff_vision import symbols
+from qeff_vision.contract.language_io import KV_ROLES
 from qeff_vision.families import describe_checkpoint, family_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "specs" / "configs" / "gemma-3-4b-it" / "config.json"
-
-
-def kv_bytes_per_slot(dims, kv_bytes: int, batch: int) -> int:
-    """Bytes one slot of one layer holds (key and value)."""
-    return 2 * batch * dims.num_kv_heads * dims.head_dim * kv_bytes
 
 
 def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int]:
@@ -51,38 +50,77 @@ def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int
     }
 
 
+def layout_bytes(
+    family, description, ctx_len: int, kv_bytes: int, batch: int, images: int = 1
+) -> dict[str, int]:
+    """KV bytes per layout from each layer's own cache shape (keys and values)."""
+    lengths = {**family.kv_cache_lengths(description, ctx_len), **family.request_symbols(description, images)}
+    values = {symbols.BATCH_SIZE: batch, **family.language_dims(description), **lengths}
+    window = int(family.text_config(description).get("sliding_window") or 0)
+
+    def elements(shape) -> int:
+        count = 1
+        for dim in shape:
+            count *= dim
+        return count
+
+    ours = sum(
+        elements(row.concrete_shape(values)) for row in family.language_table(description).rows(*KV_ROLES)
+    )
+    qefficient = full = 0
+    for cache in family.layer_caches(description):  # every layer its own cache, shared or not
+        per_slot = 2 * batch * int(values[cache.kv_heads]) * int(values[cache.head_dim])
+        own = lengths[cache.length]
+        if cache.length == symbols.SLIDING_WINDOW:
+            qefficient, full = qefficient + per_slot * window, full + per_slot * ctx_len
+        elif cache.length == symbols.CTX_LEN:
+            qefficient, full = qefficient + per_slot * ctx_len, full + per_slot * ctx_len
+        else:
+            qefficient, full = qefficient + per_slot * own, full + per_slot * own
+    return {"ours": ours * kv_bytes, "QEfficient": qefficient * kv_bytes, "full ctx": full * kv_bytes}
+
+
+def report(config: Path, args) -> None:
+    """Print one checkpoint's table."""
+    description = describe_checkpoint(config.parent, config)
+    family = family_for(description)
+    dims = family.text_dims(description)
+    caches = family.layer_caches(description)
+    windowed = sum(cache.length == symbols.SLIDING_WINDOW for cache in caches)
+    shared = sum(cache.shared for cache in caches)
+    print(
+        f"{config.parent.name}: {dims.num_layers} layers ({windowed} window layers, {shared} read another "
+        f"layer's cache, sliding_window {family.text_config(description).get('sliding_window')}), "
+        f"{args.kv_bytes}-byte KV, batch {args.batch}"
+    )
+    cross = [c.length for c in caches if c.length not in (symbols.CTX_LEN, symbols.SLIDING_WINDOW)]
+    if cross:
+        rows = family.request_symbols(description, args.images)[cross[0]]
+        print(f"{len(cross)} cross-attention layers: {rows:,} K/V rows each for {args.images} image slot(s)")
+    header = f"{'ctx_len':>8} {'ours MiB':>10} {'QEfficient MiB':>15} {'full ctx MiB':>13} {'ours/QEff':>10}"
+    print(header)
+    for ctx_len in args.ctx:
+        sizes = layout_bytes(family, description, ctx_len, args.kv_bytes, args.batch, args.images)
+        mib = {name: count / 2**20 for name, count in sizes.items()}
+        assert sizes["ours"] <= sizes["QEfficient"], (ctx_len, sizes)
+        print(
+            f"{ctx_len:>8} {mib['ours']:>10.1f} {mib['QEfficient']:>15.1f} {mib['full ctx']:>13.1f} "
+            f"{sizes['ours'] / sizes['QEfficient']:>10.3f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG])
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 32768])
     parser.add_argument("--kv-bytes", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
     args = parser.parse_args()
-    description = describe_checkpoint(args.config.parent, args.config)
-    family = family_for(description)
-    dims = family.text_dims(description)
-    cache_symbols = family.kv_cache_symbols(description)
-    windowed = cache_symbols.count(symbols.SLIDING_WINDOW)
-    print(
-        f"{args.config.parent.name}: {dims.num_layers} layers ({windowed} window layers, "
-        f"sliding_window {family.text_config(description).get('sliding_window')}), "
-        f"{dims.num_kv_heads} KV heads x {dims.head_dim}, {args.kv_bytes}-byte KV, batch {args.batch}"
-    )
-    cross = [s for s in cache_symbols if s not in (symbols.CTX_LEN, symbols.SLIDING_WINDOW)]
-    if cross:
-        rows = family.request_symbols(description, args.images)[cross[0]]
-        print(f"{len(cross)} cross-attention layers: {rows:,} K/V rows each for {args.images} image slot(s)")
-    per_slot = kv_bytes_per_slot(dims, args.kv_bytes, args.batch)
-    print(f"{'ctx_len':>8} {'ours MiB':>10} {'QEfficient MiB':>15} {'full ctx MiB':>13} {'ours/full':>10}")
-    for ctx_len in args.ctx:
-        slots = layouts(family, description, ctx_len, args.images)
-        mib = {name: count * per_slot / 2**20 for name, count in slots.items()}
-        assert slots["ours"] <= slots["QEfficient"], (ctx_len, slots)
-        print(
-            f"{ctx_len:>8} {mib['ours']:>10.1f} {mib['QEfficient']:>15.1f} {mib['full ctx']:>13.1f} "
-            f"{slots['ours'] / slots['full ctx']:>10.3f}"
-        )
+    for index, config in enumerate(args.config):
+        if index:
+            print()
+        report(config, args)
 
 
 if __name__ == "__main__":

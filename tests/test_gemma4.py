@@ -189,3 +189,14 @@ def test_planner_reads_image_attention_from_the_checkpoint(layout, tmp_path):
     family = get_family(FAMILY)
     assert family.splits_images(describe_checkpoint(layout("e").checkpoint.directory))
     assert not family.splits_images(describe_checkpoint(layout("dense").checkpoint.directory))
+
+
+def test_e2b_kv_bytes_at_32k_at_most_half_of_qefficients_layout():
+    """benchmarks/kv_memory.py on the pinned gemma-4-E2B-it: 15 of 35 layers keep a cache (0.43x)."""
+    kv_memory = helpers.load_benchmark("kv_memory")
+    config = kv_memory.ROOT / "specs" / "configs" / "gemma-4-E2B-it" / "config.json"
+    description = describe_checkpoint(config.parent, config)
+    sizes = kv_memory.layout_bytes(get_family(FAMILY), description, 32768, kv_bytes=2, batch=1)
+    assert sizes["ours"] <= 0.5 * sizes["QEfficient"]
+    # Layers 0-14 keep caches: 12 sliding rings of 512 slots (1 head x 256), 3 full (1 head x 512)
+    assert sizes["ours"] == 2 * 2 * (12 * 512 * 256 + 3 * 32768 * 512)  # x 2 (K, V) x 2 bytes
