@@ -38,22 +38,37 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def layout(request, tiny_checkpoint, exported, hf_model, tmp_path_factory):
-    """``layout(name) -> FamilyRuntime`` of the tiny checkpoint in that layout, built once."""
-    built: dict[str, FamilyRuntime] = {}
+def layout(tiny_checkpoint, exported, cb_exported, hf_model, tmp_path_factory):
+    """``layout(name, batching=False) -> FamilyRuntime`` of the tiny checkpoint in that layout.
 
-    def build(name: str) -> FamilyRuntime:
-        if name not in built:
-            if name == "e":  # the registry's tiny checkpoint and export
-                built[name] = FamilyRuntime(FAMILY, exported(FAMILY), *hf_model(FAMILY))
-            else:
-                from qeff_vision.export.exporter import export_model
+    ``batching``: the continuous-batching export with ``comp_ctx_lengths``. Built once each; the E
+    layout is the registry's tiny checkpoint (and its session exports).
+    """
+    built: dict[tuple[str, bool], FamilyRuntime] = {}
+    checkpoints: dict[str, object] = {}
 
-                root = tmp_path_factory.mktemp(f"gemma4-{name}")
-                checkpoint = write_tiny_checkpoint(root / "model", 0, name)
-                export_model(checkpoint, root / "export", progress=None)
-                built[name] = FamilyRuntime(FAMILY, root / "export", *helpers.load_hf(checkpoint))
-        return built[name]
+    def build(name: str, batching: bool = False) -> FamilyRuntime:
+        if (name, batching) in built:
+            return built[name, batching]
+        if name == "e":
+            export = cb_exported(FAMILY, ccl=True) if batching else exported(FAMILY)
+            built[name, batching] = FamilyRuntime(FAMILY, export, *hf_model(FAMILY))
+            return built[name, batching]
+        from qeff_vision.export.exporter import export_model
+
+        if name not in checkpoints:
+            checkpoints[name] = write_tiny_checkpoint(
+                tmp_path_factory.mktemp(f"gemma4-{name}") / "model", 0, name
+            )
+        checkpoint = checkpoints[name]
+        export = tmp_path_factory.mktemp(f"gemma4-{name}-export") / "export"
+        export_model(
+            checkpoint, export, continuous_batching=batching, comp_ctx_lengths=batching, progress=None
+        )
+        plain = built.get((name, not batching))
+        loaded = (plain.model, plain.processor) if plain else helpers.load_hf(checkpoint)
+        built[name, batching] = FamilyRuntime(FAMILY, export, *loaded)
+        return built[name, batching]
 
     return build
 
@@ -200,3 +215,28 @@ def test_e2b_kv_bytes_at_32k_at_most_half_of_qefficients_layout():
     assert sizes["ours"] <= 0.5 * sizes["QEfficient"]
     # Layers 0-14 keep caches: 12 sliding rings of 512 slots (1 head x 256), 3 full (1 head x 512)
     assert sizes["ours"] == 2 * 2 * (12 * 512 * 256 + 3 * 32768 * 512)  # x 2 (K, V) x 2 bytes
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_five_staggered_requests_with_compute_context_lengths(name, layout):
+    """Continuous batching and CCL together: five requests through four slots (the fifth reuses a
+    freed slot), decode calls at batch 4 reading the smallest compiled CCL past the furthest
+    position; every request's tokens equal transformers generate alone."""
+    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+    from tests.test_batched_engine import SEQ_LENS, SLOTS, check_against_transformers, run_five
+
+    runtime = layout(name, batching=True)
+    buckets = tuple(PrefillBucket(s, s) for s in SEQ_LENS)
+    decode_ccls = (96, 112, 128, 512)
+    shape = LanguageShape(buckets, max(SEQ_LENS), 512, (64, 128, 512), decode_ccls)
+    generator = Generator(runtime.checkpoint, runtime.vision, runtime.language, shape)
+    requests, report = run_five(runtime, generator)
+    assert report.batched and report.full_batch_size == SLOTS and max(report.decode_batches) >= 2
+    check_against_transformers(runtime, requests, report)
+    fifth = report.requests[4]
+    assert any(r.slot == fifth.slot and r.finished_step < fifth.admitted_step for r in report.requests[:4])
+    # Calls used prefill CCLs (64, 128, 512) and decode-only ones (96, 112): the decode CCL grew.
+    used = set(generator.ccl_history)
+    assert used <= {64, 96, 112, 128, 512} and len(used & {96, 112}) >= 1, used
