@@ -4,7 +4,10 @@ Usage: python benchmarks/device_numerics.py [--families gemma3 llava ...] [--tok
                                             [--out /tmp/device-numerics]
 
 For each family's tiny checkpoint (plus "gemma3-scaled", the tiny Gemma 3 whose layer-0
-post-feedforward norm weight is 50,000 so its residual stream leaves fp16's range), the parity
+post-feedforward norm weight is 50,000 so its residual stream leaves fp16's range, and
+"gemma4-scaled", the tiny Gemma 4 whose residual leaves it the same way and whose vision tower's
+last post-feedforward norm weight is 20,000, so the pooler's sqrt(hidden) scaling takes the soft
+tokens past 65,504 while the tower's own output stays inside), the parity
 prompt (one image, "Describe this image.") runs through the chunk-aware runtime on onnxruntime in
 each emulation and is compared with transformers' fp32 generate:
 
@@ -14,7 +17,10 @@ each emulation and is compared with transformers' fp32 generate:
 * + mxfp6 E2M3 / E3M2: matmul weights as OCP MXFP6 (the element the compiler uses is not public).
 * + mxint8 KV: the KV cache stored as OCP MXINT8.
 
-Columns: plan size (of every non-matmul output), the worst step's max |logit difference| divided
+Columns: plan size (of every non-matmul output), QEfficient's rule for Gemma 4 on the same graphs
+(ref: QEfficient transformers/models/gemma4/modeling_gemma4.py, ``generate_npi_file`` and
+``generate_vision_npi_file``: every language node output except data movement, shapes, constants
+and CustomRMSNorm; every vision Add and CustomRMSNorm output), the worst step's max |logit difference| divided
 by transformers' logit range, and greedy tokens identical to transformers out of those generated
 ("inf/NaN" when the emulation overflowed). Random tiny weights are far from a trained model's
 distribution: read the MX rows as the size of the effect, not as a model's accuracy.
@@ -31,25 +37,66 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.families import all_families
 
-SCALED = "gemma3-scaled"
-SCALE = 5e4
+# Scaled variant -> (family, {weight-name suffix: value}).
+SCALED = {
+    "gemma3-scaled": ("gemma3", {"layers.0.post_feedforward_layernorm.weight": 5e4}),
+    "gemma4-scaled": (
+        "gemma4",
+        {
+            "language_model.layers.0.post_feedforward_layernorm.weight": 5e4,
+            "vision_tower.encoder.layers.1.post_feedforward_layernorm.weight": 2e4,
+        },
+    ),
+}
+# QEfficient's Gemma 4 node-precision rule (generate_npi_file / generate_vision_npi_file).
+QEFF_GEMMA4_EXCLUDED = {
+    "Constant", "ConstantOfShape", "Concat", "CustomRMSNorm", "Equal", "Gather", "MatMul", "Range",
+    "Reshape", "Shape", "Slice", "Transpose", "Unsqueeze",
+}  # fmt: skip
+QEFF_GEMMA4_VISION = {"Add", "CustomRMSNorm"}
 
 
-def _checkpoint(name: str, root: Path) -> Path:
+def write_checkpoint(name: str, directory: Path) -> Path:
+    """A family's tiny checkpoint, or a scaled variant of one (weights overwritten in place)."""
     from qeff_vision import api
 
-    family = "gemma3" if name == SCALED else name
-    directory = api.tiny(family, root / name / "checkpoint")
-    if name == SCALED:
+    family, scales = SCALED.get(name, (name, {}))
+    directory = api.tiny(family, directory)
+    if scales:
         import torch
         from safetensors.torch import load_file, save_file
 
         weights = next(directory.glob("*.safetensors"))
         tensors = load_file(str(weights))
-        for key in [k for k in tensors if k.endswith("layers.0.post_feedforward_layernorm.weight")]:
-            tensors[key] = torch.full_like(tensors[key], SCALE)
+        for suffix, value in scales.items():
+            keys = [k for k in tensors if k.endswith(suffix)]
+            assert keys, suffix
+            for key in keys:
+                tensors[key] = torch.full_like(tensors[key], value)
         save_file(tensors, str(weights), metadata={"format": "pt"})
     return directory
+
+
+def _checkpoint(name: str, root: Path) -> Path:
+    return write_checkpoint(name, root / name / "checkpoint")
+
+
+def qefficient_gemma4_rule(export: Path) -> int:
+    """Outputs QEfficient's Gemma 4 rule keeps in fp32 on our two graphs (vision + language)."""
+    import onnx
+
+    kept = 0
+    for program in ("vision", "lang"):
+        graph = onnx.load(str(export / program / "model.onnx"), load_external_data=False).graph
+        for node in graph.node:
+            if program == "vision" and node.op_type not in QEFF_GEMMA4_VISION:
+                continue
+            if program == "lang" and node.op_type in QEFF_GEMMA4_EXCLUDED:
+                continue
+            kept += sum(
+                1 for o in node.output if o and not o.endswith(symbols.RETAINED_SUFFIX) and "MatMul" not in o
+            )
+    return kept
 
 
 def _plans(export: Path, length: int) -> tuple[dict[str, list[str]], int]:
@@ -94,6 +141,8 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     length = inputs["input_ids"].shape[1]
     plans, candidates = _plans(export, length + 3)
     kept = sum(len(v) for v in plans.values())
+    family = SCALED.get(name, (name, {}))[0]
+    rule = str(qefficient_gemma4_rule(export)) if family == "gemma4" else "-"
     bucket = PrefillBucket(length + 3, length + 3)
     shape = LanguageShape((bucket,), bucket.vision_size, length + 64)
     emulations = [
@@ -110,27 +159,34 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
         try:
             result = generator.generate(helpers.as_numpy(inputs), max_new_tokens=tokens, keep_logits=True)
         except DeviceOverflow:
-            rows.append((name, label, plan_cell, "inf/NaN", "-"))
+            rows.append((name, label, plan_cell, rule, "inf/NaN", "-"))
             continue
         worst = max(
             float(np.abs(ours - ref).max() / (ref.max() - ref.min()))
             for ours, ref in zip(result.logits, hf_logits)
         )
         same = sum(1 for a, b in zip(result.tokens, hf_tokens) if a == b)
-        rows.append((name, label, plan_cell, f"{worst:.2e}", f"{same}/{len(hf_tokens)}"))
+        rows.append((name, label, plan_cell, rule, f"{worst:.2e}", f"{same}/{len(hf_tokens)}"))
     return rows
 
 
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    names = [family.name for family in all_families()] + [SCALED]
+    names = [family.name for family in all_families()] + list(SCALED)
     parser.add_argument("--families", nargs="+", default=names, choices=names)
     parser.add_argument("--tokens", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="Keep checkpoints and exports here.")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="device-numerics-"))
-    header = ("checkpoint", "emulation", "fp32 nodes", "max |dlogit| / range", "tokens = HF")
+    header = (
+        "checkpoint",
+        "emulation",
+        "fp32 nodes",
+        "QEff Gemma 4 rule",
+        "max |dlogit| / range",
+        "tokens = HF",
+    )
     rows = [row for name in args.families for row in measure(name, root, args.tokens)]
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):

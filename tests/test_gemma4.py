@@ -240,3 +240,63 @@ def test_five_staggered_requests_with_compute_context_lengths(name, layout):
     # Calls used prefill CCLs (64, 128, 512) and decode-only ones (96, 112): the decode CCL grew.
     used = set(generator.ccl_history)
     assert used <= {64, 96, 112, 128, 512} and len(used & {96, 112}) >= 1, used
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    """(export, transformers model, processor) of benchmarks/device_numerics.py's gemma4-scaled."""
+    from qeff_vision.export.exporter import export_model
+
+    device_numerics = helpers.load_benchmark("device_numerics")
+    root = tmp_path_factory.mktemp("gemma4-scaled")
+    checkpoint = device_numerics.write_checkpoint("gemma4-scaled", root / "checkpoint")
+    export_model(checkpoint, root / "export", progress=None)
+    return root / "export", *helpers.load_hf(checkpoint)
+
+
+def test_scaled_variant_pooler_and_residual_need_the_automatic_plan(scaled):
+    """The pooler's sqrt(hidden) scaling and layer 0's residual leave fp16's range (transformers
+    agrees in fp32); without a plan device precision overflows, the automatic plan keeps outputs of
+    both programs (far fewer than QEfficient's Gemma 4 rule) and the logits stay within 1e-2 of the
+    logit range."""
+    from qeff_vision.runtime.generate import generator_for_export
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+    from qeff_vision.runtime.session import DeviceOverflow
+    from tests.test_device_precision_families import _plans
+
+    export, model, processor = scaled
+    seen = {}
+    hooks = [
+        model.model.vision_tower.pooler.register_forward_hook(lambda m, i, o: seen.update(pool=o[0])),
+        model.model.vision_tower.encoder.register_forward_hook(
+            lambda m, i, o: seen.update(tower=o.last_hidden_state)
+        ),
+    ]
+    inputs = helpers.process(
+        processor, helpers.user_turn("<image>", "Describe this image."), [helpers.image(100, 150)]
+    )
+    try:
+        hf_tokens, hf_logits = helpers.hf_generate(model, inputs, max_new_tokens=4)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert float(seen["tower"].abs().max()) < 65504 < float(seen["pool"].abs().max())
+    length = inputs["input_ids"].shape[1]
+    bucket = PrefillBucket(length + 3, length + 3)
+    shape = LanguageShape((bucket,), bucket.vision_size, length + 64)
+    with pytest.raises(DeviceOverflow):
+        generator_for_export(export, shape, fp32_values={}).generate(
+            helpers.as_numpy(inputs), max_new_tokens=2
+        )
+    plans = _plans(export, length + 3)
+    assert plans["vision"] and plans["lang"]
+    rule = helpers.load_benchmark("device_numerics").qefficient_gemma4_rule(export)
+    assert len(plans["vision"]) + len(plans["lang"]) < rule / 4
+    result = generator_for_export(export, shape, fp32_values=plans).generate(
+        helpers.as_numpy(inputs), max_new_tokens=4, keep_logits=True
+    )
+    for ours, ref in zip(result.logits, hf_logits):
+        assert np.isfinite(ours).all()
+        assert np.abs(ours - ref).max() <= 1e-2 * (ref.max() - ref.min())
+    assert result.tokens[0] == hf_tokens[0]
