@@ -199,11 +199,19 @@ def test_every_continuous_batching_family_has_a_golden_continuous_batching_spec(
         assert not [s for s in specs if s.family == family and s.full_batch_size is not None], family
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+CB_SPECS = {
+    "qwen2_5_vl": "qwen2_5_vl/qwen2_5_vl-3b-instruct-cb",
+    "gemma3": "gemma3/gemma-3-4b-it-cb",
+    # Per-layer cache shapes and shared-KV layers without rows: the slot check reads the table's rows.
+    "gemma4": "gemma4/gemma-4-e2b-it-cb",
+}
+
+
+@pytest.mark.parametrize("family", list(CB_SPECS))
 def test_onnxruntime_backend_verifies_the_continuous_batching_specializations(
     family, cb_exported, tiny_checkpoint, tmp_path, capsys
 ):
-    base = {"qwen2_5_vl": "qwen2_5_vl/qwen2_5_vl-3b-instruct-cb", "gemma3": "gemma3/gemma-3-4b-it-cb"}[family]
+    base = CB_SPECS[family]
     data = yaml.safe_load((SPECS / f"{base}.yaml").read_text())
     data.pop("config")
     data.update(model=str(tiny_checkpoint(family)), ctx_len=512, prefill={"seq_lens": [32, 64]})

@@ -300,3 +300,12 @@ def test_scaled_variant_pooler_and_residual_need_the_automatic_plan(scaled):
         assert np.isfinite(ours).all()
         assert np.abs(ours - ref).max() <= 1e-2 * (ref.max() - ref.min())
     assert result.tokens[0] == hf_tokens[0]
+
+
+def test_all_bidirectional_attention_is_refused_in_one_line(layout):
+    """use_bidirectional_attention 'all' (not a causal decoder) is refused by the config view."""
+    saved = layout("e").checkpoint.description
+    text = {**saved.config["text_config"], "use_bidirectional_attention": "all"}
+    with pytest.raises(UserError, match="'all'") as error:
+        get_family(FAMILY).layer_caches(ModelDescription({**saved.config, "text_config": text}))
+    assert "\n" not in str(error.value)

@@ -81,7 +81,6 @@ class Gemma4Config:
     num_kv_shared_layers: int
     bidirectional: str | None  # use_bidirectional_attention: None, "vision" or "all"
     image_token_id: int
-    has_audio: bool
     patch_size: int
     pooling_kernel_size: int
     max_soft_tokens: int
@@ -96,6 +95,11 @@ class Gemma4Config:
         if not types:  # every 6th layer is full (Gemma4TextConfig.__post_init__)
             types = [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(layers)]
         types[-1] = FULL_ATTENTION  # transformers forces the last layer to full attention
+        if text.get("use_bidirectional_attention") == "all":
+            raise UserError(
+                f"{model.source}: use_bidirectional_attention 'all' (every token both ways, a halved "
+                "window) is not a causal decoder; only None and 'vision' are supported"
+            )
         if len(types) != layers:
             raise UserError(f"{model.source}: {len(types)} layer_types for {layers} layers")
         kv_heads = int(text.get("num_key_value_heads", 4))
@@ -122,7 +126,6 @@ class Gemma4Config:
             num_kv_shared_layers=int(text.get("num_kv_shared_layers") or 0),
             bidirectional=text.get("use_bidirectional_attention"),
             image_token_id=int(config.get("image_token_id", 258_880)),
-            has_audio=bool(config.get("audio_config")),
             patch_size=int(processor.get("patch_size") or vision.get("patch_size") or PATCH_SIZE),
             pooling_kernel_size=int(vision.get("pooling_kernel_size") or POOLING_KERNEL_SIZE),
             max_soft_tokens=int(processor.get("max_soft_tokens") or MAX_SOFT_TOKENS),

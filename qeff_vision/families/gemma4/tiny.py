@@ -1,7 +1,8 @@
 """Tiny random-weight Gemma 4 checkpoints in the three layouts of the published models.
 
 * ``e`` (E2B/E4B): per-layer embeddings (PLE), the last layers reading earlier layers' caches
-  (``num_kv_shared_layers``), a double-wide MLP on those layers, causal image attention.
+  (``num_kv_shared_layers``), a double-wide MLP on those layers, causal image attention, and an
+  audio tower (loaded and exported around, never run: audio input is refused).
 * ``moe`` (26B-A4B): a router and experts beside the dense MLP, ``attention_k_eq_v`` full layers
   with their own KV-head count, ``use_bidirectional_attention == "vision"``.
 * ``dense`` (31B): the 26B layout without experts.
@@ -97,6 +98,15 @@ LAYOUTS = {
         use_bidirectional_attention="vision",
     ),
 }
+# A one-layer audio tower for the E layout (the E checkpoints carry one).
+AUDIO_TOWER = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    subsampling_conv_channels=[8, 4],
+    output_proj_dims=32,
+    conv_kernel_size=3,
+)
 # Spread of the random values given to parameters transformers initializes to zero or one
 # (norm weights, the position table, the router's scales): left so, a wrong row would not show.
 INIT_STD = 0.1
@@ -162,7 +172,7 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "e")
     config = Gemma4Config(
         text_config=text,
         vision_config=vision,
-        audio_config=None,
+        audio_config=AUDIO_TOWER if layout == "e" else None,
         image_token_id=ids[IMAGE],
         boi_token_id=ids[BOI],
         eoi_token_id=ids[EOI],
