@@ -309,3 +309,54 @@ def test_all_bidirectional_attention_is_refused_in_one_line(layout):
     with pytest.raises(UserError, match="'all'") as error:
         get_family(FAMILY).layer_caches(ModelDescription({**saved.config, "text_config": text}))
     assert "\n" not in str(error.value)
+
+
+def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_path, capsys):
+    """vision.image_processor.max_soft_tokens sets the image budget: the vision specialization of a
+    resolution follows it, compile writes it into OUT's processor config, and the processor ``run``
+    loads from OUT turns that resolution into exactly the compiled patch count."""
+    import json
+
+    import yaml
+
+    from qeff_vision.checkpoint import Checkpoint
+    from qeff_vision.cli import main
+    from qeff_vision.spec import load_spec
+
+    runtime = layout("e")
+    spec = {
+        "name": "tiny-gemma4-140",
+        "model": str(runtime.checkpoint.directory),
+        "ctx_len": 512,
+        "prefill": {"seq_lens": [64, 160]},
+        "vision": {"images": [{"height": 100, "width": 150}], "image_processor": {"max_soft_tokens": 140}},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    family, checkpoint = get_family(FAMILY), runtime.checkpoint.description
+    image = load_spec(path).vision.images[0]
+    tokens = {budget: family.vision_symbols(checkpoint, image)[symbols.VISION_SIZE] for budget in (70,)}
+    tokens[140] = family.vision_symbols(load_spec(path).model_description, image)[symbols.VISION_SIZE]
+    assert tokens == {70: 60, 140: 126}  # the tiny's own budget is 70
+    out = tmp_path / "out"
+    command = [
+        "compile",
+        str(path),
+        "-o",
+        str(out),
+        "--backend",
+        "onnxruntime",
+        "--export",
+        str(runtime.language.path.parents[1]),
+    ]
+    assert main(command) == 0, capsys.readouterr().err
+    manifest = json.loads((out / "manifest.json").read_text())
+    compiled = manifest["programs"]["vision"]["specializations"]
+    processor = Checkpoint.open(out / manifest["runtime_model"]).processor  # what `run` loads
+    processed = processor.image_processor(images=[helpers.image(100, 150)], return_tensors="np")
+    patches = int((processed["image_position_ids"][0] >= 0).all(-1).sum())
+    assert [int(entry["symbols"]["num_patches"]) for entry in compiled] == [patches] == [126 * 9]
+    bad = {**spec, "vision": {**spec["vision"], "image_processor": {"max_soft_tokens": 100}}}
+    path.write_text(yaml.safe_dump(bad))
+    assert main(["validate", str(path)]) == 2
+    assert "must be one of 70, 140, 280, 560, 1120" in capsys.readouterr().err

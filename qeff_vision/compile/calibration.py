@@ -75,6 +75,7 @@ def prompt_ranges(
     images: Sequence[Path] = (),
     prompts: Sequence[str] = (),
     say: Callable[[str], None] | None = None,
+    processor_options: Mapping[str, int] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -86,6 +87,8 @@ def prompt_ranges(
         images: The user's calibration images (replace the synthetic ones).
         prompts: The user's calibration prompts (default: one descriptive prompt).
         say: Called with one note when a prompt was shortened or a run skipped to fit ``ctx_len``.
+        processor_options: The spec's image-processor options (``vision.image_processor``), set on
+            the checkpoint's image processor so the prompts' images match the compiled shapes.
     """
     from PIL import Image
 
@@ -104,6 +107,8 @@ def prompt_ranges(
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
     generator = make_generator(checkpoint, vision, language, shape, eos_token_ids=())
     processor = checkpoint.processor
+    for name, value in (processor_options or {}).items():
+        setattr(processor.image_processor, name, value)
     if images:
         pictures = [Image.open(path).convert("RGB") for path in images]
     else:

@@ -126,7 +126,7 @@ def _timeout(options: ProgramOptions, override: float | None) -> float | None:
 
 def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: CompileOutcome) -> str | None:
     """Copy the checkpoint's runtime files into OUT (spec's checkpoint, else the export's)."""
-    from qeff_vision.compile.runtime_files import copy_first_checkpoint
+    from qeff_vision.compile.runtime_files import copy_first_checkpoint, set_image_processor_options
 
     recorded = (export.manifest or {}).get("model")
     copied = copy_first_checkpoint((spec.model_dir, recorded), out_dir)
@@ -134,6 +134,8 @@ def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: Compi
         outcome.notes.append(
             "note: no local checkpoint to copy into OUT; `run` needs the one the export names"
         )
+    elif spec.vision.image_processor:
+        set_image_processor_options(out_dir / copied, dict(spec.vision.image_processor))
     return copied
 
 

@@ -243,6 +243,7 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
         say=say,
+        processor_options=dict(spec.vision.image_processor),
     )
     language = ranges["lang"]
     prefix = spec.deployment.kv_cache_prefix

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from qeff_vision.errors import UserError
+from qeff_vision.fsutil import atomic_write_json, read_json
 
 RUNTIME_MODEL_DIR = "model"
 # Weight and graph files (safetensors shards and their index, PyTorch/TF/Flax/GGUF weights,
@@ -86,3 +87,23 @@ def copy_first_checkpoint(candidates, out_dir: Path) -> str | None:
             copy_runtime_files(Path(candidate), out_dir)
             return RUNTIME_MODEL_DIR
     return None
+
+
+def set_image_processor_options(model_dir: Path, options: dict[str, int]) -> None:
+    """Write the spec's image-processor options into ``model_dir``'s processor config.
+
+    ``preprocessor_config.json`` when the checkpoint has one, else the ``image_processor`` entry of
+    transformers v5's ``processor_config.json``.
+
+    Raises:
+        UserError: ``model_dir`` has neither file.
+    """
+    legacy, combined = Path(model_dir) / "preprocessor_config.json", Path(model_dir) / "processor_config.json"
+    if legacy.is_file():
+        atomic_write_json(legacy, {**read_json(legacy), **options})
+    elif combined.is_file():
+        data = read_json(combined)
+        data["image_processor"] = {**(data.get("image_processor") or {}), **options}
+        atomic_write_json(combined, data)
+    else:
+        raise UserError(f"{model_dir}: no processor config to set {', '.join(options)} in")

@@ -159,6 +159,12 @@ class Family:
     #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
     patch_bucket_capability: type[PatchBuckets] | None = None
 
+    #: Image-processor options a spec may set (``vision.image_processor``): name -> allowed values
+    #: (Gemma 4's ``max_soft_tokens``). The spec's token math reads them over the checkpoint's
+    #: processor config, and compile writes them into OUT's copy of it, so ``run`` processes
+    #: images exactly as the vision specializations were compiled.
+    image_processor_options: Mapping[str, tuple[int, ...]] = {}
+
     @property
     def bidirectional_images(self) -> bool:
         """Placeholders of one image attend to each other both ways (declared by ``chunk_split``)."""

@@ -6,9 +6,11 @@ Every problem is collected with its YAML path and raised at once as one
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from qeff_vision.errors import SpecError, UserError
+from qeff_vision.families.base import Family, ModelDescription
 from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
@@ -42,6 +44,31 @@ def check_compile_files(reader, options, section, spec_dir: Path) -> None:
     for image in options.calibration.images if options.calibration else ():
         if not (spec_dir / image).is_file():
             reader.add("compile.calibration.images", f"no such image {image!r}")
+
+
+def with_image_processor_options(
+    reader: Reader, family: Family, description: ModelDescription, options: tuple[tuple[str, int], ...]
+) -> ModelDescription:
+    """``description`` with the spec's image-processor options over its processor config.
+
+    Each option must be one the family declares (``Family.image_processor_options``) with one of
+    its allowed values; otherwise a problem is reported and ``description`` is returned unchanged.
+    """
+    allowed = family.image_processor_options
+    good = {}
+    for name, value in options:
+        here = f"vision.image_processor.{name}"
+        if name not in allowed:
+            known = ", ".join(sorted(allowed)) or "none"
+            reader.add(here, f"{family.title} has no image-processor option {name!r} (options: {known})")
+        elif value not in allowed[name]:
+            reader.add(here, f"must be one of {', '.join(map(str, allowed[name]))} (got {value})")
+        else:
+            good[name] = value
+    if len(good) != len(options):
+        return description
+    # A fresh views cache: views read before the options (the family's typed config views) are stale.
+    return replace(description, processor={**description.processor, **good}, views={})
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -129,6 +156,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
         reader.add("compile.comp_ctx_lengths", f"{family.title} cannot use compute-context lengths: {note}")
     if family is not None and deployment is not None:
         check_deployment(reader, family, deployment)
+    if family is not None and description is not None and vision is not None and vision.image_processor:
+        description = with_image_processor_options(reader, family, description, vision.image_processor)
     if family is not None and description is not None and vision is not None:
         check_images(reader, warnings, family, description, vision, seq_lens, ctx_len)
         if vision.patch_buckets:

@@ -40,6 +40,9 @@ class VisionSpec:
         vision_size_given: ``vision.vision_size`` was written in the spec (not defaulted).
         patch_buckets: Patch counts of the patch-bucket vision program (one specialization each,
             any image resolution); empty in resolution-list mode (``images``).
+        image_processor: Image-processor options the spec sets (``vision.image_processor``, e.g.
+            Gemma 4's ``max_soft_tokens``), as (name, value); the family declares which exist.
+            The token math reads them, and compile writes them into OUT's processor config.
     """
 
     images: tuple[ImageSize, ...]
@@ -47,6 +50,7 @@ class VisionSpec:
     vision_size: VisionSizePolicy = field(default_factory=VisionSizePolicy)
     vision_size_given: bool = False
     patch_buckets: tuple[int, ...] = ()
+    image_processor: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ TOP_KEYS = (
     "kv_cache_prefix",
 )
 PREFILL_KEYS = ("seq_lens",)
-VISION_KEYS = ("images", "videos", "patch_buckets", "max_images", "vision_size")
+VISION_KEYS = ("images", "videos", "patch_buckets", "max_images", "vision_size", "image_processor")
 VIDEO_KEYS = ("height", "width", "frames")
 IMAGE_KEYS = ("height", "width", "frames")
 # Generous bounds: they only keep arithmetic finite and messages sane for absurd input.
@@ -160,6 +160,7 @@ class VisionInput:
     policy_given: bool
     complete: bool
     patch_buckets: tuple[int, ...] = ()
+    image_processor: tuple[tuple[str, int], ...] = ()
 
     def spec(self) -> VisionSpec:
         """The checked section (only when ``complete``)."""
@@ -170,6 +171,7 @@ class VisionInput:
             self.policy,
             self.policy_given,
             self.patch_buckets,
+            self.image_processor,
         )
 
 
@@ -232,8 +234,23 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
             reader.add(here, f"duplicate video {image_label(video)}")
             continue
         images.append((len(images), video))
+    options = read_image_processor(reader, vision["image_processor"]) if "image_processor" in vision else ()
     complete = len(reader.problems) == before
-    return VisionInput(images, max_images, policy, given, complete, buckets)
+    return VisionInput(images, max_images, policy, given, complete, buckets, options)
+
+
+def read_image_processor(reader: Reader, raw: Any) -> tuple[tuple[str, int], ...]:
+    """``vision.image_processor``: option name -> integer (the family checks names and values)."""
+    here = "vision.image_processor"
+    if not isinstance(raw, dict) or not raw:
+        reader.add(here, f"must be a mapping of image-processor options to integers (got {shown(raw)})")
+        return ()
+    options = []
+    for key in raw:
+        value = reader.integer(raw, key, here, maximum=MAX_IMAGE_SIDE)
+        if value is not None:
+            options.append((str(key), value))
+    return tuple(options)
 
 
 def read_patch_buckets(reader: Reader, raw: Any) -> tuple[int, ...]:

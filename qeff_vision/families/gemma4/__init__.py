@@ -179,6 +179,8 @@ class Gemma4(Family):
     }
     # <|image> and <image|> always separate two images' soft tokens.
     tokens_between_images = 2
+    # The image budget (spec key vision.image_processor.max_soft_tokens).
+    image_processor_options = {"max_soft_tokens": SOFT_TOKEN_BUDGETS}
 
     # ---- config normalization (all through Gemma4Config) ----
 
