@@ -360,3 +360,57 @@ def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_p
     path.write_text(yaml.safe_dump(bad))
     assert main(["validate", str(path)]) == 2
     assert "must be one of 70, 140, 280, 560, 1120" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ("moe", "dense"))
+def test_three_stage_parity_of_the_26b_and_31b_layouts(name, layout):
+    """transformers vs export-patched torch vs onnxruntime (the registry suite does the E layout):
+    the vision program at three aspect ratios, and the patched decoder's last logits on a prompt
+    whose image attends both ways on sliding layers (transformers given mm_token_type_ids)."""
+    import torch
+
+    from qeff_vision.contract.language_io import KV_ROLES
+    from qeff_vision.export.decoder import LanguageDecoder
+    from qeff_vision.export.exporter import example_values, load_adapter
+
+    runtime = layout(name)
+    model, processor, family = runtime.model, runtime.processor, get_family(FAMILY)
+    adapter = load_adapter(family)
+    encoder = adapter.vision_encoder(model)
+    host = family.host(runtime.checkpoint.description)
+    for seed, (height, width) in enumerate(adapter.test_image_sizes):
+        processed = processor.image_processor(
+            images=[helpers.image(height, width, seed)], return_tensors="pt"
+        )
+        reference = adapter.hf_image_features(model, processed)[0].numpy()
+        inputs = host.vision_inputs(helpers.as_numpy(processed))[0]
+        with torch.no_grad():
+            patched = encoder(*[torch.as_tensor(v) for v in inputs.values()])[0].numpy()
+        onnx = runtime.vision.run(inputs)[symbols.VISION_EMBEDS][0]
+        assert patched.shape == reference.shape == onnx.shape
+        assert max(np.abs(patched - reference).max(), np.abs(onnx - reference).max()) <= 1e-4, (height, width)
+    inputs = helpers.process(processor, helpers.user_turn("<image>", "Hi"), [helpers.image(90, 120, 3)])
+    assert "mm_token_type_ids" in inputs
+    with torch.no_grad():
+        reference = model(**inputs).logits[0, -1].numpy()
+    description = runtime.checkpoint.description
+    io = family.language_table(description)
+    decoder = LanguageDecoder(adapter.decoder_parts(model), io).eval()
+    length = inputs["input_ids"].shape[1]
+    values = {**example_values(family, description), symbols.CTX_LEN: length + 8, symbols.SLIDING_WINDOW: 8}
+    past = [torch.zeros(row.concrete_shape(values)) for row in io.rows(*KV_ROLES)]
+    features = torch.cat(adapter.hf_image_features(model, inputs)).unsqueeze(0)
+    positions = torch.arange(length).view(1, -1)
+    with torch.no_grad():
+        logits = decoder(
+            inputs["input_ids"], positions, features, torch.zeros(1, 1, dtype=torch.int64), *past
+        )[0]
+    assert np.abs(logits[0, -1].numpy() - reference).max() <= 1e-3
+    # The image's two-way links matter: the same decoder with causal image attention differs.
+    causal_parts = adapter.decoder_parts(model)
+    causal_parts.bidirectional_images = False
+    with torch.no_grad():
+        causal = LanguageDecoder(causal_parts, io).eval()(
+            inputs["input_ids"], positions, features, torch.zeros(1, 1, dtype=torch.int64), *past
+        )[0]
+    assert np.abs(causal[0, -1].numpy() - reference).max() > 1e-3
