@@ -88,6 +88,13 @@ class Gemma4Config:
     @classmethod
     def read(cls, model: ModelDescription) -> Gemma4Config:
         """The view of ``model`` (a user error naming a missing or impossible value)."""
+        try:
+            return cls._read(model)
+        except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
+            raise UserError(f"{model.source}: unusable Gemma 4 config value ({exc})") from None
+
+    @classmethod
+    def _read(cls, model: ModelDescription) -> Gemma4Config:
         config = model.config
         text = dict(config.get("text_config") or {})
         layers = int(text.get("num_hidden_layers", 30))
@@ -191,12 +198,14 @@ class Gemma4(Family):
     def text_dims(self, model: ModelDescription) -> TextDims:
         """Dimensions of the sliding layers (the full layers' own are in :meth:`layer_caches`)."""
         view = self.config(model)
+        kinds = view.layer_types
+        sliding = kinds.index(SLIDING_ATTENTION) if SLIDING_ATTENTION in kinds else 0
         return TextDims(
             hidden_size=view.hidden_size,
             num_layers=view.num_layers,
             num_attention_heads=view.num_heads,
-            num_kv_heads=view.kv_heads[0],
-            head_dim=view.head_dims[0],
+            num_kv_heads=view.kv_heads[sliding],
+            head_dim=view.head_dims[sliding],
             vocab_size=view.vocab_size,
             max_position_embeddings=view.max_position_embeddings,
         )
