@@ -20,6 +20,7 @@ FAMILIES_DIR = ROOT / "qeff_vision" / "families"
 # and the family cannot guess it.
 REQUIRED = {
     "gemma3": "vision_config.image_size",
+    "gemma4": "text_config.hidden_size",
     "internvl": "image_token_id",
     "llava": "image_token_index",
     "llava_next": "image_token_index",

@@ -16,12 +16,13 @@ The decoder breaks three assumptions of one-shape caches (:meth:`Gemma4.layer_ca
 layers have a wider head (``global_head_dim``) and, with ``attention_k_eq_v``, their own KV-head
 count (``num_global_key_value_heads``); the last ``num_kv_shared_layers`` layers compute no K/V and
 read the cache of the last earlier layer of their type, so they have no cache rows at all.
-Every raw config read of the family is in :class:`Gemma4Config`.
+Every raw config read of the family is in its typed view,
+:class:`~qeff_vision.families.gemma4.config.Gemma4Config`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Fixed, LayerCache
@@ -43,6 +44,15 @@ from qeff_vision.families.base import (
     no,
     yes,
 )
+from qeff_vision.families.config_view import ConfigReader, Section, TextGeometry
+from qeff_vision.families.gemma4.config import (
+    IMAGE_TOKEN_DEFAULT,
+    TEXT_DEFAULTS,
+    TEXT_DEFAULTS_SOURCE,
+    Gemma4Config,
+    default_layer_types,
+    read_gemma4_config,
+)
 from qeff_vision.families.gemma4.tiny import write_tiny_checkpoint  # torch-free until called
 
 #: Patches of one image (the vision program's patch-list axis; one value per resolution).
@@ -53,109 +63,6 @@ GLOBAL_KV_HEADS = Fixed("num_global_kv_heads")
 GLOBAL_HEAD_DIM = Fixed("global_head_dim")
 #: The processor's image budgets (ref: image_processing_gemma4.py, ``_SUPPORTED_SOFT_TOKENS``).
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
-# Defaults of transformers v5.23 ``Gemma4ImageProcessor`` / ``Gemma4VisionConfig`` (a pinned
-# config snapshot has no processor config).
-PATCH_SIZE, POOLING_KERNEL_SIZE, MAX_SOFT_TOKENS = 16, 3, 280
-
-
-@dataclass(frozen=True)
-class Gemma4Config:
-    """The family's view of a checkpoint: every raw config.json read, over transformers' defaults.
-
-    Defaults are those of transformers v5.23 ``Gemma4TextConfig`` / ``Gemma4Config`` (ref:
-    models/gemma4/configuration_gemma4.py). A config saved by transformers has
-    ``per_layer_config`` (layer -> head_dim / num_key_value_heads overrides); a published one
-    has ``global_head_dim`` and ``num_global_key_value_heads``, which ``__post_init__`` turns into
-    the same overrides of the full layers.
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    kv_heads: tuple[int, ...]  # per layer
-    head_dims: tuple[int, ...]  # per layer
-    vocab_size: int
-    max_position_embeddings: int
-    sliding_window: int
-    layer_types: tuple[str, ...]
-    num_kv_shared_layers: int
-    bidirectional: str | None  # use_bidirectional_attention: None, "vision" or "all"
-    image_token_id: int
-    patch_size: int
-    pooling_kernel_size: int
-    max_soft_tokens: int
-
-    @classmethod
-    def read(cls, model: ModelDescription) -> Gemma4Config:
-        """The view of ``model`` (a user error naming a missing or impossible value)."""
-        try:
-            return cls._read(model)
-        except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong type
-            raise UserError(f"{model.source}: unusable Gemma 4 config value ({exc})") from None
-
-    @classmethod
-    def _read(cls, model: ModelDescription) -> Gemma4Config:
-        config = model.config
-        text = dict(config.get("text_config") or {})
-        layers = int(text.get("num_hidden_layers", 30))
-        types = list(text.get("layer_types") or [])
-        if not types:  # every 6th layer is full (Gemma4TextConfig.__post_init__)
-            types = [SLIDING_ATTENTION if (i + 1) % 6 else FULL_ATTENTION for i in range(layers)]
-        types[-1] = FULL_ATTENTION  # transformers forces the last layer to full attention
-        if text.get("use_bidirectional_attention") == "all":
-            raise UserError(
-                f"{model.source}: use_bidirectional_attention 'all' (every token both ways, a halved "
-                "window) is not a causal decoder; only None and 'vision' are supported"
-            )
-        if len(types) != layers:
-            raise UserError(f"{model.source}: {len(types)} layer_types for {layers} layers")
-        kv_heads = int(text.get("num_key_value_heads", 4))
-        head_dim = int(text.get("head_dim", 256))
-        overrides = {int(k): v for k, v in (text.get("per_layer_config") or {}).items()}
-        if not overrides:
-            full = {"head_dim": int(text.get("global_head_dim") or 512)}
-            global_kv = text.get("num_global_key_value_heads")
-            if text.get("attention_k_eq_v") and global_kv is not None:
-                full["num_key_value_heads"] = int(global_kv)
-            overrides = {i: full for i, kind in enumerate(types) if kind == FULL_ATTENTION}
-        every = range(layers)
-        processor, vision = model.processor, dict(config.get("vision_config") or {})
-        return cls(
-            hidden_size=int(text.get("hidden_size", 2304)),
-            num_layers=layers,
-            num_heads=int(text.get("num_attention_heads", 8)),
-            kv_heads=tuple(int(overrides.get(i, {}).get("num_key_value_heads", kv_heads)) for i in every),
-            head_dims=tuple(int(overrides.get(i, {}).get("head_dim", head_dim)) for i in every),
-            vocab_size=int(text.get("vocab_size", 262_144)),
-            max_position_embeddings=int(text.get("max_position_embeddings", 131_072)),
-            sliding_window=int(text.get("sliding_window", 512)),
-            layer_types=tuple(types),
-            num_kv_shared_layers=int(text.get("num_kv_shared_layers") or 0),
-            bidirectional=text.get("use_bidirectional_attention"),
-            image_token_id=int(config.get("image_token_id", 258_880)),
-            patch_size=int(processor.get("patch_size") or vision.get("patch_size") or PATCH_SIZE),
-            pooling_kernel_size=int(vision.get("pooling_kernel_size") or POOLING_KERNEL_SIZE),
-            max_soft_tokens=int(processor.get("max_soft_tokens") or MAX_SOFT_TOKENS),
-        )
-
-    def reads(self, layer: int) -> int | None:
-        """The layer whose cache ``layer`` reads, or None when it has its own.
-
-        The last ``num_kv_shared_layers`` layers read the last earlier non-shared layer of their
-        type (ref: configuration_gemma4.py, ``Gemma4TextConfig.kv_sharing_modes``).
-        """
-        first_shared = self.num_layers - self.num_kv_shared_layers
-        if layer < first_shared:
-            return None
-        kind = self.layer_types[layer]
-        producers = [i for i in range(first_shared) if self.layer_types[i] == kind]
-        if not producers:
-            raise UserError(f"shared layer {layer} ({kind}) has no earlier {kind} layer to read")
-        return producers[-1]
-
-    def full_layer(self) -> int:
-        """The first full-attention layer (its cache shape is every full layer's)."""
-        return self.layer_types.index(FULL_ATTENTION)
 
 
 class Gemma4(Family):
@@ -189,17 +96,37 @@ class Gemma4(Family):
     # The image budget (spec key vision.image_processor.max_soft_tokens).
     image_processor_options = {"max_soft_tokens": SOFT_TOKEN_BUDGETS}
 
-    # ---- config normalization (all through Gemma4Config) ----
+    text_defaults = TEXT_DEFAULTS
+    text_defaults_source = TEXT_DEFAULTS_SOURCE
+    image_token_default = IMAGE_TOKEN_DEFAULT
+
+    # ---- config view (every raw read in gemma4/config.py) ----
+
+    def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
+        """Every sixth layer full (Gemma4TextConfig's rule when ``layer_types`` is not listed)."""
+        return default_layer_types(num_layers)
+
+    def read_text(self, reader: ConfigReader, model: ModelDescription) -> TextGeometry:
+        """The text geometry; a value of the wrong type is one user error."""
+        try:
+            return super().read_text(reader, model)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise UserError(f"{model.source}: unusable Gemma 4 config value ({exc})") from None
+
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Gemma4Config:
+        """The family's typed view: per-layer caches, KV sharing, image attention and geometry."""
+        return read_gemma4_config(
+            reader, model.config, model.processor, self.text_geometry(model), model.source
+        )
 
     def config(self, model: ModelDescription) -> Gemma4Config:
-        """The family's view of ``model``'s config."""
-        return Gemma4Config.read(model)
+        """The family's typed view of ``model``'s config (read once)."""
+        return self.vision(model)
 
     def text_dims(self, model: ModelDescription) -> TextDims:
         """Dimensions of the sliding layers (the full layers' own are in :meth:`layer_caches`)."""
         view = self.config(model)
-        kinds = view.layer_types
-        sliding = kinds.index(SLIDING_ATTENTION) if SLIDING_ATTENTION in kinds else 0
+        sliding = view.sliding_layer()
         return TextDims(
             hidden_size=view.hidden_size,
             num_layers=view.num_layers,
@@ -209,10 +136,6 @@ class Gemma4(Family):
             vocab_size=view.vocab_size,
             max_position_embeddings=view.max_position_embeddings,
         )
-
-    def image_token_id(self, model: ModelDescription) -> int:
-        """``image_token_id`` (258880 when the config leaves it out)."""
-        return self.config(model).image_token_id
 
     def layer_types(self, model: ModelDescription) -> list[str]:
         """``layer_types``, or every sixth layer full; the last is always full."""
