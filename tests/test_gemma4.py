@@ -54,7 +54,7 @@ def layout(tiny_checkpoint, exported, cb_exported, hf_model, tmp_path_factory):
             export = cb_exported(FAMILY, ccl=True) if batching else exported(FAMILY)
             built[name, batching] = FamilyRuntime(FAMILY, export, *hf_model(FAMILY))
             return built[name, batching]
-        from qeff_vision.export.exporter import export_model
+        from qeff_vision.exporter import export_model
 
         if name not in checkpoints:
             checkpoints[name] = write_tiny_checkpoint(
@@ -245,7 +245,7 @@ def test_five_staggered_requests_with_compute_context_lengths(name, layout):
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory):
     """(export, transformers model, processor) of benchmarks/device_numerics.py's gemma4-scaled."""
-    from qeff_vision.export.exporter import export_model
+    from qeff_vision.exporter import export_model
 
     device_numerics = helpers.load_benchmark("device_numerics")
     root = tmp_path_factory.mktemp("gemma4-scaled")
@@ -371,7 +371,7 @@ def test_three_stage_parity_of_the_26b_and_31b_layouts(name, layout):
 
     from qeff_vision.contract.language_io import KV_ROLES
     from qeff_vision.export.decoder import LanguageDecoder
-    from qeff_vision.export.exporter import example_values, load_adapter
+    from qeff_vision.exporter import example_values, load_adapter
 
     runtime = layout(name)
     model, processor, family = runtime.model, runtime.processor, get_family(FAMILY)
