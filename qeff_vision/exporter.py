@@ -58,7 +58,8 @@ OPSET = 17
 EXAMPLE_SEQ_LEN = 8
 EXAMPLE_VISION_ROWS = 4
 EXAMPLE_CTX_LEN = 16
-# A window layer's ring in the example: shorter than the example chunk, so tracing covers S > R.
+# A ring layer's length in the example (window or chunked): shorter than the example chunk, so
+# tracing covers S > R.
 EXAMPLE_RING_LEN = 6
 # Elements of the example ``comp_ctx_lengths`` (fewer than the example context).
 EXAMPLE_CCL = 12
@@ -70,6 +71,7 @@ EXAMPLE_SYMBOLS = {
     symbols.VISION_SIZE: EXAMPLE_VISION_ROWS,
     symbols.CTX_LEN: EXAMPLE_CTX_LEN,
     symbols.SLIDING_WINDOW: EXAMPLE_RING_LEN,
+    symbols.CHUNK_CTX_LEN: EXAMPLE_RING_LEN,
     symbols.COMP_CTX_LENGTHS: EXAMPLE_CCL,
     # KV slots of a continuous-batching example (the call itself has batch 1, as a prefill does).
     symbols.FULL_BATCH_SIZE: 4,

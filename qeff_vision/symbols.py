@@ -10,6 +10,9 @@ SEQ_LEN = "seq_len"
 CTX_LEN = "ctx_len"
 # Slot axis of a window layer's KV cache (QEfficient's name for Gemma 3's sliding layers).
 SLIDING_WINDOW = "sliding_window"
+# Slot axis of a chunked-attention layer's ring, min(ctx_len, attention_chunk_size) slots (QEfficient's
+# name for Llama 4's RoPE layers).
+CHUNK_CTX_LEN = "chunk_ctx_len"
 # Compute-context length: the language input of this name (and its only axis) has as many elements
 # as KV slots attention reads (QEfficient's name and mechanism).
 COMP_CTX_LENGTHS = "comp_ctx_lengths"

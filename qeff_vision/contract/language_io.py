@@ -32,6 +32,10 @@ from qeff_vision import symbols
 # ``sliding_attention`` layer keeps a ring of ``sliding_window`` KV slots.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+# Llama 4's RoPE layers: causal attention inside fixed ``attention_chunk_size`` blocks of positions
+# (ref: transformers v5 masking_utils.py, ``chunked_overlay``): a key is seen iff it is in the
+# query's block and not later. They keep a ring of ``min(ctx_len, attention_chunk_size)`` slots.
+CHUNKED_ATTENTION = "chunked_attention"
 # A linear-attention layer keeps a recurrent state (conv + recurrent rows) instead of a KV cache.
 LINEAR_ATTENTION = "linear_attention"
 
@@ -110,13 +114,15 @@ class LayerCache:
     """What one decoder layer keeps between calls, declared once; its rows follow from it.
 
     A layer is of one of four kinds (:attr:`kind`): a full-context KV cache (``length`` is
-    ``ctx_len`` or a family's own symbol), a sliding-window ring (``length`` is
-    ``sliding_window``), shared (``reads`` names the earlier layer whose cache it reads: no rows),
-    or recurrent (``recurrent``: conv and recurrent state rows instead of a KV pair).
+    ``ctx_len`` or a family's own symbol), a ring (``length`` is ``sliding_window``, or
+    ``chunk_ctx_len`` for a chunked-attention layer), shared (``reads`` names the earlier layer
+    whose cache it reads: no rows), or recurrent (``recurrent``: conv and recurrent state rows
+    instead of a KV pair).
 
     Attributes:
-        length: Symbol of the slot axis: ``ctx_len``, ``sliding_window`` for a ring, or a family's
-            own symbol (cross-attention states). Unused by a recurrent or shared layer.
+        length: Symbol of the slot axis: ``ctx_len``, ``sliding_window`` / ``chunk_ctx_len`` for a
+            ring, or a family's own symbol (cross-attention states). Unused by a recurrent or
+            shared layer.
         kv_heads: KV heads of this layer's cache: a :class:`Fixed` model dimension or an int.
         head_dim: Head dim of this layer's cache: a :class:`Fixed` model dimension or an int.
         reads: For a layer that computes no K/V of its own, the earlier layer whose cache it reads;
@@ -142,12 +148,12 @@ class LayerCache:
 
     @property
     def kind(self) -> str:
-        """``recurrent``, ``shared``, ``ring`` (a ``sliding_window`` slot axis) or ``full``."""
+        """``recurrent``, ``shared``, ``ring`` (a ``sliding_window``/``chunk_ctx_len`` axis) or ``full``."""
         if self.recurrent:
             return "recurrent"
         if self.shared:
             return "shared"
-        return "ring" if self.length == symbols.SLIDING_WINDOW else "full"
+        return "ring" if self.length in (symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN) else "full"
 
     @property
     def has_kv(self) -> bool:

@@ -124,7 +124,8 @@ class ExportAdapter:
 
         The default reads the layout every supported ``*ForConditionalGeneration`` shares:
         ``model.model.language_model``, ``model.lm_head``, ``config.image_token_id`` and the text
-        config's ``layer_types`` / ``sliding_window`` (all full attention when absent).
+        config's ``layer_types`` / ``sliding_window`` / ``attention_chunk_size`` (all full attention
+        when absent).
         """
         text_config = model.config.text_config
         layer_types = (
@@ -137,6 +138,7 @@ class ExportAdapter:
             image_token_id=model.config.image_token_id,
             layer_types=list(layer_types),
             sliding_window=getattr(text_config, "sliding_window", None),
+            attention_chunk_size=getattr(text_config, "attention_chunk_size", None),
             position_rows=self.family.position_id_rows,
             bidirectional_images=self.family.bidirectional_images,  # declared once, by chunk_split
             mask_per_layer_type=not self.single_mask,

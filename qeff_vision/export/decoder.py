@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from qeff_vision.contract.language_io import (
+    CHUNKED_ATTENTION,
     FULL_ATTENTION,
     KV_ROLES,
     SLIDING_ATTENTION,
@@ -46,7 +47,14 @@ from qeff_vision.export.kv_ops import (
 from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.export.recurrent_state import RecurrentStates
 
-__all__ = ["FULL_ATTENTION", "SLIDING_ATTENTION", "DecoderParts", "LanguageDecoder", "RingPlan"]
+__all__ = [
+    "CHUNKED_ATTENTION",
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "DecoderParts",
+    "LanguageDecoder",
+    "RingPlan",
+]
 
 
 @dataclass
@@ -59,8 +67,11 @@ class DecoderParts:
             ``position_ids`` and a cache object with ``update``.
         lm_head: Output projection.
         image_token_id: Placeholder token id.
-        layer_types: Attention type per layer (``full_attention`` / ``sliding_attention``).
+        layer_types: Attention type per layer (``full_attention`` / ``sliding_attention`` /
+            ``chunked_attention``).
         sliding_window: Window of sliding layers (keys with position > query - window are seen).
+        attention_chunk_size: Block of chunked layers (a key is seen iff in the query's block of
+            positions and not later); their ring holds ``min(ctx_len, attention_chunk_size)`` slots.
         position_rows: None for [batch, seq] positions; R for [R, batch, seq] (row 0 = text position).
         bidirectional_images: Placeholders of the same image attend to each other both ways.
         mask_per_layer_type: The text model takes ``{layer_type: mask}`` (models with per-layer-type
@@ -86,6 +97,7 @@ class DecoderParts:
     image_token_id: int
     layer_types: Sequence[str]
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
     position_rows: int | None = None
     bidirectional_images: bool = False
     mask_per_layer_type: bool = True
@@ -94,6 +106,12 @@ class DecoderParts:
     video_token_id: int | None = None
     bidirectional_layer_types: tuple[str, ...] | None = None
     token_kwargs: Callable | None = None
+
+    def ring_span(self, layer_type: str) -> int | None:
+        """Window or block of a ring layer type; None for a type that keeps the whole context."""
+        return {SLIDING_ATTENTION: self.sliding_window, CHUNKED_ATTENTION: self.attention_chunk_size}.get(
+            layer_type
+        )
 
     def links_images(self, layer_type: str) -> bool:
         """Whether layers of ``layer_type`` see an image's placeholders both ways."""
@@ -274,8 +292,16 @@ def layer_past(io: LanguageIO, named: Mapping[str, torch.Tensor]) -> dict[int, t
 
 
 def ring_layers(parts: DecoderParts) -> list[bool]:
-    """Which layers keep a ring of ``sliding_window`` slots instead of the whole context."""
-    return [t == SLIDING_ATTENTION and bool(parts.sliding_window) for t in parts.layer_types]
+    """Which layers keep a ring (sliding window or attention chunk) instead of the whole context."""
+    return [bool(parts.ring_span(t)) for t in parts.layer_types]
+
+
+def ring_type(parts: DecoderParts) -> str | None:
+    """The one layer type whose layers keep a ring (they share one :class:`RingPlan`), or None."""
+    types = {t for t, ring in zip(parts.layer_types, ring_layers(parts)) if ring}
+    if len(types) > 1:
+        raise ValueError(f"ring layers of one kind only (one ring plan per chunk), got {sorted(types)}")
+    return next(iter(types), None)
 
 
 def _window_mask(
@@ -284,12 +310,17 @@ def _window_mask(
     sliding_window: int,
     same_image: torch.Tensor | None,
     dtype: torch.dtype,
+    chunked: bool = False,
 ) -> torch.Tensor:
-    """Additive [batch, 1, seq, R + seq] mask of a window layer over (ring, chunk) keys.
+    """Additive [batch, 1, seq, R + seq] mask of a ring layer over (ring, chunk) keys.
 
     transformers composes it as AND(window, OR(causal, same image)) (ref: transformers v5
     models/gemma3/modeling_gemma3.py, ``create_causal_mask_mapping``): keys newer than the query
-    are seen only inside the query's image, keys older than the window never.
+    are seen only inside the query's image, keys older than the window never. ``chunked``: the
+    window is a block of positions instead (ref: transformers v5 masking_utils.py,
+    ``chunked_overlay``: ``kv_idx // chunk_size == q_idx // chunk_size``); a ring of
+    ``min(ctx_len, chunk)`` slots holds every earlier key of the query's block, since the block
+    starts after ``first - chunk`` for every query of a chunk starting at ``first``.
     """
     query = positions.unsqueeze(-1)
     keys = key_positions.unsqueeze(1)
@@ -299,7 +330,13 @@ def _window_mask(
             -1, -1, key_positions.shape[1] - positions.shape[1]
         )
         allowed = allowed | torch.cat([ring_part, same_image], dim=-1)
-    allowed = allowed & (keys > query - sliding_window)
+    if chunked:  # both are >= 0 where allowed, so floor division names the block
+        allowed = allowed & (
+            torch.div(keys, sliding_window, rounding_mode="floor")
+            == torch.div(query, sliding_window, rounding_mode="floor")
+        )
+    else:
+        allowed = allowed & (keys > query - sliding_window)
     return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(1)
 
 
@@ -447,13 +484,19 @@ class LanguageDecoder(nn.Module):
         window = parts.sliding_window
         masks = attention_masks(text_positions, read_len, full_types, window, same_image, dtype, linked)
         plan = None
-        if any(rings):
+        ringed = ring_type(parts)
+        if ringed is not None:
             ring_len = past[next(layer for layer in past if rings[layer])][0].shape[2]
             ring_writes = None if batch_index is None else writes.ring_slots(ring_len)
             plan = RingPlan.for_chunk(text_positions, ring_len, ring_writes)
-            ring_links = same_image if parts.links_images(SLIDING_ATTENTION) else None
-            masks[SLIDING_ATTENTION] = _window_mask(
-                text_positions, plan.key_positions, window, ring_links, dtype
+            ring_links = same_image if parts.links_images(ringed) else None
+            masks[ringed] = _window_mask(
+                text_positions,
+                plan.key_positions,
+                parts.ring_span(ringed),
+                ring_links,
+                dtype,
+                chunked=ringed == CHUNKED_ATTENTION,
             )
         recurrent = None
         if state_rows:

@@ -20,7 +20,8 @@ from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - CROSS_ATTENTION
     TOKEN_MERGE,
     DecoderKind,
 )
-from qeff_vision.contract.language_io import (  # noqa: F401 - SLIDING_ATTENTION re-exported for families
+from qeff_vision.contract.language_io import (  # noqa: F401 - layer types re-exported for families
+    CHUNKED_ATTENTION,
     FULL_ATTENTION,
     HEAD_DIM,
     HIDDEN_SIZE,
@@ -335,16 +336,20 @@ class Family:
         return list(self.text_geometry(model).layer_types)
 
     def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
-        """Symbol of each layer's KV slot axis: ``ctx_len``, or ``sliding_window`` for window layers.
+        """Symbol of each layer's KV slot axis: ``ctx_len``, or a ring's symbol for ring layers.
 
         A window layer (``sliding_attention`` with a ``sliding_window``) keeps a ring of that many
-        slots; the exporter, the specializations and the runtime all size caches from this list.
+        slots (``sliding_window``); a chunked layer (``chunked_attention`` with an
+        ``attention_chunk_size``) a ring of ``min(ctx_len, attention_chunk_size)`` slots
+        (``chunk_ctx_len``): a query sees only keys of its own block, all of which that ring holds.
+        The exporter, the specializations and the runtime all size caches from this list.
         """
-        window = self.text_geometry(model).sliding_window
-        return [
-            symbols.SLIDING_WINDOW if kind == SLIDING_ATTENTION and window else symbols.CTX_LEN
-            for kind in self.layer_types(model)
-        ]
+        text = self.text_geometry(model)
+        rings = {
+            SLIDING_ATTENTION: symbols.SLIDING_WINDOW if text.sliding_window else None,
+            CHUNKED_ATTENTION: symbols.CHUNK_CTX_LEN if text.attention_chunk_size else None,
+        }
+        return [rings.get(kind) or symbols.CTX_LEN for kind in self.layer_types(model)]
 
     def recurrent_layers(self, model: ModelDescription) -> tuple[int, ...]:
         """Layers of the recurrent kind (``linear_attention``): conv and recurrent state rows, no KV."""
@@ -366,10 +371,16 @@ class Family:
         ]
 
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
-        """Values of the KV slot symbols for ``ctx_len`` (a window never exceeds the context)."""
+        """Values of the KV slot symbols for ``ctx_len`` (a ring never exceeds the context)."""
         values = {symbols.CTX_LEN: ctx_len}
-        if symbols.SLIDING_WINDOW in self.kv_cache_symbols(model):
-            values[symbols.SLIDING_WINDOW] = min(int(self.text_geometry(model).sliding_window), ctx_len)
+        used = self.kv_cache_symbols(model)
+        text = self.text_geometry(model)
+        for symbol, span in (
+            (symbols.SLIDING_WINDOW, text.sliding_window),
+            (symbols.CHUNK_CTX_LEN, text.attention_chunk_size),
+        ):
+            if symbol in used:
+                values[symbol] = min(int(span), ctx_len)
         return values
 
     # ---- language IO (one table: qeff_vision/contract/language_io.py) ----

@@ -121,6 +121,7 @@ class TextGeometry:
         max_position_embeddings: Trained context (0 when unstated).
         layer_types: Attention type of every layer.
         sliding_window: Window of ``sliding_attention`` layers (None: no window).
+        attention_chunk_size: Block of ``chunked_attention`` layers (None: no blocks).
     """
 
     hidden_size: int
@@ -132,6 +133,7 @@ class TextGeometry:
     max_position_embeddings: int
     layer_types: tuple[str, ...]
     sliding_window: int | None
+    attention_chunk_size: int | None = None
 
 
 def merged_text_config(config: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -200,6 +202,7 @@ def read_text_geometry(
         max_position_embeddings=max_positions,
         layer_types=types,
         sliding_window=int(window) if window else None,
+        attention_chunk_size=section.optional("attention_chunk_size") or None,
     )
 
 
