@@ -55,11 +55,10 @@ def check_parity(
         max_new_tokens: Greedy tokens to compare.
         chunk_size: Prefill bucket S (and V) for the chunked generation.
     """
-    import torch
-
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
     from qeff_vision.exporter import load_adapter
+    from qeff_vision.runtime.conversation import as_arrays
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
@@ -79,7 +78,9 @@ def check_parity(
             images=[synthetic_image(height, width, seed)], return_tensors="pt"
         )
         features = adapter.hf_image_features(model, processed)
-        numpy_inputs = {name: value.numpy() for name, value in processed.items() if torch.is_tensor(value)}
+        numpy_inputs = {
+            name: value for name, value in as_arrays(processed).items() if isinstance(value, np.ndarray)
+        }
         inputs = checkpoint.host.vision_inputs(numpy_inputs)[0]
         outputs = vision.run(inputs)
         pairs = adapter.vision_parity_pairs(outputs, features, checkpoint.description)
@@ -88,14 +89,20 @@ def check_parity(
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[synthetic_image(*image_sizes[0])], return_tensors="pt")
+    inputs = {
+        name: value
+        for name, value in as_arrays(
+            processor(text=[text], images=[synthetic_image(*image_sizes[0])], return_tensors="pt")
+        ).items()
+        if isinstance(value, np.ndarray)
+    }
     report.hf_tokens, hf_logits = reference_generate(model, inputs, max_new_tokens)
     bucket = PrefillBucket(chunk_size, chunk_size)
     length = inputs["input_ids"].shape[1]
     shape = LanguageShape((bucket,), chunk_size, length + max_new_tokens + chunk_size)
     generator = generator_for_export(export_dir, shape)
     result = generator.generate(
-        {k: v.numpy() for k, v in inputs.items() if torch.is_tensor(v)},
+        inputs,
         max_new_tokens=max_new_tokens,
         keep_logits=True,
     )

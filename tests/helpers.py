@@ -42,7 +42,18 @@ def user_turn(*parts) -> list[dict]:
 def process(processor, messages, images):
     """Processor outputs (torch tensors) for chat ``messages`` and their ``images``."""
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    return processor(text=[text], images=images or None, return_tensors="pt")
+    return float32_pixels(processor(text=[text], images=images or None, return_tensors="pt"))
+
+
+def float32_pixels(outputs):
+    """Processor outputs with bfloat16 tensors widened to float32 (exact; Llama 4's image processor
+    computes in bfloat16, and the reference model runs in float32)."""
+    import torch
+
+    for name, value in outputs.items():
+        if torch.is_tensor(value) and value.dtype == torch.bfloat16:
+            outputs[name] = value.float()
+    return outputs
 
 
 def host(model, family: str):
@@ -55,7 +66,7 @@ def host(model, family: str):
 
 def as_numpy(inputs) -> dict:
     """Processor outputs as numpy arrays."""
-    return {name: value.numpy() for name, value in inputs.items()}
+    return {name: value.numpy() for name, value in float32_pixels(dict(inputs)).items()}
 
 
 def load_benchmark(name: str):

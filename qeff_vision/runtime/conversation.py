@@ -258,8 +258,8 @@ class Conversation:
                 ],
                 "do_sample_frames": False,
             }
-        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="np", **kwargs)
-        return PromptInputs(messages, rendered, all_images, dict(processed), notes, all_videos)
+        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="pt", **kwargs)
+        return PromptInputs(messages, rendered, all_images, as_arrays(processed), notes, all_videos)
 
     def _check_clip(self, clip: Clip) -> None:
         """The family's clip rules (e.g. whole temporal patches) and the compiled frame counts."""
@@ -456,3 +456,20 @@ def run_turns(
         if on_done:
             on_done(index, turns[-1])
     return turns
+
+
+def as_arrays(processed) -> dict[str, Any]:
+    """Processor outputs (torch tensors) as numpy arrays.
+
+    A bfloat16 tensor widens to float32 (exactly): Llama 4's image processor normalizes in bfloat16
+    (ref: transformers v5 models/llama4/image_processing_llama4.py, ``rescale_and_normalize``), which
+    numpy cannot hold, so ``return_tensors="np"`` fails on it.
+    """
+    import torch
+
+    return {
+        name: (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+        if torch.is_tensor(value)
+        else value
+        for name, value in processed.items()
+    }

@@ -1,0 +1,163 @@
+"""Llama 4 (Scout, Maverick): tiled images with separators, chunked-attention RoPE layers, NoPE layers.
+
+Token math follows transformers v5 (ref: models/llama4/image_processing_llama4.py,
+``find_supported_resolutions`` / ``get_best_fit``; models/llama4/processing_llama4.py,
+``_prompt_split_image``). An image is resized without distortion onto the best canvas of
+``rows x cols`` tiles of ``tile`` px (``rows * cols <= max_patches``), split into those tiles, and,
+when there is more than one, a global tile of the whole image is added last. Each tile becomes
+``(tile / patch)^2 / 4`` tokens after the pixel shuffle (144 for 336 px tiles of 14 px patches).
+The prompt reads ``<|image_start|>``, per tile row the row's tiles with ``<|tile_x_separator|>``
+between them and ``<|tile_y_separator|>`` after the row, then ``<|image|>`` and the global tile,
+then ``<|image_end|>``: one image is several runs of ``<|patch|>`` placeholders
+(``placeholders_in_runs``), and the vision rows are the tiles' in that order.
+
+The vision program takes one image's tiles, ``pixel_values`` [max_num_tiles, 3, tile, tile]; a
+vision specialization per tile count. Its rows stay [vision_batch_size, vision_size, hidden] as
+for every family (QEfficient's Llama 4 programs use rank-2 ``vision_embeds`` and a batchless
+vision program instead).
+
+Decoder: every ``no_rope_layer_interval``-th layer is a NoPE global layer over the whole context;
+the others are RoPE layers with chunked attention (``layer_types`` ``chunked_attention``), kept in
+a ring of ``min(ctx_len, attention_chunk_size)`` slots by the generic contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import numpy as np
+
+from qeff_vision import symbols
+from qeff_vision.families import register
+from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+
+# Tiles of one image in a vision call (QEfficient's name for the same axis).
+MAX_NUM_TILES = "max_num_tiles"
+
+# ref: transformers v5 Llama4ImageProcessor (336 px tiles, max_patches 16), Llama4Processor
+# (patch_size 14, pixel_shuffle_ratio 0.5), Llama4VisionConfig (patch_size 14).
+DEFAULT_TILE = 336
+DEFAULT_MAX_TILES = 16
+DEFAULT_PATCH = 14
+DEFAULT_SHUFFLE_RATIO = 0.5
+# ref: transformers v5 Llama4Config defaults (boi_token_index, eoi_token_index).
+DEFAULT_IMAGE_START, DEFAULT_IMAGE_END = 200080, 200081
+
+
+@dataclass(frozen=True)
+class Llama4View:
+    """The checkpoint's config values the family reads, read once (no raw config lookups elsewhere).
+
+    Attributes:
+        tile: Tile side in pixels (the image processor's size; the tower's ``image_size``).
+        max_tiles: Most tiles per image before the global tile (``max_patches``).
+        patch: Patch side of the tower.
+        shuffle_ratio: The vision adapter's pixel-shuffle ratio (tokens = patches * ratio^2).
+        image_start: Id of ``<|image_start|>`` (``boi_token_index``).
+        image_end: Id of ``<|image_end|>`` (``eoi_token_index``).
+    """
+
+    tile: int
+    max_tiles: int
+    patch: int
+    shuffle_ratio: float
+    image_start: int
+    image_end: int
+
+    @classmethod
+    def of(cls, model: ModelDescription) -> Llama4View:
+        """The view of ``model`` (its config.json and image-processor config)."""
+        vision: dict[str, Any] = dict(model.config.get("vision_config") or {})
+        size = model.processor.get("size") or {}
+        return cls(
+            tile=int(size.get("height", vision.get("image_size", DEFAULT_TILE))),
+            max_tiles=int(model.processor.get("max_patches", DEFAULT_MAX_TILES)),
+            patch=int(vision.get("patch_size", DEFAULT_PATCH)),
+            shuffle_ratio=float(vision.get("pixel_shuffle_ratio", DEFAULT_SHUFFLE_RATIO)),
+            image_start=int(model.config.get("boi_token_index", DEFAULT_IMAGE_START)),
+            image_end=int(model.config.get("eoi_token_index", DEFAULT_IMAGE_END)),
+        )
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Placeholders (= vision rows) of one tile after the pixel shuffle (144 for Scout)."""
+        return int((self.tile // self.patch) ** 2 * self.shuffle_ratio**2)
+
+    def canvases(self) -> list[tuple[int, int]]:
+        """(rows, cols) of every tile grid, in transformers' ``find_supported_resolutions`` order."""
+        by_ratio: dict[float, list[tuple[int, int]]] = {}
+        for count in range(self.max_tiles, 0, -1):
+            factors = sorted({f for f in range(1, count + 1) if count % f == 0})
+            for rows in factors:
+                by_ratio.setdefault(rows / (count // rows), []).append((rows, count // rows))
+        return [grid for grids in by_ratio.values() for grid in grids]
+
+    def tile_grid(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, cols) of tiles an image of ``height`` x ``width`` pixels is split into.
+
+        transformers' ``get_best_fit`` without ``resize_to_max_canvas``: the smallest upscale
+        among the canvases that fit without distortion, else the least downscale; ties go to the
+        smallest area, then to the first in order. float32 as its torch division computes.
+        """
+        grids = self.canvases()
+        sides = np.array(grids, dtype=np.int64) * self.tile
+        scale_h = sides[:, 0].astype(np.float32) / np.float32(height)
+        scale_w = sides[:, 1].astype(np.float32) / np.float32(width)
+        scales = np.where(scale_h > scale_w, scale_w, scale_h)
+        upscale = scales[scales >= 1]
+        chosen = upscale.min() if upscale.size else scales[scales < 1].max()
+        candidates = [i for i in range(len(grids)) if scales[i] == chosen]
+        best = reduce(lambda a, b: b if sides[b].prod() < sides[a].prod() else a, candidates)
+        return grids[best]
+
+    def tiles(self, height: int, width: int) -> int:
+        """Tiles the vision program encodes for one image: the grid, plus a global tile if > 1."""
+        rows, cols = self.tile_grid(height, width)
+        return rows * cols + (1 if rows * cols > 1 else 0)
+
+
+@register
+class Llama4(Family):
+    """Llama 4 (Llama4ForConditionalGeneration): Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E."""
+
+    name = "llama4"
+    title = "Llama 4"
+    architectures = ("Llama4ForConditionalGeneration",)
+    model_types = ("llama4",)
+    export_module = "qeff_vision.families.llama4.export"
+    host_module = "qeff_vision.families.llama4.host"
+    image_token_key = "image_token_index"  # <|patch|>; <|image|> only marks the global tile
+    features = Features(
+        export=yes(),
+        dynamic_vision_size=yes(),
+        multi_resolution=yes("tiles of 336 px plus a global tile; a vision specialization per tile count"),
+        chunk_split=yes(
+            "causal attention over image tokens; a chunk may end inside a tile or at a separator"
+        ),
+        video=no("Llama 4 takes images only"),
+    )
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: MAX_NUM_TILES}}
+    tokens_between_images = 2  # <|image_end|> and the next <|image_start|>
+    placeholders_in_runs = True
+
+    def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
+        """Images only."""
+        return ["frames must be 1: Llama 4 takes images only"] if image.frames != 1 else []
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """max_num_tiles (the grid plus the global tile) and vision_size (their tokens)."""
+        view = Llama4View.of(model)
+        tiles = view.tiles(image.height, image.width)
+        return {MAX_NUM_TILES: tiles, symbols.VISION_SIZE: tiles * view.tokens_per_tile}
+
+    def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
+        """First ``<|patch|>`` to the last: the tiles, their separators, then ``<|image|>`` + global tile."""
+        view = Llama4View.of(model)
+        rows, cols = view.tile_grid(image.height, image.width)
+        per_tile = view.tokens_per_tile
+        if rows * cols == 1:
+            return per_tile
+        # Each row: its tiles, cols - 1 x-separators and one y-separator; then <|image|> and the global tile.
+        return rows * (cols * per_tile + cols) + 1 + per_tile
