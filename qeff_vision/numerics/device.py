@@ -212,6 +212,23 @@ class MxEmulation:
         return " + ".join(parts)
 
 
+def _load_external_constants(model: onnx.ModelProto, base_dir: Path) -> None:
+    """Read into the graph the values of Constant nodes the exporter stored as external data.
+
+    The exporter moves every tensor of at least its threshold to ``model.onnx.data``, a traced
+    buffer's Constant included (Llama 4's vision RoPE table); the fp16 rewrite reads and rounds
+    constants, and the rewritten graph is serialized without the data file's directory.
+    """
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR and uses_external_data(attribute.t):
+                load_external_data_for_tensor(attribute.t, str(base_dir))
+                attribute.t.data_location = TensorProto.DEFAULT
+                del attribute.t.external_data[:]
+
+
 def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
@@ -219,6 +236,7 @@ def device_session(
     from qeff_vision.numerics import mx as formats
 
     model = onnx.load(str(onnx_path), load_external_data=False)
+    _load_external_constants(model, Path(onnx_path).parent)
     mx = mx or MxEmulation()
     graph = device_graph(model, fp32_values)
     if mx.kv_mxint8:
