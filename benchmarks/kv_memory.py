@@ -10,8 +10,10 @@ from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py and
 gemma4/modeling_gemma4.py, ``get_onnx_dynamic_axes``, ``get_specializations`` and
 ``get_dummy_pkv_cache``: sliding layers' cache axis is the symbol ``sliding_window``, bound to
 ``config.sliding_window`` in every specialization; other layers ``ctx_len``; every layer has its
-own cache, Gemma 4's shared-KV layers included, with its layer type's heads and head dim). Full
-ctx gives every self-attention layer ``ctx_len`` slots. Bytes count keys and values of every layer
+own cache, Gemma 4's shared-KV layers included, with its layer type's heads and head dim; Llama 4's
+chunked-attention layers, QEfficient transformers/models/llama4/modeling_llama4.py: the symbol
+``chunk_ctx_len`` bound to min(ctx_len, attention_chunk_size), as ours). Full ctx gives every
+self-attention layer ``ctx_len`` slots. Bytes count keys and values of every layer
 for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
 
 A cross-attention family's cross layers hold the vision K/V of ``--images`` image slots
@@ -36,7 +38,7 @@ def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int
     cache_symbols = family.kv_cache_symbols(description)
     lengths = {**family.kv_cache_lengths(description, ctx_len), **family.request_symbols(description, images)}
     window = family.text_config(description).get("sliding_window")
-    self_attention = (symbols.CTX_LEN, symbols.SLIDING_WINDOW)
+    self_attention = (symbols.CTX_LEN, symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN)
 
     def slots(symbol: str, self_slots: int) -> int:
         return self_slots if symbol in self_attention else lengths[symbol]
@@ -44,7 +46,8 @@ def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int
     return {
         "ours": sum(lengths[s] for s in cache_symbols),
         "QEfficient": sum(
-            slots(s, int(window) if s == symbols.SLIDING_WINDOW else ctx_len) for s in cache_symbols
+            slots(s, int(window) if s == symbols.SLIDING_WINDOW else lengths.get(s, ctx_len))
+            for s in cache_symbols
         ),
         "full ctx": sum(slots(s, ctx_len) for s in cache_symbols),
     }
@@ -75,6 +78,8 @@ def layout_bytes(
             qefficient, full = qefficient + per_slot * window, full + per_slot * ctx_len
         elif cache.length == symbols.CTX_LEN:
             qefficient, full = qefficient + per_slot * ctx_len, full + per_slot * ctx_len
+        elif cache.length == symbols.CHUNK_CTX_LEN:  # QEfficient binds the same ring length
+            qefficient, full = qefficient + per_slot * own, full + per_slot * ctx_len
         else:
             qefficient, full = qefficient + per_slot * own, full + per_slot * own
     return {"ours": ours * kv_bytes, "QEfficient": qefficient * kv_bytes, "full ctx": full * kv_bytes}
@@ -87,13 +92,18 @@ def report(config: Path, args) -> None:
     dims = family.text_dims(description)
     caches = family.layer_caches(description)
     windowed = sum(cache.length == symbols.SLIDING_WINDOW for cache in caches)
+    chunked = sum(cache.length == symbols.CHUNK_CTX_LEN for cache in caches)
     shared = sum(cache.shared for cache in caches)
+    text = family.text_geometry(description)
+    rings = f"sliding_window {text.sliding_window}"
+    if chunked:
+        rings = f"{chunked} chunked-attention layers, attention_chunk_size {text.attention_chunk_size}"
     print(
         f"{config.parent.name}: {dims.num_layers} layers ({windowed} window layers, {shared} read another "
-        f"layer's cache, sliding_window {family.text_config(description).get('sliding_window')}), "
-        f"{args.kv_bytes}-byte KV, batch {args.batch}"
+        f"layer's cache, {rings}), {args.kv_bytes}-byte KV, batch {args.batch}"
     )
-    cross = [c.length for c in caches if c.length not in (symbols.CTX_LEN, symbols.SLIDING_WINDOW)]
+    rows_of_self = (symbols.CTX_LEN, symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN)
+    cross = [c.length for c in caches if c.length not in rows_of_self]
     if cross:
         rows = family.request_symbols(description, args.images)[cross[0]]
         print(f"{len(cross)} cross-attention layers: {rows:,} K/V rows each for {args.images} image slot(s)")

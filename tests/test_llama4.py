@@ -125,3 +125,15 @@ def test_four_staggered_requests_with_compute_context_lengths(cb_exported, hf_mo
     fifth = report.requests[4]
     assert any(r.slot == fifth.slot and r.finished_step < fifth.admitted_step for r in report.requests[:4])
     assert len(set(generator.ccl_history) & {96, 112}) >= 1  # the decode CCL grew with the positions
+
+
+@pytest.mark.parametrize("ctx_len", [32768, 131072])
+def test_scout_kv_bytes_chunked_rings_and_nope_layers(ctx_len):
+    """benchmarks/kv_memory.py on the pinned Scout: 36 chunked layers keep 8,192 slots, 12 NoPE ctx_len."""
+    kv_memory = helpers.load_benchmark("kv_memory")
+    config = kv_memory.ROOT / "specs" / "configs" / "Llama-4-Scout-17B-16E-Instruct" / "config.json"
+    description = describe_checkpoint(config.parent, config)
+    sizes = kv_memory.layout_bytes(get_family(FAMILY), description, ctx_len, kv_bytes=2, batch=1)
+    per_slot = 2 * 2 * 8 * 128  # K and V, 2 bytes, 8 KV heads x 128
+    assert sizes["ours"] == sizes["QEfficient"] == per_slot * (36 * 8192 + 12 * ctx_len)
+    assert sizes["full ctx"] == per_slot * 48 * ctx_len

@@ -31,7 +31,16 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.families import register
-from qeff_vision.families.base import Family, Features, ImageSize, ModelDescription, no, yes
+from qeff_vision.families.base import (
+    CHUNKED_ATTENTION,
+    FULL_ATTENTION,
+    Family,
+    Features,
+    ImageSize,
+    ModelDescription,
+    no,
+    yes,
+)
 
 # Tiles of one image in a vision call (QEfficient's name for the same axis).
 MAX_NUM_TILES = "max_num_tiles"
@@ -44,6 +53,8 @@ DEFAULT_PATCH = 14
 DEFAULT_SHUFFLE_RATIO = 0.5
 # ref: transformers v5 Llama4Config defaults (boi_token_index, eoi_token_index).
 DEFAULT_IMAGE_START, DEFAULT_IMAGE_END = 200080, 200081
+# ref: transformers v5 Llama4TextConfig (no_rope_layer_interval 4: every fourth layer is NoPE).
+DEFAULT_NOPE_INTERVAL = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,11 @@ class Llama4View:
         shuffle_ratio: The vision adapter's pixel-shuffle ratio (tokens = patches * ratio^2).
         image_start: Id of ``<|image_start|>`` (``boi_token_index``).
         image_end: Id of ``<|image_end|>`` (``eoi_token_index``).
+        layer_types: Attention type per decoder layer: ``layer_types`` when the config has it, else
+            transformers' derivation (``Llama4TextConfig.__post_init__``): RoPE layers
+            (``no_rope_layers[i]`` 1, by default all but every ``no_rope_layer_interval``-th) are
+            ``chunked_attention``, NoPE layers ``full_attention``. Checkpoints saved before
+            ``layer_types`` existed (Scout's and Maverick's config.json) have only the flags.
     """
 
     tile: int
@@ -65,12 +81,20 @@ class Llama4View:
     shuffle_ratio: float
     image_start: int
     image_end: int
+    layer_types: tuple[str, ...]
 
     @classmethod
     def of(cls, model: ModelDescription) -> Llama4View:
         """The view of ``model`` (its config.json and image-processor config)."""
         vision: dict[str, Any] = dict(model.config.get("vision_config") or {})
         size = model.processor.get("size") or {}
+        text: dict[str, Any] = dict(model.config.get("text_config") or {})
+        layer_types = text.get("layer_types")
+        if not layer_types:
+            layers = int(text.get("num_hidden_layers", 0))
+            interval = int(text.get("no_rope_layer_interval", DEFAULT_NOPE_INTERVAL))
+            rope = text.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
+            layer_types = [CHUNKED_ATTENTION if flag else FULL_ATTENTION for flag in rope]
         return cls(
             tile=int(size.get("height", vision.get("image_size", DEFAULT_TILE))),
             max_tiles=int(model.processor.get("max_patches", DEFAULT_MAX_TILES)),
@@ -78,6 +102,7 @@ class Llama4View:
             shuffle_ratio=float(vision.get("pixel_shuffle_ratio", DEFAULT_SHUFFLE_RATIO)),
             image_start=int(model.config.get("boi_token_index", DEFAULT_IMAGE_START)),
             image_end=int(model.config.get("eoi_token_index", DEFAULT_IMAGE_END)),
+            layer_types=tuple(layer_types),
         )
 
     @property
@@ -130,8 +155,14 @@ class Llama4(Family):
     host_module = "qeff_vision.families.llama4.host"
     image_token_key = "image_token_index"  # <|patch|>; <|image|> only marks the global tile
     features = Features(
-        export=yes(),
-        dynamic_vision_size=yes(),
+        export=yes(
+            "chunked RoPE layers keep rings of min(ctx_len, attention_chunk_size) slots; "
+            "RoPE as real cos/sin; MoE experts computed densely"
+        ),
+        dynamic_vision_size=yes(
+            "vision_embeds stays [vision_batch_size, vision_size, hidden]; QEfficient's Llama 4 "
+            "programs use rank-2 vision_embeds and a batchless vision program"
+        ),
         multi_resolution=yes("tiles of 336 px plus a global tile; a vision specialization per tile count"),
         chunk_split=yes(
             "causal attention over image tokens; a chunk may end inside a tile or at a separator"
@@ -141,6 +172,10 @@ class Llama4(Family):
     vision_input_axes = {symbols.PIXEL_VALUES: {0: MAX_NUM_TILES}}
     tokens_between_images = 2  # <|image_end|> and the next <|image_start|>
     placeholders_in_runs = True
+
+    def layer_types(self, model: ModelDescription) -> list[str]:
+        """Chunked RoPE layers and NoPE full layers (from the flags when ``layer_types`` is absent)."""
+        return list(Llama4View.of(model).layer_types)
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Images only."""
