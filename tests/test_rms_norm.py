@@ -34,7 +34,11 @@ def _decomposed_norms(graph: onnx.GraphProto) -> list[str]:
     constants = {
         node.output[0]: onnx.numpy_helper.to_array(node.attribute[0].t)
         for node in graph.node
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value"
+        if node.op_type == "Constant"
+        and node.attribute
+        and node.attribute[0].name == "value"
+        # Large constants live in model.onnx.data (a table, never the exponent 2).
+        and not onnx.external_data_helper.uses_external_data(node.attribute[0].t)
     }
     found = []
     for node in graph.node:
@@ -58,10 +62,10 @@ def test_every_rms_norm_exports_as_custom_function(family, exported, hf_model):
     from tests import helpers
 
     model, processor = hf_model(family)
-    # Gated norms (Qwen3.5's RMSNormGated) call it too.
-    norms = [
-        module for module in model.modules() if type(module).__name__.endswith(("RMSNorm", "RMSNormGated"))
-    ]
+    # Gated norms (Qwen3.5's RMSNormGated) call it too; an L2Norm is an RMSNorm without weight
+    # (Llama 4's QK-norm: one call for queries and keys).
+    kinds = ("RMSNorm", "RMSNormGated", "L2Norm")
+    norms = [module for module in model.modules() if type(module).__name__.endswith(kinds)]
     ran = set()
     hooks = [module.register_forward_hook(lambda m, i, o: ran.add(id(m))) for module in norms]
     try:

@@ -30,6 +30,7 @@ from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import grouped_attention
 from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.export.rms_norm import CustomRMSNormFunction
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
 
@@ -40,6 +41,20 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def qk_norm(norm: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's L2 QK-norm (``Llama4TextL2Norm``: an RMSNorm without weight) as one ``CustomRMSNorm``.
+
+    Queries and keys [batch, seq, heads, head_dim] are normalized per head row, so both go through
+    one call on their concatenation: the compiler's own kernel (fp32 inside) instead of a decomposed
+    ``x ** 2`` that fp16 overflows, one call per norm module as for every other RMSNorm.
+    """
+    heads = query.shape[2]
+    joined = torch.cat([query, key.to(query.dtype)], dim=2)
+    ones = torch.ones(joined.shape[-1], dtype=joined.dtype)
+    normed = CustomRMSNormFunction.apply(joined, ones, float(norm.eps))
+    return normed[:, :, :heads], normed[:, :, heads:].to(key.dtype)
 
 
 class TextModel(nn.Module):
@@ -87,7 +102,7 @@ class TextModel(nn.Module):
         if attn.use_rope:
             query, key = rotate_pairs(query, cos, sin), rotate_pairs(key, cos, sin)
         if hasattr(attn, "qk_norm"):  # L2 norm of RoPE layers (use_qk_norm)
-            query, key = attn.qk_norm(query), attn.qk_norm(key)
+            query, key = qk_norm(attn.qk_norm, query, key)
         if attn.attn_temperature_tuning and not attn.use_rope:
             query = (query * temperature).to(query.dtype)
         key, value = cache.update(key.transpose(1, 2), value, attn.layer_idx)
