@@ -33,6 +33,7 @@ from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
+from qeff_vision.families.llama4.host import ASPECT_RATIOS
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -178,8 +179,9 @@ class Adapter(ExportAdapter):
             features = model.get_image_features(pixel_values=pixels, return_dict=True).last_hidden_state
             rows = model.multi_modal_projector(features)
         host = self.family.host(ModelDescription(model.config.to_dict()))
-        numpy_processed = {k: torch.as_tensor(v).float().numpy() for k, v in processed.items()}
-        counts = host.tile_counts(numpy_processed)
+        # The tile counts come from aspect_ratios (image processor) or the prompt's ids (processor).
+        keys = [key for key in (ASPECT_RATIOS, "input_ids") if key in processed]
+        counts = host.tile_counts({key: torch.as_tensor(processed[key]).numpy() for key in keys})
         return [tiles.reshape(-1, tiles.shape[-1]) for tiles in torch.split(rows, counts)]
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
