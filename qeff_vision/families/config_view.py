@@ -192,6 +192,11 @@ def read_text_geometry(
     window = (
         derived("sliding_window", 0) if "sliding_window" in defaults else section.optional("sliding_window")
     )
+    chunk = (
+        derived("attention_chunk_size", 0)
+        if "attention_chunk_size" in defaults
+        else section.optional("attention_chunk_size")
+    )
     return TextGeometry(
         hidden_size=hidden,
         num_layers=layers,
@@ -202,7 +207,7 @@ def read_text_geometry(
         max_position_embeddings=max_positions,
         layer_types=types,
         sliding_window=int(window) if window else None,
-        attention_chunk_size=section.optional("attention_chunk_size") or None,
+        attention_chunk_size=int(chunk) if chunk else None,
     )
 
 

@@ -23,6 +23,7 @@ a ring of ``min(ctx_len, attention_chunk_size)`` slots by the generic contract.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -33,7 +34,12 @@ from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     CHUNKED_ATTENTION,
+    DISAGGREGATED_PROGRAMS,
     FULL_ATTENTION,
+    NO_DEEPSTACK,
+    QEFFICIENT_CCL,
+    QEFFICIENT_CONTINUOUS_BATCHING,
+    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -41,38 +47,34 @@ from qeff_vision.families.base import (
     no,
     yes,
 )
+from qeff_vision.families.config_view import ConfigReader, Section
+from qeff_vision.families.llama4.tiny import write_tiny_checkpoint  # torch-free until called
 
 # Tiles of one image in a vision call (QEfficient's name for the same axis).
 MAX_NUM_TILES = "max_num_tiles"
 
-# ref: transformers v5 Llama4ImageProcessor (336 px tiles, max_patches 16), Llama4Processor
-# (patch_size 14, pixel_shuffle_ratio 0.5), Llama4VisionConfig (patch_size 14).
-DEFAULT_TILE = 336
-DEFAULT_MAX_TILES = 16
-DEFAULT_PATCH = 14
-DEFAULT_SHUFFLE_RATIO = 0.5
-# ref: transformers v5 Llama4Config defaults (boi_token_index, eoi_token_index).
-DEFAULT_IMAGE_START, DEFAULT_IMAGE_END = 200080, 200081
-# ref: transformers v5 Llama4TextConfig (no_rope_layer_interval 4: every fourth layer is NoPE).
-DEFAULT_NOPE_INTERVAL = 4
+# ref: transformers v5 Llama4ImageProcessor (max_patches 16), Llama4VisionConfig (patch_size 14,
+# pixel_shuffle_ratio 0.5), Llama4Config (boi_token_index, eoi_token_index) and Llama4TextConfig
+# (no_rope_layer_interval 4: every fourth layer is NoPE; attention_chunk_size 8192).
+PROCESSOR_DEFAULTS: dict[str, Any] = {"max_patches": 16}
+VISION_DEFAULTS: dict[str, Any] = {"patch_size": 14, "pixel_shuffle_ratio": 0.5}
+CONFIG_DEFAULTS: dict[str, Any] = {"boi_token_index": 200080, "eoi_token_index": 200081}
+TEXT_DEFAULTS: dict[str, Any] = {"no_rope_layer_interval": 4, "attention_chunk_size": 8192}
+DEFAULTS_SOURCE = "transformers' Llama4Config / Llama4ImageProcessor default"
 
 
 @dataclass(frozen=True)
 class Llama4View:
-    """The checkpoint's config values the family reads, read once (no raw config lookups elsewhere).
+    """The vision and token geometry of a Llama 4 checkpoint, read once (:meth:`Llama4.read_vision`).
 
     Attributes:
-        tile: Tile side in pixels (the image processor's size; the tower's ``image_size``).
+        tile: Tile side in pixels (the tower's ``image_size``; the image processor's tile size).
         max_tiles: Most tiles per image before the global tile (``max_patches``).
         patch: Patch side of the tower.
         shuffle_ratio: The vision adapter's pixel-shuffle ratio (tokens = patches * ratio^2).
         image_start: Id of ``<|image_start|>`` (``boi_token_index``).
         image_end: Id of ``<|image_end|>`` (``eoi_token_index``).
-        layer_types: Attention type per decoder layer: ``layer_types`` when the config has it, else
-            transformers' derivation (``Llama4TextConfig.__post_init__``): RoPE layers
-            (``no_rope_layers[i]`` 1, by default all but every ``no_rope_layer_interval``-th) are
-            ``chunked_attention``, NoPE layers ``full_attention``. Checkpoints saved before
-            ``layer_types`` existed (Scout's and Maverick's config.json) have only the flags.
+        processor_size: The processor's ``size`` setting as written (empty when absent).
     """
 
     tile: int
@@ -81,29 +83,7 @@ class Llama4View:
     shuffle_ratio: float
     image_start: int
     image_end: int
-    layer_types: tuple[str, ...]
-
-    @classmethod
-    def of(cls, model: ModelDescription) -> Llama4View:
-        """The view of ``model`` (its config.json and image-processor config)."""
-        vision: dict[str, Any] = dict(model.config.get("vision_config") or {})
-        size = model.processor.get("size") or {}
-        text: dict[str, Any] = dict(model.config.get("text_config") or {})
-        layer_types = text.get("layer_types")
-        if not layer_types:
-            layers = int(text.get("num_hidden_layers", 0))
-            interval = int(text.get("no_rope_layer_interval", DEFAULT_NOPE_INTERVAL))
-            rope = text.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(layers)]
-            layer_types = [CHUNKED_ATTENTION if flag else FULL_ATTENTION for flag in rope]
-        return cls(
-            tile=int(size.get("height", vision.get("image_size", DEFAULT_TILE))),
-            max_tiles=int(model.processor.get("max_patches", DEFAULT_MAX_TILES)),
-            patch=int(vision.get("patch_size", DEFAULT_PATCH)),
-            shuffle_ratio=float(vision.get("pixel_shuffle_ratio", DEFAULT_SHUFFLE_RATIO)),
-            image_start=int(model.config.get("boi_token_index", DEFAULT_IMAGE_START)),
-            image_end=int(model.config.get("eoi_token_index", DEFAULT_IMAGE_END)),
-            layer_types=tuple(layer_types),
-        )
+    processor_size: dict[str, Any]
 
     @property
     def tokens_per_tile(self) -> int:
@@ -143,7 +123,6 @@ class Llama4View:
         return rows * cols + (1 if rows * cols > 1 else 0)
 
 
-@register
 class Llama4(Family):
     """Llama 4 (Llama4ForConditionalGeneration): Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E."""
 
@@ -151,8 +130,6 @@ class Llama4(Family):
     title = "Llama 4"
     architectures = ("Llama4ForConditionalGeneration",)
     model_types = ("llama4",)
-    export_module = "qeff_vision.families.llama4.export"
-    host_module = "qeff_vision.families.llama4.host"
     image_token_key = "image_token_index"  # <|patch|>; <|image|> only marks the global tile
     features = Features(
         export=yes(
@@ -168,31 +145,104 @@ class Llama4(Family):
             "causal attention over image tokens; a chunk may end inside a tile or at a separator"
         ),
         video=no("Llama 4 takes images only"),
+        deepstack=NO_DEEPSTACK,
+        continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
+        comp_ctx_lengths=QEFFICIENT_CCL,
+        disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=SINGLE_PROGRAM_NOT_BUILT,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: MAX_NUM_TILES}}
     tokens_between_images = 2  # <|image_end|> and the next <|image_start|>
     placeholders_in_runs = True
 
-    def layer_types(self, model: ModelDescription) -> list[str]:
-        """Chunked RoPE layers and NoPE full layers (from the flags when ``layer_types`` is absent)."""
-        return list(Llama4View.of(model).layer_types)
+    text_defaults = {"attention_chunk_size": TEXT_DEFAULTS["attention_chunk_size"]}
+    text_defaults_source = "transformers' Llama4TextConfig default"
+
+    # ---- config view ----
+
+    def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
+        """RoPE layers are ``chunked_attention``, NoPE layers ``full_attention`` (no ``layer_types``).
+
+        transformers' derivation (``Llama4TextConfig.__post_init__``): ``no_rope_layers[i]`` is 1
+        on RoPE layers, by default all but every ``no_rope_layer_interval``-th. Checkpoints saved
+        before ``layer_types`` existed (Scout's and Maverick's config.json) have only the flags.
+        """
+        interval = text.default(
+            "no_rope_layer_interval", TEXT_DEFAULTS["no_rope_layer_interval"], int, self.text_defaults_source
+        )
+        rope = text.optional("no_rope_layers", list) or [
+            int((i + 1) % interval != 0) for i in range(num_layers)
+        ]
+        return [CHUNKED_ATTENTION if flag else FULL_ATTENTION for flag in rope]
+
+    def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Llama4View:
+        """Tiles, patches, pixel shuffle and the image markers' ids.
+
+        ``vision_config.image_size`` (the tile side) is required: the processor cuts tiles of the
+        tower's size, and no default fits every checkpoint.
+        """
+        top = reader.section(model.config)
+        vision = top.sub("vision_config")
+        processor = reader.section(model.processor, "preprocessor_config")
+        return Llama4View(
+            tile=vision.required("image_size"),
+            max_tiles=processor.default(
+                "max_patches", PROCESSOR_DEFAULTS["max_patches"], int, DEFAULTS_SOURCE
+            ),
+            patch=vision.default("patch_size", VISION_DEFAULTS["patch_size"], int, DEFAULTS_SOURCE),
+            shuffle_ratio=vision.default(
+                "pixel_shuffle_ratio", VISION_DEFAULTS["pixel_shuffle_ratio"], float, DEFAULTS_SOURCE
+            ),
+            image_start=top.default(
+                "boi_token_index", CONFIG_DEFAULTS["boi_token_index"], int, DEFAULTS_SOURCE
+            ),
+            image_end=top.default(
+                "eoi_token_index", CONFIG_DEFAULTS["eoi_token_index"], int, DEFAULTS_SOURCE
+            ),
+            processor_size=dict(processor.sub("size").data),
+        )
+
+    # ---- token math ----
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
-        """Images only."""
-        return ["frames must be 1: Llama 4 takes images only"] if image.frames != 1 else []
+        """Images only; the processor must cut tiles of the tower's size."""
+        problems = ["frames must be 1: Llama 4 takes images only"] if image.frames != 1 else []
+        view = self.vision(model)
+        size = view.processor_size
+        wanted = {int(size[k]) for k in ("height", "width") if k in size}
+        if wanted and wanted != {view.tile}:
+            problems.append(f"the processor cuts tiles of {size}, but the vision tower takes {view.tile} px")
+        return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """max_num_tiles (the grid plus the global tile) and vision_size (their tokens)."""
-        view = Llama4View.of(model)
+        view = self.vision(model)
         tiles = view.tiles(image.height, image.width)
         return {MAX_NUM_TILES: tiles, symbols.VISION_SIZE: tiles * view.tokens_per_tile}
 
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """First ``<|patch|>`` to the last: the tiles, their separators, then ``<|image|>`` + global tile."""
-        view = Llama4View.of(model)
+        view = self.vision(model)
         rows, cols = view.tile_grid(image.height, image.width)
         per_tile = view.tokens_per_tile
         if rows * cols == 1:
             return per_tile
         # Each row: its tiles, cols - 1 x-separators and one y-separator; then <|image|> and the global tile.
         return rows * (cols * per_tile + cols) + 1 + per_tile
+
+
+def _host():
+    """The host protocol class (numpy only)."""
+    from qeff_vision.families.llama4.host import Host
+
+    return Host
+
+
+def _export_adapter():
+    """The export adapter class (imports torch, so only when a graph is built)."""
+    from qeff_vision.families.llama4.export import Adapter
+
+    return Adapter
+
+
+register(Llama4, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)

@@ -31,7 +31,6 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import grouped_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
-from qeff_vision.families import get_family
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llama4.host import ASPECT_RATIOS
 
@@ -157,7 +156,6 @@ class VisionEncoder(nn.Module):
 class Adapter(ExportAdapter):
     """Torch side of the Llama 4 family."""
 
-    family = get_family("llama4")
     # One tile, a wide image (1x2 + global), a tall one and a 2x2 one (+ global) on the tiny's 84 px tiles.
     test_image_sizes = ((80, 80), (100, 150), (200, 90), (170, 170))
 

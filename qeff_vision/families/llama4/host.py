@@ -19,10 +19,8 @@ class Host(BaseHost):
 
     @property
     def view(self):
-        """The family's config view (:class:`~qeff_vision.families.llama4.Llama4View`)."""
-        from qeff_vision.families.llama4 import Llama4View
-
-        return Llama4View.of(self.model)
+        """The family's vision geometry (:class:`~qeff_vision.families.llama4.Llama4View`)."""
+        return self.family.vision(self.model)
 
     def tile_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """Tiles of each image in prompt order, the global tile included.
