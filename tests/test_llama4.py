@@ -16,7 +16,7 @@ import pytest
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import KV_ROLES
 from qeff_vision.families import get_family
-from qeff_vision.families.base import ImageSize, describe_checkpoint
+from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.llama4 import MAX_NUM_TILES
 from tests import helpers
 from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
@@ -138,3 +138,19 @@ def test_scout_kv_bytes_chunked_rings_and_nope_layers(ctx_len):
     assert slots["full ctx"] == 48 * ctx_len
     dims = get_family(FAMILY).text_dims(description)
     assert kv_memory.kv_bytes_per_slot(dims, kv_bytes=2, batch=1) == 2 * 2 * 8 * 128  # K, V; 8 heads x 128
+
+
+def test_the_config_view_derives_layer_types_as_transformers_and_notes_its_defaults():
+    """No ``layer_types``: the ``no_rope_layers`` flags, else every ``no_rope_layer_interval``-th is NoPE."""
+    family = get_family(FAMILY)
+    text = {"hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4, "vocab_size": 128}
+    config = {"vision_config": {"image_size": 336}, "image_token_index": 9, "text_config": text}
+    derived = ModelDescription(config)
+    assert family.layer_types(derived) == (["chunked_attention"] * 3 + ["full_attention"]) * 2
+    notes = family.config_view(derived).notes
+    assert any(note.startswith("text_config.no_rope_layer_interval not set; using 4") for note in notes)
+    assert any(note.startswith("text_config.attention_chunk_size not set; using 8192") for note in notes)
+    flagged = ModelDescription({**config, "text_config": {**text, "no_rope_layers": [1, 0] * 4}})
+    assert family.layer_types(flagged) == ["chunked_attention", "full_attention"] * 4
+    view = family.vision(derived)
+    assert (view.tile, view.max_tiles, view.tokens_per_tile) == (336, 16, 144)

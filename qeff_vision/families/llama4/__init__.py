@@ -167,12 +167,15 @@ class Llama4(Family):
         on RoPE layers, by default all but every ``no_rope_layer_interval``-th. Checkpoints saved
         before ``layer_types`` existed (Scout's and Maverick's config.json) have only the flags.
         """
-        interval = text.default(
-            "no_rope_layer_interval", TEXT_DEFAULTS["no_rope_layer_interval"], int, self.text_defaults_source
-        )
-        rope = text.optional("no_rope_layers", list) or [
-            int((i + 1) % interval != 0) for i in range(num_layers)
-        ]
+        rope = text.optional("no_rope_layers", list)
+        if not rope:  # the interval is read (and its default noted) only when the flags are absent
+            interval = text.default(
+                "no_rope_layer_interval",
+                TEXT_DEFAULTS["no_rope_layer_interval"],
+                int,
+                self.text_defaults_source,
+            )
+            rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
         return [CHUNKED_ATTENTION if flag else FULL_ATTENTION for flag in rope]
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Llama4View:
