@@ -23,6 +23,7 @@ from qeff_vision.export.decoder import (
     ring_layers,
     ring_type,
 )
+from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llava import Llava
 
@@ -51,7 +52,8 @@ def _reference(query, keys, values, chunk):
         (4, 24, [9, 1, 1, 1, 1, 1, 1]),  # a chunk longer than two blocks
     ],
 )
-def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows):
+@pytest.mark.parametrize("slots", [None, 2], ids=["one-sequence", "continuous-batching"])
+def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows, slots):
     generator = torch.Generator().manual_seed(chunk + sum(windows))
     total = sum(windows)
     query = torch.randn(1, HEADS, total, DIM, generator=generator)
@@ -60,14 +62,22 @@ def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows)
     expected = _reference(query, keys, values, chunk)
 
     ring_len = min(ctx_len, chunk)
-    ring = (torch.zeros(1, HEADS, ring_len, DIM), torch.zeros(1, HEADS, ring_len, DIM))
+    # With continuous batching the ring has ``slots`` rows, the sequence lives in row 1, and only the
+    # ring slots of the block's last positions are written back (export/kv_writes.py).
+    rows = slots or 1
+    ring = (torch.zeros(rows, HEADS, ring_len, DIM), torch.zeros(rows, HEADS, ring_len, DIM))
+    batch_index = None if slots is None else torch.tensor([[1]])
     bucket = max(windows)
     start = 0
     for size in windows:
         pad = bucket - size if size > 1 else 0  # prefill chunks padded to one bucket (position -1)
         positions = torch.cat([torch.arange(start, start + size), torch.full((pad,), -1)]).view(1, -1)
-        plan = RingPlan.for_chunk(positions, ring_len)
-        cache = RetainedKVCache({0: ring}, positions, positions, [True], plan)
+        writes = write_plan(positions, batch_index, rows)
+        ring_writes = None if slots is None else writes.ring_slots(ring_len)
+        plan = RingPlan.for_chunk(positions, ring_len, ring_writes)
+        cache = RetainedKVCache(
+            {0: ring}, positions, positions, [True], plan, writes.batch_index, writes.fresh
+        )
         step = slice(start, start + size)
         new_k = torch.cat([keys[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
         new_v = torch.cat([values[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
@@ -77,6 +87,8 @@ def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows)
         q = torch.cat([query[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
         got = _attend(q, seen_k, seen_v, mask)[:, :, :size]
         torch.testing.assert_close(got, expected[:, :, step], rtol=1e-5, atol=1e-5)
+        if slots is not None:  # the other slot's row is never written
+            assert not cache.keys[0][0].any() and not cache.values[0][0].any()
         start += size
 
 
