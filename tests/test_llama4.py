@@ -133,11 +133,10 @@ def test_scout_kv_bytes_chunked_rings_and_nope_layers(ctx_len):
     kv_memory = helpers.load_benchmark("kv_memory")
     config = kv_memory.ROOT / "specs" / "configs" / "Llama-4-Scout-17B-16E-Instruct" / "config.json"
     description = describe_checkpoint(config.parent, config)
-    slots = kv_memory.layouts(get_family(FAMILY), description, ctx_len)
-    assert slots["ours"] == slots["QEfficient"] == 36 * 8192 + 12 * ctx_len
-    assert slots["full ctx"] == 48 * ctx_len
-    dims = get_family(FAMILY).text_dims(description)
-    assert kv_memory.kv_bytes_per_slot(dims, kv_bytes=2, batch=1) == 2 * 2 * 8 * 128  # K, V; 8 heads x 128
+    sizes = kv_memory.layout_bytes(get_family(FAMILY), description, ctx_len, kv_bytes=2, batch=1)
+    per_slot = 2 * 2 * 8 * 128  # K and V, 2 bytes, 8 KV heads x 128
+    assert sizes["ours"] == sizes["QEfficient"] == per_slot * (36 * 8192 + 12 * ctx_len)
+    assert sizes["full ctx"] == per_slot * 48 * ctx_len
 
 
 def test_the_config_view_derives_layer_types_as_transformers_and_notes_its_defaults():
