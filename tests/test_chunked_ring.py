@@ -18,12 +18,11 @@ from qeff_vision.export.decoder import (
     SLIDING_ATTENTION,
     DecoderParts,
     RetainedKVCache,
-    RingPlan,
-    _window_mask,
     ring_layers,
     ring_type,
 )
 from qeff_vision.export.kv_writes import write_plan
+from qeff_vision.export.ring_plan import RingPlan, ring_mask
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llava import Llava
 
@@ -83,7 +82,7 @@ def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows,
         new_v = torch.cat([values[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
         seen_k, seen_v = cache.update(new_k, new_v, 0)
         ring = (cache.keys[0], cache.values[0])
-        mask = _window_mask(positions, plan.key_positions, chunk, None, torch.float32, chunked=True)
+        mask = ring_mask(positions, plan.key_positions, chunk, None, torch.float32, chunked=True)
         q = torch.cat([query[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
         got = _attend(q, seen_k, seen_v, mask)[:, :, :size]
         torch.testing.assert_close(got, expected[:, :, step], rtol=1e-5, atol=1e-5)
@@ -95,7 +94,7 @@ def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows,
 def test_the_block_mask_is_not_a_window():
     positions = torch.tensor([[4, 5, 6, 7, 8]])
     plan = RingPlan.for_chunk(positions, 4)
-    mask = _window_mask(positions, plan.key_positions, 4, None, torch.float32, chunked=True)[0, 0] == 0
+    mask = ring_mask(positions, plan.key_positions, 4, None, torch.float32, chunked=True)[0, 0] == 0
     keys = plan.key_positions[0].tolist()  # ring (never written: negative), then the chunk
     seen = {q: [k for k, ok in zip(keys, row) if ok] for q, row in zip(positions[0].tolist(), mask.tolist())}
     assert seen == {4: [4], 5: [4, 5], 6: [4, 5, 6], 7: [4, 5, 6, 7], 8: [8]}
