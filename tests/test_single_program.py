@@ -1,6 +1,6 @@
 """``deployment: single``: one program holding the encoder, each image encoded once, vs transformers.
 
-Per enabled family (llava, gemma3), on the session's tiny export: the composed graph
+Per enabled family (llava, gemma3, internvl), on the session's tiny export: the composed graph
 (``compile/single_program.py``) against the dual pair (the encode branch's retained rows equal
 the vision program's, logits equal the language program's on those rows; the keep branch
 returns the buffer unchanged); chunked runs of two images token-identical to transformers
@@ -31,8 +31,8 @@ from qeff_vision.runtime.single import SingleGenerator
 from tests import helpers
 from tests.family_runtime import CTX_LEN, NEW_TOKENS, FamilyRuntime
 
-FAMILIES = ["llava", "gemma3"]
-SEQ_LENS = {"llava": (8,), "gemma3": (24,)}  # LLaVA's 8-token chunks cut a 16-row image
+FAMILIES = ["llava", "gemma3", "internvl"]
+SEQ_LENS = {"llava": (8,), "gemma3": (24,), "internvl": (16,)}  # 8- and 16-token chunks cut an image
 MAX_IMAGES = 2
 
 
@@ -57,9 +57,12 @@ def _generator(runtime: FamilyRuntime, program: OnnxProgram) -> SingleGenerator:
 
 
 def _tokens(runtime: FamilyRuntime) -> int:
-    """Rows of one image of the tiny checkpoint (the processor's placeholder count)."""
-    processed = runtime.inputs(["<image>", "x"], [helpers.image(64, 64, 1)])
-    return int(sum(runtime.checkpoint.host.placeholder_counts(processed)))
+    """Rows of the largest test image of the tiny checkpoint (the processor's placeholder count)."""
+    rows = []
+    for size in load_adapter(runtime.family).test_image_sizes:  # InternVL: tile counts differ
+        processed = runtime.inputs(["<image>", "x"], [helpers.image(*size, 1)])
+        rows.append(int(sum(runtime.checkpoint.host.placeholder_counts(processed))))
+    return max(rows)
 
 
 def test_composed_graph_equals_the_dual_pair(single):
@@ -110,6 +113,8 @@ def test_two_images_chunked_match_transformers_and_encode_once(single):
     processed = runtime.inputs(
         ["<image>", "A first picture, then a second one.", "<image>", "What changed?"], images
     )
+    if runtime.family.name == "internvl":  # one encode call over images of different tile counts
+        assert len(set(runtime.checkpoint.host.tiles_per_image(processed))) == 2
     generator = _generator(runtime, program)
     plan = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk")
     assert len(plan.chunks) >= 3

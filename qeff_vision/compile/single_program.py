@@ -41,6 +41,11 @@ ROWS = "single/vision_rows"  # the buffer the language graph reads instead of vi
 # ref: QEfficient's single QPC encodes in every specialization; ours keeps this many pixels per
 # side in a keep specialization (the host's placeholder), an encode one has the image's side.
 KEEP_SIDE = 1
+# A vision graph whose pixel side is fixed (InternVL's 448 px tiles: its only symbol is the tile
+# count, and a one-tile image has the keep placeholder's batch) gets its side axes renamed to this
+# symbol in the composed graph, so the side stays the encode signal: encode entries bind the
+# tile side, keep entries 1.
+PIXEL_SIDE = "pixel_side"
 
 
 def single_program_path(export_dir: Path) -> Path:
@@ -174,6 +179,9 @@ def compose(vision_path: Path, language_path: Path):
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
                 dim.dim_param = vision_symbol(dim.dim_param)
+    for dim in pixel.type.tensor_type.shape.dim[2:]:
+        if not dim.dim_param:  # a fixed side: symbolic here, bound per entry (spec/single.py)
+            dim.dim_param = PIXEL_SIDE
     graph = helper.make_graph(
         gate + list(lg.node),
         "single",

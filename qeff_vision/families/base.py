@@ -297,6 +297,14 @@ class Family:
         """
         raise NotImplementedError
 
+    def fixed_pixel_side(self, model: ModelDescription) -> int | None:
+        """The vision graph's pixel side when it is fixed (not a symbol), else None.
+
+        ``deployment: single`` renames a fixed side to a symbol so its encode entries bind it
+        (compile/single_program.py ``PIXEL_SIDE``).
+        """
+        return None
+
     def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
         """Placeholder tokens (= vision_embeds rows) one image of this size becomes."""
         return self.vision_symbols(model, image)[symbols.VISION_SIZE]

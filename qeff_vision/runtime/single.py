@@ -32,6 +32,7 @@ from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 
 KEEP_SIDE = 1  # a keep specialization's image side (compile/single_program.py)
 NUM_IMAGES = "num_images"
+PIXEL_SIDE = "pixel_side"  # a fixed tile side made symbolic by the composition (not a vision symbol)
 # The language program's own symbols; the others of a single program's entries are the image inputs'.
 LANGUAGE_SYMBOLS = {
     symbols.BATCH_SIZE,
@@ -57,7 +58,9 @@ def image_specializations(specializations) -> tuple[dict[str, int], ...]:
         if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
             continue
         vision = {
-            (symbols.BATCH_SIZE if name == NUM_IMAGES else name): value for name, value in images.items()
+            (symbols.BATCH_SIZE if name == NUM_IMAGES else name): value
+            for name, value in images.items()
+            if name != PIXEL_SIDE
         }
         if vision not in found:
             found.append(vision)

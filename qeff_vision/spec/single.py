@@ -19,6 +19,7 @@ A compiler folds the encoder's If per specialization (its condition is a shape),
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import combinations_with_replacement
 from typing import Any
 
 from qeff_vision import symbols
@@ -26,6 +27,7 @@ from qeff_vision import symbols
 ENCODE = "Encode"
 KEEP_SIDE = "1"  # the keep entries' image symbols (the compiler takes positive values only)
 NUM_IMAGES = "num_images"  # the vision graph's batch symbol in the composed graph
+PIXEL_SIDE = "pixel_side"  # a fixed pixel side, symbolic in the composed graph (InternVL's tiles)
 
 
 def _image_symbols(vision_entry: Any) -> dict[str, str]:
@@ -37,7 +39,9 @@ def _image_symbols(vision_entry: Any) -> dict[str, str]:
     }
 
 
-def single_program(vision: Any, language: Any, request_rows: int, max_images: int) -> Any:
+def single_program(
+    vision: Any, language: Any, request_rows: int, max_images: int, pixel_side: int | None = None
+) -> Any:
     """The ``lang`` program files of a single deployment from the dual pair's files.
 
     Args:
@@ -45,6 +49,10 @@ def single_program(vision: Any, language: Any, request_rows: int, max_images: in
         language: The dual language ``ProgramFiles`` (prefill buckets, then decode).
         request_rows: The retained buffer's rows: the most image rows one request carries.
         max_images: The most images one request carries.
+        pixel_side: The vision graph's fixed pixel side, or None when its side is a symbol. A
+            fixed side means images are batches of tiles (InternVL): one encode call takes the
+            tiles of every image of the prompt, so an encode entry exists per combination of
+            resolutions, its tile count their sum, and ``pixel_side`` is the encode signal.
 
     Returns:
         One ``ProgramFiles`` (directory ``lang``) with the language custom IO.
@@ -54,10 +62,14 @@ def single_program(vision: Any, language: Any, request_rows: int, max_images: in
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
     keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0])}
+    if pixel_side is not None:
+        keep_images[PIXEL_SIDE] = KEEP_SIDE
     for entry in language.specializations:
         base = dict(entry.symbols)
         decode = entry.name.startswith("Decode")
-        if not decode:
+        if not decode and pixel_side is not None:
+            entries += _tile_entries(base, vision.specializations, max_images, pixel_side, buffer)
+        elif not decode:
             for image in vision.specializations:
                 pixels = _image_symbols(image)
                 for count in range(1, max_images + 1):
@@ -70,6 +82,27 @@ def single_program(vision: Any, language: Any, request_rows: int, max_images: in
     named = {name for name, _ in language.custom_io}
     images = tuple((name, kind) for name, kind in vision.custom_io if name not in named)
     return replace(language, specializations=tuple(entries), custom_io=images + tuple(language.custom_io))
+
+
+def _tile_entries(
+    base: dict[str, str], images: Any, max_images: int, side: int, buffer: dict[str, str]
+) -> list[Any]:
+    """Encode entries of a fixed-side (tiled) vision graph: one per distinct tile total."""
+    from qeff_vision.spec.specializations import Specialization
+
+    entries, seen = [], []
+    for count in range(1, max_images + 1):
+        for combo in combinations_with_replacement(images, count):
+            tiles = [_image_symbols(image) for image in combo]
+            summed = {name: str(sum(int(t[name]) for t in tiles)) for name in tiles[0] if name != NUM_IMAGES}
+            symbols_ = {**summed, NUM_IMAGES: str(count), PIXEL_SIDE: str(side)}
+            if symbols_ in seen:
+                continue
+            seen.append(symbols_)
+            shapes = "+".join(image.name.removeprefix("Vision-") for image in combo)
+            name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{shapes}"
+            entries.append(Specialization(name, _ordered(base, symbols_, buffer)))
+    return entries
 
 
 def _ordered(base: dict[str, str], images: dict[str, str], buffer: dict[str, str]) -> dict[str, str]:

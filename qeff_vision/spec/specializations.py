@@ -353,7 +353,11 @@ def build_specializations(
         for image, tokens, name in image_tokens
     )
     if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
-        programs = (single_program(vision, language, request_tokens, spec.vision.max_images),)
+        programs = (
+            single_program(
+                vision, language, request_tokens, spec.vision.max_images, family.fixed_pixel_side(model)
+            ),
+        )
     else:
         programs = (vision, *split_language(language, spec.deployment.mode, spec.deployment.kv_cache_prefix))
     return ProgramSpecializations(spec, vision, language, images, request_tokens, programs)

@@ -127,9 +127,10 @@ class InternVL(Family):
         chunk_split=yes("causal attention over image tokens"),
         video=no("video frames are not exported yet; images only"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=no(
-            "not built: a prompt's images may have different tile counts, so the first chunk "
-            "would need one encoder batch per tile count (the composed If encodes one batch)"
+        single_program=yes(
+            "one lang program: the InternViT tower composed in, run once per prompt in the first "
+            "chunk over the tiles of all its images (tile counts may differ); the fixed tile side "
+            "is the symbol pixel_side (1 in keep entries); later chunks and decode read the rows"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
@@ -165,6 +166,10 @@ class InternVL(Family):
     def tile_size(self, model: ModelDescription) -> int:
         """Side of one tile in pixels (the tower's image size)."""
         return self.vision(model).tile_size
+
+    def fixed_pixel_side(self, model: ModelDescription) -> int | None:
+        """Every tile is ``tile_size`` px square; the vision graph's only symbol is the tile count."""
+        return self.tile_size(model)
 
     def tokens_per_tile(self, model: ModelDescription) -> int:
         """(image_size / patch)^2 patches, pixel-shuffled by downsample_ratio in each direction."""
