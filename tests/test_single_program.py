@@ -218,3 +218,37 @@ def test_run_requests_is_refused_in_one_line(compiled, capsys):
     err = capsys.readouterr().err
     assert "deployment single serves one sequence at a time" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_internvl_compiles_and_runs_images_of_different_tile_counts(
+    tiny_checkpoint, exported, tmp_path, capsys
+):
+    """Tiny InternVL (112 px tiles): one encode entry per tile total binds the composed graph's symbols
+    (``pixel_side`` among them, no ``num_images``); a 1-tile and a 5-tile image share one call."""
+    spec = {
+        "name": "internvl-single",
+        "model": str(tiny_checkpoint("internvl")),
+        "ctx_len": 256,
+        "deployment": "single",
+        "prefill": {"seq_lens": [16, 32]},
+        "vision": {"images": [{"height": 100, "width": 100}, {"height": 60, "width": 250}], "max_images": 2},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = str(tmp_path / "out")
+    args = ["compile", str(tmp_path / "spec.yaml"), "-o", out, "--backend", "onnxruntime"]
+    assert main([*args, "--export", str(exported("internvl"))]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    entries = manifest["programs"]["lang"]["specializations"]
+    encode = [entry for entry in entries if entry["name"].startswith("Encode")]
+    assert len(encode) == 2 * 5  # per bucket: tile totals 1, 5 (one image), 2, 6, 10 (two images)
+    assert all("num_images" not in entry["symbols"] for entry in entries)
+    assert len(manifest["programs"]["lang"]["verification"]["runs"]) == len(entries)
+    for name, (height, width) in {"a": (100, 100), "b": (60, 250)}.items():
+        helpers.image(height, width, len(name)).save(tmp_path / f"{name}.png")
+    images = ["--image", str(tmp_path / "a.png"), "--image", str(tmp_path / "b.png")]
+    turns = ["--prompt", "Compare.", "--prompt", "And the colours?", "--prompt", "Thanks."]
+    assert main(["run", out, *images, *turns, "--max-new-tokens", "4", "--compare-hf"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 3
+    assert err.count("1 encoder call(s) encoding 2 image(s)") == 1
+    assert err.count("0 encoder call(s) encoding 0 image(s)") == 2

@@ -62,7 +62,8 @@ def single_program(
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
     keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0])}
-    if pixel_side is not None:
+    if pixel_side is not None:  # a tiled graph's first axis is the tile count: no num_images symbol
+        keep_images.pop(NUM_IMAGES, None)
         keep_images[PIXEL_SIDE] = KEEP_SIDE
     for entry in language.specializations:
         base = dict(entry.symbols)
@@ -95,8 +96,8 @@ def _tile_entries(
         for combo in combinations_with_replacement(images, count):
             tiles = [_image_symbols(image) for image in combo]
             summed = {name: str(sum(int(t[name]) for t in tiles)) for name in tiles[0] if name != NUM_IMAGES}
-            symbols_ = {**summed, NUM_IMAGES: str(count), PIXEL_SIDE: str(side)}
-            if symbols_ in seen:
+            symbols_ = {**summed, PIXEL_SIDE: str(side)}
+            if symbols_ in seen:  # another combination of the same tile total
                 continue
             seen.append(symbols_)
             shapes = "+".join(image.name.removeprefix("Vision-") for image in combo)
