@@ -14,7 +14,7 @@ the family's pinned spec. Three forms:
   skips it). A new turn is a new prompt: the history is prefilled, and its images encoded, again.
 - **ours, dual** (built): each image is encoded once by the vision program (the per-image cache
   holds it across turns); each chunk carries only the embedding rows it needs (``chunk``).
-- **ours, single** (issue 24; built for LLaVA and Gemma 3): the encoder runs once per image inside
+- **ours, single** (issue 24; built for LLaVA, Gemma 3 and InternVL): the encoder runs once per image inside
   the one program and its rows are retained; nothing but the pixels crosses, once per image. For
   the built families the column is the runtime's own count: the same three prompt kinds run
   through :class:`~qeff_vision.runtime.single.SingleGenerator` on the family's tiny random
@@ -69,7 +69,7 @@ CASES = (
     ),
 )
 TEXT_BEFORE, TEXT_AFTER, TURN_TEXT, ANSWER = 24, 300, 40, 60
-TINY_ROWS = {"llava": 16, "gemma3": 16}  # image rows of the tiny checkpoints (qeff-vision tiny)
+TINY_ROWS = {"llava": 16, "gemma3": 16, "internvl": 16}  # rows per tiny image (InternVL: 1 tile)
 
 
 def prompts(tokens: int) -> dict[str, list[tuple[int, list[int]]]]:
