@@ -249,11 +249,13 @@ def device_session(
     return session_for(graph, onnx_path.parent, threads, weights)
 
 
-def _state_as_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Round every recurrent-state retained output to fp16 (what an fp16 custom IO stores)."""
-    outputs = [o.name for o in model.graph.output]
-    states = [name for name in outputs if is_state_name(name) and name.endswith(symbols.RETAINED_SUFFIX)]
-    renamed = {name: f"{name}__before_fp16" for name in states}
+def _detach_retained_outputs(model: onnx.ModelProto, names: list[str], suffix: str) -> dict[str, str]:
+    """Rename the producers of retained outputs ``names`` so a rounding step can be put before each.
+
+    Every node that writes (or reads) output ``X`` now writes (or reads) ``X<suffix>``; the caller
+    adds the nodes that turn ``X<suffix>`` back into ``X``. Returns ``{X: X<suffix>}``.
+    """
+    renamed = {name: f"{name}{suffix}" for name in names}
     for node in model.graph.node:
         for index, name in enumerate(node.output):
             if name in renamed:
@@ -261,6 +263,18 @@ def _state_as_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
         for index, name in enumerate(node.input):
             if name in renamed:
                 node.input[index] = renamed[name]
+    return renamed
+
+
+def _retained_outputs(model: onnx.ModelProto, kind) -> list[str]:
+    """``_RetainedState`` outputs whose names ``kind`` accepts (KV caches or recurrent states)."""
+    return [o.name for o in model.graph.output if kind(o.name) and o.name.endswith(symbols.RETAINED_SUFFIX)]
+
+
+def _state_as_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Round every recurrent-state retained output to fp16 (what an fp16 custom IO stores)."""
+    states = _retained_outputs(model, is_state_name)
+    renamed = _detach_retained_outputs(model, states, "__before_fp16")
     for name in states:
         half = f"{name}__stored_fp16"
         model.graph.node.extend(
@@ -279,16 +293,8 @@ def _kv_as_mxint8(model: onnx.ModelProto) -> onnx.ModelProto:
     from qeff_vision.numerics.mx import mxint8_nodes
 
     # The KV cache outputs (custom IO decides their device dtype), named by the language IO table.
-    outputs = [o.name for o in model.graph.output]
-    kv = [name for name in outputs if is_kv_name(name) and name.endswith(symbols.RETAINED_SUFFIX)]
-    renamed = {name: f"{name}__before_mxint8" for name in kv}
-    for node in model.graph.node:
-        for index, name in enumerate(node.output):
-            if name in renamed:
-                node.output[index] = renamed[name]
-        for index, name in enumerate(node.input):
-            if name in renamed:
-                node.input[index] = renamed[name]
+    kv = _retained_outputs(model, is_kv_name)
+    renamed = _detach_retained_outputs(model, kv, "__before_mxint8")
     for position, name in enumerate(kv):
         model.graph.node.extend(mxint8_nodes(renamed[name], name, f"{name}__mxint8_{position}_"))
     return model
