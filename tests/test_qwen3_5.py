@@ -12,12 +12,16 @@ parity is tests/test_family_parity.py's.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import onnx
 import pytest
 import torch
 
 from qeff_vision import symbols
+from qeff_vision.cli import main
 from qeff_vision.export.gated_delta import NAME as GATED_DELTA
 from qeff_vision.export_record import read_export
 from qeff_vision.families import get_family
@@ -152,3 +156,20 @@ def test_clip_straddling_chunks_matches_generate(runtime):
     grid = chat.last_inputs.processed["video_grid_thw"][0]
     assert grid[0] == 4
     assert len([chunk for chunk in result.chunks if chunk.rows]) >= 2
+
+
+def test_a_missing_delta_net_field_is_one_line_naming_it(tiny_checkpoint, tmp_path, capsys):
+    """The Gated DeltaNet dimensions are read through the config view: a missing one is one line."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in tiny_checkpoint(FAMILY).iterdir():
+        shutil.copy(name, model / name.name)
+    config = model / "config.json"
+    data = json.loads(config.read_text())
+    del data["text_config"]["linear_key_head_dim"]
+    config.write_text(json.dumps(data))
+    assert main(["export", str(model), "-o", str(tmp_path / "out"), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "config lacks required field 'text_config.linear_key_head_dim'" in err, err
+    assert not (tmp_path / "out").exists()

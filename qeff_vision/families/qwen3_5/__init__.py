@@ -13,9 +13,7 @@ once, by :class:`LinearAttentionDims`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from qeff_vision.contract.language_io import (
     CONV_DIM,
@@ -24,7 +22,6 @@ from qeff_vision.contract.language_io import (
     STATE_VALUE_DIM,
     STATE_VALUE_HEADS,
 )
-from qeff_vision.errors import UserError
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -34,6 +31,7 @@ from qeff_vision.families.base import (
     no,
     yes,
 )
+from qeff_vision.families.config_view import ConfigReader, Section
 from qeff_vision.families.qwen3_5.tiny import write_tiny_checkpoint  # torch-free until called
 from qeff_vision.families.qwen3_vl import Qwen3_VL
 
@@ -57,18 +55,15 @@ class LinearAttentionDims:
     conv_kernel: int
 
     @classmethod
-    def from_text_config(cls, text: Mapping[str, Any], source: str = "<config>") -> LinearAttentionDims:
-        """Read the five values from a text config; a user error naming the missing key otherwise."""
-        try:
-            return cls(
-                key_heads=int(text["linear_num_key_heads"]),
-                value_heads=int(text["linear_num_value_heads"]),
-                key_dim=int(text["linear_key_head_dim"]),
-                value_dim=int(text["linear_value_head_dim"]),
-                conv_kernel=int(text["linear_conv_kernel_dim"]),
-            )
-        except KeyError as exc:
-            raise UserError(f"{source}: language config lacks {exc.args[0]!r}") from exc
+    def read(cls, text: Section) -> LinearAttentionDims:
+        """Read the five required values from the text section (one user error naming a missing one)."""
+        return cls(
+            key_heads=text.required("linear_num_key_heads"),
+            value_heads=text.required("linear_num_value_heads"),
+            key_dim=text.required("linear_key_head_dim"),
+            value_dim=text.required("linear_value_head_dim"),
+            conv_kernel=text.required("linear_conv_kernel_dim"),
+        )
 
     @property
     def conv_dim(self) -> int:
@@ -110,8 +105,13 @@ class Qwen3_5(Qwen3_VL):
     stacked_vision_rows = {}
 
     def linear_attention(self, model: ModelDescription) -> LinearAttentionDims:
-        """The Gated DeltaNet dimensions of ``model``."""
-        return LinearAttentionDims.from_text_config(self.text_config(model), model.source)
+        """The Gated DeltaNet dimensions of ``model`` (read once through the config view)."""
+        return self._read(model, "linear_attention", self.read_linear_attention)[0]
+
+    def read_linear_attention(self, reader: ConfigReader, model: ModelDescription) -> LinearAttentionDims:
+        """Read :class:`LinearAttentionDims` from the text sub-config."""
+        text = reader.section(self.text_config(model), self.text_config_key)
+        return LinearAttentionDims.read(text)
 
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """None: no deepstack rows (Qwen3-VL's ``num_feature_layers`` does not exist here)."""
