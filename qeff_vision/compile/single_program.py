@@ -15,7 +15,12 @@ Ours encodes each image once. The two exported graphs are composed at the ONNX l
 
 ``encode`` is a function of shapes only, so a compiler folds the If per specialization and the
 decode and later-chunk specializations keep no encoder: a specialization encodes when the image
-side ``pixel_values`` axis 3 is larger than 1. The compiler (and the stand-in) accept positive
+side (the last axis of ``pixel_values``) is larger than 1.
+
+The cross-attention kind (mllama) composes the same way: its vision outputs are the cross
+layers' K/V, named like the language graph's cache inputs of those layers, so the encode branch
+writes the request's images' K/V at the front of those retained caches (as QEfficient's single
+QPC retains them) and every later chunk and decode step reads them with no encoder. The compiler (and the stand-in) accept positive
 symbol values only, and a zero-image batch cannot switch the encoder off (the exported CLIP and
 SigLIP towers refuse it at their patch Reshape), so the keep specializations bind the image
 symbols to 1 and the host sends a [1, C, 1, 1] pixel placeholder (12 bytes).
@@ -53,9 +58,13 @@ def single_program_path(export_dir: Path) -> Path:
     return Path(export_dir) / SINGLE_FILE
 
 
-def vision_symbol(name: str) -> str:
-    """The composed graph's name of the vision graph's input symbol ``name``."""
-    return NUM_IMAGES if name == symbols.BATCH_SIZE else name
+def vision_symbol(name: str, images_symbol: str = symbols.BATCH_SIZE) -> str:
+    """The composed graph's name of the vision graph's input symbol ``name``.
+
+    ``images_symbol`` is the vision graph's symbol counting the images of one call (the family's
+    ``vision_images_symbol``); it becomes ``num_images``, every other symbol keeps its name.
+    """
+    return NUM_IMAGES if name == images_symbol else name
 
 
 def _load(path: Path):
@@ -93,99 +102,141 @@ def _prefix_names(graph, keep: set[str]) -> None:
         value.name = renamed(value.name)
 
 
-def compose(vision_path: Path, language_path: Path):
+def _row_axis(value) -> int:
+    """The row axis of a retained buffer input: its first symbolic axis after the batch axis.
+
+    ``vision_embeds`` [vision_batch_size, vision_size, hidden] -> 1; a cross-attention K/V
+    [batch_size, kv_heads, cross_states, head_dim] -> 2.
+    """
+    dims = value.type.tensor_type.shape.dim
+    for axis in range(1, len(dims)):
+        if dims[axis].dim_param:
+            return axis
+    raise UserError(f"{value.name}: a retained buffer needs a symbolic row axis")
+
+
+def _constant(helper, TensorProto, name: str, values: list[int]):
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    )
+
+
+def _write_rows(helper, TensorProto, buffer, encoded: str) -> tuple[list, str]:
+    """Nodes writing the vision output ``encoded`` at the front of ``buffer`` (its tail kept).
+
+    The output is reshaped to the buffer's layout (batch 1, the row axis -1, fixed axes kept), so
+    n rows land at rows 0..n-1 and the buffer keeps rows n.. (Slice from n): what a later chunk of
+    the same prompt never reads, and what the mask of the next prompt hides.
+    """
+    name = buffer.name
+    axis = _row_axis(buffer)
+    dims = buffer.type.tensor_type.shape.dim
+    shape = [1 if i == 0 else -1 if i == axis else dims[i].dim_value for i in range(len(dims))]
+    if any(value == 0 for value in shape):
+        raise UserError(f"{name}: deployment single needs fixed axes besides the batch and the rows")
+    tag = f"single/{name}"
+    nodes = [
+        _constant(helper, TensorProto, f"{tag}/shape", shape),
+        helper.make_node("Reshape", [encoded, f"{tag}/shape"], [f"{tag}/rows"]),
+        helper.make_node("Shape", [f"{tag}/rows"], [f"{tag}/n"], start=axis, end=axis + 1),
+        _constant(helper, TensorProto, f"{tag}/end", [2**62]),
+        _constant(helper, TensorProto, f"{tag}/axis", [axis]),
+        helper.make_node("Slice", [name, f"{tag}/n", f"{tag}/end", f"{tag}/axis"], [f"{tag}/tail"]),
+        helper.make_node("Concat", [f"{tag}/rows", f"{tag}/tail"], [f"{tag}/encoded"], axis=axis),
+    ]
+    return nodes, f"{tag}/encoded"
+
+
+def _buffer_name(name: str) -> str:
+    """The If output the language graph reads instead of its input ``name``."""
+    return ROWS if name == symbols.VISION_EMBEDS else f"single/{name}/read"
+
+
+def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols.BATCH_SIZE):
     """The single-program ``ModelProto`` of an export's two graphs (external data not loaded).
 
+    Every vision output must be a retained buffer input of the language graph: ``vision_embeds``
+    (token-merge kind) or the cross-attention layers' K/V, named like those layers' cache inputs
+    (cross-attention kind; ref: QEfficient ``models/mllama/modeling_mllama.py``
+    ``get_output_names``, the ``kv_offload`` vision outputs, retained as ``past_key.{i}`` in its
+    single QPC). The encode branch writes each at the front of its buffer.
+
+    Args:
+        vision_path: The vision graph.
+        language_path: The language graph.
+        images_symbol: The vision graph's symbol counting the images of one call (renamed
+            ``num_images``; the family's ``vision_images_symbol``).
+
     Raises:
-        UserError: A graph is unreadable, or not of the form this composition handles (one
-            vision output ``vision_embeds`` read by the language graph as its row buffer).
+        UserError: A graph is unreadable, or not of the form this composition handles.
     """
     from onnx import TensorProto, helper
 
     vision, language = _load(vision_path), _load(language_path)
     vg, lg = vision.graph, language.graph
-    embeds = symbols.VISION_EMBEDS
-    lang_inputs = {value.name for value in lg.input}
-    if [value.name for value in vg.output] != [embeds] or embeds not in lang_inputs:
+    lang_inputs = {value.name: value for value in lg.input}
+    outputs = [value.name for value in vg.output]
+    if not outputs or any(name not in lang_inputs for name in outputs):
         raise UserError(
-            f"{vision_path}: deployment single composes a vision graph with the one output {embeds} "
-            f"into a language graph reading it (got {[v.name for v in vg.output]})"
+            f"{vision_path}: deployment single composes a vision graph whose outputs are retained "
+            f"inputs of the language graph (got {outputs})"
         )
-    clash = sorted({value.name for value in vg.input} & lang_inputs)
+    clash = sorted({value.name for value in vg.input} & set(lang_inputs))
     if clash:
         raise UserError(f"{vision_path}: vision inputs {clash} are also language inputs")
     pixel = vg.input[0]
-    if len(pixel.type.tensor_type.shape.dim) != 4:
-        raise UserError(f"{vision_path}: deployment single needs a [images, C, H, W] first vision input")
+    if len(pixel.type.tensor_type.shape.dim) < 4:
+        raise UserError(f"{vision_path}: deployment single needs a [..., C, H, W] first vision input")
     # The vision graph's values, prefixed, its weights hoisted to the outer graph (a branch reads them).
     _prefix_names(vg, keep={value.name for value in vg.input})
     for tensor in vg.initializer:
         _relocate(tensor, vision_path.parent.name)
     for tensor in lg.initializer:
         _relocate(tensor, language_path.parent.name)
-    at = [value.name for value in lg.input].index(embeds)
-    buffer = lg.input[at].type.tensor_type
-    hidden, dtype = buffer.shape.dim[2].dim_value, buffer.elem_type
-    encoded = vg.output[0].name
-    then_nodes = list(vg.node) + [
-        helper.make_node(
-            "Constant",
-            [],
-            ["single/rows_shape"],
-            value=helper.make_tensor("single/rows_shape", TensorProto.INT64, [3], [1, -1, hidden]),
-        ),
-        helper.make_node("Reshape", [encoded, "single/rows_shape"], ["single/rows"]),
-        # n = rows written; the rest of the retained buffer keeps its tail (Slice from n).
-        helper.make_node("Shape", ["single/rows"], ["single/n"], start=1, end=2),
-        helper.make_node(
-            "Constant",
-            [],
-            ["single/axis1"],
-            value=helper.make_tensor("single/axis1", TensorProto.INT64, [1], [1]),
-        ),
-        helper.make_node(
-            "Constant",
-            [],
-            ["single/end"],
-            value=helper.make_tensor("single/end", TensorProto.INT64, [1], [2**62]),
-        ),
-        helper.make_node("Slice", [embeds, "single/n", "single/end", "single/axis1"], ["single/tail"]),
-        helper.make_node("Concat", ["single/rows", "single/tail"], ["single/encoded"], axis=1),
-    ]
-    then_branch = helper.make_graph(
-        then_nodes, "encode", [], [helper.make_tensor_value_info("single/encoded", dtype, None)]
-    )
-    else_branch = helper.make_graph(
-        [helper.make_node("Identity", [embeds], ["single/kept"])],
-        "keep",
-        [],
-        [helper.make_tensor_value_info("single/kept", dtype, None)],
-    )
+    then_nodes, then_out, else_nodes, else_out = list(vg.node), [], [], []
+    for name, encoded in zip(outputs, (value.name for value in vg.output), strict=True):
+        buffer = lang_inputs[name]
+        nodes, written = _write_rows(helper, TensorProto, buffer, encoded)
+        then_nodes += nodes
+        dtype = buffer.type.tensor_type.elem_type
+        then_out.append(helper.make_tensor_value_info(written, dtype, None))
+        else_nodes.append(helper.make_node("Identity", [name], [f"single/{name}/kept"]))
+        else_out.append(helper.make_tensor_value_info(f"single/{name}/kept", dtype, None))
     gate = [
-        helper.make_node("Shape", [pixel.name], ["single/side"], start=3, end=4),
-        helper.make_node(
-            "Constant",
-            [],
-            ["single/keep_side"],
-            value=helper.make_tensor("single/keep_side", TensorProto.INT64, [1], [KEEP_SIDE]),
-        ),
+        # The image side is the last axis of the pixel input ([n, C, H, W], or mllama's
+        # [batch, images, tiles, C, H, W]): 1 in a keep specialization, the image's otherwise.
+        helper.make_node("Shape", [pixel.name], ["single/side"], start=-1),
+        _constant(helper, TensorProto, "single/keep_side", [KEEP_SIDE]),
         helper.make_node("Greater", ["single/side", "single/keep_side"], ["single/encode_1"]),
         helper.make_node("Squeeze", ["single/encode_1"], ["single/encode"]),
-        helper.make_node("If", ["single/encode"], [ROWS], then_branch=then_branch, else_branch=else_branch),
+        helper.make_node(
+            "If",
+            ["single/encode"],
+            [_buffer_name(name) for name in outputs],
+            then_branch=helper.make_graph(then_nodes, "encode", [], then_out),
+            else_branch=helper.make_graph(else_nodes, "keep", [], else_out),
+        ),
     ]
+    reads = {name: _buffer_name(name) for name in outputs}
     for node in lg.node:
-        node.input[:] = [ROWS if name == embeds else name for name in node.input]
+        node.input[:] = [reads.get(name, name) for name in node.input]
     for value in vg.input:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
-                dim.dim_param = vision_symbol(dim.dim_param)
-    for dim in pixel.type.tensor_type.shape.dim[2:]:
-        if not dim.dim_param:  # a fixed side: symbolic here, bound per entry (spec/single.py)
+                dim.dim_param = vision_symbol(dim.dim_param, images_symbol)
+    # A fixed side (the last two axes only: mllama's tile and channel axes stay fixed) becomes
+    # symbolic here, bound per entry (spec/single.py).
+    for dim in pixel.type.tensor_type.shape.dim[-2:]:
+        if not dim.dim_param:
             dim.dim_param = PIXEL_SIDE
+    # QEfficient's order: input_ids, position_ids, pixel_values, ...; then the language's rest.
+    names = [value.name for value in lg.input]
+    at = min(names.index(name) for name in outputs)
+    if symbols.POSITION_IDS in names:
+        at = min(at, names.index(symbols.POSITION_IDS) + 1)
     graph = helper.make_graph(
         gate + list(lg.node),
         "single",
-        # QEfficient's order: input_ids, position_ids, pixel_values, ...; the buffer follows.
         [*lg.input[:at], *vg.input, *lg.input[at:]],
         list(lg.output),
         initializer=[*vg.initializer, *lg.initializer],
@@ -204,6 +255,14 @@ def compose(vision_path: Path, language_path: Path):
     return model
 
 
+def _images_symbol(export_dir: Path) -> str:
+    """The exported family's ``vision_images_symbol`` (read from the export's record)."""
+    from qeff_vision.export_record import read_export
+    from qeff_vision.families import get_family
+
+    return get_family(read_export(Path(export_dir))["family"]).vision_images_symbol
+
+
 def write_single_program(export_dir: Path, vision_path: Path, language_path: Path) -> Path:
     """Compose the export's graphs into ``export_dir/single.onnx`` (complete or absent).
 
@@ -213,7 +272,7 @@ def write_single_program(export_dir: Path, vision_path: Path, language_path: Pat
     import onnx
 
     target = single_program_path(export_dir)
-    model = compose(Path(vision_path), Path(language_path))
+    model = compose(Path(vision_path), Path(language_path), _images_symbol(export_dir))
     staging = target.with_name(target.name + ".partial")
     try:
         onnx.save(model, str(staging))

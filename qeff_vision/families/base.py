@@ -156,6 +156,10 @@ class Family:
     #: by :meth:`language_symbols`.
     extra_language_inputs: tuple[IORow, ...] = ()
     decoder_kind: DecoderKind = TOKEN_MERGE
+    #: The vision graph's symbol that counts the images of one call. ``deployment: single`` names it
+    #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
+    #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.
+    vision_images_symbol: str = symbols.BATCH_SIZE
     #: Optional capability: the family's :class:`PatchBuckets` subclass (a vision program on patch
     #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
     patch_bucket_capability: type[PatchBuckets] | None = None

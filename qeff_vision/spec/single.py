@@ -12,6 +12,11 @@ specialization binds that one ``vision_size``. Three kinds of entries, all batch
   buffer kept, rows read by ``image_idx``;
 - ``Decode``: one token, no encoder.
 
+A cross-attention family (mllama) has no ``vision_size``: its retained buffers are the cross
+layers' K/V, whose rows the language entries already bind (``cross_states``, ``max_images`` x one
+image's states), and its encode entries bind the encoded image count ``num_images`` beside the
+language's ``max_num_images`` (the mask's image slots).
+
 A compiler folds the encoder's If per specialization (its condition is a shape), so only the
 ``Encode`` entries hold the vision tower. Pure; no torch, no onnx.
 """
@@ -30,17 +35,30 @@ NUM_IMAGES = "num_images"  # the vision graph's batch symbol in the composed gra
 PIXEL_SIDE = "pixel_side"  # a fixed pixel side, symbolic in the composed graph (InternVL's tiles)
 
 
-def _image_symbols(vision_entry: Any) -> dict[str, str]:
-    """The composed graph's image-input symbols of one vision specialization (outputs dropped)."""
-    return {
-        (NUM_IMAGES if name == symbols.BATCH_SIZE else name): value
+def _image_symbols(
+    vision_entry: Any, images_symbol: str | None = symbols.BATCH_SIZE, language: Any = ()
+) -> dict[str, str]:
+    """The composed graph's image-input symbols of one vision specialization (outputs dropped).
+
+    ``images_symbol`` (the vision graph's image count) becomes ``num_images``; symbols the
+    language entries bind (mllama's ``batch_size``, and its ``cross_states``, the vision output's
+    rows there but the retained K/V's in the composed graph) take the language's values.
+    """
+    renamed = {
+        (NUM_IMAGES if name == images_symbol else name): value
         for name, value in vision_entry.symbols.items()
         if name != symbols.VISION_SIZE  # the vision output's rows: internal to the composed graph
     }
+    return {name: value for name, value in renamed.items() if name not in language}
 
 
 def single_program(
-    vision: Any, language: Any, request_rows: int, max_images: int, pixel_side: int | None = None
+    vision: Any,
+    language: Any,
+    request_rows: int,
+    max_images: int,
+    pixel_side: int | None = None,
+    images_symbol: str | None = symbols.BATCH_SIZE,
 ) -> Any:
     """The ``lang`` program files of a single deployment from the dual pair's files.
 
@@ -49,10 +67,14 @@ def single_program(
         language: The dual language ``ProgramFiles`` (prefill buckets, then decode).
         request_rows: The retained buffer's rows: the most image rows one request carries.
         max_images: The most images one request carries.
-        pixel_side: The vision graph's fixed pixel side, or None when its side is a symbol. A
-            fixed side means images are batches of tiles (InternVL): one encode call takes the
-            tiles of every image of the prompt, so an encode entry exists per combination of
-            resolutions, its tile count their sum, and ``pixel_side`` is the encode signal.
+        pixel_side: The vision graph's fixed pixel side, or None when its side is a symbol. The
+            composed graph names a fixed side ``pixel_side``: encode entries bind it, keep
+            entries 1.
+        images_symbol: The vision graph's symbol counting the images of one call (the family's
+            ``vision_images_symbol``), ``num_images`` in the composed graph. None: the graph
+            has no such axis and takes images as batches of tiles (InternVL); one encode call
+            takes the tiles of every image of the prompt, so an encode entry exists per
+            combination of resolutions, its tile count their sum.
 
     Returns:
         One ``ProgramFiles`` (directory ``lang``) with the language custom IO.
@@ -61,18 +83,20 @@ def single_program(
 
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
-    keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0])}
-    if pixel_side is not None:  # a tiled graph's first axis is the tile count: no num_images symbol
-        keep_images.pop(NUM_IMAGES, None)
+    bound = {name for entry in language.specializations for name in entry.symbols}
+    keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0], images_symbol, bound)}
+    side = {} if pixel_side is None else {PIXEL_SIDE: str(pixel_side)}
+    tiled = images_symbol is None
+    if pixel_side is not None:
         keep_images[PIXEL_SIDE] = KEEP_SIDE
     for entry in language.specializations:
         base = dict(entry.symbols)
         decode = entry.name.startswith("Decode")
-        if not decode and pixel_side is not None:
+        if not decode and tiled:
             entries += _tile_entries(base, vision.specializations, max_images, pixel_side, buffer)
         elif not decode:
             for image in vision.specializations:
-                pixels = _image_symbols(image)
+                pixels = {**_image_symbols(image, images_symbol, bound), **side}
                 for count in range(1, max_images + 1):
                     encode = _ordered(base, {**pixels, NUM_IMAGES: str(count)}, buffer)
                     name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{image.name.removeprefix('Vision-')}"

@@ -353,9 +353,16 @@ def build_specializations(
         for image, tokens, name in image_tokens
     )
     if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
+        on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
+        count = family.vision_images_symbol if family.vision_images_symbol in on_inputs else None
         programs = (
             single_program(
-                vision, language, request_tokens, spec.vision.max_images, family.fixed_pixel_side(model)
+                vision,
+                language,
+                request_tokens,
+                spec.vision.max_images,
+                family.fixed_pixel_side(model),
+                count,
             ),
         )
     else:

@@ -133,13 +133,15 @@ class Mllama(Family):
             "image states into its slot, each row reads its own"
         ),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=no(
-            "not built: the vision outputs are the cross layers' K/V (retained under the KV "
-            "names), not rows of vision_embeds; the composition would write the K/V slots instead"
+        single_program=yes(
+            "deployment: single; the first chunk encodes the prompt's images into the retained "
+            "cross-attention K/V, later chunks and decode read them"
         ),
         deepstack=NO_DEEPSTACK,
         comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
     )
+    # The vision graph's batch is the language batch; its image count is max_num_images.
+    vision_images_symbol = MAX_NUM_IMAGES
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
         ASPECT_RATIO_IDS: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
@@ -192,6 +194,10 @@ class Mllama(Family):
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """One image per vision call; its cross states; vision_size 1 (its one placeholder)."""
         return {MAX_NUM_IMAGES: 1, CROSS_STATES: self.states_per_image(model), symbols.VISION_SIZE: 1}
+
+    def fixed_pixel_side(self, model: ModelDescription) -> int | None:
+        """The tile side: fixed in the vision graph (``deployment: single`` makes it a symbol)."""
+        return self.vision(model).image_size
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Images only."""
