@@ -20,13 +20,17 @@ side (the last axis of ``pixel_values``) is larger than 1.
 The cross-attention kind (mllama) composes the same way: its vision outputs are the cross
 layers' K/V, named like the language graph's cache inputs of those layers, so the encode branch
 writes the request's images' K/V at the front of those retained caches (as QEfficient's single
-QPC retains them) and every later chunk and decode step reads them with no encoder. The compiler (and the stand-in) accept positive
-symbol values only, and a zero-image batch cannot switch the encoder off (the exported CLIP and
-SigLIP towers refuse it at their patch Reshape), so the keep specializations bind the image
-symbols to 1 and the host sends a [1, C, 1, 1] pixel placeholder (12 bytes).
+QPC retains them) and every later chunk and decode step reads them with no encoder.
 
-The vision graph's batch symbol becomes ``num_images`` (``batch_size`` is the language batch);
-its other input symbols keep their names. The composed graph is written at the export's top
+The compiler (and the stand-in) accept positive symbol values only, and a zero-image batch
+cannot switch the encoder off (the exported CLIP and SigLIP towers refuse it at their patch
+Reshape), so the keep specializations bind the image symbols to 1 and the host sends a
+placeholder with every symbolic axis 1 ([1, C, 1, 1] pixels, 12 bytes; mllama's int64
+aspect-ratio inputs in their own dtype).
+
+The vision graph's image-count symbol (the family's ``vision_images_symbol``: LLaVA's batch
+axis, mllama's ``max_num_images``) becomes ``num_images``; its other input symbols keep their
+names (mllama's ``batch_size`` is the language batch). The composed graph is written at the export's top
 level (``single.onnx``) so its weights stay in ``vision/model.onnx.data`` and
 ``lang/model.onnx.data``: onnx refuses external data behind a link or outside the model's
 directory, so nothing large is copied.

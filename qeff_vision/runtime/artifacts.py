@@ -145,7 +145,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         from qeff_vision.runtime.single import image_specializations
 
         language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
-        vision = image_specializations(language)
+        vision = image_specializations(language, get_family(manifest["family"]))
     else:
         vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
     if deployment == DISAGGREGATED:
@@ -296,9 +296,9 @@ def generator_for_artifacts(
         artifacts = load_artifacts(artifacts)
     vision, language = open_programs(artifacts, precision)
     if artifacts.deployment == SINGLE:
-        from qeff_vision.runtime.single import SingleGenerator
+        from qeff_vision.runtime.single import make_single_generator
 
-        generator = SingleGenerator(artifacts.checkpoint(), language, artifacts.shape, cache)
+        generator = make_single_generator(artifacts.checkpoint(), language, artifacts.shape, cache)
         generator.compiled_vision = list(artifacts.vision_specializations)
         return generator
     buckets = artifacts.vision_specializations if artifacts.patch_buckets else None

@@ -176,15 +176,15 @@ class CrossAttentionGenerator(Generator):
         for chunk in plan.chunks:
             chunk_start = time.perf_counter()
             feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
-            sent = sum(past[n].nbytes for n in self.cross_names if n in past)
-            outputs = self._run(feeds, past)
+            vision_feeds, sent = self.chunk_vision(chunk, past)
+            outputs = self._run({**feeds, **vision_feeds}, past)
             records.append(
                 ChunkRecord(
                     tokens=chunk.tokens,
                     seq_len=chunk.seq_len,
                     vision_size=0,
                     rows=0,
-                    vision_bytes=sent if chunk.index == 0 else 0,
+                    vision_bytes=sent,
                     seconds=time.perf_counter() - chunk_start,
                     encode_seconds=encode_seconds if chunk.index == 0 else 0.0,
                     images_encoded=images_encoded if chunk.index == 0 else 0,
@@ -268,6 +268,14 @@ class CrossAttentionGenerator(Generator):
                 Role.CROSS_MASK: chunk_mask,
             }
         )
+
+    def chunk_vision(self, chunk: Chunk, past: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """Vision inputs a prefill chunk sends besides the caches, and the vision bytes it sends.
+
+        Here none: the first chunk carries the request's cross states in ``past`` (their bytes).
+        """
+        sent = sum(past[n].nbytes for n in self.cross_names if n in past) if chunk.index == 0 else 0
+        return {}, sent
 
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """Nothing to check: the cross-attention kind has no image cursor."""

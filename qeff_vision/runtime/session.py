@@ -25,6 +25,15 @@ class ShapeMismatch(UserError):
     """Inputs bind the graph's symbols to values no specialization was compiled for."""
 
 
+#: onnxruntime's input type names -> numpy dtypes (the ones our graphs take).
+ORT_NUMPY_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+}
+
+
 class CompiledProgram:
     """Shape bookkeeping shared by every backend: symbols bound by the feeds vs the compiled set.
 
@@ -39,6 +48,8 @@ class CompiledProgram:
     retains_state = False
     path: Path
     input_dims: dict[str, list]
+    #: Input name -> numpy dtype, where the backend knows it (a placeholder input is built from it).
+    input_dtypes: Mapping[str, np.dtype] = {}
     output_names: list[str]
     specializations: list[dict[str, int]] | None
 
@@ -186,6 +197,11 @@ class OnnxProgram(CompiledProgram):
         self.path = Path(onnx_path)
         self.fp32_values = None if fp32_values is None else list(fp32_values)
         self.input_dims = {i.name: list(i.shape) for i in self.session.get_inputs()}
+        self.input_dtypes = {
+            i.name: np.dtype(ORT_NUMPY_TYPES[i.type])
+            for i in self.session.get_inputs()
+            if i.type in ORT_NUMPY_TYPES
+        }
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_dims = {o.name: list(o.shape) for o in self.session.get_outputs()}
         self.specializations = _as_int_specializations(specializations)
@@ -315,6 +331,11 @@ class QaicProgram(CompiledProgram):
         self.path = Path(qpc_dir) / "programqpc.bin"
         self.qaicrt, aicapi = require_qaic_runtime(qpc_dir)
         self.input_dims = {name: list(info["shape"]) for name, info in io["inputs"].items()}
+        self.input_dtypes = {
+            name: np.dtype(info["dtype"])
+            for name, info in io["inputs"].items()
+            if info.get("dtype") in ("float32", "float16", "int64", "int32")
+        }
         self.output_dims = {name: list(info["shape"]) for name, info in io["outputs"].items()}
         self.output_names = list(self.output_dims)
         self.retained_inputs = {

@@ -17,13 +17,14 @@ per image, and ``run`` prints the count.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
@@ -46,25 +47,92 @@ LANGUAGE_SYMBOLS = {
 }
 
 
-def image_specializations(specializations) -> tuple[dict[str, int], ...]:
+def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:
     """The image symbols of a single program's encode entries, named as the vision program's.
 
-    ``num_images`` is the vision graph's ``batch_size``; keep entries (every image symbol 1) and
-    duplicates are dropped. What the image fitter checks a resolution against.
+    ``num_images`` is the vision graph's image count (``family.vision_images_symbol``); keep
+    entries (every image symbol 1) and duplicates are dropped. With ``family``, only symbols of
+    its vision inputs count (mllama's entries also bind the mask's ``max_num_images`` and the
+    K/V's ``cross_states``, both language symbols there). What the image fitter checks a
+    resolution against.
     """
+    count = family.vision_images_symbol if family is not None else symbols.BATCH_SIZE
+    wanted = None
+    if family is not None:
+        on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
+        wanted = (on_inputs - {count}) | {NUM_IMAGES, PIXEL_SIDE}
     found: list[dict[str, int]] = []
     for entry in specializations:
-        images = {name: value for name, value in entry.items() if name not in LANGUAGE_SYMBOLS}
+        images = {
+            name: value
+            for name, value in entry.items()
+            if name not in LANGUAGE_SYMBOLS and (wanted is None or name in wanted)
+        }
         if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
             continue
         vision = {
-            (symbols.BATCH_SIZE if name == NUM_IMAGES else name): value
+            (count if name == NUM_IMAGES else name): value
             for name, value in images.items()
             if name != PIXEL_SIDE
         }
         if vision not in found:
             found.append(vision)
     return tuple(found)
+
+
+def single_image_inputs(program: Any, language_inputs: Any) -> dict[str, list]:
+    """The composed program's image inputs (the vision graph's), with their axes.
+
+    Raises:
+        UserError: The program has none (it is not a single-deployment program).
+    """
+    names = set(language_inputs)
+    dims = getattr(program, "input_dims", {})
+    found = {name: axes for name, axes in dims.items() if name not in names}
+    if not found:
+        raise UserError(f"{program.path}: not a single-deployment program (no image input)")
+    return found
+
+
+def _dtype(program: Any, name: str) -> np.dtype:
+    return np.dtype(getattr(program, "input_dtypes", {}).get(name, np.float32))
+
+
+def placeholder_feeds(program: Any, image_inputs: Mapping[str, list]) -> dict[str, np.ndarray]:
+    """The keep specializations' image inputs: every symbolic axis 1, fixed axes kept.
+
+    Each in its input's dtype (mllama's ``aspect_ratio_ids`` and ``aspect_ratio_mask`` are int64).
+    """
+    return {
+        name: np.zeros([axis if isinstance(axis, int) else KEEP_SIDE for axis in axes], _dtype(program, name))
+        for name, axes in image_inputs.items()
+    }
+
+
+def batched_images(
+    program: Any, image_inputs: Mapping[str, list], per_image: list[Mapping[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Every image of a prompt in one batch per input, joined on its ``num_images`` axis.
+
+    The axis named ``num_images`` in the composed graph (the vision graph's image count: axis 0
+    for LLaVA, axis 1 of mllama's [batch, images, tiles, C, S, S]); axis 0 where none is (a
+    tiled graph's tile axis).
+
+    Raises:
+        UserError: The images' inputs differ in shape besides that axis.
+    """
+    out = {}
+    for name, axes in image_inputs.items():
+        axis = list(axes).index(NUM_IMAGES) if NUM_IMAGES in axes else 0
+        shapes = {tuple(np.delete(np.array(inputs[name].shape), axis)) for inputs in per_image}
+        if len(shapes) > 1:
+            raise UserError(
+                f"deployment single encodes a prompt's images in one call, so their {name} must share "
+                f"a shape (got {', '.join(str(list(shape)) for shape in sorted(shapes))})"
+            )
+        joined = np.concatenate([inputs[name] for inputs in per_image], axis=axis)
+        out[name] = joined.astype(_dtype(program, name))
+    return out
 
 
 class EncoderCount:
@@ -102,12 +170,8 @@ class SingleGenerator(Generator):
     def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
         self.encoder = EncoderCount()
         super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
-        names = set(self.io.input_names)
-        dims = getattr(program, "input_dims", {})
         #: The composed graph's image inputs (the vision graph's), with their axes.
-        self.image_inputs = {name: axes for name, axes in dims.items() if name not in names}
-        if not self.image_inputs:
-            raise UserError(f"{program.path}: not a single-deployment program (no image input)")
+        self.image_inputs = single_image_inputs(program, self.io.input_names)
         self.rows_name = self.io.rows(Role.VISION_ROWS)[0].name
         self._buffer: np.ndarray | None = None
         #: Content keys of the images whose rows the retained buffer holds, in row order.
@@ -132,26 +196,12 @@ class SingleGenerator(Generator):
         ]
 
     def _placeholder(self) -> dict[str, np.ndarray]:
-        """The keep specializations' image inputs: every symbolic axis 1, fixed axes kept."""
-        return {
-            name: np.zeros([axis if isinstance(axis, int) else KEEP_SIDE for axis in axes], np.float32)
-            for name, axes in self.image_inputs.items()
-        }
+        """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
+        return placeholder_feeds(self.language, self.image_inputs)
 
     def _pixels(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Every image of the prompt in one batch per input (the encode specialization's)."""
-        per_image = self.host.vision_inputs(processed)
-        for name in self.image_inputs:
-            shapes = {tuple(inputs[name].shape[1:]) for inputs in per_image}
-            if len(shapes) > 1:
-                raise UserError(
-                    f"deployment single encodes a prompt's images in one call, so their {name} must share "
-                    f"a shape (got {', '.join(str(list(shape)) for shape in sorted(shapes))})"
-                )
-        return {
-            name: np.concatenate([inputs[name] for inputs in per_image], axis=0).astype(np.float32)
-            for name in self.image_inputs
-        }
+        return batched_images(self.language, self.image_inputs, self.host.vision_inputs(processed))
 
     def _rows_feed(self) -> dict[Role, np.ndarray]:
         """The retained buffer on onnxruntime (a device keeps it resident)."""
@@ -234,3 +284,32 @@ class SingleGenerator(Generator):
                 )
             )
         return outputs, records
+
+
+def _single_cross_runner() -> type[Generator]:
+    from qeff_vision.runtime.single_cross import SingleCrossGenerator  # subclasses this module's helpers
+
+    return SingleCrossGenerator
+
+
+#: The single-program runner of each decoder kind (a loader of its class), as ``generate.RUNNERS``.
+SINGLE_RUNNERS: dict[DecoderKind, Callable[[], type[Generator]]] = {
+    TOKEN_MERGE: lambda: SingleGenerator,
+    CROSS_ATTENTION: _single_cross_runner,
+}
+
+
+def make_single_generator(
+    checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any
+) -> Generator:
+    """The single-program runner registered for the checkpoint's decoder kind (:data:`SINGLE_RUNNERS`).
+
+    Raises:
+        UserError: The decoder kind has no single-program runner.
+    """
+    kind = checkpoint.family.decoder_kind
+    if kind not in SINGLE_RUNNERS:
+        raise UserError(
+            f"{checkpoint.family.title}: no single-program runtime for decoder kind {kind.name!r}"
+        )
+    return SINGLE_RUNNERS[kind]()(checkpoint, program, shape, cache, **kwargs)

@@ -84,7 +84,9 @@ def single_program(
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
     bound = {name for entry in language.specializations for name in entry.symbols}
-    keep_images = {name: KEEP_SIDE for name in _image_symbols(vision.specializations[0], images_symbol, bound)}
+    keep_images = {
+        name: KEEP_SIDE for name in _image_symbols(vision.specializations[0], images_symbol, bound)
+    }
     side = {} if pixel_side is None else {PIXEL_SIDE: str(pixel_side)}
     tiled = images_symbol is None
     if pixel_side is not None:
