@@ -73,7 +73,7 @@ def test_families_table_has_a_row_per_mode_with_reasons():
         assert family.features.deployment(DISAGGREGATED).supported, family.name
     assert table.count("disaggregated        yes (deployment: disaggregated") == len(all_families())
     single = {f.name for f in all_families() if f.features.deployment("single").supported}
-    assert {"llava", "gemma3", "internvl"} <= single
+    assert {"llava", "gemma3", "internvl", "mllama"} <= single
     assert table.count("single QPC           yes (one lang program") == len(single)
     assert table.count("single QPC           no (not built") == len(all_families()) - len(single)
 

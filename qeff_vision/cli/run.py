@@ -157,7 +157,8 @@ def report_lines(result) -> list[str]:
         f"({result.decode_tokens_per_second:.1f} tokens/s); {len(result.tokens)} token(s) generated"
     )
     lines.append(
-        f"vision: {result.vision_bytes:,} bytes of vision_embeds sent over {len(result.chunks)} chunk(s); "
+        f"vision: {result.vision_bytes:,} bytes of {result.vision_input} "
+        f"sent over {len(result.chunks)} chunk(s); "
         f"{result.encoder_calls} encoder call(s) encoding {result.images_encoded} image(s); "
         f"{result.cache_hits} cache hit(s)"
     )

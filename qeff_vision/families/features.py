@@ -59,8 +59,8 @@ DISAGGREGATED_PROGRAMS = yes(
 #: ``deployment: single`` is built for families whose vision graph composes into the language
 #: graph as one If branch (compile/single_program.py); the others declare this (or their own reason).
 SINGLE_PROGRAM_NOT_BUILT = no(
-    "not built for this family: the single program composes a vision graph with one "
-    "[images, C, H, W] input and one vision_embeds output (built: llava, gemma3)"
+    "not built for this family: the single program composes a vision graph of [..., C, H, W] "
+    "images whose outputs are retained language inputs (built: llava, gemma3, internvl, mllama)"
 )
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 

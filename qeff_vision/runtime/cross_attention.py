@@ -244,6 +244,7 @@ class CrossAttentionGenerator(Generator):
             images=self.request_images(plan=None, processed=processed),
             image_rows=0,
             images_encoded=prefill.images_encoded,
+            vision_input="cross-attention K/V",
             continuation=Continuation(
                 past, positions, len(tokens) - 1, (tokens[-1],), {Role.CROSS_MASK: last_row}
             ),

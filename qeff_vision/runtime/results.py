@@ -24,7 +24,8 @@ class ChunkRecord:
         seq_len: The bucket's S (tokens sent, padding included).
         vision_size: The bucket's V (``vision_embeds`` rows sent, zero padding included).
         rows: Rows of the image embeddings the chunk actually uses.
-        vision_bytes: Bytes of the ``vision_embeds`` input sent with the call.
+        vision_bytes: Bytes of the vision input sent with the call (what it is:
+            :attr:`GenerationResult.vision_input`).
         seconds: Wall time of the language-program call.
         encode_seconds: Vision-program time spent just before the call (images first used here).
         images_encoded: Images the vision program encoded for this chunk (cache misses).
@@ -65,6 +66,8 @@ class GenerationResult:
         continuation: Where the language program stopped; pass it as ``history=`` to continue.
         served: Per image, which vision program served it (resolution list or patch bucket, packed
             with how many others) or that the embedding cache did.
+        vision_input: What the chunks' ``vision_bytes`` count: ``vision_embeds`` rows (dual), the
+            cross-attention K/V (the cross-attention kind) or the pixel inputs (single program).
     """
 
     prompt_tokens: int
@@ -83,6 +86,7 @@ class GenerationResult:
     notes: list[str] = field(default_factory=list)
     continuation: Continuation | None = None
     served: list[str] = field(default_factory=list)
+    vision_input: str = "vision_embeds"
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -92,7 +96,7 @@ class GenerationResult:
 
     @property
     def vision_bytes(self) -> int:
-        """Bytes of ``vision_embeds`` sent over all prefill chunks."""
+        """Bytes of the vision input (:attr:`vision_input`) sent over all prefill chunks."""
         return sum(chunk.vision_bytes for chunk in self.chunks)
 
     @property

@@ -186,7 +186,12 @@ class SingleGenerator(Generator):
         """:meth:`Generator.generate`, with the images the program's encoder ran on."""
         before = self.encoder.images
         result = super().generate(processed, *args, **kwargs)
-        return replace(result, images_encoded=self.encoder.images - before, served=self._served_lines())
+        return replace(
+            result,
+            images_encoded=self.encoder.images - before,
+            served=self._served_lines(),
+            vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
+        )
 
     def _served_lines(self) -> list[str]:
         return [

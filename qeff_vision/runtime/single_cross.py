@@ -138,4 +138,4 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             + ("encoded inside the single program" if fresh else "K/V retained from the last prompt")
             for number, fresh in enumerate(self._fresh, start=1)
         ]
-        return replace(result, served=served)
+        return replace(result, served=served, vision_input=" + ".join(self.image_inputs))

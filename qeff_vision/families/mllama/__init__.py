@@ -134,8 +134,9 @@ class Mllama(Family):
         ),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
-            "deployment: single; the first chunk encodes the prompt's images into the retained "
-            "cross-attention K/V, later chunks and decode read them"
+            "one lang program: the tiled tower composed in, run once per prompt in the first chunk "
+            "over all its images, writing their cross-attention K/V into the retained caches; the "
+            "tile side is the symbol pixel_side (1 in keep entries); later chunks and decode read them"
         ),
         deepstack=NO_DEEPSTACK,
         comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
