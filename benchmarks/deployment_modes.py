@@ -14,10 +14,11 @@ the family's pinned spec. Three forms:
   skips it). A new turn is a new prompt: the history is prefilled, and its images encoded, again.
 - **ours, dual** (built): each image is encoded once by the vision program (the per-image cache
   holds it across turns); each chunk carries only the embedding rows it needs (``chunk``).
-- **ours, single** (issue 24; built for LLaVA, Gemma 3 and InternVL): the encoder runs once per image inside
-  the one program and its rows are retained; nothing but the pixels crosses, once per image. For
-  the built families the column is the runtime's own count: the same three prompt kinds run
-  through :class:`~qeff_vision.runtime.single.SingleGenerator` on the family's tiny random
+- **ours, single** (issue 24; built for LLaVA, Gemma 3, InternVL and Llama 3.2 Vision): the encoder
+  runs once per image inside the one program and its rows (mllama: its cross-attention K/V) are
+  retained; nothing but the pixels crosses, once per image. For the built families the column is
+  the runtime's own count: the same three prompt kinds run through the decoder kind's single
+  runner (:func:`~qeff_vision.runtime.single.make_single_generator`) on the family's tiny random
   checkpoint (exported and composed here, onnxruntime), which counts the images its program's
   encoder ran on; the other families show the design's count, marked ``(design)``. The second
   table lists those measured runs with QEfficient's form on the same chunk plans.
@@ -69,7 +70,7 @@ CASES = (
     ),
 )
 TEXT_BEFORE, TEXT_AFTER, TURN_TEXT, ANSWER = 24, 300, 40, 60
-TINY_ROWS = {"llava": 16, "gemma3": 16, "internvl": 16}  # rows per tiny image (InternVL: 1 tile)
+TINY_ROWS = {"llava": 16, "gemma3": 16, "internvl": 16, "mllama": 1}  # rows per tiny image (mllama: none)
 
 
 def prompts(tokens: int) -> dict[str, list[tuple[int, list[int]]]]:
@@ -92,8 +93,8 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
 
     The tiny random checkpoint of ``family`` is exported, its two graphs composed into the single
     program, and the prompt kinds of :func:`prompts` (one image, two images, three turns over one
-    image: each turn prefills the whole conversation again) run through a
-    :class:`~qeff_vision.runtime.single.SingleGenerator`.
+    image: each turn prefills the whole conversation again) run through the decoder kind's
+    single runner (:func:`~qeff_vision.runtime.single.make_single_generator`).
     """
     from PIL import Image
 
@@ -105,7 +106,7 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
     from qeff_vision.runtime.session import OnnxProgram
-    from qeff_vision.runtime.single import SingleGenerator
+    from qeff_vision.runtime.single import make_single_generator
 
     checkpoint_dir = work / family
     api.tiny(family, checkpoint_dir)
@@ -125,9 +126,10 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
     for kind, turns in kinds.items():
         # A 24-token bucket cuts the prompts into several chunks; the buffer holds two images' rows.
         shape = LanguageShape((PrefillBucket(24, 2 * TINY_ROWS[family]),), 2 * TINY_ROWS[family], 512)
-        chat = Conversation(
-            SingleGenerator(checkpoint, program, shape), checkpoint.processor, max_new_tokens=2
-        )
+        # mllama's program keeps two images' cross K/V (its image slots).
+        slots = {"image_slots": 2} if family == "mllama" else {}
+        generator = make_single_generator(checkpoint, program, shape, **slots)
+        chat = Conversation(generator, checkpoint.processor, max_new_tokens=2)
         chunks = calls = encoded = 0
         for pictures, text in turns:
             result = chat.ask(pictures, text)
