@@ -109,6 +109,17 @@ def test_two_images_chunked_match_transformers_and_encode_once(single):
     sent = [chunk.vision_bytes for chunk in result.chunks]
     assert sent[0] > 0 and not any(sent[1:])  # the pixels cross once; later chunks send a placeholder
     assert result.vision_input == "pixel_values + aspect_ratio_ids + aspect_ratio_mask"
+    # The next prompt, text only, on the same program: the retained K/V of the two images stay in
+    # the caches, and neither its mask (every slot unused) nor its values let a token see them.
+    text_only = runtime.inputs(["Tell me a story about a lighthouse."], [])
+    result = generator.generate(text_only, max_new_tokens=NEW_TOKENS, keep_logits=True)
+    runtime.check(result, text_only, "mllama single, text-only prompt after two images")
+    assert (result.encoder_calls, result.images_encoded) == (0, 0)
+    # Then one image: slot 0 rewritten, slot 1 keeps the stale second image, masked as unused.
+    one = runtime.inputs(["<image>", "Describe it."], [helpers.image(60, 250, 9)])
+    result = generator.generate(one, max_new_tokens=NEW_TOKENS, keep_logits=True)
+    runtime.check(result, one, "mllama single, one image after two")
+    assert (result.encoder_calls, result.images_encoded) == (1, 1)
 
 
 def test_three_turn_conversation(single):
