@@ -226,3 +226,11 @@ def test_full_batch_size_is_refused_in_one_line(tmp_path, capsys):
     assert "full_batch_size: deployment single serves one sequence (batch 1); remove full_batch_size" in err
     assert "Traceback" not in err
     assert len([line for line in err.splitlines() if "full_batch_size" in line]) == 1
+
+
+def test_run_requests_is_refused_in_one_line(compiled, capsys):
+    (compiled / "requests.jsonl").write_text(json.dumps({"prompt": "Hi.", "images": ["a.png"]}) + "\n")
+    assert main(["run", str(compiled / "out"), "--requests", str(compiled / "requests.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "deployment single serves one sequence at a time" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
