@@ -39,7 +39,9 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - layer types re-ex
 from qeff_vision.families.description import ModelDescription, describe_checkpoint  # noqa: F401
 from qeff_vision.families.features import (  # noqa: F401 - the feature vocabulary, re-exported
     DISAGGREGATED_PROGRAMS,
+    EVS_VIDEO_PRUNING,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     NOT_DECLARED,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,

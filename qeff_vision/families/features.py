@@ -51,6 +51,9 @@ def bidirectional(reason: str) -> Support:
 NOT_DECLARED = Support(False, "not declared")
 #: Shared declarations (each family states them; nothing defaults to "yes").
 NO_DEEPSTACK = no("the architecture has no deepstack layers")
+NO_VIDEO_PRUNING = no("the family takes no video")
+#: EVS as vLLM prunes Qwen-VL clips (runtime/video_pruning.py); M-RoPE positions recomputed by the host.
+EVS_VIDEO_PRUNING = yes("EVS: video_pruning_rate drops redundant clip rows, positions recomputed")
 QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slots as QEfficient")
 #: Every graph of the token-merge or cross-attention kinds splits into prefill and decode programs.
 DISAGGREGATED_PROGRAMS = yes(
@@ -76,6 +79,8 @@ class Features:
         chunk_split: An image's placeholder tokens may be split across prefill chunks. False for
             families whose image tokens attend to each other bidirectionally (:func:`bidirectional`).
         video: Video inputs are exported and specialized.
+        video_pruning: Spec/run option ``video_pruning_rate``: the host drops a clip's most
+            redundant rows (EVS) and recomputes the kept tokens' positions.
         deepstack: The vision program also returns features of intermediate layers that the decoder
             adds to its first layers' hidden states (Qwen3-VL's ``deepstack_features``).
         continuous_batching: The language program exports with ``batch_index`` and
@@ -92,6 +97,7 @@ class Features:
     multi_resolution: Support = NOT_DECLARED
     chunk_split: Support = NOT_DECLARED
     video: Support = NOT_DECLARED
+    video_pruning: Support = NOT_DECLARED
     deepstack: Support = NOT_DECLARED
     continuous_batching: Support = NOT_DECLARED
     comp_ctx_lengths: Support = NOT_DECLARED
@@ -114,6 +120,7 @@ class Features:
             ("multi-resolution", self.multi_resolution),
             ("chunk split allowed", self.chunk_split),
             ("video", self.video),
+            ("video pruning", self.video_pruning),
             ("deepstack", self.deepstack),
             ("continuous batching", self.continuous_batching),
             ("comp_ctx_lengths", self.comp_ctx_lengths),

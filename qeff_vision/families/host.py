@@ -83,6 +83,25 @@ class Host:
         input_ids = np.asarray(processed["input_ids"])
         return np.arange(input_ids.shape[-1], dtype=np.int64).reshape(1, -1)
 
+    def pruning_grids(self, processed: Mapping[str, Any]) -> list[tuple[int, int, int] | None]:
+        """Per image or clip in prompt order: a clip's merged (frames, height, width), None for an image.
+
+        Only families declaring ``video_pruning`` have clips to prune (none by default).
+        """
+        return [None] * len(self.placeholder_counts(processed)) if self.has_images(processed) else []
+
+    def pruned_positions(
+        self, processed: Mapping[str, Any], keep: np.ndarray, masks: Sequence[np.ndarray | None]
+    ) -> np.ndarray:
+        """Positions of the prompt with only the ``keep`` tokens, for a family that prunes clips.
+
+        Args:
+            processed: The unpruned prompt.
+            keep: bool [L]: the tokens the pruned prompt keeps.
+            masks: Per image or clip in prompt order, the rows it keeps (None: all).
+        """
+        raise NotImplementedError(f"{self.family.title} does not prune video tokens")
+
     def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
         """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
         return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)

@@ -95,6 +95,10 @@ class Generator(ImageEncoding):
         #: How the vision program served each image of the last prompt (what ``run`` reports).
         self.served: dict[str, str] = {}
         self._images: list[PreparedImage] = []
+        #: Video token pruning (EVS) rate, 0 = off (:meth:`set_video_pruning_rate`), and the
+        #: retention mask of each pruned clip by its cache key.
+        self.video_pruning_rate = 0.0
+        self.retention: dict[str, np.ndarray] = {}
 
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """A zeroed KV cache to pass as :meth:`step`'s ``past``; empty when the device retains it.
@@ -233,6 +237,8 @@ class Generator(ImageEncoding):
         started = time.perf_counter()
         self.ccl_history = []
         self.served = {}
+        stats_before, calls_before = self.cache.stats, self.vision.calls
+        processed = self.prepare_prompt(processed)  # clips pruned (and so encoded) at a pruning rate
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
         past = history.past if history is not None else self.empty_cache()
@@ -244,7 +250,6 @@ class Generator(ImageEncoding):
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
         self.check_fits(length, max_new_tokens, used)
         plan = self.plan(input_ids, processed, protocol)
-        stats_before, calls_before = self.cache.stats, self.vision.calls
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
         kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
         token = int(outputs[self.logits_name][0, -1].argmax())

@@ -18,25 +18,53 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
+from qeff_vision.contract.video_pruning import KEPT_ROWS, OPTION, check_rate
+from qeff_vision.errors import UserError
 from qeff_vision.runtime.embedding_cache import PreparedImage, content_key
 from qeff_vision.runtime.packing import packing_encoder
+from qeff_vision.runtime.video_pruning import prune_prompt, prune_rows, pruned_key
 
 
 class ImageEncoding:
     """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the vision side (a mixin).
 
     They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
-    ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets`` and ``_images``, and
-    record in ``served`` how the vision program served each image; the generator sets them all.
+    ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``, ``_images``,
+    ``video_pruning_rate`` and ``retention`` (pruned cache key -> retention mask), and record in
+    ``served`` how the vision program served each image; the generator sets them all.
     """
+
+    def set_video_pruning_rate(self, rate: object) -> None:
+        """Prune clips at ``rate`` from now on (0 turns pruning off).
+
+        Raises:
+            UserError: The rate is outside [0, 1), or the family declares no video pruning.
+        """
+        rate = check_rate(rate)
+        support = self.family.features.video_pruning
+        if rate and not support.supported:
+            raise UserError(f"{OPTION}: {self.family.title} does not prune video tokens ({support.note})")
+        self.video_pruning_rate = rate
+
+    def prepare_prompt(self, processed: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The prompt as it runs: its clips pruned at ``video_pruning_rate`` (unchanged at 0).
+
+        See :func:`qeff_vision.runtime.video_pruning.prune_prompt`: a pruning rate encodes the
+        prompt's clips now, since their kept rows decide the prompt's placeholders and positions.
+        """
+        return prune_prompt(self, processed)
 
     def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
         per_image = self.host.vision_inputs(processed)
+        # A pruned prompt's clips are cached as their kept rows, under a key naming the rate.
+        pruned = self.host.pruning_grids(processed) if KEPT_ROWS in processed else [None] * len(per_image)
         prepared, inputs_by_key = [], {}
-        for inputs in per_image:
+        for inputs, grid in zip(per_image, pruned):
             arrays = list(inputs.values())
             resolution = tuple(int(d) for array in arrays for d in array.shape)
             key = content_key(arrays[0], resolution)
+            if grid is not None:
+                key = pruned_key(key, self.video_pruning_rate)
             prepared.append(PreparedImage(arrays[0], resolution, key))
             inputs_by_key[key] = inputs
         return prepared, inputs_by_key
@@ -74,7 +102,11 @@ class ImageEncoding:
                 while size > 1 and not self.vision.accepts(self._vision_feeds(pending[:size], inputs_by_key)):
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
-                embeds += [self.wide_rows(output, i) for i in range(size)]
+                for i, image in enumerate(pending[:size]):
+                    rows = self.wide_rows(output, i)
+                    # A pruned clip evicted since its prompt was built: the same mask again.
+                    mask = self.retention.get(image.key)
+                    embeds.append(rows if mask is None else prune_rows(rows, mask))
                 for image in pending[:size]:
                     grid = "x".join(str(d) for d in image.resolution)
                     self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"

@@ -50,6 +50,73 @@ def reference_generate(
     return out.sequences[0, length:].tolist(), [step[0].float().numpy() for step in out.logits]
 
 
+def reference_generate_pruned(
+    model,
+    original: Mapping[str, Any],
+    pruned: Mapping[str, Any],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] | None = None,
+) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy generate of transformers on a prompt whose clips were pruned (EVS).
+
+    transformers does not prune, so it is given what our host computed: the pruned prompt's
+    token embeddings (``inputs_embeds``), its recomputed positions (``position_ids``, the
+    [4, 1, L] text + M-RoPE rows) and its own vision tower's features of ``original``'s pixels
+    with each clip's rows cut by our retention masks (``mm_encoder_outputs``, which the model
+    merges at the placeholders, Qwen3-VL's deepstack rows included).
+
+    Args:
+        model: The transformers model (:func:`load_reference_model`).
+        original: The processor outputs before pruning (pixels and grids).
+        pruned: :meth:`~qeff_vision.runtime.generate.Generator.prepare_prompt`'s result for them.
+        max_new_tokens: Tokens to generate.
+        eos_token_ids: Replaces the config's end ids when given.
+
+    Returns:
+        The new tokens and each step's logits row, as :func:`reference_generate`.
+    """
+    import torch
+
+    from qeff_vision.contract.video_pruning import PRUNED_POSITIONS, RETENTION
+
+    inner = model.model
+    tensor = {name: torch.as_tensor(np.asarray(value)) for name, value in original.items()}
+    outputs: dict[str, Any] = {}
+    with torch.no_grad():
+        if "pixel_values" in tensor:
+            outputs["image"] = inner.get_image_features(
+                tensor["pixel_values"], tensor["image_grid_thw"], return_dict=True
+            )
+        video = inner.get_video_features(
+            tensor["pixel_values_videos"], tensor["video_grid_thw"], return_dict=True
+        )
+        keep = torch.as_tensor(np.asarray(pruned[RETENTION], dtype=bool))
+        sizes = [len(rows) for rows in video.pooler_output]
+        masks = torch.split(keep, sizes)
+        video.pooler_output = tuple(rows[mask] for rows, mask in zip(video.pooler_output, masks))
+        if getattr(video, "deepstack_features", None) is not None:
+            video.deepstack_features = [
+                tuple(rows[mask] for rows, mask in zip(layer, masks)) for layer in video.deepstack_features
+            ]
+        outputs["video"] = video
+        input_ids = torch.as_tensor(np.asarray(pruned["input_ids"], dtype=np.int64))
+        options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
+        if eos_token_ids is not None:
+            options["eos_token_id"] = list(eos_token_ids) or None
+        out = model.generate(
+            inputs_embeds=model.get_input_embeddings()(input_ids),
+            attention_mask=torch.ones_like(input_ids),
+            position_ids=torch.as_tensor(np.asarray(pruned[PRUNED_POSITIONS], dtype=np.int64)),
+            mm_encoder_outputs=outputs,
+            max_new_tokens=max_new_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+    # With inputs_embeds only, the sequences hold just the new tokens.
+    return out.sequences[0].tolist(), [step[0].float().numpy() for step in out.logits]
+
+
 @dataclass(frozen=True)
 class TokenComparison:
     """Our tokens against the reference's.

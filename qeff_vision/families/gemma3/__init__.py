@@ -26,6 +26,7 @@ from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     FULL_ATTENTION,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SLIDING_ATTENTION,
@@ -87,6 +88,7 @@ class Gemma3(Family):
     architectures = ("Gemma3ForConditionalGeneration",)
     model_types = ("gemma3",)
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=no(

@@ -32,6 +32,7 @@ from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     FULL_ATTENTION,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -73,6 +74,7 @@ class Gemma4(Family):
     architectures = ("Gemma4ForConditionalGeneration",)
     model_types = ("gemma4",)
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes("per-layer cache shapes; shared-KV layers keep no cache; MoE experts computed densely"),
         dynamic_vision_size=yes(),
         multi_resolution=yes("aspect-preserving resize: one vision specialization per resolution"),

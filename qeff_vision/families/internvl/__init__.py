@@ -28,6 +28,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
@@ -118,6 +119,7 @@ class InternVL(Family):
     architectures = ("InternVLForConditionalGeneration",)
     model_types = ("internvl",)
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes(

@@ -37,6 +37,7 @@ from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     FULL_ATTENTION,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -132,6 +133,7 @@ class Llama4(Family):
     model_types = ("llama4",)
     image_token_key = "image_token_index"  # <|patch|>; <|image|> only marks the global tile
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(
             "chunked RoPE layers keep rings of min(ctx_len, attention_chunk_size) slots; "
             "RoPE as real cos/sin; MoE experts computed densely"

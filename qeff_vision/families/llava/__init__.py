@@ -19,6 +19,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
@@ -85,6 +86,7 @@ class Llava(Family):
     model_types = ("llava",)
     image_token_key = "image_token_index"
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=no(

@@ -25,6 +25,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -108,6 +109,7 @@ class LlavaNext(Family):
     model_types = ("llava_next",)
     image_token_key = "image_token_index"
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes(

@@ -24,6 +24,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -77,6 +78,7 @@ class Mistral3(Family):
     model_types = ("mistral3",)
     image_token_key = "image_token_index"
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes("one vision graph, a specialization per resolution (multiples of 28 px)"),

@@ -36,6 +36,7 @@ from qeff_vision.families.base import (
     CROSS_ATTENTION,
     DISAGGREGATED_PROGRAMS,
     NO_DEEPSTACK,
+    NO_VIDEO_PRUNING,
     Family,
     Features,
     ImageSize,
@@ -117,6 +118,7 @@ class Mllama(Family):
     decoder_kind = CROSS_ATTENTION
     image_token_key = "image_token_index"
     features = Features(
+        video_pruning=NO_VIDEO_PRUNING,
         export=yes("dual program: vision -> cross-attention K/V, retained by the language program"),
         dynamic_vision_size=no(
             "cross-attention decoder: images enter as the cross-attention layers' key/value states, "

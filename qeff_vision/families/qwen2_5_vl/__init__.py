@@ -15,6 +15,7 @@ from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
+    EVS_VIDEO_PRUNING,
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
@@ -167,6 +168,7 @@ class Qwen2_5_VL(Family):
         multi_resolution=yes("one vision graph; a specialization per resolution or per patch bucket"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
+        video_pruning=EVS_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS
 from qeff_vision.errors import UserError
 from qeff_vision.families.host import Host as BaseHost
 from qeff_vision.families.qwen2_5_vl import (
@@ -63,6 +64,8 @@ class Host(BaseHost):
             kind: [t * h * w // (merge * merge) for t, h, w in self._grids(processed, f"{kind}_grid_thw")]
             for kind in ("image", "video")
         }
+        if KEPT_ROWS in processed:  # a pruned prompt: each clip has only its kept rows' placeholders
+            counts["video"] = [int(rows) for rows in processed[KEPT_ROWS]]
         if "input_ids" not in processed:  # an image processor's output alone: its own order
             return [("image", i) for i in range(len(counts["image"]))] + [
                 ("video", i) for i in range(len(counts["video"]))
@@ -103,13 +106,90 @@ class Host(BaseHost):
         return inputs
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
-        """grid_t * grid_h * grid_w / merge^2 per image or clip, in prompt order."""
+        """grid_t * grid_h * grid_w / merge^2 per image or clip in prompt order (a pruned clip: kept rows)."""
         merge = self.family.vision(self.model).merge
         grids = {kind: self._grids(processed, f"{kind}_grid_thw") for kind in ("image", "video")}
+        kept = processed.get(KEPT_ROWS)
         return [
-            int(np.prod(grids[kind][index])) // (merge * merge)
+            int(kept[index])
+            if kind == "video" and kept is not None
+            else int(np.prod(grids[kind][index])) // (merge * merge)
             for kind, index in self.vision_items(processed)
         ]
+
+    def pruning_grids(self, processed: Mapping[str, Any]) -> list[tuple[int, int, int] | None]:
+        """Per item in prompt order: a clip's merged (temporal patches, rows, columns); None for an image."""
+        merge = self.family.vision(self.model).merge
+        videos = self._grids(processed, "video_grid_thw")
+        return [
+            (videos[index][0], videos[index][1] // merge, videos[index][2] // merge)
+            if kind == "video"
+            else None
+            for kind, index in self.vision_items(processed)
+        ]
+
+    def evs_item_positions(self, processed: Mapping[str, Any]) -> list[tuple[np.ndarray, int]]:
+        """Per item in prompt order: M-RoPE t/h/w of each row as if the item began at 0, and its width.
+
+        vLLM's ``compute_mrope_for_media`` (ref: vLLM v0.33.0 vllm/multimodal/video_prune/evs.py),
+        which differs from the unpruned rule (:meth:`prompt_positions`) in two ways: a clip's
+        ``second_per_grid_ts`` is truncated to an integer before it scales the temporal index
+        (``_postprocess_video_embeds_evs`` casts it to long), and the text after an item resumes at
+        its start + its merged width, not + max(height, width).
+        """
+        merge = self.family.vision(self.model).merge
+        videos = self._grids(processed, "video_grid_thw")
+        images = self._grids(processed, "image_grid_thw")
+        seconds = np.asarray(_output(processed, "second_per_grid_ts", np.ones(len(videos)))).reshape(-1)
+        per_second = self.family.vision(self.model).tokens_per_second
+        items = []
+        for kind, index in self.vision_items(processed):
+            grid_t, grid_h, grid_w = videos[index] if kind == "video" else images[index]
+            # Images: tokens_per_second = seconds = 1.0 (compute_mrope_for_media's defaults).
+            factor = per_second * int(seconds[index]) if kind == "video" else 1.0
+            frames = np.arange(grid_t)
+            # torch: an int64 arange times a Python float computes in float32, then .long() truncates.
+            temporal = (
+                frames * factor
+                if isinstance(factor, int)
+                else (frames.astype(np.float32) * np.float32(factor))
+            )
+            t, h, w = np.meshgrid(
+                temporal.astype(np.int64),
+                np.arange(grid_h // merge),
+                np.arange(grid_w // merge),
+                indexing="ij",
+            )
+            items.append((np.stack([t.ravel(), h.ravel(), w.ravel()]), grid_w // merge))
+        return items
+
+    def pruned_positions(self, processed: Mapping[str, Any], keep: np.ndarray, masks) -> np.ndarray:
+        """VLLM's positions of a pruned prompt (ref: ``recompute_mrope_positions``, 4-channel case).
+
+        Every item, image or clip, starts one past the token before it (its vision start) and
+        places its kept rows at their :meth:`evs_item_positions`; the text after it resumes at its
+        start + its width. Row 0 (the KV slot) counts the kept tokens.
+        """
+        segments = self.segments(processed)
+        starts = {segment.start: number for number, segment in enumerate(segments)}
+        items = self.evs_item_positions(processed)
+        slot = np.cumsum(keep) - 1  # each kept token's index in the pruned prompt
+        length = int(keep.sum())
+        rope = np.zeros((3, length), dtype=np.int64)
+        index, next_position = 0, 0
+        while index < len(keep):
+            number = starts.get(index)
+            if number is None:
+                rope[:, slot[index]] = next_position
+                next_position, index = next_position + 1, index + 1
+                continue
+            segment, (relative, width), mask = segments[number], items[number], masks[number]
+            tokens = np.concatenate([np.arange(start, start + size) for start, size in segment.token_runs])
+            kept = relative if mask is None else relative[:, mask]
+            rope[:, slot[tokens[keep[tokens]]]] = kept + next_position
+            next_position, index = next_position + width, segment.stop
+        text = np.arange(length, dtype=np.int64).reshape(1, length)
+        return np.concatenate([text, rope], axis=0).reshape(4, 1, length)
 
     def position_items(self, processed: Mapping[str, Any]) -> list[tuple[tuple[int, int, int], np.ndarray]]:
         """Per placeholder item in prompt order: its (t, h, w) grid and the temporal offset of each t.
@@ -140,6 +220,8 @@ class Host(BaseHost):
         starts at s + max(h, w) (transformers v5's rule, which for images equals the largest
         position + 1).
         """
+        if PRUNED_POSITIONS in processed:  # a pruned prompt: the recomputation made with its masks
+            return np.asarray(processed[PRUNED_POSITIONS], dtype=np.int64)
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64)[0]
         merge = self.family.vision(self.model).merge
         placeholder = np.isin(input_ids, self.family.placeholder_token_ids(self.model))

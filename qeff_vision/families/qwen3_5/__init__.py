@@ -25,6 +25,7 @@ from qeff_vision.contract.language_io import (
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
+    EVS_VIDEO_PRUNING,
     SINGLE_PROGRAM_NOT_BUILT,
     Features,
     ModelDescription,
@@ -86,6 +87,7 @@ FEATURES = dict(
     multi_resolution=yes("one vision graph, a specialization per resolution"),
     chunk_split=yes("causal attention over image tokens"),
     video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+    video_pruning=EVS_VIDEO_PRUNING,
     deepstack=no("the architecture has no deepstack layers"),
     continuous_batching=yes("conv/recurrent states and KV caches indexed by batch_index"),
     disaggregated=DISAGGREGATED_PROGRAMS,

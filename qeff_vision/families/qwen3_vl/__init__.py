@@ -20,6 +20,7 @@ from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
+    EVS_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -70,6 +71,7 @@ class Qwen3_VL(Qwen2_5_VL):
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        video_pruning=EVS_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),

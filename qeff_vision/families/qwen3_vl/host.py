@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from qeff_vision.families.qwen2_5_vl.host import Host as Qwen2_5_VLHost
 
 
@@ -20,3 +22,17 @@ class Host(Qwen2_5_VLHost):
         for (grid_t, grid_h, grid_w), offsets in super().position_items(processed):
             items += [((1, grid_h, grid_w), offsets[:1] * 0)] * grid_t
         return items
+
+    def pruned_positions(self, processed: Mapping[str, Any], keep: np.ndarray, masks) -> np.ndarray:
+        """The unpruned prompt's positions at the kept tokens; row 0 (the KV slot) counts them.
+
+        vLLM's 5-channel recomputation (ref: vLLM v0.33.0 ``recompute_mrope_positions`` with
+        ``Qwen3VLForConditionalGeneration._get_expanded_positions``) places a clip's kept rows and
+        its timestamp/marker tokens at their unpruned positions relative to the clip's first
+        timestamp, and resumes after the clip at its largest position + 1, the last frame's
+        vision end, as unpruned; an image is placed as unpruned too. So nothing moves but the
+        dropped rows.
+        """
+        positions = self.prompt_positions(processed)[..., keep]
+        positions[0] = np.arange(positions.shape[-1], dtype=np.int64)
+        return np.ascontiguousarray(positions)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
+    EVS_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     SINGLE_PROGRAM_NOT_BUILT,
@@ -38,6 +39,7 @@ class Qwen3_VL_MoE(Qwen3_VL):
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
+        video_pruning=EVS_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
