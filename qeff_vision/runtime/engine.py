@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -237,9 +237,12 @@ class BatchedEngine:
         """
         generator = self.generator
         sequences = []
+        vision_calls = generator.vision.calls
         for number, request in enumerate(requests):
-            input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
             try:
+                # A pruning rate encodes the request's clips now: their kept rows shape its prompt.
+                request = replace(request, processed=generator.prepare_prompt(request.processed))
+                input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
                 generator.check_fits(len(input_ids), request.max_new_tokens)
                 plan = generator.plan(input_ids, request.processed, self.protocol)
             except UserError as exc:
@@ -248,7 +251,6 @@ class BatchedEngine:
         scheduler = Scheduler([r.arrival_step for r in requests], self.full_batch_size)
         report = EngineReport([], self.full_batch_size, batched=self.slots.batched)
         results: dict[int, RequestResult] = {}
-        vision_calls = generator.vision.calls
         while not scheduler.done:
             step = scheduler.plan_step()
             now = time.perf_counter()

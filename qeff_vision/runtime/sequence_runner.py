@@ -38,6 +38,9 @@ class SequenceRunner(Protocol):
     cache: EmbeddingCache
     eos_token_ids: set[int]
 
+    def prepare_prompt(self, processed: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The prompt as the runner runs it (clips pruned at a video pruning rate)."""
+
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise a user error unless the prompt and the new tokens fit the compiled context."""
 
