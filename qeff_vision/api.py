@@ -144,16 +144,19 @@ def validate(spec_path):
 
 
 def config_notes(spec_path) -> list[str]:
-    """The family defaults a valid spec's checkpoint config relies on (fields it leaves out).
+    """The family defaults a valid spec's checkpoint config relies on; a pruning rate's kept rows per clip.
 
     Raises:
         SpecError: The spec is invalid.
     """
     from qeff_vision.families import get_family
     from qeff_vision.spec import load_spec
+    from qeff_vision.spec.checks import video_pruning_notes
 
     spec = load_spec(spec_path)
-    return list(get_family(spec.family).config_view(spec.model_description).notes)
+    family = get_family(spec.family)
+    notes = list(family.config_view(spec.model_description).notes)
+    return notes + video_pruning_notes(family, spec.model_description, spec.vision)
 
 
 def bucket_admission(spec_path) -> list[str]:

@@ -315,6 +315,16 @@ class Family:
         """Placeholder tokens (= vision_embeds rows) one image of this size becomes."""
         return self.vision_symbols(model, image)[symbols.VISION_SIZE]
 
+    def language_rows(
+        self, model: ModelDescription, image: ImageSize, video_pruning_rate: float = 0.0
+    ) -> int:
+        """Rows (= placeholders) an image or clip takes in the prompt at a video pruning rate.
+
+        Its :meth:`image_tokens`; a family declaring ``video_pruning`` gives a pruned clip's kept
+        rows, which depend only on the grid and the rate (so ``specialize`` sizes for them).
+        """
+        return self.image_tokens(model, image)
+
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """Prompt tokens from an image's first placeholder to its last.
 

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from qeff_vision import families
+from qeff_vision.contract.video_pruning import OPTION
 from qeff_vision.errors import UserError, shown
 from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
 from qeff_vision.spec.policy import FIXED, chunk_span
@@ -158,13 +159,23 @@ def check_images(
             f"family {family.name} has no dynamic vision size "
             f"({family.features.dynamic_vision_size.note}); remove this key",
         )
+    rate = vision.video_pruning_rate
+    if rate and not family.features.video_pruning.supported:
+        reader.add(
+            f"vision.{OPTION}",
+            f"{family.title} does not prune video tokens "
+            f"({family.features.video_pruning.note}); remove this key",
+        )
+        rate = 0.0
+    elif rate and not any(image.video for _, image in vision.images):
+        reader.add(f"vision.{OPTION}", "prunes clips, but vision.videos lists none")
     tokens: dict[int, int] = {}
     for index, image in vision.images:
         here = yaml_path("vision.images", index)
         try:
             found = family.validate_image(model, image)
             if not found:
-                tokens[index] = family.image_tokens(model, image)
+                tokens[index] = family.language_rows(model, image, rate)
         except (ArithmeticError, ValueError, TypeError, UserError) as exc:
             found = [f"token math failed for {image_label(image)}: {exc}"]
         for problem in found:
@@ -196,3 +207,26 @@ def check_images(
                 f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
                 f"{family.name} cannot split an image across chunks ({family.features.chunk_split.note})",
             )
+
+
+def video_pruning_notes(family: Family, model: ModelDescription, vision) -> list[str]:
+    """One note per clip of a spec with a video pruning rate: the rows it keeps, known before encoding.
+
+    Args:
+        family: The spec's family.
+        model: The checkpoint description.
+        vision: The spec's :class:`~qeff_vision.spec.model.VisionSpec`.
+    """
+    rate = vision.video_pruning_rate
+    if not rate:
+        return []
+    notes = []
+    for image in vision.images:
+        if image.video:
+            full, kept = family.image_tokens(model, image), family.language_rows(model, image, rate)
+            notes.append(
+                f"{OPTION} {rate}: a {image_label(image)} clip keeps {kept} of its {full} rows (the "
+                "count depends only on its grid and the rate, so vision_size and the chunk table are "
+                f"sized for {kept}; the vision program still encodes all {full})"
+            )
+    return notes

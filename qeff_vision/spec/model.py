@@ -43,6 +43,8 @@ class VisionSpec:
         image_processor: Image-processor options the spec sets (``vision.image_processor``, e.g.
             Gemma 4's ``max_soft_tokens``), as (name, value); the family declares which exist.
             The token math reads them, and compile writes them into OUT's processor config.
+        video_pruning_rate: ``vision.video_pruning_rate`` (EVS; 0 = off): the language program is
+            sized for clips of the rows they keep (:meth:`Family.language_rows`).
     """
 
     images: tuple[ImageSize, ...]
@@ -51,6 +53,7 @@ class VisionSpec:
     vision_size_given: bool = False
     patch_buckets: tuple[int, ...] = ()
     image_processor: tuple[tuple[str, int], ...] = ()
+    video_pruning_rate: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qeff_vision.contract import video_pruning
 from qeff_vision.families.base import ImageSize
 from qeff_vision.spec.model import VisionSpec
 from qeff_vision.spec.policy import FIXED, POLICY_NAMES, VisionSizePolicy
@@ -33,7 +34,15 @@ TOP_KEYS = (
     "kv_cache_prefix",
 )
 PREFILL_KEYS = ("seq_lens",)
-VISION_KEYS = ("images", "videos", "patch_buckets", "max_images", "vision_size", "image_processor")
+VISION_KEYS = (
+    "images",
+    "videos",
+    "patch_buckets",
+    "max_images",
+    "vision_size",
+    "image_processor",
+    "video_pruning_rate",
+)
 VIDEO_KEYS = ("height", "width", "frames")
 IMAGE_KEYS = ("height", "width", "frames")
 # Generous bounds: they only keep arithmetic finite and messages sane for absurd input.
@@ -161,6 +170,7 @@ class VisionInput:
     complete: bool
     patch_buckets: tuple[int, ...] = ()
     image_processor: tuple[tuple[str, int], ...] = ()
+    video_pruning_rate: float = 0.0
 
     def spec(self) -> VisionSpec:
         """The checked section (only when ``complete``)."""
@@ -172,6 +182,7 @@ class VisionInput:
             self.policy_given,
             self.patch_buckets,
             self.image_processor,
+            self.video_pruning_rate,
         )
 
 
@@ -235,8 +246,13 @@ def read_vision(reader: Reader, value: Any, ctx_len: int | None) -> VisionInput 
             continue
         images.append((len(images), video))
     options = read_image_processor(reader, vision["image_processor"]) if "image_processor" in vision else ()
+    rate = vision.get(video_pruning.OPTION, 0.0)
+    problem = video_pruning.rate_problem(rate)
+    if problem:
+        reader.add(f"vision.{video_pruning.OPTION}", problem.removeprefix(f"{video_pruning.OPTION} "))
+        rate = 0.0
     complete = len(reader.problems) == before
-    return VisionInput(images, max_images, policy, given, complete, buckets, options)
+    return VisionInput(images, max_images, policy, given, complete, buckets, options, float(rate))
 
 
 def read_image_processor(reader: Reader, raw: Any) -> tuple[tuple[str, int], ...]:

@@ -227,7 +227,9 @@ def build_specializations(
         if match is None:
             match = Specialization(_image_name(image), bound)
             vision_specs.append(match)
-        image_tokens.append((image, values[symbols.VISION_SIZE], match.name))
+        # The language side counts a pruned clip's kept rows (the vision program encodes them all).
+        rows = family.language_rows(model, image, spec.vision.video_pruning_rate)
+        image_tokens.append((image, rows, match.name))
     for patches in buckets:
         values = {
             **family.language_symbols(model),
@@ -345,7 +347,11 @@ def build_specializations(
             name,
             {
                 seq_len: _span(
-                    tokens, family.image_extent(model, image), seq_len, prefill_sizes[seq_len], splittable
+                    tokens,
+                    family.image_extent(model, image) - (family.image_tokens(model, image) - tokens),
+                    seq_len,
+                    prefill_sizes[seq_len],
+                    splittable,
                 )
                 for seq_len in seq_lens
             },

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from qeff_vision import symbols
+from qeff_vision.contract.video_pruning import kept_rows
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -281,6 +282,21 @@ class Qwen2_5_VL(Family):
         if not image.video and image.frames != 1:
             problems.append("an image has 1 frame; list clips under vision.videos")
         return problems
+
+    def language_rows(
+        self, model: ModelDescription, image: ImageSize, video_pruning_rate: float = 0.0
+    ) -> int:
+        """A pruned clip's rows: ``kept_rows(grid_t, rows per temporal patch, rate)``; else its tokens.
+
+        EVS keeps the first temporal patch and the highest-scoring later rows up to that count
+        (ref: vLLM v0.33.0 ``compute_retained_tokens_count``, used by its Qwen2.5-VL and Qwen3-VL
+        prompt replacements).
+        """
+        tokens = self.image_tokens(model, image)
+        if not image.video or not video_pruning_rate:
+            return tokens
+        frames = self.temporal_patches(model, image)
+        return kept_rows(frames, tokens // frames, video_pruning_rate)
 
     def temporal_patches(self, model: ModelDescription, image: ImageSize) -> int:
         """grid_t: 1 for an image, frames / temporal_patch_size for a clip (2 frames per patch)."""
