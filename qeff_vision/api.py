@@ -193,6 +193,7 @@ def conversation(
     protocol: str = "chunk",
     max_new_tokens: int = 32,
     precision: str | None = None,
+    video_pruning_rate: float | None = None,
 ):
     """A multi-turn conversation over a compile output directory (``qeff-vision compile -o OUT``).
 
@@ -206,6 +207,8 @@ def conversation(
         max_new_tokens: Default upper bound of generated tokens per turn.
         precision: ``fp32`` runs the exported graphs; ``device`` runs them as the compiler will
             (fp16, the precision plan's nodes in fp32).
+        video_pruning_rate: Prune clips at this rate (EVS, [0, 1), 0 = off); None: the compiled
+            spec's ``vision.video_pruning_rate``.
 
     Returns:
         :class:`qeff_vision.runtime.conversation.Conversation`.
@@ -218,6 +221,7 @@ def conversation(
         protocol=protocol,
         max_new_tokens=max_new_tokens,
         precision=precision,
+        video_pruning_rate=video_pruning_rate,
     )
 
 
@@ -235,6 +239,7 @@ def run(
     on_done=None,
     videos=(),
     fps: float | None = None,
+    video_pruning_rate: float | None = None,
 ):
     """Generate on compiled artifacts: one turn per prompt, the images shown in the first turn.
 
@@ -252,6 +257,7 @@ def run(
         on_done: Called with (turn index, :class:`~qeff_vision.runtime.conversation.Turn`) after it.
         videos: Clips of the first turn: directories of frame images or video files.
         fps: Frame rate of the clips' frames (a directory) or to sample a file at.
+        video_pruning_rate: Prune the clips at this rate (see :func:`conversation`).
 
     Returns:
         One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
@@ -266,7 +272,13 @@ def run(
     for image in images:
         load_image(image)  # fail on a bad image before loading anything heavy
     clips = [load_video(video, fps) for video in videos]
-    chat = conversation(artifacts_dir, protocol=protocol, max_new_tokens=max_new_tokens, precision=precision)
+    chat = conversation(
+        artifacts_dir,
+        protocol=protocol,
+        max_new_tokens=max_new_tokens,
+        precision=precision,
+        video_pruning_rate=video_pruning_rate,
+    )
     return run_turns(
         chat,
         images,

@@ -176,3 +176,56 @@ def test_pruned_prompt_entries_and_bad_rates(runtimes):
         with pytest.raises(UserError, match="video_pruning_rate") as error:
             generator.set_video_pruning_rate(bad)
         assert "\n" not in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def pruning_artifacts(tiny_checkpoint, tmp_path_factory):
+    """Tiny Qwen2.5-VL compiled on onnxruntime with an 8-frame 112x140 clip and video_pruning_rate 0.5."""
+    import yaml
+
+    from qeff_vision.cli import main
+    from tests.compile_fixtures import write_spec
+
+    root = tmp_path_factory.mktemp("pruning-artifacts")
+    spec = write_spec(root / "tiny.yaml", model=str(tiny_checkpoint("qwen2_5_vl")), config=None, ctx_len=512)
+    data = yaml.safe_load(spec.read_text())
+    data["vision"]["videos"] = [{"height": 112, "width": 140, "frames": 8}]
+    data["vision"]["video_pruning_rate"] = 0.5
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = root / "out"
+    assert main(["compile", str(spec), "-o", str(out), "--backend", "onnxruntime"]) == 0
+    frames = root / "frames"
+    frames.mkdir()
+    for index in range(8):
+        helpers.image(112, 140, index).save(frames / f"frame{index:03d}.png")
+    return out, frames
+
+
+def _run(artifacts, frames, *extra):
+    from qeff_vision.cli import main
+
+    argv = ["run", str(artifacts), "--video", str(frames), "--prompt", "What?", "--max-new-tokens", "4"]
+    return main([*argv, *extra])
+
+
+def test_run_prunes_at_the_compiled_rate_and_compares_with_transformers(pruning_artifacts, capsys):
+    import json
+
+    artifacts, frames = pruning_artifacts
+    assert json.loads((artifacts / "manifest.json").read_text())["shapes"]["video_pruning_rate"] == 0.5
+    assert _run(artifacts, frames, "--compare-hf") == 0
+    pruned = capsys.readouterr().err
+    assert "compare-hf: tokens identical to transformers generate" in pruned
+    assert "1 image(s) = 40 vision rows" in pruned  # 80 rows, half kept
+    # The run option overrides the spec: 0 turns pruning off (the program takes the full clip too).
+    assert _run(artifacts, frames, "--compare-hf", "--video-pruning-rate", "0") == 0
+    full = capsys.readouterr().err
+    assert "1 image(s) = 80 vision rows" in full and "tokens identical" in full
+
+
+@pytest.mark.parametrize("rate", ["1", "-0.5", "nan"])
+def test_run_refuses_a_bad_rate_in_one_line(pruning_artifacts, capsys, rate):
+    artifacts, frames = pruning_artifacts
+    assert _run(artifacts, frames, "--video-pruning-rate", rate) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "video_pruning_rate must be in [0, 1)" in err[0], err

@@ -17,6 +17,9 @@ HELP = {
     "video": "A clip of the first turn, after the images: a directory of frame images (sorted by name) "
     "or a video file (decoded with PyAV).",
     "fps": "Frame rate of a frame directory (default 2), or the rate to sample a video file at.",
+    "video_pruning_rate": "Prune each clip's most redundant rows (EVS, as vLLM's video_pruning_rate): "
+    "keep the first temporal patch and the rows that changed most, 1 - RATE of them; 0 turns it off. "
+    "Default: the compiled spec's vision.video_pruning_rate.",
     "prompt": "The user's text after the images; repeat for further turns of the same conversation.",
     "max_new_tokens": "Upper bound of generated tokens per turn.",
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
@@ -37,6 +40,9 @@ HELP = {
 @click.option("--image", "images", multiple=True, metavar="IMG", help=HELP["image"])
 @click.option("--video", "videos", multiple=True, metavar="FILE_OR_FRAME_DIR", help=HELP["video"])
 @click.option("--fps", type=float, default=None, metavar="N", help=HELP["fps"])
+@click.option(
+    "--video-pruning-rate", type=float, default=None, metavar="RATE", help=HELP["video_pruning_rate"]
+)
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT", help=HELP["prompt"])
 @click.option(
     "--requests",
@@ -64,6 +70,7 @@ def run(
     images,
     videos,
     fps,
+    video_pruning_rate,
     prompts,
     requests_file,
     max_new_tokens,
@@ -81,9 +88,10 @@ def run(
     from qeff_vision import api
 
     if requests_file is not None:
-        if prompts or images or videos:
+        if prompts or images or videos or video_pruning_rate is not None:
             raise click.UsageError(
-                "--requests takes prompts and images from the file; drop --prompt/--image/--video"
+                "--requests takes prompts and images from the file; "
+                "drop --prompt/--image/--video/--video-pruning-rate"
             )
         _run_requests(artifacts, requests_file, max_new_tokens, vision_protocol, precision, compare_hf)
         return
@@ -120,6 +128,7 @@ def run(
         on_done=on_done,
         videos=list(videos),
         fps=fps,
+        video_pruning_rate=video_pruning_rate,
     )
     if compare_hf and not all(turn.comparison.identical for turn in turns):
         # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.

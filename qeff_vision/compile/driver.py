@@ -140,7 +140,7 @@ def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: Compi
 
 
 def _common_manifest(spec: Any, out_dir: Path, export: Export, backend: str, sdk: SdkInfo | None) -> dict:
-    return {
+    manifest = {
         "format": MANIFEST_FORMAT,
         "tool": tool_name(),
         "backend": backend,
@@ -167,6 +167,9 @@ def _common_manifest(spec: Any, out_dir: Path, export: Export, backend: str, sdk
             "specialization_layout": None,
         },
     }
+    if spec.vision.video_pruning_rate:  # absent at 0: a manifest without pruning is unchanged
+        manifest["shapes"]["video_pruning_rate"] = spec.vision.video_pruning_rate
+    return manifest
 
 
 def _program_entry(plan: ProgramPlan, out_dir: Path, path: Path) -> dict[str, Any]:

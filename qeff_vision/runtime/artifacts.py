@@ -306,6 +306,8 @@ def generator_for_artifacts(
         artifacts.checkpoint(), vision, language, artifacts.shape, cache, patch_buckets=buckets
     )
     generator.compiled_vision = list(artifacts.vision_specializations)
+    # The spec's vision.video_pruning_rate (written only when not 0): the language program is sized for it.
+    generator.set_video_pruning_rate(artifacts.manifest["shapes"].get("video_pruning_rate", 0.0))
     return generator
 
 

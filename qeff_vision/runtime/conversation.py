@@ -367,6 +367,7 @@ def open_conversation(
     protocol: str = VisionProtocol.CHUNK.value,
     max_new_tokens: int = 32,
     precision: str | None = None,
+    video_pruning_rate: float | None = None,
 ) -> Conversation:
     """A :class:`Conversation` over a compile output directory, with the checkpoint's own processor.
 
@@ -376,6 +377,7 @@ def open_conversation(
         protocol: Default vision protocol.
         max_new_tokens: Default upper bound of generated tokens per turn.
         precision: ``fp32`` (the exported graphs) or ``device`` (fp16 as compiled, with the plan).
+        video_pruning_rate: Prune clips at this rate (EVS; 0 = off) instead of the compiled spec's.
 
     Raises:
         UserError: No manifest, a missing checkpoint, or a ``qaic`` artifact without the SDK runtime.
@@ -386,6 +388,8 @@ def open_conversation(
     artifacts = load_artifacts(artifacts_dir)
     cache = EmbeddingCache(cache_bytes) if cache_bytes is not None else None
     generator = generator_for_artifacts(artifacts, cache=cache, precision=precision)
+    if video_pruning_rate is not None:
+        generator.set_video_pruning_rate(video_pruning_rate)
     return Conversation(
         generator,
         generator.checkpoint.processor,
@@ -426,7 +430,12 @@ def run_turns(
 
     The reference model is loaded after the first reply has streamed, so it does not delay it.
     """
-    from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
+    from qeff_vision.runtime.reference import (
+        TokenComparison,
+        load_reference_model,
+        reference_generate,
+        reference_generate_pruned,
+    )
 
     turns: list[Turn] = []
     reference = None
@@ -445,12 +454,12 @@ def run_turns(
                 )
             if reference is None:
                 reference = load_reference_model(chat.model_dir)
-            theirs, _ = reference_generate(
-                reference,
-                chat.last_inputs.processed,
-                chat.max_new_tokens,
-                sorted(chat.generator.eos_token_ids),
-            )
+            processed, eos = chat.last_inputs.processed, sorted(chat.generator.eos_token_ids)
+            pruned = chat.generator.prepare_prompt(processed)  # cached: the clips are not encoded again
+            if pruned is processed:
+                theirs, _ = reference_generate(reference, processed, chat.max_new_tokens, eos)
+            else:  # transformers does not prune: it is given our pruned prompt and positions
+                theirs, _ = reference_generate_pruned(reference, processed, pruned, chat.max_new_tokens, eos)
             comparison = TokenComparison(tuple(result.tokens), tuple(theirs))
         turns.append(Turn(prompt, result, comparison))
         if on_done:
