@@ -99,6 +99,7 @@ class Generator(ImageEncoding):
         #: retention mask of each pruned clip by its cache key.
         self.video_pruning_rate = 0.0
         self.retention: dict[str, np.ndarray] = {}
+        self.prepared: tuple | None = None
 
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """A zeroed KV cache to pass as :meth:`step`'s ``past``; empty when the device retains it.

@@ -30,7 +30,8 @@ class ImageEncoding:
 
     They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
     ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``, ``_images``,
-    ``video_pruning_rate`` and ``retention`` (pruned cache key -> retention mask), and record in
+    ``video_pruning_rate``, ``retention`` (pruned cache key -> retention mask) and ``prepared``
+    (the last pruned prompt with its prepared images), and record in
     ``served`` how the vision program served each image; the generator sets them all.
     """
 
@@ -55,6 +56,8 @@ class ImageEncoding:
         return prune_prompt(self, processed)
 
     def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
+        if self.prepared is not None and self.prepared[0] is processed:  # the prompt pruning just made
+            return list(self.prepared[1]), dict(self.prepared[2])
         per_image = self.host.vision_inputs(processed)
         # A pruned prompt's clips are cached as their kept rows, under a key naming the rate.
         pruned = self.host.pruning_grids(processed) if KEPT_ROWS in processed else [None] * len(per_image)

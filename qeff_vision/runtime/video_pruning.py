@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS, RETENTION, kept_rows
+from qeff_vision.runtime.embedding_cache import PreparedImage
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.generate import Generator
@@ -119,4 +120,12 @@ def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[
     pruned[KEPT_ROWS] = np.array([int(mask.sum()) for mask in clips], dtype=np.int64)
     pruned[PRUNED_POSITIONS] = host.pruned_positions(processed, keep, masks)
     pruned[RETENTION] = np.concatenate(clips)
+    # The pruned prompt's prepared images (clips under their pruned keys), so preparing it again
+    # does not hash the pixels again (tens of ms for a clip).
+    for number, mask in enumerate(masks):
+        if mask is not None:
+            key = pruned_key(images[number].key, rate)
+            inputs_by_key[key] = inputs_by_key[images[number].key]
+            images[number] = PreparedImage(images[number].pixels, images[number].resolution, key)
+    generator.prepared = (pruned, images, inputs_by_key)
     return pruned
