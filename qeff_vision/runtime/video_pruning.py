@@ -91,6 +91,9 @@ def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[
     grids = host.pruning_grids(processed)
     if not any(grid is not None for grid in grids):
         return processed
+    # Masks of clips the cache no longer holds would be recomputed anyway: keep the table bounded.
+    for stale in [key for key in generator.retention if key not in generator.cache]:
+        del generator.retention[stale]
     images, inputs_by_key = generator._prepare_images(processed)
     segments = host.segments(processed)
     input_ids = np.asarray(processed["input_ids"]).reshape(-1)
