@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test test-all test-vllm vllm-qaic-src lint golden clean
+.PHONY: install demo test test-all test-vllm test-vllm-evs vllm-qaic-src lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,3 +61,19 @@ vllm-qaic-src:
 test-vllm: vllm-qaic-src install $(VLLM_STAMP)
 	QEFF_VLLM_TIER=1 VLLM_VENV=$(abspath $(VLLM_VENV)) VLLM_QAIC_SRC=$(abspath $(VLLM_QAIC_SRC)) \
 		$(BIN)/python -m pytest -q -p no:cacheprovider tests/vllm_tier
+
+# Opt-in check of video pruning against vLLM's own EVS functions (tests/test_video_pruning_vllm.py;
+# the default tier compares with their recorded outputs). Only vllm/multimodal/video_prune/evs.py
+# is used, which needs torch alone: vLLM goes in without its dependencies, and a .pth line lends
+# it the project venv's torch.
+EVS_VENV ?= .venv-vllm-evs
+EVS_STAMP = $(EVS_VENV)/.installed-stamp
+
+$(EVS_STAMP): | $(STAMP)
+	test -x $(EVS_VENV)/bin/python || $(BIN)/python -m venv $(EVS_VENV)
+	$(BIN)/python -c "import sysconfig, pathlib, subprocess; target = subprocess.check_output(['$(EVS_VENV)/bin/python', '-c', 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'], text=True).strip(); pathlib.Path(target, 'project_venv.pth').write_text(sysconfig.get_paths()['purelib'] + '\\n')"
+	$(EVS_VENV)/bin/pip install --quiet --no-deps vllm==0.33.0
+	touch $(EVS_STAMP)
+
+test-vllm-evs: install $(EVS_STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_video_pruning_vllm.py

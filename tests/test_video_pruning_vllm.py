@@ -3,8 +3,8 @@
 The default tier compares with outputs of vLLM's own functions recorded in
 tests/golden/video_pruning/vllm_evs.json (``python -m tests.evs_cases --record`` rewrites it). The
 live check recomputes them with vLLM's ``evs.py`` when it is installed (importable here, or in
-.venv-vllm-evs: ``python -m venv .venv-vllm-evs``, a .pth line pointing at the project venv's
-site-packages, ``.venv-vllm-evs/bin/pip install --no-deps vllm==0.33.0``), and is skipped otherwise.
+.venv-vllm-evs, which ``make test-vllm-evs`` builds: vLLM 0.33.0 without dependencies, torch lent
+by a .pth line), and is skipped otherwise.
 """
 
 from __future__ import annotations
