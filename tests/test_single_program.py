@@ -141,10 +141,19 @@ def test_three_turn_conversation(single):
         result = chat.ask(images, text, keep_logits=True)
         runtime.check(result, chat.last_inputs.processed, f"{runtime.family.name} turn {len(results) + 1}")
         results.append(result)
-    # Each turn prefills the whole conversation again (Conversation.ask): the text-only turn reads
-    # the retained rows; the third turn's prompt holds both images, encoded in its first chunk.
-    assert [r.images_encoded for r in results] == [1, 0, 2]
+    # Each turn renders the whole conversation (what transformers is given), but the program keeps
+    # the prefix it holds: only the rest is prefilled, and only the third turn's new image encoded.
+    assert [r.images_encoded for r in results] == [1, 0, 1]
     assert [r.encoder_calls for r in results] == [1, 0, 1]
+    prefilled = [sum(chunk.tokens for chunk in r.chunks) for r in results]
+    assert prefilled[0] == results[0].prompt_tokens
+    for before, after, tokens in zip(results, results[1:], prefilled[1:]):
+        # At most the last reply (as the template renders it) and the new turn are prefilled.
+        assert tokens <= after.prompt_tokens - before.prompt_tokens, (tokens, after.prompt_tokens)
+        assert (
+            f"{after.prompt_tokens - tokens} of {after.prompt_tokens} prompt tokens already held"
+            in after.notes[-1]
+        )
 
 
 @pytest.fixture(scope="module")

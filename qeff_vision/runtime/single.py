@@ -28,8 +28,16 @@ from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, Dec
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
-from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol
+from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.retained_prefix import (
+    HeldPrefix,
+    Resume,
+    held_after,
+    kept_note,
+    resume_point,
+    unpositioned_caches,
+)
 
 KEEP_SIDE = 1  # a keep specialization's image side (compile/single_program.py)
 NUM_IMAGES = "num_images"
@@ -174,39 +182,77 @@ class SingleGenerator(Generator):
         self.image_inputs = single_image_inputs(program, self.io.input_names)
         self.rows_name = self.io.rows(Role.VISION_ROWS)[0].name
         self._buffer: np.ndarray | None = None
-        #: Content keys of the images whose rows the retained buffer holds, in row order.
-        self._held: tuple[str, ...] = ()
-        self._fresh: list[bool] = []
+        #: What the program holds (tokens, images, host caches); a later prompt keeps its prefix.
+        self.held: HeldPrefix | None = None
+        self._unpositioned = unpositioned_caches(self.io)
+        self._resume = Resume()
+        self._at_prompt_end: dict[str, np.ndarray] | None = None
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
-        """The ``full`` protocol: rows stay in the program; ``image_idx`` is the running count."""
-        return super().plan(input_ids, processed, VisionProtocol.FULL.value)
+        """The chunks after the kept prefix, ``full`` protocol: rows stay in the program.
 
-    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
-        """:meth:`Generator.generate`, with the images the program's encoder ran on."""
-        before = self.encoder.images
-        result = super().generate(processed, *args, **kwargs)
-        return replace(
-            result,
-            images_encoded=self.encoder.images - before,
-            served=self._served_lines(),
-            vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
+        ``image_idx`` is the running count of the prefilled part's placeholders, whose images are
+        the ones the first chunk encodes (written at the buffer's front).
+        """
+        start = self._resume.start
+        segments = [
+            replace(
+                segment,
+                start=segment.start - start,
+                runs=tuple((first - start, length) for first, length in segment.runs),
+            )
+            for segment in self.host.segments({**processed, "input_ids": input_ids})
+            if segment.start >= start
+        ]
+        return plan_chunks(
+            len(input_ids) - start,
+            segments,
+            self.shape.buckets,
+            allow_image_split=self.family.splits_images(self.checkpoint.description),
+            protocol=VisionProtocol.FULL,
         )
 
-    def _served_lines(self) -> list[str]:
-        return [
-            f"image {number}: "
-            + ("encoded inside the single program" if fresh else "rows retained from the last prompt")
-            for number, fresh in enumerate(self._fresh, start=1)
-        ]
+    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
+        """:meth:`Generator.generate` after the prefix the program holds, with the images encoded.
+
+        Tokens and images the program already holds (an earlier turn of the conversation) are
+        kept (:func:`~qeff_vision.runtime.retained_prefix.resume_point`): only the rest is
+        prefilled and only its images are encoded.
+        """
+        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
+        images = self._prepare_images(processed)[0] if self.host.has_images(processed) else []
+        spans = [(s.start, s.stop) for s in self.host.segments(processed)] if images else []
+        keys = [image.key for image in images]
+        self._resume = resume_point(self.held, input_ids, spans, keys, self._unpositioned)
+        before = self.encoder.images
+        self.held = None  # a failed generation leaves the program holding nothing known
+        try:
+            result = super().generate(processed, *args, **kwargs)
+        finally:
+            resume, self._resume = self._resume, Resume()
+        self.held = held_after(input_ids, result.tokens, keys, result.continuation.past, self._at_prompt_end)
+        notes = [kept_note(resume.start, len(input_ids))] if resume.start else []
+        return replace(
+            result,
+            images=len(images),
+            image_rows=int(sum(s.rows for s in self.host.segments(processed))) if images else 0,
+            images_encoded=self.encoder.images - before,
+            notes=[*result.notes, *notes],
+            served=[
+                f"image {number}: "
+                + (
+                    "KV held from an earlier turn"
+                    if number <= resume.images
+                    else "encoded inside the single program"
+                )
+                for number in range(1, len(images) + 1)
+            ],
+            vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
+        )
 
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
         return placeholder_feeds(self.language, self.image_inputs)
-
-    def _pixels(self, processed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """Every image of the prompt in one batch per input (the encode specialization's)."""
-        return batched_images(self.language, self.image_inputs, self.host.vision_inputs(processed))
 
     def _rows_feed(self) -> dict[Role, np.ndarray]:
         """The retained buffer on onnxruntime (a device keeps it resident)."""
@@ -245,36 +291,36 @@ class SingleGenerator(Generator):
         processed: Mapping[str, Any],
         past: dict[str, np.ndarray],
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
-        """Every chunk of ``plan``; the first of a prompt with images encodes them all."""
+        """Every chunk of ``plan`` (after the kept prefix); the first encodes the images after it."""
+        start, kept = self._resume.start, self._resume.images
+        past.update(self._resume.restore)  # the held caches (the copy at the last prompt's end)
         images, _ = self._prepare_images(processed) if plan.segments else ([], {})
-        self._images = images
-        # The planner already refused a prompt whose rows exceed the buffer (every bucket's V).
-        keys = tuple(image.key for image in images)
-        # A conversation prefills its whole history again each turn: when the retained buffer
-        # already holds exactly this prompt's images (a text-only follow-up), nothing is encoded.
-        fresh = bool(keys) and keys != self._held
-        pending = self._pixels(processed) if fresh else None
-        self._fresh = [fresh] * len(images)
+        self._images = images = images[kept:] if plan.segments else []
+        # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
+        per_image = self.host.vision_inputs(processed)[kept:] if images else []
+        pending = batched_images(self.language, self.image_inputs, per_image) if images else None
         pixel_bytes = sum(array.nbytes for array in (pending or {}).values())
         records, outputs = [], {}
         for chunk in plan.chunks:
             token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-            token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+            token_ids[0, : chunk.tokens] = input_ids[start + chunk.start : start + chunk.stop]
             by_role = {
                 Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                Role.POSITIONS: self._positions(
+                    positions, start + chunk.start, start + chunk.stop, chunk.seq_len
+                ),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             encoding = pending is not None
-            start = time.perf_counter()
+            began = time.perf_counter()
             outputs = self._call(by_role, pending if encoding else self._placeholder(), past)
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - began
             self.check_chunk_outputs(chunk, outputs)
             count = len(images) if encoding else 0
             if encoding:
                 self.encoder.calls += 1
                 self.encoder.images += count
-                pending, self._held = None, keys
+                pending = None
             records.append(
                 ChunkRecord(
                     tokens=chunk.tokens,
@@ -285,9 +331,11 @@ class SingleGenerator(Generator):
                     seconds=seconds,
                     encode_seconds=0.0,
                     images_encoded=count,
-                    start=chunk.start,
+                    start=start + chunk.start,
                 )
             )
+        # The caches a later turn may restore (host only; the arrays are replaced, never written).
+        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
         return outputs, records
 
 
