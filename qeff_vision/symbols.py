@@ -41,6 +41,10 @@ PIXEL_VALUES = "pixel_values"
 CROSS_ATTENTION_MASK = "cross_attention_mask"
 # Image slots of one request in a cross-attention program (QEfficient's mllama axis name).
 MAX_NUM_IMAGES = "max_num_images"
+# A cross-attention single program's [1] int64 input: the image slot the encoded images' K/V are
+# written from (the images an earlier turn wrote stay in the slots before it). Ours; QEfficient's
+# mllama single QPC has no such input (it re-encodes every image of every prompt).
+FIRST_IMAGE_SLOT = "first_image_slot"
 
 
 def past_key(layer: int) -> str:

@@ -74,10 +74,27 @@ def test_composed_graph_equals_the_dual_pair(single):
     dual = runtime.language.run({**feeds, **past, **cross})
     pixels = batched_images(program, generator.image_inputs, per_image)
     assert pixels["pixel_values"].shape[:2] == (1, 2)
-    encode = program.run({**feeds, **past, **pixels})  # the cross caches zero: the encoder fills them
+    slot = {"first_image_slot": np.zeros(1, np.int64)}
+    encode = program.run({**feeds, **past, **pixels, **slot})  # the cross caches zero: the encoder fills them
     for name in generator.cross_names:
         assert np.abs(encode[f"{name}_RetainedState"] - cross[name]).max() < 1e-5, name
     assert np.abs(encode["logits"] - dual["logits"]).max() < 1e-5
+    # A later turn's image goes to the next slot: slot 0 (an earlier turn's image) is kept. And an
+    # encode from slot 0 clears the slots after the images it writes (no stale K/V stay behind).
+    second = batched_images(program, generator.image_inputs, per_image[1:])
+    held = {
+        name: np.concatenate([cross[name][:, :, :ROWS], np.ones_like(cross[name][:, :, ROWS:])], 2)
+        for name in cross
+    }
+    later = program.run({**feeds, **past, **held, **second, "first_image_slot": np.ones(1, np.int64)})
+    first_only = program.run(
+        {**feeds, **past, **cross, **batched_images(program, generator.image_inputs, per_image[:1]), **slot}
+    )
+    for name in generator.cross_names:
+        assert np.abs(later[f"{name}_RetainedState"] - cross[name]).max() < 1e-5, name
+        written = first_only[f"{name}_RetainedState"]
+        assert np.abs(written[:, :, :ROWS] - cross[name][:, :, :ROWS]).max() < 1e-5, name
+        assert not written[:, :, ROWS:].any(), name
     keep = program.run({**feeds, **past, **cross, **_placeholder(program, generator)})
     for name in generator.cross_names:
         assert np.array_equal(keep[f"{name}_RetainedState"], cross[name]), name
@@ -89,7 +106,7 @@ def _placeholder(program: OnnxProgram, generator: SingleCrossGenerator) -> dict[
     feeds = placeholder_feeds(program, generator.image_inputs)
     assert feeds["pixel_values"].shape == (1, 1, 4, 3, 1, 1)
     assert feeds["aspect_ratio_ids"].dtype == feeds["aspect_ratio_mask"].dtype == np.int64
-    return feeds
+    return {**feeds, "first_image_slot": np.zeros(1, np.int64)}
 
 
 def test_two_images_chunked_match_transformers_and_encode_once(single):
@@ -135,11 +152,22 @@ def test_three_turn_conversation(single):
         result = chat.ask(images, text, keep_logits=True)
         runtime.check(result, chat.last_inputs.processed, f"mllama single turn {len(results) + 1}")
         results.append(result)
-    # Each turn prefills the whole conversation again: the text-only turn reads the retained K/V;
-    # the third turn's prompt holds both images, encoded together in its first chunk (the first
-    # image again: the program writes a prompt's K/V from slot 0).
-    assert [r.images_encoded for r in results] == [1, 0, 2]
+    # Each turn renders the whole conversation (what transformers is given). The text-only turn
+    # keeps the prefix the program holds; the third turn encodes only its new image, into slot 1,
+    # while the first image's K/V stay in slot 0. Its text is prefilled again: in transformers the
+    # tokens before the first image attend uniformly to every image of the prompt.
+    assert [r.images_encoded for r in results] == [1, 0, 1]
     assert [r.encoder_calls for r in results] == [1, 0, 1]
+    prefilled = [sum(chunk.tokens for chunk in r.chunks) for r in results]
+    assert prefilled[0] == results[0].prompt_tokens and prefilled[2] == results[2].prompt_tokens
+    assert prefilled[1] <= results[1].prompt_tokens - results[0].prompt_tokens
+    held = results[1].prompt_tokens - prefilled[1]
+    assert f"{held} of {results[1].prompt_tokens} prompt tokens already held" in results[1].notes[-1]
+    assert "1 image(s) kept in their slots, not encoded again" in results[2].notes[-1]
+    assert results[2].served == [
+        "image 1: K/V held from an earlier turn",
+        "image 2: encoded inside the single program",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +217,9 @@ def test_run_shows_the_encoder_runs_and_matches_transformers(compiled, capsys):
     # Turn one encodes both images in its first chunk; the follow-ups read the retained K/V.
     assert err.count("1 encoder call(s) encoding 2 image(s)") == 1
     assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
-    assert err.count("K/V retained from the last prompt") == 4
+    assert err.count("K/V held from an earlier turn") == 4
+    # The follow-ups prefill only their new tokens (the run prints how many were held).
+    assert err.count("prompt tokens already held by the program (earlier turns)") == 2
     assert "bytes of pixel_values + aspect_ratio_ids + aspect_ratio_mask sent" in err
 
 

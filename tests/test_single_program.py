@@ -196,9 +196,11 @@ def test_run_shows_the_encoder_runs_and_matches_transformers(compiled, capsys):
     assert main(["run", out, *images, *turns, "--max-new-tokens", "4", "--compare-hf"]) == 0
     err = capsys.readouterr().err
     assert err.count("tokens identical to transformers generate") == 3
-    # Turn one encodes both images in its first chunk; the follow-ups read the retained rows.
+    # Turn one encodes both images in its first chunk; the follow-ups prefill only their new tokens.
     assert err.count("1 encoder call(s) encoding 2 image(s)") == 1
     assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
+    assert err.count("prompt tokens already held by the program (earlier turns)") == 2
+    assert err.count("image 2: KV held from an earlier turn") == 2
 
 
 def test_stand_in_compiler_takes_the_single_program(compiled, exported, tmp_path):

@@ -125,12 +125,16 @@ def _constant(helper, TensorProto, name: str, values: list[int]):
     )
 
 
-def _write_rows(helper, TensorProto, buffer, encoded: str) -> tuple[list, str]:
-    """Nodes writing the vision output ``encoded`` at the front of ``buffer`` (its tail kept).
+def _write_rows(
+    helper, TensorProto, buffer, encoded: str, slot: tuple[str, int] | None = None
+) -> tuple[list, str]:
+    """Nodes writing the vision output ``encoded`` into ``buffer``, from its front or an image slot.
 
     The output is reshaped to the buffer's layout (batch 1, the row axis -1, fixed axes kept), so
-    n rows land at rows 0..n-1 and the buffer keeps rows n.. (Slice from n): what a later chunk of
-    the same prompt never reads, and what the mask of the next prompt hides.
+    its n rows land at rows f..f+n-1; the rows before f are kept (the images an earlier turn
+    wrote) and the rows after are zeroed (no stale image of an earlier conversation stays). f is 0,
+    or with ``slot`` (the pixel input and its image-count axis) ``first_image_slot`` times the
+    rows per image (n over the encoded image count).
     """
     name = buffer.name
     axis = _row_axis(buffer)
@@ -145,9 +149,34 @@ def _write_rows(helper, TensorProto, buffer, encoded: str) -> tuple[list, str]:
         helper.make_node("Shape", [f"{tag}/rows"], [f"{tag}/n"], start=axis, end=axis + 1),
         _constant(helper, TensorProto, f"{tag}/end", [2**62]),
         _constant(helper, TensorProto, f"{tag}/axis", [axis]),
-        helper.make_node("Slice", [name, f"{tag}/n", f"{tag}/end", f"{tag}/axis"], [f"{tag}/tail"]),
-        helper.make_node("Concat", [f"{tag}/rows", f"{tag}/tail"], [f"{tag}/encoded"], axis=axis),
     ]
+    first_row = f"{tag}/first"
+    if slot is None:
+        nodes.append(_constant(helper, TensorProto, first_row, [0]))
+    else:
+        pixel, image_axis = slot
+        nodes += [
+            helper.make_node("Shape", [pixel], [f"{tag}/images"], start=image_axis, end=image_axis + 1),
+            helper.make_node("Div", [f"{tag}/n", f"{tag}/images"], [f"{tag}/per_image"]),
+            helper.make_node("Mul", [symbols.FIRST_IMAGE_SLOT, f"{tag}/per_image"], [first_row]),
+        ]
+    stop = f"{tag}/stop"
+    nodes += [
+        helper.make_node("Add", [first_row, f"{tag}/n"], [stop]),
+        helper.make_node("Slice", [name, f"{tag}/zero_start", first_row, f"{tag}/axis"], [f"{tag}/head"]),
+        helper.make_node("Slice", [name, stop, f"{tag}/end", f"{tag}/axis"], [f"{tag}/tail"]),
+        helper.make_node("Shape", [f"{tag}/tail"], [f"{tag}/tail_shape"]),
+        helper.make_node(
+            "ConstantOfShape",
+            [f"{tag}/tail_shape"],
+            [f"{tag}/cleared"],
+            value=helper.make_tensor(f"{tag}/nought", buffer.type.tensor_type.elem_type, [1], [0]),
+        ),
+        helper.make_node(
+            "Concat", [f"{tag}/head", f"{tag}/rows", f"{tag}/cleared"], [f"{tag}/encoded"], axis=axis
+        ),
+    ]
+    nodes.insert(0, _constant(helper, TensorProto, f"{tag}/zero_start", [0]))
     return nodes, f"{tag}/encoded"
 
 
@@ -198,9 +227,18 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
     for tensor in lg.initializer:
         _relocate(tensor, language_path.parent.name)
     then_nodes, then_out, else_nodes, else_out = list(vg.node), [], [], []
+    # The cross-attention kind keeps an earlier turn's images in their slots: a later turn's
+    # images are written after them (token-merge rows are read by image_idx from the front).
+    slotted = outputs != [symbols.VISION_EMBEDS]
+    slot = None
+    if slotted:
+        axes = [dim.dim_param for dim in pixel.type.tensor_type.shape.dim]
+        if images_symbol not in axes:
+            raise UserError(f"{vision_path}: a cross-attention vision graph needs an image-count axis")
+        slot = (pixel.name, axes.index(images_symbol))
     for name, encoded in zip(outputs, (value.name for value in vg.output), strict=True):
         buffer = lang_inputs[name]
-        nodes, written = _write_rows(helper, TensorProto, buffer, encoded)
+        nodes, written = _write_rows(helper, TensorProto, buffer, encoded, slot)
         then_nodes += nodes
         dtype = buffer.type.tensor_type.elem_type
         then_out.append(helper.make_tensor_value_info(written, dtype, None))
@@ -238,10 +276,13 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
     at = min(names.index(name) for name in outputs)
     if symbols.POSITION_IDS in names:
         at = min(at, names.index(symbols.POSITION_IDS) + 1)
+    slot = (
+        [helper.make_tensor_value_info(symbols.FIRST_IMAGE_SLOT, TensorProto.INT64, [1])] if slotted else []
+    )
     graph = helper.make_graph(
         gate + list(lg.node),
         "single",
-        [*lg.input[:at], *vg.input, *lg.input[at:]],
+        [*lg.input[:at], *vg.input, *slot, *lg.input[at:]],
         list(lg.output),
         initializer=[*vg.initializer, *lg.initializer],
     )

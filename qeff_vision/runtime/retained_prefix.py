@@ -159,3 +159,24 @@ def kept_note(start: int, length: int) -> str:
         f"{start} of {length} prompt tokens already held by the program (earlier turns): "
         f"prefilled {length - start}"
     )
+
+
+def image_set_resume(resume: Resume, held: HeldPrefix | None, keys: Sequence[str]) -> Resume:
+    """``resume`` for a program where a token that sees no image still reads every image's states.
+
+    transformers' mllama turns a cross-attention mask row without any image into zeros, i.e. a
+    uniform attention over all the prompt's image states (only the MLP is masked out; ref:
+    transformers v5 models/mllama/modeling_mllama.py ``_prepare_cross_attention_mask``), so the
+    KV of the tokens before the first image depends on every image of the prompt. A prefix is
+    kept only while the prompt's images are exactly the held ones; otherwise the text is
+    prefilled again, but the held images that lead the prompt stay in their slots (not encoded
+    again: their K/V depend on the pixels only).
+    """
+    if held is None or tuple(keys) == held.image_keys:
+        return resume
+    shared = 0
+    for ours, theirs in zip(keys, held.image_keys):
+        if ours != theirs:
+            break
+        shared += 1
+    return Resume(0, shared)

@@ -1,34 +1,56 @@
 """``deployment: single`` for the cross-attention decoder kind: the encoder writes retained K/V.
 
 The composed program (:mod:`qeff_vision.compile.single_program`) holds the vision tower behind
-an If on the pixel input's side. A prompt's first prefill chunk sends every image of the prompt
-(``pixel_values`` [1, n, tiles, C, S, S] with its aspect-ratio inputs) and the program writes the
-images' cross-attention K/V at the front of the cross layers' retained ``past_key.{i}`` /
-``past_value.{i}``; every later chunk and every decode step sends a keep placeholder (side 1)
-and reads the retained K/V. Chunks and masks are the cross-attention kind's
-(:class:`~qeff_vision.runtime.cross_attention.CrossAttentionGenerator`): an image is one
-placeholder token, so no image straddles chunks.
+an If on the pixel input's side. A prompt's first prefill chunk sends the images not yet in the
+program (``pixel_values`` [1, n, tiles, C, S, S] with its aspect-ratio inputs) and
+``first_image_slot``; the program writes their cross-attention K/V into the cross layers'
+retained ``past_key.{i}`` / ``past_value.{i}`` from that slot on (the slots before it keep the
+images an earlier turn wrote, the slots after are cleared). Every later chunk and every decode
+step sends a keep placeholder (side 1) and reads the retained K/V. Chunks and masks are the
+cross-attention kind's (:class:`~qeff_vision.runtime.cross_attention.CrossAttentionGenerator`):
+an image is one placeholder token, so no image straddles chunks.
+
+A conversation keeps the prefix the program holds
+(:mod:`qeff_vision.runtime.retained_prefix`): a later turn prefills only its new tokens, and the
+tokens after an image still attend to it through the mask's column of its slot (mllama's mask
+spans from an image's token to the next image's; a kept token's mask row names only images
+before it, so it is the same row in the longer conversation).
 
 QEfficient's single QPC for mllama takes the pixels in every prefill call (ref:
 quic/efficient-transformers ``modeling_auto.py`` ``_QEFFAutoModelForImageTextToTextSingleQPC``,
 ``models/mllama/modeling_mllama.py`` ``get_dummy_inputs`` with ``kv_offload=False``); ours
-encodes each prompt's images once, counted by :class:`~qeff_vision.runtime.single.EncoderCount`.
+encodes each image of a conversation once, counted by
+:class:`~qeff_vision.runtime.single.EncoderCount`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from qeff_vision import symbols
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
+from qeff_vision.runtime.continuation import Continuation
+from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
 from qeff_vision.runtime.embedding_cache import content_key
-from qeff_vision.runtime.planner import Chunk
-from qeff_vision.runtime.results import GenerationResult
+from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
+from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.retained_prefix import (
+    HeldPrefix,
+    Resume,
+    held_after,
+    image_set_resume,
+    kept_note,
+    resume_point,
+    unpositioned_caches,
+)
 from qeff_vision.runtime.single import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+
+SLOT = symbols.FIRST_IMAGE_SLOT
 
 
 class SingleCrossGenerator(CrossAttentionGenerator):
@@ -62,36 +84,134 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             self.image_slots = image_slots
         #: The composed graph's image inputs (pixels, aspect-ratio ids and mask), with their axes.
         self.image_inputs = single_image_inputs(program, self.io.input_names)
+        self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
-        #: Content keys of the images whose K/V the retained caches hold, in slot order.
-        self._held: tuple[str, ...] = ()
+        #: What the program holds (tokens, images in slot order, host caches).
+        self.held: HeldPrefix | None = None
+        self._unpositioned = unpositioned_caches(self.io, exclude=self.cross_names)
+        self._resume = Resume()
         self._pending: dict[str, np.ndarray] | None = None
         self._pending_images = 0
-        self._fresh: list[bool] = []
+        self._first_slot = 0
 
-    def _cross_states(self, processed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
-        """The retained K/V to feed and the images the first chunk encodes (0 when already held).
-
-        A conversation prefills its whole history each turn: when the retained caches already
-        hold exactly this prompt's images (a text-only follow-up), nothing is encoded.
-        """
+    def _keys_and_spans(self, processed: Mapping[str, Any]) -> tuple[list, list[str], list]:
+        """Per image of the prompt: its inputs, content key and ``<|image|>`` token span."""
         per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
+        keys = [
+            content_key(next(iter(inputs.values())), tuple(int(d) for a in inputs.values() for d in a.shape))
+            for inputs in per_image
+        ]
+        input_ids = np.asarray(processed["input_ids"]).reshape(-1)
+        spans = [(int(at), int(at) + 1) for at in np.flatnonzero(input_ids == self.image_token_id)]
+        return per_image, keys, spans if len(spans) == len(keys) else []
+
+    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
+        """:meth:`CrossAttentionGenerator.generate` after the prefix the program holds.
+
+        Tokens and images an earlier turn left in the program are kept
+        (:func:`~qeff_vision.runtime.retained_prefix.resume_point`); only the rest is prefilled
+        and only the images after the kept ones are encoded, into the next slots.
+        """
+        if kwargs.get("history") is not None:
+            raise UserError(
+                "deployment single continues a conversation from the prompt it holds; pass no history"
+            )
+        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
+        _, keys, spans = self._keys_and_spans(processed)
+        resume = resume_point(self.held, input_ids, spans, keys, self._unpositioned)
+        self._resume = image_set_resume(resume, self.held, keys)
+        self.held = None  # a failed generation leaves the program holding nothing known
+        try:
+            result = super().generate(processed, *args, **kwargs)
+        finally:
+            resume, self._resume = self._resume, Resume()
+        self.held = held_after(input_ids, result.tokens, keys, result.continuation.past, None)
+        served = [
+            f"image {number}: "
+            + (
+                "K/V held from an earlier turn"
+                if number <= resume.images
+                else "encoded inside the single program"
+            )
+            for number in range(1, len(keys) + 1)
+        ]
+        # The encoder runs inside the program call: its time is the chunk's prefill time, and
+        # what the base measured as encoding is only the host batching the pixels.
+        chunks = [replace(chunk, encode_seconds=0.0) for chunk in result.chunks]
+        notes = [kept_note(resume.start, len(input_ids))] if resume.start else []
+        if not resume.start and resume.images:
+            notes.append(
+                f"the prompt's text prefilled again (a new image changes what its image-less tokens "
+                f"attend to); {resume.images} image(s) kept in their slots, not encoded again"
+            )
+        return replace(
+            result,
+            chunks=chunks,
+            served=served,
+            notes=[*result.notes, *notes],
+            vision_input=" + ".join(self.image_inputs),
+        )
+
+    def prefill(
+        self,
+        processed: Mapping[str, Any],
+        max_new_tokens: int = 32,
+        protocol: str = VisionProtocol.CHUNK.value,
+        history: Continuation | None = None,
+    ) -> CrossPrefill:
+        """The prompt's chunks after the kept prefix; the first sends the images after the kept ones."""
+        if history is not None:
+            raise UserError(
+                "deployment single continues a conversation from the prompt it holds; pass no history"
+            )
+        started = time.perf_counter()
+        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
+        length = len(input_ids)
+        self.check_fits(length, max_new_tokens)
+        start, kept = self._resume.start, self._resume.images
+        per_image, _, _ = self._keys_and_spans(processed)
         slots = self.image_slots if self.image_slots is not None else max(len(per_image), 1)
         if len(per_image) > slots:
             raise UserError(
-                f"{len(per_image)} images in the request; the program was compiled for at most {slots}"
+                f"{len(per_image)} images in the conversation; the program was compiled for at most {slots}"
             )
-        keys = tuple(
-            content_key(next(iter(inputs.values())), tuple(int(d) for a in inputs.values() for d in a.shape))
-            for inputs in per_image
+        new = per_image[kept:]
+        self._pending = batched_images(self.language, self.image_inputs, new) if new else None
+        self._pending_images, self._first_slot = len(new), kept
+        positions = self.host.prompt_positions(processed)
+        mask = self._cross_mask(processed, length)
+        past = {**self.empty_cache(), **self._retained_feeds(), **self._resume.restore}
+        rest = (mask[:, start:], input_ids[start:], positions[..., start:])
+        records, outputs = [], {}
+        for chunk in plan_chunks(length - start, [], self.shape.buckets, protocol=protocol).chunks:
+            began = time.perf_counter()
+            vision_feeds, sent = self.chunk_vision(chunk, past)
+            outputs = self._run({**self.chunk_feeds(chunk, *rest), **vision_feeds}, past)
+            records.append(
+                ChunkRecord(
+                    tokens=chunk.tokens,
+                    seq_len=chunk.seq_len,
+                    vision_size=0,
+                    rows=0,
+                    vision_bytes=sent,
+                    seconds=time.perf_counter() - began,
+                    images_encoded=len(new) if chunk.index == 0 else 0,
+                    start=start + chunk.start,
+                )
+            )
+        return CrossPrefill(
+            length=length,
+            logits=outputs[self.logits_name][0, -1].copy(),
+            positions=positions,
+            last_mask_row=mask[:, -1:],
+            past=past,
+            records=records,
+            protocol=VisionProtocol(protocol).value,
+            images_encoded=len(new),
+            encoder_calls=1 if new else 0,
+            started=started,
         )
-        fresh = bool(keys) and keys != self._held
-        self._pending = batched_images(self.language, self.image_inputs, per_image) if fresh else None
-        self._pending_images, self._fresh = len(keys), [fresh] * len(keys)
-        if fresh:
-            self._held = keys
-        return self._retained_feeds(), len(keys) if fresh else 0
 
     def _retained_feeds(self) -> dict[str, np.ndarray]:
         """The cross K/V last returned (zeros before the first call); none on a device."""
@@ -116,29 +236,24 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             pixels, self._pending = self._pending, None
             self.encoder.calls += 1
             self.encoder.images += self._pending_images
-            return pixels, sum(array.nbytes for array in pixels.values())
-        return placeholder_feeds(self.language, self.image_inputs), 0
+            slot = np.array([self._first_slot], np.int64)
+            return {**pixels, SLOT: slot}, sum(array.nbytes for array in pixels.values())
+        return self._placeholder(), 0
+
+    def _placeholder(self) -> dict[str, np.ndarray]:
+        """The keep specializations' image inputs (the slot unread there: 0)."""
+        return {
+            **placeholder_feeds(self.language, self.image_inputs),
+            SLOT: np.zeros(1, np.int64),
+        }
 
     def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
         """A decode call: tokens, positions, the mask row and the keep placeholder; no encoder."""
         feeds = super().decode_step_feeds(token_ids, positions, extra)
-        return {**feeds, **placeholder_feeds(self.language, self.image_inputs)}
+        return {**feeds, **self._placeholder()}
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One program call; the returned cross K/V are kept for the next prompt (onnxruntime)."""
         outputs = super()._run(feeds, past)
         self._retained = {name: past[name] for name in self.cross_names if name in past}
         return outputs
-
-    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
-        """:meth:`CrossAttentionGenerator.generate`, with the images the program's encoder ran on."""
-        result = super().generate(processed, *args, **kwargs)
-        served = [
-            f"image {number}: "
-            + ("encoded inside the single program" if fresh else "K/V retained from the last prompt")
-            for number, fresh in enumerate(self._fresh, start=1)
-        ]
-        # The encoder runs inside the program call: its time is the chunk's prefill time, and
-        # what the base measured as encoding is only the host batching the pixels.
-        chunks = [replace(chunk, encode_seconds=0.0) for chunk in result.chunks]
-        return replace(result, chunks=chunks, served=served, vision_input=" + ".join(self.image_inputs))
