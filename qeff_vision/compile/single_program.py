@@ -8,7 +8,7 @@ Ours encodes each image once. The two exported graphs are composed at the ONNX l
 
     pixel_values ──► If(encode) ─ then: vision graph (names prefixed ``vision/``), its rows
                                         flattened to [1, n, H] and written at the front of the
-                                        retained buffer: Concat(rows, Slice(vision_embeds, n:))
+                                        retained buffer, the rows after cleared: Concat(rows, 0)
                               └ else: Identity(vision_embeds)
     the language graph reads the If's output wherever it read ``vision_embeds``; its
     ``vision_embeds_RetainedState`` therefore retains the encoded rows for the later chunks.
@@ -19,8 +19,10 @@ side (the last axis of ``pixel_values``) is larger than 1.
 
 The cross-attention kind (mllama) composes the same way: its vision outputs are the cross
 layers' K/V, named like the language graph's cache inputs of those layers, so the encode branch
-writes the request's images' K/V at the front of those retained caches (as QEfficient's single
-QPC retains them) and every later chunk and decode step reads them with no encoder.
+writes the images' K/V into those retained caches (as QEfficient's single QPC retains them) and
+every later chunk and decode step reads them with no encoder. A later turn's images go after the
+ones an earlier turn wrote, which its tokens may still attend to: the composed graph takes
+``first_image_slot`` ([1] int64) and writes from that slot, keeping the slots before it.
 
 The compiler (and the stand-in) accept positive symbol values only, and a zero-image batch
 cannot switch the encoder off (the exported CLIP and SigLIP towers refuse it at their patch

@@ -4,7 +4,9 @@ Our KV cache lives for one request, so every turn re-runs the whole conversation
 (user turns with their images, assistant replies as text) is rendered by the checkpoint's chat
 template and processed again. What makes that cheap is the per-image embedding cache the
 generator owns: an image shown in an earlier turn has the same preprocessed pixels, hence the same
-content key, and is never encoded again while the cache holds it.
+content key, and is never encoded again while the cache holds it. A single-deployment program
+keeps its KV between turns instead: it prefills only what follows the prefix it already holds
+(:mod:`qeff_vision.runtime.retained_prefix`).
 """
 
 from __future__ import annotations

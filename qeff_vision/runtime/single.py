@@ -9,6 +9,11 @@ of its retained ``vision_embeds`` buffer; every later chunk and every decode ste
 onnxruntime the buffer travels as ``vision_embeds`` / ``vision_embeds_RetainedState`` like a KV
 cache; a device keeps it resident.
 
+A conversation keeps what the program holds (:mod:`qeff_vision.runtime.retained_prefix`): a turn
+prefills only the tokens after the prefix the program already fed, and its first chunk encodes
+only the images among them (their rows at the buffer's front, ``image_idx`` counting only them),
+so each image of a conversation is encoded once.
+
 QEfficient's single QPC encodes in every prefill call (ref: quic/efficient-transformers
 ``_QEFFAutoModelForImageTextToTextSingleQPC``); :class:`EncoderCount` counts ours per call and
 per image, and ``run`` prints the count.
