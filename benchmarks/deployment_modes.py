@@ -17,7 +17,7 @@ the family's pinned spec. Three forms:
 - **ours, single** (issue 24; built for LLaVA, Gemma 3, InternVL and Llama 3.2 Vision): the encoder
   runs once per image inside the one program and its rows (mllama: its cross-attention K/V) are
   retained; nothing but the pixels crosses, once per image. For the built families the column is
-  the runtime's own count: the same three prompt kinds run through the decoder kind's single
+  the runtime's own count: the same four prompt kinds run through the decoder kind's single
   runner (:func:`~qeff_vision.runtime.single.make_single_generator`) on the family's tiny random
   checkpoint (exported and composed here, onnxruntime), which counts the images its program's
   encoder ran on; the other families show the design's count, marked ``(design)``. The second
@@ -81,20 +81,24 @@ def prompts(tokens: int) -> dict[str, list[tuple[int, list[int]]]]:
     for _ in range(3):  # each turn prefills the whole history again
         turns.append((length, [TEXT_BEFORE]))
         length += ANSWER + TURN_TEXT
+    # The third turn shows a second image, at the start of its user text.
+    new_image = turns[:2] + [(length - TURN_TEXT + tokens, [TEXT_BEFORE, length - ANSWER - TURN_TEXT + 8])]
     return {
         "one image": [(one, [TEXT_BEFORE])],
         "two images": [(two, [TEXT_BEFORE, TEXT_BEFORE + tokens + 8])],
         "three turns, one image": turns,
+        "three turns, new image in 3": new_image,
     }
 
 
-def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
-    """Per prompt kind: (prefill chunks, encoder calls, images encoded) counted by the runtime.
+def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
+    """Per prompt kind: (QEff-form encoder runs, encoder calls, images encoded, tokens, tokens prefilled).
 
     The tiny random checkpoint of ``family`` is exported, its two graphs composed into the single
     program, and the prompt kinds of :func:`prompts` (one image, two images, three turns over one
-    image: each turn prefills the whole conversation again) run through the decoder kind's
-    single runner (:func:`~qeff_vision.runtime.single.make_single_generator`).
+    image, three turns with a new image in the third) run through the decoder kind's single
+    runner (:func:`~qeff_vision.runtime.single.make_single_generator`); a turn prefills only what
+    the program does not hold, and encodes only its new images.
     """
     from PIL import Image
 
@@ -121,6 +125,11 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
         "one image": [(images[:1], "Describe it.")],
         "two images": [(images, "Compare them.")],
         "three turns, one image": [(images[:1], "Describe it."), ([], "And the colours?"), ([], "Thanks.")],
+        "three turns, new image in 3": [
+            (images[:1], "Describe it."),
+            ([], "And the colours?"),
+            (images[1:], "Compare."),
+        ],
     }
     measured = {}
     for kind, turns in kinds.items():
@@ -130,17 +139,23 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, int, int]]:
         slots = {"image_slots": 2} if family == "mllama" else {}
         generator = make_single_generator(checkpoint, program, shape, **slots)
         chat = Conversation(generator, checkpoint.processor, max_new_tokens=2)
-        chunks = calls = encoded = 0
+        chunks = calls = encoded = tokens = prefilled = 0
         for pictures, text in turns:
             result = chat.ask(pictures, text)
-            chunks += len(result.chunks) * (result.images or 0)  # QEfficient's form: every chunk, every image
+            # QEfficient's form: every chunk of the whole rendered conversation, every image (ours
+            # prefills only what the program does not hold; plan() outside generate plans it all).
+            processed = chat.last_inputs.processed
+            plan = generator.plan(processed["input_ids"].reshape(-1), processed, "chunk")
+            chunks += len(plan.chunks) * (result.images or 0)
             calls += result.encoder_calls
             encoded += result.images_encoded
-        measured[kind] = (chunks, calls, encoded)
+            tokens += result.prompt_tokens  # what a re-prefilling form prefills
+            prefilled += sum(chunk.tokens for chunk in result.chunks)
+        measured[kind] = (chunks, calls, encoded, tokens, prefilled)
     return measured
 
 
-def count(case: Case, measured: dict[str, tuple[int, int, int]] | None = None) -> list[tuple[str, ...]]:
+def count(case: Case, measured: dict[str, tuple[int, ...]] | None = None) -> list[tuple[str, ...]]:
     """Table rows of one family: per prompt kind, the three forms' encoder runs and bytes."""
     family = get_family(case.family)
     model = describe_checkpoint(CONFIGS / case.config)
@@ -150,14 +165,14 @@ def count(case: Case, measured: dict[str, tuple[int, int, int]] | None = None) -
     split = family.features.chunk_split.supported
     rows = []
     for kind, turns in prompts(tokens).items():
-        images = len(turns[0][1])
+        images = len(turns[-1][1])  # the conversation's images
         qeff_runs = qeff_bytes = ours_bytes = 0
         for length, starts in turns:
             plan = plan_chunks(length, [(s, tokens) for s in starts], case.buckets, allow_image_split=split)
-            qeff_runs += len(plan.chunks) * images
-            qeff_bytes += len(plan.chunks) * images * pixel_bytes
+            qeff_runs += len(plan.chunks) * len(starts)
+            qeff_bytes += len(plan.chunks) * len(starts) * pixel_bytes
             if case.cross_state_bytes:
-                ours_bytes += images * case.cross_state_bytes
+                ours_bytes += len(starts) * case.cross_state_bytes
             else:
                 ours_bytes += plan.vision_bytes(hidden, FP16)
         dual_bytes = images * pixel_bytes + ours_bytes
@@ -213,16 +228,28 @@ def main() -> None:
     )
     print()
     table = [
-        ("family (tiny)", "prompt", "QEff form: encoder runs", "ours single: encoder calls", "images encoded")
+        (
+            "family (tiny)",
+            "prompt",
+            "QEff form: encoder runs",
+            "tokens prefilled",
+            "ours single: encoder calls",
+            "images encoded",
+            "tokens prefilled",
+        )
     ]
     for family, kinds in measured.items():
-        table += [(family, kind, str(q), str(c), str(e)) for kind, (q, c, e) in kinds.items()]
+        table += [
+            (family, kind, str(q), str(t), str(c), str(e), str(f)) for kind, (q, c, e, t, f) in kinds.items()
+        ]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
     print(
         "Measured on the tiny checkpoints (24-token chunks): QEff form = the chunks of each prefill x "
-        "its images (QEfficient's single QPC encodes in every prefill call); ours = what the runtime counted."
+        "its images (QEfficient's single QPC encodes in every prefill call) and every turn's whole "
+        "conversation prefilled; ours = what the runtime counted (a turn prefills what the program "
+        "does not hold; mllama prefills a turn's text again when it adds an image)."
     )
 
 
