@@ -21,6 +21,7 @@ import yaml
 from qeff_vision.cli import main
 from qeff_vision.compile.single_program import write_single_program
 from qeff_vision.contract.language_io import Role
+from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.exporter import load_adapter
 from qeff_vision.runtime.conversation import Conversation
@@ -145,6 +146,12 @@ def test_three_turn_conversation(single):
     # the prefix it holds: only the rest is prefilled, and only the third turn's new image encoded.
     assert [r.images_encoded for r in results] == [1, 0, 1]
     assert [r.encoder_calls for r in results] == [1, 0, 1]
+    assert results[2].served == [
+        "image 1: KV held from an earlier turn",
+        "image 2: encoded inside the single program",
+    ]
+    with pytest.raises(UserError, match="pass no history"):  # the program continues what it holds
+        chat.generator.generate(chat.last_inputs.processed, history=results[2].continuation)
     prefilled = [sum(chunk.tokens for chunk in r.chunks) for r in results]
     assert prefilled[0] == results[0].prompt_tokens
     for before, after, tokens in zip(results, results[1:], prefilled[1:]):

@@ -224,6 +224,10 @@ class SingleGenerator(Generator):
         kept (:func:`~qeff_vision.runtime.retained_prefix.resume_point`): only the rest is
         prefilled and only its images are encoded.
         """
+        if kwargs.get("history") is not None:
+            raise UserError(
+                "deployment single continues a conversation from the prompt it holds; pass no history"
+            )
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         images = self._prepare_images(processed)[0] if self.host.has_images(processed) else []
         spans = [(s.start, s.stop) for s in self.host.segments(processed)] if images else []
