@@ -48,6 +48,7 @@ def export(
     comp_ctx_lengths: bool = False,
     patch_buckets: bool = False,
     continuous_batching: bool = False,
+    retain_full_kv: bool = False,
     quiet: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
@@ -56,7 +57,8 @@ def export(
     ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths);
     ``patch_buckets`` exports the patch-bucket vision program (specs with ``vision.patch_buckets``).
     ``continuous_batching`` exports the language program with ``batch_index`` and
-    ``full_batch_size`` KV slots (for specs with ``full_batch_size``).
+    ``full_batch_size`` KV slots (for specs with ``full_batch_size``); ``retain_full_kv`` gives
+    ring layers ``ctx_len`` caches (for specs with ``retain_full_kv``).
 
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
@@ -71,6 +73,7 @@ def export(
         comp_ctx_lengths=comp_ctx_lengths,
         patch_buckets=patch_buckets,
         continuous_batching=continuous_batching,
+        retain_full_kv=retain_full_kv,
         progress=None if quiet else stderr_progress,
     )
 
@@ -141,6 +144,19 @@ def validate(spec_path):
         return [], list(spec.warnings)  # vLLM forms are generated for the dual deployment only
     # The printed vLLM forms' servers: does the spec fit them (qeff_vision.compile.serve_fit)?
     return [], [*spec.warnings, *serving_warnings(build_specializations(spec))]
+
+
+def deployment_notes(spec_path) -> list[str]:
+    """What a valid spec's deployment options cost (``retain_full_kv``: the KV bytes it adds).
+
+    Raises:
+        SpecError: The spec is invalid.
+    """
+    from qeff_vision.spec import load_spec
+    from qeff_vision.spec.deployment import full_kv_note
+
+    note = full_kv_note(load_spec(spec_path))
+    return [note] if note else []
 
 
 def config_notes(spec_path) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from onnx import external_data_helper
 
 from qeff_vision import __version__, symbols
+from qeff_vision.contract.full_kv import has_rings
 from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
@@ -269,6 +270,7 @@ def export_model(
     comp_ctx_lengths: bool = False,
     patch_buckets: bool = False,
     continuous_batching: bool = False,
+    retain_full_kv: bool = False,
     progress: Progress | None = stderr_progress,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
@@ -288,6 +290,8 @@ def export_model(
         continuous_batching: Export the language program for continuous batching (QEfficient's
             names): KV caches with ``full_batch_size`` slots on dim 0 and the input
             ``batch_index`` [batch_size, 1] naming each row's slot.
+        retain_full_kv: Ring layers (sliding window, attention chunk) keep ``ctx_len`` KV slots
+            masked to their window or block instead of a ring (:mod:`qeff_vision.contract.full_kv`).
         progress: Called with one line per stage; ``None`` silences progress.
 
     Returns:
@@ -312,6 +316,8 @@ def export_model(
         raise UserError(
             f"{family.title}: no compute-context lengths ({family.features.comp_ctx_lengths.note})"
         )
+    if retain_full_kv and not has_rings(family.layer_caches(description)):
+        raise UserError(f"{family.title}: no ring layer in this config, so no cache to keep full length")
     dims = family.text_dims(description)
     timings: dict[str, float] = {}
 
@@ -328,7 +334,7 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.patch_bucket_encoder(model) if patch_buckets else adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
-        io = family.language_table(description, comp_ctx_lengths, continuous_batching)
+        io = family.language_table(description, comp_ctx_lengths, continuous_batching, retain_full_kv)
         decoder = adapter.language_decoder(model, parts, io)
         timings["patch"] = time.perf_counter() - start
 
@@ -387,6 +393,7 @@ def export_model(
             "comp_ctx_lengths": comp_ctx_lengths,
             VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
             "continuous_batching": continuous_batching,
+            "retain_full_kv": retain_full_kv,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

@@ -38,6 +38,13 @@ from qeff_vision import api
     help="Language program for continuous batching: batch_index input, full_batch_size KV slots "
     "(specs with full_batch_size need it).",
 )
+@click.option(
+    "--retain-full-kv",
+    "full_kv",
+    is_flag=True,
+    help="Ring layers (sliding window, attention chunk) keep ctx_len KV slots instead of a ring "
+    "(specs with retain_full_kv need it).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
 def export(
     model_dir: str,
@@ -47,6 +54,7 @@ def export(
     ccl: bool,
     patch_buckets: bool,
     cb: bool,
+    full_kv: bool,
     quiet: bool,
 ) -> None:
     """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
@@ -58,6 +66,7 @@ def export(
         comp_ctx_lengths=ccl,
         patch_buckets=patch_buckets,
         continuous_batching=cb,
+        retain_full_kv=full_kv,
         quiet=quiet,
     )
     for program in ("vision", "lang"):

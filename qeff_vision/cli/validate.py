@@ -30,6 +30,8 @@ def validate(paths: tuple[Path, ...]) -> None:
             bad, count = bad + 1, count + len(problems)
         else:
             click.echo(f"{path}: ok")
+            for note in api.deployment_notes(path):
+                click.echo(f"{path}: note: {note}", err=True)
             for note in api.config_notes(path):
                 click.echo(f"{path}: note: {note}", err=True)
             for line in api.bucket_admission(path):

@@ -70,7 +70,7 @@ class Export:
 
 
 def _run_export(
-    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool
+    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool, full_kv: bool
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
 
@@ -81,6 +81,7 @@ def _run_export(
         comp_ctx_lengths=ccl,
         patch_buckets=buckets,
         continuous_batching=cb,
+        retain_full_kv=full_kv,
         progress=say,
     ).manifest
 
@@ -91,7 +92,7 @@ def given_export(spec: Any, export_dir: Path) -> Export:
     Raises:
         UserError: Not an export, an export of another family, or one without (or with) the
             compute-context-length input, the vision program mode (per resolution or patch
-            buckets) or the continuous-batching IO the spec needs.
+            buckets), the continuous-batching IO or the full-length ring caches the spec needs.
     """
     manifest = read_export(export_dir)
     if manifest.get("family") != spec.family:
@@ -119,6 +120,13 @@ def given_export(spec: Any, export_dir: Path) -> Export:
             f"{export_dir}: the spec needs an export {wanted} continuous batching "
             f"(`qeff-vision export{' --continuous-batching' if cb else ''}`)"
         )
+    full_kv = spec.deployment.retain_full_kv
+    if bool(manifest.get("retain_full_kv")) != full_kv:
+        wanted = "with" if full_kv else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} full-length caches on ring layers "
+            f"(`qeff-vision export{' --retain-full-kv' if full_kv else ''}`)"
+        )
     return Export(export_dir, manifest)
 
 
@@ -129,6 +137,7 @@ def locate_export(
     ccl = spec.compile.comp_ctx_lengths is not None
     buckets = bool(spec.vision.patch_buckets)
     cb = spec.full_batch_size is not None
+    full_kv = spec.deployment.retain_full_kv
     if export_dir is not None:
         return given_export(spec, export_dir)
     directory = out_dir / EXPORT_SUBDIR
@@ -147,6 +156,8 @@ def locate_export(
         stale = True  # the spec switched between resolutions and patch buckets
     if manifest is not None and bool(manifest.get("continuous_batching")) != cb:
         stale = True  # the spec added or dropped full_batch_size
+    if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
+        stale = True  # the spec added or dropped retain_full_kv
     if manifest is not None and not stale:
         return Export(directory, manifest)
     if dry_run:
@@ -161,7 +172,7 @@ def locate_export(
         # The export a previous manifest names is replaced now: that manifest stops being true.
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb))
+    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb, full_kv))
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from qeff_vision.contract.full_kv import RING
 from qeff_vision.contract.language_io import (
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
@@ -228,14 +229,26 @@ def layer_past(io: LanguageIO, named: Mapping[str, torch.Tensor]) -> dict[int, t
     return {layer: (keys[layer], values[layer]) for layer in sorted(keys)}
 
 
-def ring_layers(parts: DecoderParts) -> list[bool]:
-    """Which layers keep a ring (sliding window or attention chunk) instead of the whole context."""
-    return [bool(parts.ring_span(t)) for t in parts.layer_types]
+def ring_layers(parts: DecoderParts, io: LanguageIO | None = None) -> list[bool]:
+    """Which layers keep a ring (sliding window or attention chunk) instead of the whole context.
+
+    A window or chunked layer type keeps a ring unless ``io`` declares its cache full length
+    (``retain_full_kv``): then it is a full-context cache read under the type's mask. A shared
+    layer follows the layer whose cache it reads.
+    """
+    rings = [bool(parts.ring_span(t)) for t in parts.layer_types]
+    if io is None or not io.layers:
+        return rings
+    caches = io.layers
+    return [
+        ring and caches[cache.reads if cache.shared else layer].kind == RING
+        for layer, (ring, cache) in enumerate(zip(rings, caches))
+    ]
 
 
-def ring_type(parts: DecoderParts) -> str | None:
+def ring_type(parts: DecoderParts, io: LanguageIO | None = None) -> str | None:
     """The one layer type whose layers keep a ring (they share one :class:`RingPlan`), or None."""
-    types = {t for t, ring in zip(parts.layer_types, ring_layers(parts)) if ring}
+    types = {t for t, ring in zip(parts.layer_types, ring_layers(parts, io)) if ring}
     if len(types) > 1:
         raise ValueError(f"ring layers of one kind only (one ring plan per chunk), got {sorted(types)}")
     return next(iter(types), None)
@@ -249,10 +262,12 @@ def attention_masks(
     same_image: torch.Tensor | None,
     dtype: torch.dtype,
     linked_types: Sequence[str] | None = None,
+    attention_chunk_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Additive masks [batch, 1, seq, ctx] per layer type from token positions.
 
-    A query at position p sees slots j <= p (and j > p - window on sliding layers). Padding
+    A query at position p sees slots j <= p (and j > p - window on sliding layers, j in p's block
+    of ``attention_chunk_size`` positions on chunked layers: a ring layer kept full length). Padding
     queries (p = -1) see nothing; their rows stay finite (no NaN) because the mask adds the
     dtype's minimum instead of -inf. ``same_image`` [batch, seq, seq] adds bidirectional links
     between placeholders of one image, on the ``linked_types`` only (every type when None).
@@ -273,6 +288,12 @@ def attention_masks(
         allowed = linked_causal if linked_types is None or layer_type in linked_types else causal
         if layer_type == SLIDING_ATTENTION and sliding_window:
             allowed = allowed & (slots > query - sliding_window)
+        if layer_type == CHUNKED_ATTENTION and attention_chunk_size:  # ref: masking_utils chunked_overlay
+            block = attention_chunk_size
+            allowed = allowed & (
+                torch.div(slots, block, rounding_mode="floor")
+                == torch.div(query, block, rounding_mode="floor")
+            )
         masks[layer_type] = torch.where(allowed, 0.0, minimum).to(dtype).unsqueeze(1)
     return masks
 
@@ -369,7 +390,7 @@ class LanguageDecoder(nn.Module):
         inputs_embeds, image_idx_output = merge_vision_rows(
             input_ids, inputs_embeds, vision_embeds, image_idx, parts.placeholder_ids
         )
-        rings = ring_layers(parts)  # per decoder layer; the cache is keyed by layer
+        rings = ring_layers(parts, io)  # per decoder layer; the cache is keyed by layer
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
         full = [layer for layer in past if not rings[layer]]
         ctx_len = past[full[0]][0].shape[2] if full else 1
@@ -383,9 +404,18 @@ class LanguageDecoder(nn.Module):
         linked = [t for t in set(parts.layer_types) if parts.links_images(t)]
         dtype = inputs_embeds.dtype
         window = parts.sliding_window
-        masks = attention_masks(text_positions, read_len, full_types, window, same_image, dtype, linked)
+        masks = attention_masks(
+            text_positions,
+            read_len,
+            full_types,
+            window,
+            same_image,
+            dtype,
+            linked,
+            parts.attention_chunk_size,
+        )
         plan = None
-        ringed = ring_type(parts)
+        ringed = ring_type(parts, io)
         if ringed is not None:
             ring_len = past[next(layer for layer in past if rings[layer])][0].shape[2]
             ring_writes = None if batch_index is None else writes.ring_slots(ring_len)

@@ -20,6 +20,7 @@ from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - CROSS_ATTENTION
     TOKEN_MERGE,
     DecoderKind,
 )
+from qeff_vision.contract.full_kv import full_length_caches
 from qeff_vision.contract.language_io import (  # noqa: F401 - layer types re-exported for families
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
@@ -440,11 +441,22 @@ class Family:
         )
 
     def language_table(
-        self, model: ModelDescription, comp_ctx_lengths: bool = False, continuous_batching: bool = False
+        self,
+        model: ModelDescription,
+        comp_ctx_lengths: bool = False,
+        continuous_batching: bool = False,
+        retain_full_kv: bool = False,
     ) -> LanguageIO:
-        """:meth:`language_io` for ``model`` (its layer count and per-layer caches)."""
+        """:meth:`language_io` for ``model`` (its layer count and per-layer caches).
+
+        ``retain_full_kv`` gives every ring layer a ``ctx_len`` cache instead of its ring
+        (:mod:`qeff_vision.contract.full_kv`).
+        """
         layers = self.text_dims(model).num_layers
-        return self.language_io(layers, self.layer_caches(model), comp_ctx_lengths, continuous_batching)
+        caches = self.layer_caches(model)
+        if retain_full_kv:
+            caches = full_length_caches(caches)
+        return self.language_io(layers, caches, comp_ctx_lengths, continuous_batching)
 
     def language_dims(self, model: ModelDescription) -> dict[str, int]:
         """Values of the table's fixed model dimensions (:class:`~qeff_vision.contract.language_io.Fixed`)."""

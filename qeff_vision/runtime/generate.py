@@ -18,6 +18,7 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
+from qeff_vision.contract.full_kv import keeps_full_kv
 from qeff_vision.contract.language_io import SLOT_ROLES, Role, kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
@@ -75,14 +76,17 @@ class Generator(ImageEncoding):
         #: Compiled vision specializations (symbol values), when known: clips are checked against them.
         self.compiled_vision: list[Mapping[str, object]] = []
         #: The language IO table: feeds, caches and outputs are named and shaped by its rows.
-        self.io = family.language_table(
-            checkpoint.description,
-            comp_ctx_lengths=bool(shape.prefill_ccls or shape.decode_ccls),
+        graph_dims = getattr(language, "input_dims", {})
+        table = {
+            "comp_ctx_lengths": bool(shape.prefill_ccls or shape.decode_ccls),
             # A continuous-batching program (it takes batch_index) driven for one sequence, slot 0.
-            continuous_batching=symbols.BATCH_INDEX in getattr(language, "input_dims", {}),
-        )
+            "continuous_batching": symbols.BATCH_INDEX in graph_dims,
+        }
         # A disaggregated compile's kv_cache_prefix: the graph's KV inputs are past_key.{i}_<prefix>.
-        self.io = with_kv_prefix(self.io, kv_prefix_of(getattr(language, "input_dims", {})))
+        prefix = kv_prefix_of(graph_dims)
+        self.io = with_kv_prefix(family.language_table(description, **table), prefix)
+        if keeps_full_kv(self.io, graph_dims):  # exported with retain_full_kv: ctx_len on ring layers
+            self.io = with_kv_prefix(family.language_table(description, **table, retain_full_kv=True), prefix)
         self.logits_name = self.io.name(Role.LOGITS, output=True)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []

@@ -10,6 +10,9 @@ Three modes, after the Cloud AI multimodal guide (docs/design.md "Contract v3"):
 ``kv_cache_prefix`` (disaggregated only) renames every KV input ``past_key.{i}`` to
 ``past_key.{i}_<prefix>`` (and its output to ``past_key.{i}_<prefix>_RetainedState``), the names
 vLLM's prefill/decode KV hand-off selects by pattern (QEfficient's ``kv_cache_prefix``).
+``retain_full_kv`` (disaggregated only, families with ring layers) keeps a ``ctx_len`` cache on
+every ring layer instead of its ring (QEfficient's ``retain_full_kv``;
+:mod:`qeff_vision.contract.full_kv`), so the KV handed from prefill to decode holds every position.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from qeff_vision.contract.deployment_programs import (  # noqa: F401 - the modes
 )
 from qeff_vision.spec.strict_yaml import shown
 
-DEPLOYMENT_KEYS = ("deployment", "kv_cache_prefix")
+DEPLOYMENT_KEYS = ("deployment", "kv_cache_prefix", "retain_full_kv")
 # vLLM selects the KV tensors by a name pattern; keep the prefix a plain identifier.
 KV_PREFIX_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
@@ -42,10 +45,13 @@ class Deployment:
         mode: ``dual``, ``single`` or ``disaggregated``.
         kv_cache_prefix: Suffix of every KV name (disaggregated only); ``None`` keeps QEfficient's
             plain ``past_key.{i}``.
+        retain_full_kv: Ring layers keep ``ctx_len`` slots, masked to their window or block
+            (disaggregated only).
     """
 
     mode: str = DUAL
     kv_cache_prefix: str | None = None
+    retain_full_kv: bool = False
 
     @property
     def programs(self) -> dict[str, str]:
@@ -81,6 +87,15 @@ def read_deployment(
                 "names the KV tensors a prefill program hands to a decode program; it needs "
                 "deployment: disaggregated",
             )
+    full_kv = top.get("retain_full_kv", False)
+    if not isinstance(full_kv, bool):
+        reader.add("retain_full_kv", f"must be true or false (got {shown(full_kv)})")
+    elif full_kv and mode != DISAGGREGATED:
+        reader.add(
+            "retain_full_kv",
+            "keeps full-length caches on ring layers so the KV a prefill program hands to a decode "
+            "program holds every position; it needs deployment: disaggregated",
+        )
     if mode == SINGLE:
         # One program that encodes and decodes keeps one sequence's state (vLLM asserts
         # max_num_seqs == 1 for QEfficient's single QPC).
@@ -92,14 +107,22 @@ def read_deployment(
             reader.add("batch_size", f"deployment single serves one sequence (batch 1), got {batch_size}")
     if len(reader.problems) != before or mode is None:
         return None
-    return Deployment(mode, prefix if isinstance(prefix, str) else None)
+    return Deployment(mode, prefix if isinstance(prefix, str) else None, full_kv is True)
 
 
-def check_deployment(reader: Any, family: Any, deployment: Deployment) -> None:
-    """The family can be deployed that way (its feature matrix says why not)."""
+def check_deployment(reader: Any, family: Any, deployment: Deployment, model: Any) -> None:
+    """The family can be deployed that way (its feature matrix says why not); ``model`` its config."""
+    from qeff_vision.contract.full_kv import has_rings
+
     support = family.features.deployment(deployment.mode)
     if not support.supported:
         reader.add("deployment", f"{family.title} cannot be deployed {deployment.mode}: {support.note}")
+    if deployment.retain_full_kv and not has_rings(family.layer_caches(model)):
+        reader.add(
+            "retain_full_kv",
+            f"{family.title}'s layers keep no ring (no sliding-window or chunked-attention layer in "
+            "this config): every cache is already full length",
+        )
     if deployment.kv_cache_prefix and not family.decoder_kind.merges_vision_rows:
         reader.add(
             "kv_cache_prefix",
@@ -143,4 +166,51 @@ def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None)
     return (
         replace(language, directory=LANG_PREFILL, specializations=tuple(prefill)),
         replace(language, directory=LANG_DECODE, specializations=tuple(decode)),
+    )
+
+
+# Bytes per KV element on the device: float16 2; mxint8 one byte plus one shared 8-bit scale per
+# block of 32 elements (OCP Microscaling v1.0, as qeff_vision/numerics/mx.py emulates it).
+KV_ELEMENT_BYTES = {"float16": 2.0, "mxint8": 1 + 1 / 32}
+
+
+def full_kv_note(spec: Any) -> str | None:
+    """What ``retain_full_kv`` costs for a valid ``spec``: its decode program's KV bytes with and without.
+
+    Counts every KV row of the language table (keys and values, the decode program's
+    ``full_batch_size`` slots or ``batch_size`` rows) at the spec's ``kv_cache_dtype``; None when
+    the spec does not set the option.
+    """
+    from math import prod
+
+    from qeff_vision import symbols
+    from qeff_vision.contract.full_kv import RING
+    from qeff_vision.contract.language_io import KV_ROLES
+    from qeff_vision.families import get_family
+
+    if not spec.deployment.retain_full_kv:
+        return None
+    family, model = get_family(spec.family), spec.model_description
+    slots = spec.full_batch_size or spec.batch_size
+    values = {
+        symbols.BATCH_SIZE: slots,
+        symbols.FULL_BATCH_SIZE: slots,
+        **family.language_dims(model),
+        **family.kv_cache_lengths(model, spec.ctx_len),
+        **family.request_symbols(model, spec.vision.max_images),
+    }
+    kv_dtype = spec.compile.language.kv_cache_dtype
+    per_element = KV_ELEMENT_BYTES[kv_dtype]
+
+    def mib(full: bool) -> float:
+        table = family.language_table(
+            model, continuous_batching=spec.full_batch_size is not None, retain_full_kv=full
+        )
+        return sum(prod(row.concrete_shape(values)) for row in table.rows(*KV_ROLES)) * per_element / 2**20
+
+    rings = sum(cache.kind == RING for cache in family.layer_caches(model))
+    ring, full = mib(False), mib(True)
+    return (
+        f"retain_full_kv: {rings} ring layer(s) keep ctx_len {spec.ctx_len} slots; lang_decode's KV "
+        f"({slots} slot(s), {kv_dtype}) grows from {ring:,.1f} MiB to {full:,.1f} MiB ({full / ring:.2f}x)"
     )

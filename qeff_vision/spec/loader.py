@@ -154,8 +154,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
     if family is not None and ccl is not None and not family.features.comp_ctx_lengths.supported:
         note = family.features.comp_ctx_lengths.note
         reader.add("compile.comp_ctx_lengths", f"{family.title} cannot use compute-context lengths: {note}")
-    if family is not None and deployment is not None:
-        check_deployment(reader, family, deployment)
+    if family is not None and deployment is not None and description is not None:
+        check_deployment(reader, family, deployment, description)
     if family is not None and description is not None and vision is not None and vision.image_processor:
         description = with_image_processor_options(reader, family, description, vision.image_processor)
     if family is not None and description is not None and vision is not None:

@@ -32,6 +32,7 @@ TOP_KEYS = (
     "compile",
     "deployment",
     "kv_cache_prefix",
+    "retain_full_kv",
 )
 PREFILL_KEYS = ("seq_lens",)
 VISION_KEYS = (

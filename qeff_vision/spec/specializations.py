@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qeff_vision import symbols
+from qeff_vision.contract.full_kv import full_length_caches
 from qeff_vision.contract.language_io import KV_ROLES, DType
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
@@ -252,6 +253,8 @@ def build_specializations(
         whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
     cache_symbols = family.layer_caches(model)
+    if spec.deployment.retain_full_kv:  # ring layers keep ctx_len slots (contract/full_kv.py)
+        cache_symbols = full_length_caches(cache_symbols)
     ccl = spec.compile.comp_ctx_lengths
     ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
     fbs = spec.full_batch_size

@@ -105,6 +105,11 @@ def symbols_of(tensors: dict[str, list]) -> set[str]:
     return {d for shape in tensors.values() for d in shape if isinstance(d, str) and d}
 
 
+# Specialization keys the compiler reads that name no graph dimension: QEfficient's continuous-
+# batching prefill entries carry ``full_batch_exec_size`` (qeff_vision.symbols.SPECIALIZATION_ONLY).
+COMPILER_KEYS = {"full_batch_exec_size"}
+
+
 def check_specializations(path: Path, inputs: dict, outputs: dict, layout: str) -> int:
     if not path.is_file():
         raise Refused(f"-network-specialization-config: {path} does not exist")
@@ -125,7 +130,7 @@ def check_specializations(path: Path, inputs: dict, outputs: dict, layout: str) 
             if not str(value).isdigit() or int(value) < 1:
                 raise Refused(f"{path}: specialization {index}: {key}={value!r} is not a positive integer")
         missing = sorted(required - set(entry))
-        unknown = sorted(set(entry) - allowed)
+        unknown = sorted(set(entry) - allowed - COMPILER_KEYS)
         if missing:
             raise Refused(f"{path}: specialization {index}: no value for symbol(s) {', '.join(missing)}")
         if unknown:
