@@ -93,7 +93,7 @@ def _state_values(export: Path) -> list[str]:
     """Values from each GatedDeltaRule call or conv-state gather up to the retained state outputs."""
     import onnx
 
-    from qeff_vision.contract.language_io import is_state_name
+    from qeff_vision.contract.slot_names import is_state_name
 
     graph = onnx.load(str(export / "lang" / "model.onnx"), load_external_data=False).graph
     producer = {out: node for node in graph.node for out in node.output}

@@ -16,7 +16,7 @@ from qeff_vision import api, symbols
 from qeff_vision.cli import main
 from qeff_vision.compile.deployment import golden_commands, program_options
 from qeff_vision.compile.driver import compile_spec
-from qeff_vision.contract.language_io import is_kv_name, kv_prefix_of, with_kv_prefix_name
+from qeff_vision.contract.slot_names import is_kv_name, kv_prefix_of, with_kv_prefix_name
 from qeff_vision.families import all_families
 from qeff_vision.spec import build_specializations, load_spec
 from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL
@@ -109,6 +109,13 @@ def test_kv_prefix_names_are_qefficients():
         with_kv_prefix_name("past_value.0_RetainedState", PREFIX) == "past_value.0_vllmKvCache_RetainedState"
     )
     assert with_kv_prefix_name("vision_embeds_RetainedState", PREFIX) == "vision_embeds_RetainedState"
+    # A recurrent layer's states are per-sequence state handed over too (QEfficient renames them).
+    assert with_kv_prefix_name("conv_state.1", PREFIX) == "conv_state.1_vllmKvCache"
+    assert (
+        with_kv_prefix_name("recurrent_state.1_RetainedState", PREFIX)
+        == "recurrent_state.1_vllmKvCache_RetainedState"
+    )
+    assert kv_prefix_of(["input_ids", "conv_state.0_vllmKvCache"]) == PREFIX
     assert is_kv_name("past_key.3_vllmKvCache_RetainedState") and not is_kv_name("past_key.x_y")
     assert kv_prefix_of(["input_ids", "past_key.0_vllmKvCache"]) == PREFIX
     assert kv_prefix_of(["input_ids", "past_key.0"]) is None

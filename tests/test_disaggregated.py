@@ -23,7 +23,7 @@ import yaml
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
-from qeff_vision.contract.language_io import is_kv_name
+from qeff_vision.contract.slot_names import is_kv_name, is_state_name
 from qeff_vision.families import all_families
 from qeff_vision.families.base import CROSS_ATTENTION
 from qeff_vision.runtime.disaggregated import DisaggregatedSlots, PhaseRouter, phase_programs
@@ -123,6 +123,9 @@ def test_each_program_refuses_the_other_phase(hf_model, cb_exported):
 COMPILED = {
     "llava": {"full_batch_size": SLOTS, "kv_cache_prefix": PREFIX},
     "gemma3": {},
+    # Recurrent (Gated DeltaNet) layers: their conv and recurrent states carry the prefix too, as
+    # QEfficient names them (they are per-sequence state the decode program needs).
+    "qwen3_5": {"full_batch_size": SLOTS, "kv_cache_prefix": PREFIX},
 }
 
 
@@ -161,6 +164,9 @@ def test_compiled_artifact_names_every_kv_with_the_prefix(compiled):
     assert kv and len(kv) % 4 == 0  # per layer: key and value, input and retained output
     suffix = f"_{PREFIX}" if "kv_cache_prefix" in COMPILED[family] else ""
     assert all(re.fullmatch(rf"past_(key|value)\.\d+{suffix}(_RetainedState)?", name) for name in kv)
+    states = [name for name in names if is_state_name(name)]
+    assert bool(states) == (family == "qwen3_5")
+    assert all(re.fullmatch(rf"(conv|recurrent)_state\.\d+{suffix}(_RetainedState)?", n) for n in states)
 
 
 def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
@@ -186,3 +192,4 @@ def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
         == 0
     )
     assert capsys.readouterr().err.count("tokens identical to transformers generate") == 3
+

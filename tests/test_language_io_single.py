@@ -22,7 +22,12 @@ from qeff_vision import symbols
 from qeff_vision.families import all_families
 
 PACKAGE = Path(qeff_vision.__file__).parent
-DECLARATIONS = {PACKAGE / "contract" / "language_io.py", PACKAGE / "symbols.py"}
+# The table, the name constants, and the per-slot naming scheme (kv_cache_prefix) beside the table.
+DECLARATIONS = {
+    PACKAGE / "contract" / "language_io.py",
+    PACKAGE / "contract" / "slot_names.py",
+    PACKAGE / "symbols.py",
+}
 # Helpers that spell per-layer and retained names.
 NAME_HELPERS = {"past_key", "past_value", "retained"}
 NAME_FRAGMENTS = ("past_key", "past_value", symbols.RETAINED_SUFFIX)

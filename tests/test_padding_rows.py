@@ -20,7 +20,7 @@ from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
-from qeff_vision.contract.language_io import is_kv_name
+from qeff_vision.contract.slot_names import is_kv_name
 from qeff_vision.export_record import read_export
 from qeff_vision.families import all_families, get_family
 

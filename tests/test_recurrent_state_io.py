@@ -13,11 +13,9 @@ from qeff_vision.contract.language_io import (
     STATE_VALUE_HEADS,
     DType,
     Role,
-    is_kv_name,
-    is_slot_name,
-    is_state_name,
     language_io,
 )
+from qeff_vision.contract.slot_names import is_kv_name, is_slot_name, is_state_name
 from qeff_vision.spec.compile_options import parse_compile_options
 
 DIMS = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qeff_vision.contract.language_io import is_kv_name, with_kv_prefix_name
+from qeff_vision.contract.slot_names import is_slot_name, with_kv_prefix_name
 from qeff_vision.errors import UserError
 
 
@@ -61,7 +61,7 @@ def write_prefixed_language(source: Path, prefix: str) -> Path:
         raise UserError(f"{source}: not a readable ONNX graph ({exc.__class__.__name__})") from None
     graph = model.graph
     names = [v.name for v in (*graph.input, *graph.output)]
-    mapping = {name: with_kv_prefix_name(name, prefix) for name in names if is_kv_name(name)}
+    mapping = {name: with_kv_prefix_name(name, prefix) for name in names if is_slot_name(name)}
     if not mapping:
         raise UserError(f"{source}: no KV cache input to give the prefix {prefix!r}")
     _rename_graph(graph, mapping)

@@ -17,7 +17,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
-from qeff_vision.contract.language_io import is_slot_name
+from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message

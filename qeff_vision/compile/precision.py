@@ -248,7 +248,7 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
     language = ranges["lang"]
     prefix = spec.deployment.kv_cache_prefix
     if prefix:  # the programs compile the renamed copy: its KV outputs carry the prefix
-        from qeff_vision.contract.language_io import with_kv_prefix_name
+        from qeff_vision.contract.slot_names import with_kv_prefix_name
 
         language = {with_kv_prefix_name(name, prefix): value for name, value in language.items()}
     return {"vision": ranges["vision"], **{plan.program: language for plan in languages}}

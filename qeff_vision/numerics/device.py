@@ -33,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import is_kv_name, is_state_name
+from qeff_vision.contract.slot_names import is_kv_name, is_state_name
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504

@@ -19,7 +19,8 @@ from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
 from qeff_vision.contract.full_kv import keeps_full_kv
-from qeff_vision.contract.language_io import SLOT_ROLES, Role, kv_prefix_of, with_kv_prefix
+from qeff_vision.contract.language_io import SLOT_ROLES, Role
+from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks

@@ -144,7 +144,7 @@ def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None)
     from dataclasses import replace
 
     from qeff_vision import symbols
-    from qeff_vision.contract.language_io import with_kv_prefix_name
+    from qeff_vision.contract.slot_names import with_kv_prefix_name
 
     if mode != DISAGGREGATED:
         return (language,)
