@@ -193,3 +193,20 @@ def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
     )
     assert capsys.readouterr().err.count("tokens identical to transformers generate") == 3
 
+
+def test_handoffs_are_reported_for_a_disaggregated_pair_only():
+    from types import SimpleNamespace
+
+    from qeff_vision.runtime.batch_run import handoff_counts
+
+    def program(seq_len: int) -> SimpleNamespace:
+        entry = {symbols.SEQ_LEN: seq_len, symbols.FULL_BATCH_SIZE: SLOTS}
+        return SimpleNamespace(
+            path="lang", input_dims={}, output_names=[], retains_state=False, specializations=[entry]
+        )
+
+    router = PhaseRouter(program(32), program(1))
+    router.handoffs, router.handoff_bytes = 2, 4096
+    assert handoff_counts(router) == (2, 4096)
+    # A program that merely has such attributes is not a disaggregated pair.
+    assert handoff_counts(SimpleNamespace(handoffs=3, handoff_bytes=1)) is None

@@ -15,9 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.disaggregated import PhaseRouter
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
+
+
+def handoff_counts(language: Any) -> tuple[int, int] | None:
+    """(prefill KV hand-offs into decode slots, their bytes) of a disaggregated pair, else None.
+
+    A disaggregated artifact's language program is a :class:`PhaseRouter`; any other program
+    (dual, single) hands nothing over, whatever attributes it has.
+    """
+    if isinstance(language, PhaseRouter):
+        return language.handoffs, language.handoff_bytes
+    return None
 
 
 @dataclass
@@ -98,9 +110,7 @@ def run_requests(
         on_finish=finished,
     )
     run = BatchRun(requests, report, [p.notes for p in prepared])
-    language = chat.generator.language
-    if hasattr(language, "handoffs"):  # a disaggregated pair (qeff_vision.runtime.disaggregated)
-        run.handoffs = (language.handoffs, language.handoff_bytes)
+    run.handoffs = handoff_counts(chat.generator.language)
     if compare_hf:
         from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
 
