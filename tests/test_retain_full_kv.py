@@ -123,9 +123,13 @@ def test_five_staggered_requests_disaggregated_with_full_length_caches(family, f
     assert any(r.slot == fifth.slot and r.finished_step < fifth.admitted_step for r in report.requests[:4])
 
 
-@pytest.fixture(scope="module")
-def compiled(full_kv_export, tiny_checkpoint, tmp_path_factory):
-    """The Gemma 3 full-KV export compiled disaggregated (onnxruntime backend), two images beside it."""
+@pytest.fixture(scope="module", params=["continuous-batching", "batch-1"])
+def compiled(request, full_kv_export, tiny_checkpoint, tmp_path_factory):
+    """Tiny Gemma 3 compiled disaggregated with the option (onnxruntime backend), two images beside it.
+
+    ``continuous-batching``: the module's export, decode at ``full_batch_size`` 4; ``batch-1``: a
+    batch-1 decode program, exported by compile itself (it reads the option off the spec).
+    """
     root = tmp_path_factory.mktemp("full-kv-compiled")
     spec = {
         "name": "gemma3-full-kv",
@@ -133,13 +137,15 @@ def compiled(full_kv_export, tiny_checkpoint, tmp_path_factory):
         "ctx_len": CTX_LEN,
         "deployment": "disaggregated",
         "retain_full_kv": True,
-        "full_batch_size": SLOTS,
         "prefill": {"seq_lens": list(SEQ_LENS)},
         "vision": {"images": [{"height": 336, "width": 336}], "max_images": 2},
     }
-    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
     args = ["compile", str(root / "spec.yaml"), "-o", str(root / "out"), "--backend", "onnxruntime"]
-    assert main([*args, "--export", str(full_kv_export("gemma3"))]) == 0
+    if request.param == "continuous-batching":
+        spec["full_batch_size"] = SLOTS
+        args += ["--export", str(full_kv_export("gemma3"))]
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(args) == 0
     for name, (height, width) in {"a": (112, 112), "b": (140, 196)}.items():
         helpers.image(height, width, len(name)).save(root / f"{name}.png")
     return root
@@ -150,6 +156,8 @@ def test_three_turns_past_the_window_and_a_long_decode_match_transformers(compil
     manifest = json.loads((compiled / "out" / "manifest.json").read_text())
     decode = manifest["programs"]["lang_decode"]["specializations"]
     assert all(symbols.SLIDING_WINDOW not in entry["symbols"] for entry in decode)
+    own_export = compiled / "out" / "export" / "export.json"  # batch-1: compile exported it
+    assert not own_export.is_file() or json.loads(own_export.read_text())["retain_full_kv"] is True
     # Three turns with images: every turn's prompt reaches past the 8-token window, and each
     # turn's prefill continues the cache the decode program wrote.
     turns = ["--prompt", "Describe it.", "--prompt", "And the colours?", "--prompt", "Thanks. Summarise."]
