@@ -28,7 +28,6 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -119,7 +118,12 @@ class LlavaNext(Family):
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the tiling CLIP tower composed in, run once per prompt in the first "
+            "chunk over its images (one call takes images of one tile and feature grid, so a prompt's "
+            "images share a size; a later turn's may differ); the fixed tile side is the symbol "
+            "pixel_side (1 in keep entries); later chunks and decode read the rows"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
@@ -163,6 +167,10 @@ class LlavaNext(Family):
     def pinpoints(self, model: ModelDescription) -> list[list[int]]:
         """The model's grid pinpoints (height, width); the model unpads with these, not the processor's."""
         return [list(p) for p in self.vision(model).pinpoints]
+
+    def fixed_pixel_side(self, model: ModelDescription) -> int | None:
+        """Every tile is ``tile_size`` px square; the graph's symbols are the image and tile counts."""
+        return self.tile_size(model)
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Images only; the processor's pinpoints must be the model's."""
