@@ -89,6 +89,20 @@ def _relocate(initializer, directory: str) -> None:
             entry.value = f"{directory}/{entry.value}"
 
 
+def _relocate_graph(graph, directory: str) -> None:
+    """:func:`_relocate` every external tensor of ``graph``: initializers and node attributes.
+
+    The exporter may store a large ``Constant`` node's value externally too (Llama 4's vision
+    graph does), and onnxruntime resolves it from the top-level model's directory as well.
+    """
+    for tensor in graph.initializer:
+        _relocate(tensor, directory)
+    for node in graph.node:
+        for attribute in node.attribute:
+            for tensor in [attribute.t] if attribute.HasField("t") else list(attribute.tensors):
+                _relocate(tensor, directory)
+
+
 def _prefix_names(graph, keep: set[str]) -> None:
     """Prefix every value and node name of ``graph`` except the names in ``keep`` (its inputs)."""
 
@@ -224,10 +238,8 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
         raise UserError(f"{vision_path}: deployment single needs a [..., C, H, W] first vision input")
     # The vision graph's values, prefixed, its weights hoisted to the outer graph (a branch reads them).
     _prefix_names(vg, keep={value.name for value in vg.input})
-    for tensor in vg.initializer:
-        _relocate(tensor, vision_path.parent.name)
-    for tensor in lg.initializer:
-        _relocate(tensor, language_path.parent.name)
+    _relocate_graph(vg, vision_path.parent.name)
+    _relocate_graph(lg, language_path.parent.name)
     then_nodes, then_out, else_nodes, else_out = list(vg.node), [], [], []
     # The cross-attention kind keeps an earlier turn's images in their slots: a later turn's
     # images are written after them (token-merge rows are read by image_idx from the front).

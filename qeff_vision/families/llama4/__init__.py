@@ -40,7 +40,6 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -151,7 +150,11 @@ class Llama4(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the tiling ViT composed in, run once per prompt in the first chunk "
+            "over the tiles of all its images (tile counts may differ); the fixed tile side is the "
+            "symbol pixel_side (1 in keep entries); later chunks and decode read the rows"
+        ),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: MAX_NUM_TILES}}
     tokens_between_images = 2  # <|image_end|> and the next <|image_start|>
@@ -218,6 +221,10 @@ class Llama4(Family):
         if wanted and wanted != {view.tile}:
             problems.append(f"the processor cuts tiles of {size}, but the vision tower takes {view.tile} px")
         return problems
+
+    def fixed_pixel_side(self, model: ModelDescription) -> int | None:
+        """Every tile is ``tile`` px square; the vision graph's only symbol is the tile count."""
+        return self.vision(model).tile
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """max_num_tiles (the grid plus the global tile) and vision_size (their tokens)."""

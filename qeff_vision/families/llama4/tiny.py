@@ -40,7 +40,9 @@ CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|image|>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|eot|>{% endfor %}"
-    "{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\\n\\n{% endif %}"
+    # Inside a Jinja string literal the escapes render newlines, as in the message headers above
+    # (outside one they rendered a backslash and an n, which the next turn's prompt did not extend).
+    "{% if add_generation_prompt %}{{ '<|header_start|>assistant<|header_end|>\\n\\n' }}{% endif %}"
 )
 
 TILE = 84
