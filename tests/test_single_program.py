@@ -34,7 +34,7 @@ from tests import helpers
 from tests.compile_fixtures import REPO
 from tests.family_runtime import CTX_LEN, NEW_TOKENS, FamilyRuntime
 
-FAMILIES = ["llava", "gemma3", "internvl", "llava_next", "llama4"]
+FAMILIES = ["llava", "gemma3", "internvl", "llava_next", "llama4", "mistral3"]
 # 8- and 16-token chunks cut an image (Gemma 3's bidirectional images never are).
 SEQ_LENS = {
     "llava": (8,),
@@ -42,12 +42,13 @@ SEQ_LENS = {
     "internvl": (16,),
     "llava_next": (16,),
     "llama4": (16,),
+    "mistral3": (8,),
 }
 MAX_IMAGES = 2
-# One encode call takes images of one size: LLaVA-NeXT's images share the tile and feature grids
-# (their shapes are graph symbols). A prompt's two images are then of one size; the conversation's
-# turns still differ (each turn encodes only its new image).
-ONE_SIZE_PER_CALL = {"llava_next"}
+# One encode call takes images of one size: LLaVA-NeXT's images share the tile and feature grids,
+# Mistral 3's the pixel grid (their shapes are graph symbols). A prompt's two images are then of
+# one size; the conversation's turns still differ (each turn encodes only its new image).
+ONE_SIZE_PER_CALL = {"llava_next", "mistral3"}
 
 
 def _pair(runtime: FamilyRuntime) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -291,7 +292,7 @@ def test_internvl_compiles_and_runs_images_of_different_tile_counts(
     assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
 
 
-@pytest.mark.parametrize("family", ["llava_next", "llama4"])
+@pytest.mark.parametrize("family", ["llava_next", "llama4", "mistral3"])
 def test_compile_runs_every_specialization_on_onnxruntime(family, tiny_checkpoint, exported, tmp_path):
     """A single spec of two resolutions, up to two images: every encode, keep and decode entry runs."""
     sizes = load_adapter(get_family(family)).test_image_sizes[:2]

@@ -27,7 +27,6 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -85,7 +84,12 @@ class Mistral3(Family):
         chunk_split=yes("causal attention over image tokens; a chunk may end inside a row or after a break"),
         video=no("Mistral 3 takes images only"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the Pixtral tower composed in, run once per prompt in the first chunk "
+            "over its images (one call takes images of one size: the patch grid is the pixels' "
+            "shape, so a prompt's images share a size; a later turn's may differ); later chunks "
+            "and decode read the rows"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
