@@ -1,13 +1,15 @@
 """``deployment: single``: one program holding the encoder, each image encoded once, vs transformers.
 
-Per enabled family (llava, gemma3, internvl), on the session's tiny export: the composed graph
-(``compile/single_program.py``) against the dual pair (the encode branch's retained rows equal
-the vision program's, logits equal the language program's on those rows; the keep branch
-returns the buffer unchanged); chunked runs of two images token-identical to transformers
-generate with the encoder run once for the prompt (an image straddling chunks for LLaVA, whose
-decoder is causal); a three-turn conversation. Then the CLI on tiny LLaVA: ``compile --backend
-onnxruntime`` of a single spec (one program ``lang``, every specialization run), ``run`` over two
-images and three turns with ``--compare-hf``, the encoder runs printed.
+Per enabled family of the token-merge kind (llava, gemma3, internvl, llava_next, llama4,
+mistral3), on the session's tiny export: the composed graph (``compile/single_program.py``)
+against the dual pair (the encode branch's retained rows equal the vision program's, logits equal
+the language program's on those rows; the keep branch returns the buffer unchanged); chunked runs
+of two images token-identical to transformers generate with the encoder run once for the prompt
+(an image straddling chunks wherever the decoder is causal over image tokens: all but Gemma 3); a
+three-turn conversation. Then the CLI on tiny LLaVA: ``compile --backend onnxruntime`` of a
+single spec (one program ``lang``, every specialization run), ``run`` over two images and three
+turns with ``--compare-hf``, the encoder runs printed; ``compile --backend onnxruntime`` of tiny
+LLaVA-NeXT, Llama 4 and Mistral 3; ``full_batch_size`` refused for every golden single spec.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ DISAGGREGATED_PROGRAMS = yes(
 #: graph as one If branch (compile/single_program.py); the others declare this (or their own reason).
 SINGLE_PROGRAM_NOT_BUILT = no(
     "not built for this family: the single program composes a vision graph of [..., C, H, W] "
-    "images whose outputs are retained language inputs (built: llava, gemma3, internvl, mllama)"
+    "images whose outputs are retained language inputs (built: llava, llava_next, gemma3, "
+    "internvl, mistral3, mllama, llama4)"
 )
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 
