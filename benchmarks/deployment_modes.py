@@ -14,7 +14,8 @@ the family's pinned spec. Three forms:
   skips it). A new turn is a new prompt: the history is prefilled, and its images encoded, again.
 - **ours, dual** (built): each image is encoded once by the vision program (the per-image cache
   holds it across turns); each chunk carries only the embedding rows it needs (``chunk``).
-- **ours, single** (issue 24; built for LLaVA, Gemma 3, InternVL and Llama 3.2 Vision): the encoder
+- **ours, single** (issue 24; built for LLaVA, LLaVA-NeXT, Gemma 3, InternVL, Mistral 3, Llama
+  3.2 Vision and Llama 4): the encoder
   runs once per image inside the one program and its rows (mllama: its cross-attention K/V) are
   retained; nothing but the pixels crosses, once per image. For the built families the column is
   the runtime's own count: the same four prompt kinds run through the decoder kind's single
@@ -25,10 +26,12 @@ the family's pinned spec. Three forms:
 
 Pixel bytes use QEfficient's vision-input shapes in fp16 (one 336x336 image for LLaVA-1.5,
 896x896 for Gemma 3, nine 448x448 tiles, thumbnail included, for InternVL 3 at 1080x1920, four
-560x560 tiles for Llama 3.2 Vision); embedding bytes are rows x hidden size x 2. Llama 3.2
-Vision is a cross-attention model: one token per image and no embedding rows per chunk, so its
-"ours, dual" bytes are the cross-attention states sent once per request (8 layers x K and V x 8
-heads x 6,404 rows x 128 x 2 bytes).
+560x560 tiles for Llama 3.2 Vision, five 384x384 tiles for Granite Vision at 768x768, one
+1540x1540 image for Mistral Small 3.1, five 336x336 tiles for Llama 4 Scout at 672x672);
+embedding bytes are rows x hidden size x 2. Llama 3.2 Vision is a cross-attention model: one
+token per image and no embedding rows per chunk, so its "ours, dual" bytes are the
+cross-attention states sent once per request (8 layers x K and V x 8 heads x 6,404 rows x 128 x
+2 bytes).
 """
 
 from __future__ import annotations
@@ -68,9 +71,32 @@ CASES = (
         4 * 3 * 560 * 560,
         8 * 2 * 8 * 6404 * 128 * FP16,
     ),
+    Case(
+        "llava_next",
+        "granite-vision-3.2-2b",
+        ImageSize(768, 768),
+        ((128, 128), (512, 512)),
+        5 * 3 * 384 * 384,
+    ),
+    Case(
+        "mistral3",
+        "Mistral-Small-3.1-24B-Instruct-2503",
+        ImageSize(1540, 1540),
+        ((128, 128), (512, 512)),
+        3 * 1540 * 1540,
+    ),
+    Case(
+        "llama4",
+        "Llama-4-Scout-17B-16E-Instruct",
+        ImageSize(672, 672),
+        ((128, 128), (512, 512)),
+        5 * 3 * 336 * 336,
+    ),
 )
 TEXT_BEFORE, TEXT_AFTER, TURN_TEXT, ANSWER = 24, 300, 40, 60
-TINY_ROWS = {"llava": 16, "gemma3": 16, "internvl": 16, "mllama": 1}  # rows per tiny image (mllama: none)
+# The tiny runs' images: 64x64 and 72x64, except where one encode call takes images of one size
+# (LLaVA-NeXT's tile and feature grids, Pixtral's patch grid are graph shapes): 64x64 twice there.
+ONE_SIZE_PER_CALL = {"llava_next", "mistral3"}
 
 
 def prompts(tokens: int) -> dict[str, list[tuple[int, list[int]]]]:
@@ -120,7 +146,12 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
     )
     program = OnnxProgram(composed)
     checkpoint = Checkpoint.open(checkpoint_dir, family)
-    images = [Image.new("RGB", (64 + 8 * i, 64), (40 * i, 90, 160)) for i in range(2)]
+    widths = [64, 64 if family in ONE_SIZE_PER_CALL else 72]
+    images = [Image.new("RGB", (width, 64), (40 * i, 90, 160)) for i, width in enumerate(widths)]
+    # The retained buffer holds two of the larger image's rows (mllama: no rows, its K/V slots).
+    model, kind = checkpoint.description, get_family(family)
+    tiny_rows = max(1, *(kind.image_tokens(model, ImageSize(64, width)) for width in widths))
+    tiny_rows = 1 if family == "mllama" else tiny_rows
     kinds = {
         "one image": [(images[:1], "Describe it.")],
         "two images": [(images, "Compare them.")],
@@ -134,7 +165,7 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
     measured = {}
     for kind, turns in kinds.items():
         # A 24-token bucket cuts the prompts into several chunks; the buffer holds two images' rows.
-        shape = LanguageShape((PrefillBucket(24, 2 * TINY_ROWS[family]),), 2 * TINY_ROWS[family], 512)
+        shape = LanguageShape((PrefillBucket(24, 2 * tiny_rows),), 2 * tiny_rows, 512)
         # mllama's program keeps two images' cross K/V (its image slots).
         slots = {"image_slots": 2} if family == "mllama" else {}
         generator = make_single_generator(checkpoint, program, shape, **slots)
