@@ -295,8 +295,11 @@ def test_internvl_compiles_and_runs_images_of_different_tile_counts(
 
 
 @pytest.mark.parametrize("family", ["llava_next", "llama4", "mistral3"])
-def test_compile_runs_every_specialization_on_onnxruntime(family, tiny_checkpoint, exported, tmp_path):
-    """A single spec of two resolutions, up to two images: every encode, keep and decode entry runs."""
+def test_compile_runs_every_specialization_on_onnxruntime(
+    family, tiny_checkpoint, exported, tmp_path, capsys
+):
+    """A single spec of two resolutions, up to two images: every encode, keep and decode entry runs;
+    ``run`` over two images and three turns matches transformers with the encoder counts printed."""
     sizes = load_adapter(get_family(family)).test_image_sizes[:2]
     spec = {
         "name": f"{family}-single",
@@ -317,6 +320,24 @@ def test_compile_runs_every_specialization_on_onnxruntime(family, tiny_checkpoin
     assert len(encode) >= 2 * len(sizes) and names[-1] == "Decode"  # per bucket: each size, 1 and 2 images
     assert len(lang["verification"]["runs"]) == len(names)  # each run on onnxruntime
     assert lang["onnx"].endswith("single.onnx")
+    pair = (sizes[0], sizes[0]) if family in ONE_SIZE_PER_CALL else sizes
+    for name, (height, width) in zip("ab", pair):
+        helpers.image(height, width, ord(name)).save(tmp_path / f"{name}.png")
+    images = ["--image", str(tmp_path / "a.png"), "--image", str(tmp_path / "b.png")]
+    turns = ["--prompt", "Compare.", "--prompt", "And the colours?", "--prompt", "Thanks."]
+    out = str(tmp_path / "out")
+    capsys.readouterr()
+    assert main(["run", out, *images, *turns, "--max-new-tokens", "4", "--compare-hf"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 3
+    assert err.count("1 encoder call(s) encoding 2 image(s)") == 1
+    assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
+    if family in ONE_SIZE_PER_CALL:  # a prompt's images of two sizes: refused in one line
+        helpers.image(*sizes[1], 9).save(tmp_path / "b.png")
+        assert main(["run", out, *images, "--prompt", "Compare.", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "deployment single encodes a prompt's images in one call" in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(
