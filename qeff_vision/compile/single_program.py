@@ -7,8 +7,10 @@ five times (ref: quic/efficient-transformers ``modeling_auto.py``
 Ours encodes each image once. The two exported graphs are composed at the ONNX level::
 
     pixel_values ──► If(encode) ─ then: vision graph (names prefixed ``vision/``), its rows
-                                        flattened to [1, n, H] and written at the front of the
-                                        retained buffer, the rows after cleared: Concat(rows, 0)
+                                        flattened to [1, n, H] and written into the retained
+                                        buffer from row ``image_idx`` (0 in a first chunk; a
+                                        prompt's later same-size group its first row), the
+                                        rows before and after kept: Concat(head, rows, tail)
                               └ else: Identity(vision_embeds)
     the language graph reads the If's output wherever it read ``vision_embeds``; its
     ``vision_embeds_RetainedState`` therefore retains the encoded rows for the later chunks.
@@ -142,7 +144,12 @@ def _constant(helper, TensorProto, name: str, values: list[int]):
 
 
 def _write_rows(
-    helper, TensorProto, buffer, encoded: str, slot: tuple[str, int] | None = None
+    helper,
+    TensorProto,
+    buffer,
+    encoded: str,
+    slot: tuple[str, int] | None = None,
+    cursor: str | None = None,
 ) -> tuple[list, str]:
     """Nodes writing the vision output ``encoded`` into ``buffer``, from its front or an image slot.
 
@@ -151,6 +158,13 @@ def _write_rows(
     wrote) and the rows after are zeroed (no stale image of an earlier conversation stays). f is 0,
     or with ``slot`` (the pixel input and its image-count axis) ``first_image_slot`` times the
     rows per image (n over the encoded image count).
+
+    With ``cursor`` (the token-merge kind's ``image_idx`` [1, 1]) f is its value and the rows
+    after are kept too: a prompt whose images need several encode calls (images of different
+    sizes where one call takes one size: LLaVA-NeXT, Mistral 3) writes each group at its first
+    row, the call at row 0 last (runtime/single.py). A first chunk's ``image_idx`` is 0, so a
+    one-call prompt writes at the front as before; rows past the prompt's images are never read
+    (placeholders read rows by ``image_idx``).
     """
     name = buffer.name
     axis = _row_axis(buffer)
@@ -167,7 +181,12 @@ def _write_rows(
         _constant(helper, TensorProto, f"{tag}/axis", [axis]),
     ]
     first_row = f"{tag}/first"
-    if slot is None:
+    if cursor is not None:
+        nodes += [
+            _constant(helper, TensorProto, f"{tag}/one", [1]),
+            helper.make_node("Reshape", [cursor, f"{tag}/one"], [first_row]),
+        ]
+    elif slot is None:
         nodes.append(_constant(helper, TensorProto, first_row, [0]))
     else:
         pixel, image_axis = slot
@@ -181,17 +200,22 @@ def _write_rows(
         helper.make_node("Add", [first_row, f"{tag}/n"], [stop]),
         helper.make_node("Slice", [name, f"{tag}/zero_start", first_row, f"{tag}/axis"], [f"{tag}/head"]),
         helper.make_node("Slice", [name, stop, f"{tag}/end", f"{tag}/axis"], [f"{tag}/tail"]),
-        helper.make_node("Shape", [f"{tag}/tail"], [f"{tag}/tail_shape"]),
-        helper.make_node(
-            "ConstantOfShape",
-            [f"{tag}/tail_shape"],
-            [f"{tag}/cleared"],
-            value=helper.make_tensor(f"{tag}/nought", buffer.type.tensor_type.elem_type, [1], [0]),
-        ),
-        helper.make_node(
-            "Concat", [f"{tag}/head", f"{tag}/rows", f"{tag}/cleared"], [f"{tag}/encoded"], axis=axis
-        ),
     ]
+    after = f"{tag}/tail"
+    if cursor is None:
+        after = f"{tag}/cleared"
+        nodes += [
+            helper.make_node("Shape", [f"{tag}/tail"], [f"{tag}/tail_shape"]),
+            helper.make_node(
+                "ConstantOfShape",
+                [f"{tag}/tail_shape"],
+                [after],
+                value=helper.make_tensor(f"{tag}/nought", buffer.type.tensor_type.elem_type, [1], [0]),
+            ),
+        ]
+    nodes.append(
+        helper.make_node("Concat", [f"{tag}/head", f"{tag}/rows", after], [f"{tag}/encoded"], axis=axis)
+    )
     nodes.insert(0, _constant(helper, TensorProto, f"{tag}/zero_start", [0]))
     return nodes, f"{tag}/encoded"
 
@@ -252,7 +276,9 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
         slot = (pixel.name, axes.index(images_symbol))
     for name, encoded in zip(outputs, (value.name for value in vg.output), strict=True):
         buffer = lang_inputs[name]
-        nodes, written = _write_rows(helper, TensorProto, buffer, encoded, slot)
+        # The token-merge kind writes at image_idx (several encode calls for a prompt's images).
+        cursor = symbols.IMAGE_IDX if not slotted and symbols.IMAGE_IDX in lang_inputs else None
+        nodes, written = _write_rows(helper, TensorProto, buffer, encoded, slot, cursor)
         then_nodes += nodes
         dtype = buffer.type.tensor_type.elem_type
         then_out.append(helper.make_tensor_value_info(written, dtype, None))

@@ -148,6 +148,48 @@ def batched_images(
     return out
 
 
+def image_groups(
+    program: Any,
+    image_inputs: Mapping[str, list],
+    per_image: list[Mapping[str, np.ndarray]],
+    rows: list[int],
+) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """A prompt's images as encode calls: (first buffer row, batched inputs) per call.
+
+    One call when every image's inputs share their shapes besides the ``num_images`` axis (or
+    the tile axis of a tiled graph): :func:`batched_images`. Otherwise (images of different
+    sizes where one call takes images of one size: LLaVA-NeXT's tile and feature grids, Pixtral's
+    pixel grid) one call per run of consecutive images of one shape, each written from the row
+    its first image's rows start at (the composed graph writes at ``image_idx``), so the rows
+    stay in prompt order.
+
+    Args:
+        program: The composed program (its input dtypes).
+        image_inputs: Its image inputs with their axes (:func:`single_image_inputs`).
+        per_image: Each image's vision inputs, in prompt order.
+        rows: Each image's embedding rows, in prompt order.
+    """
+
+    def shape_key(inputs: Mapping[str, np.ndarray]) -> tuple:
+        return tuple(
+            tuple(np.delete(np.array(inputs[name].shape), list(axes).index(NUM_IMAGES)))
+            for name, axes in image_inputs.items()
+            if NUM_IMAGES in axes
+        )
+
+    groups: list[tuple[int, list]] = []
+    first = 0
+    for index, inputs in enumerate(per_image):
+        if not groups or shape_key(per_image[groups[-1][1][0]]) != shape_key(inputs):
+            groups.append((first, []))
+        groups[-1][1].append(index)
+        first += rows[index]
+    return [
+        (row, batched_images(program, image_inputs, [per_image[i] for i in members]))
+        for row, members in groups
+    ]
+
+
 class EncoderCount:
     """The encoder inside the single program, as a generator sees a vision program: runs counted.
 
@@ -292,6 +334,24 @@ class SingleGenerator(Generator):
             self._buffer = outputs[self.io.name(Role.VISION_ROWS, output=True)]
         return outputs
 
+    def _encode_later_groups(
+        self, groups: list[tuple[int, dict[str, np.ndarray]]], by_role: dict, past: dict[str, np.ndarray]
+    ) -> None:
+        """Encode calls writing the rows of a prompt's later image groups before its first chunk runs.
+
+        Each is the first chunk's call with one group's images and ``image_idx`` at the group's
+        first row (where the composed graph writes them; rows before and after are kept). Only
+        the rows are kept: the host caches are put back, so the first chunk's own call (the first
+        group's images, written at row 0, with every later group's rows already in place) writes
+        the chunk's KV once.
+        """
+        held = dict(past)
+        for first_row, feeds in groups:
+            cursor = {Role.VISION_CURSOR: np.array([[first_row]], dtype=np.int64)}
+            self._call({**by_role, **cursor}, feeds, past)
+        past.clear()
+        past.update(held)
+
     def _prefill(
         self,
         plan: ChunkPlan,
@@ -307,8 +367,10 @@ class SingleGenerator(Generator):
         self._images = images = images[kept:] if plan.segments else []
         # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
         per_image = self.host.vision_inputs(processed)[kept:] if images else []
-        pending = batched_images(self.language, self.image_inputs, per_image) if images else None
-        pixel_bytes = sum(array.nbytes for array in (pending or {}).values())
+        rows = self.host.placeholder_counts(processed)[kept:] if images else []
+        groups = image_groups(self.language, self.image_inputs, per_image, rows) if images else []
+        pending = groups[0][1] if groups else None
+        pixel_bytes = sum(array.nbytes for _, feeds in groups for array in feeds.values())
         records, outputs = [], {}
         for chunk in plan.chunks:
             token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
@@ -322,12 +384,14 @@ class SingleGenerator(Generator):
             }
             encoding = pending is not None
             began = time.perf_counter()
+            if encoding and len(groups) > 1:
+                self._encode_later_groups(groups[1:], by_role, past)
             outputs = self._call(by_role, pending if encoding else self._placeholder(), past)
             seconds = time.perf_counter() - began
             self.check_chunk_outputs(chunk, outputs)
             count = len(images) if encoding else 0
             if encoding:
-                self.encoder.calls += 1
+                self.encoder.calls += len(groups)
                 self.encoder.images += count
                 pending = None
             records.append(

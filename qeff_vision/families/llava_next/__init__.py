@@ -119,10 +119,10 @@ class LlavaNext(Family):
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
-            "one lang program: the tiling CLIP tower composed in, run once per prompt in the first "
-            "chunk over its images (one call takes images of one tile and feature grid, so a prompt's "
-            "images share a size; a later turn's may differ); the fixed tile side is the symbol "
-            "pixel_side (1 in keep entries); later chunks and decode read the rows"
+            "one lang program: the tiling CLIP tower composed in, run once per image in the first "
+            "chunk (one call per run of same-size images: a call takes one tile and feature grid); "
+            "the fixed tile side is the symbol pixel_side (1 in keep entries); later chunks and "
+            "decode read the rows"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,

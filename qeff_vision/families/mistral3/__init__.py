@@ -85,10 +85,9 @@ class Mistral3(Family):
         video=no("Mistral 3 takes images only"),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
-            "one lang program: the Pixtral tower composed in, run once per prompt in the first chunk "
-            "over its images (one call takes images of one size: the patch grid is the pixels' "
-            "shape, so a prompt's images share a size; a later turn's may differ); later chunks "
-            "and decode read the rows"
+            "one lang program: the Pixtral tower composed in, run once per image in the first chunk "
+            "(one call per run of same-size images: the patch grid is the pixels' shape); later "
+            "chunks and decode read the rows"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
