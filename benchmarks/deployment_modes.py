@@ -15,7 +15,7 @@ the family's pinned spec. Three forms:
 - **ours, dual** (built): each image is encoded once by the vision program (the per-image cache
   holds it across turns); each chunk carries only the embedding rows it needs (``chunk``).
 - **ours, single** (issue 24; built for LLaVA, LLaVA-NeXT, Gemma 3, InternVL, Mistral 3, Llama
-  3.2 Vision and Llama 4): the encoder
+  3.2 Vision, Llama 4, the Qwen-VL families and Gemma 4; Qwen2.5-VL and Gemma 4 shown): the encoder
   runs once per image inside the one program and its rows (mllama: its cross-attention K/V) are
   retained; nothing but the pixels crosses, once per image. For the built families the column is
   the runtime's own count: the same four prompt kinds run through the decoder kind's single
@@ -92,6 +92,9 @@ CASES = (
         ((128, 128), (512, 512)),
         5 * 3 * 336 * 336,
     ),
+    # Patch sequences: Qwen2.5-VL's 988 patches x 1176 of a 354x536 image, Gemma 4's 2,304 x 768.
+    Case("qwen2_5_vl", "Qwen2.5-VL-3B-Instruct", ImageSize(354, 536), ((128, 128), (512, 512)), 988 * 1176),
+    Case("gemma4", "gemma-4-E2B-it", ImageSize(896, 896), ((128, 128), (512, 512)), 2304 * 768),
 )
 TEXT_BEFORE, TEXT_AFTER, TURN_TEXT, ANSWER = 24, 300, 40, 60
 

@@ -48,8 +48,18 @@ def test_single_refuses_batching_keys_each_in_one_line(tmp_path):
     assert all("\n" not in problem for problem in problems)
 
 
-def test_single_is_refused_with_the_familys_reason_where_not_built(tmp_path, capsys):
+def test_single_is_refused_with_the_familys_reason_where_not_built(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    from qeff_vision.families import get_family
+    from qeff_vision.families.features import SINGLE_PROGRAM_NOT_BUILT
+
     path = write_spec_data(tmp_path, spec_data(deployment="single"))
+    assert main(["validate", str(path)]) == 0  # Qwen2.5-VL (a patch-sequence tower) is built
+    capsys.readouterr()
+    # A family declaring it not built (every family may be built one day) is refused with its reason.
+    family = type(get_family("qwen2_5_vl"))
+    monkeypatch.setattr(family, "features", replace(family.features, single_program=SINGLE_PROGRAM_NOT_BUILT))
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert "deployment: Qwen2.5-VL cannot be deployed single: not built for this family" in err

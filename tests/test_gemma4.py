@@ -414,3 +414,38 @@ def test_three_stage_parity_of_the_26b_and_31b_layouts(name, layout):
             inputs["input_ids"], positions, features, torch.zeros(1, 1, dtype=torch.int64), *past
         )[0]
     assert np.abs(causal[0, -1].numpy() - reference).max() > 1e-3
+
+
+def test_single_program_moves_bidirectional_images_whole(layout):
+    """``deployment: single`` on the 31B layout ("vision" attention: images move whole): a three-turn
+    chat token-identical to transformers, the encoder run on 1, 0 and 1 images."""
+    from qeff_vision.compile.single_program import write_single_program
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+    from qeff_vision.runtime.session import OnnxProgram
+    from qeff_vision.runtime.single import SingleGenerator
+    from tests.family_runtime import CTX_LEN
+
+    runtime = layout("dense")
+    vision, language = runtime.vision.path, runtime.language.path
+    program = OnnxProgram(write_single_program(vision.parent.parent, vision, language))
+    rows = 160  # two tiny images' soft tokens at most (about 60 each)
+    buckets = tuple(PrefillBucket(seq_len, rows) for seq_len in (16, 96))
+    generator = SingleGenerator(runtime.checkpoint, program, LanguageShape(buckets, rows, CTX_LEN))
+    chat = Conversation(generator, runtime.processor, max_new_tokens=NEW_TOKENS)
+    turns = [
+        ([helpers.image(100, 150, 5)], "Describe."),
+        ([], "And the colours?"),
+        ([helpers.image(90, 120, 6)], "Compare."),
+    ]
+    encoded = []
+    for number, (images, text) in enumerate(turns, 1):
+        result = chat.ask(images, text, keep_logits=True)
+        runtime.check(result, chat.last_inputs.processed, f"dense single turn {number}")
+        encoded.append((result.encoder_calls, result.images_encoded))
+        if images:  # the image's placeholders sit in one chunk (bidirectional on sliding layers)
+            plan = generator.plan(
+                chat.last_inputs.processed["input_ids"].reshape(-1), chat.last_inputs.processed, "chunk"
+            )
+            assert all(len(chunks_of_image(plan, i)) == 1 for i in range(len(plan.segments)))
+    assert encoded == [(1, 1), (0, 0), (1, 1)]

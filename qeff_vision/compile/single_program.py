@@ -16,8 +16,10 @@ Ours encodes each image once. The two exported graphs are composed at the ONNX l
     ``vision_embeds_RetainedState`` therefore retains the encoded rows for the later chunks.
 
 ``encode`` is a function of shapes only, so a compiler folds the If per specialization and the
-decode and later-chunk specializations keep no encoder: a specialization encodes when the image
-side (the last axis of ``pixel_values``) is larger than 1.
+decode and later-chunk specializations keep no encoder: a specialization encodes when the pixel
+input's gate axis (the family's ``single_encode_axis``: the image side, the last axis of
+[..., C, H, W] images, or the patch axis of a patch sequence such as Qwen-VL's
+[patches, patch_dim]) is larger than 1.
 
 The cross-attention kind (mllama) composes the same way: its vision outputs are the cross
 layers' K/V, named like the language graph's cache inputs of those layers, so the encode branch
@@ -124,17 +126,46 @@ def _prefix_names(graph, keep: set[str]) -> None:
         value.name = renamed(value.name)
 
 
-def _row_axis(value) -> int:
-    """The row axis of a retained buffer input: its first symbolic axis after the batch axis.
+# The batch axis of a retained buffer (1 in the composed program's batch-1 entries).
+BATCH_AXES = (symbols.VISION_BATCH_SIZE, symbols.BATCH_SIZE)
 
-    ``vision_embeds`` [vision_batch_size, vision_size, hidden] -> 1; a cross-attention K/V
-    [batch_size, kv_heads, cross_states, head_dim] -> 2.
+
+def _row_axis(value) -> int:
+    """The row axis of a retained buffer input: ``vision_size``, else its first symbolic axis after the batch.
+
+    ``vision_embeds`` [vision_batch_size, vision_size, hidden] -> 1; stacked rows (Qwen3-VL's
+    ``deepstack_features`` [num_feature_layers, vision_batch_size, vision_size, hidden]) -> 2; a
+    cross-attention K/V [batch_size, kv_heads, cross_states, head_dim] -> 2.
     """
     dims = value.type.tensor_type.shape.dim
+    names = [dim.dim_param for dim in dims]
+    if symbols.VISION_SIZE in names:
+        return names.index(symbols.VISION_SIZE)
     for axis in range(1, len(dims)):
         if dims[axis].dim_param:
             return axis
     raise UserError(f"{value.name}: a retained buffer needs a symbolic row axis")
+
+
+def _buffer_shape(buffer, axis: int) -> list[int]:
+    """The Reshape target of a vision output written into ``buffer``: batch 1, rows -1.
+
+    Fixed axes keep their extent; another symbolic axis before the rows (a stacked depth) is 0,
+    Reshape's "copy the vision output's extent", which has that axis at the same place.
+    """
+    dims = buffer.type.tensor_type.shape.dim
+    names = [dim.dim_param for dim in dims]
+    # The batch axis: the first named so, else axis 0 (the original layout's assumption).
+    batch = next((i for i, name in enumerate(names) if name in BATCH_AXES), 0)
+    shape = []
+    for index, dim in enumerate(dims):
+        if index == axis:
+            shape.append(-1)
+        elif index == batch:
+            shape.append(1)
+        else:
+            shape.append(0 if dim.dim_param else dim.dim_value)
+    return shape
 
 
 def _constant(helper, TensorProto, name: str, values: list[int]):
@@ -168,9 +199,8 @@ def _write_rows(
     """
     name = buffer.name
     axis = _row_axis(buffer)
-    dims = buffer.type.tensor_type.shape.dim
-    shape = [1 if i == 0 else -1 if i == axis else dims[i].dim_value for i in range(len(dims))]
-    if any(value == 0 for value in shape):
+    shape = _buffer_shape(buffer, axis)
+    if any(value == 0 for value in shape[axis + 1 :]):
         raise UserError(f"{name}: deployment single needs fixed axes besides the batch and the rows")
     tag = f"single/{name}"
     nodes = [
@@ -225,7 +255,12 @@ def _buffer_name(name: str) -> str:
     return ROWS if name == symbols.VISION_EMBEDS else f"single/{name}/read"
 
 
-def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols.BATCH_SIZE):
+def compose(
+    vision_path: Path,
+    language_path: Path,
+    images_symbol: str = symbols.BATCH_SIZE,
+    encode_axis: int = -1,
+):
     """The single-program ``ModelProto`` of an export's two graphs (external data not loaded).
 
     Every vision output must be a retained buffer input of the language graph: ``vision_embeds``
@@ -239,6 +274,8 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
         language_path: The language graph.
         images_symbol: The vision graph's symbol counting the images of one call (renamed
             ``num_images``; the family's ``vision_images_symbol``).
+        encode_axis: The pixel input's axis gating the encoder (the family's
+            ``single_encode_axis``): 1 in a keep specialization, larger in an encode one.
 
     Raises:
         UserError: A graph is unreadable, or not of the form this composition handles.
@@ -258,8 +295,13 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
     if clash:
         raise UserError(f"{vision_path}: vision inputs {clash} are also language inputs")
     pixel = vg.input[0]
-    if len(pixel.type.tensor_type.shape.dim) < 4:
-        raise UserError(f"{vision_path}: deployment single needs a [..., C, H, W] first vision input")
+    rank = len(pixel.type.tensor_type.shape.dim)
+    if not -rank <= encode_axis < rank or (encode_axis < 0 and rank < 4):
+        raise UserError(
+            f"{vision_path}: deployment single gates the encoder on an axis of the first vision input: "
+            f"its image side ([..., C, H, W]) or its declared patch axis "
+            f"(got rank {rank}, axis {encode_axis})"
+        )
     # The vision graph's values, prefixed, its weights hoisted to the outer graph (a branch reads them).
     _prefix_names(vg, keep={value.name for value in vg.input})
     _relocate_graph(vg, vision_path.parent.name)
@@ -267,7 +309,7 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
     then_nodes, then_out, else_nodes, else_out = list(vg.node), [], [], []
     # The cross-attention kind keeps an earlier turn's images in their slots: a later turn's
     # images are written after them (token-merge rows are read by image_idx from the front).
-    slotted = outputs != [symbols.VISION_EMBEDS]
+    slotted = symbols.VISION_EMBEDS not in outputs
     slot = None
     if slotted:
         axes = [dim.dim_param for dim in pixel.type.tensor_type.shape.dim]
@@ -286,8 +328,9 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
         else_out.append(helper.make_tensor_value_info(f"single/{name}/kept", dtype, None))
     gate = [
         # The image side is the last axis of the pixel input ([n, C, H, W], or mllama's
-        # [batch, images, tiles, C, H, W]): 1 in a keep specialization, the image's otherwise.
-        helper.make_node("Shape", [pixel.name], ["single/side"], start=-1),
+        # [batch, images, tiles, C, H, W]), a patch sequence's its patch axis: 1 in a keep
+        # specialization, the images' otherwise.
+        helper.make_node("Shape", [pixel.name], ["single/side"], **_axis_range(encode_axis)),
         _constant(helper, TensorProto, "single/keep_side", [KEEP_SIDE]),
         helper.make_node("Greater", ["single/side", "single/keep_side"], ["single/encode_1"]),
         helper.make_node("Squeeze", ["single/encode_1"], ["single/encode"]),
@@ -307,8 +350,9 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
             if dim.dim_param:
                 dim.dim_param = vision_symbol(dim.dim_param, images_symbol)
     # A fixed side (the last two axes only: mllama's tile and channel axes stay fixed) becomes
-    # symbolic here, bound per entry (spec/single.py).
-    for dim in pixel.type.tensor_type.shape.dim[-2:]:
+    # symbolic here, bound per entry (spec/single.py). A patch sequence's gate is its patch axis,
+    # already symbolic; its fixed patch width stays fixed.
+    for dim in pixel.type.tensor_type.shape.dim[-2:] if encode_axis == -1 else ():
         if not dim.dim_param:
             dim.dim_param = PIXEL_SIDE
     # QEfficient's order: input_ids, position_ids, pixel_values, ...; then the language's rest.
@@ -340,12 +384,17 @@ def compose(vision_path: Path, language_path: Path, images_symbol: str = symbols
     return model
 
 
-def _images_symbol(export_dir: Path) -> str:
-    """The exported family's ``vision_images_symbol`` (read from the export's record)."""
+def _axis_range(axis: int) -> dict[str, int]:
+    """``Shape``'s start/end attributes selecting the one axis ``axis`` (negative from the end)."""
+    return {"start": axis} if axis == -1 else {"start": axis, "end": axis + 1}
+
+
+def _family(export_dir: Path):
+    """The exported family (read from the export's record)."""
     from qeff_vision.export_record import read_export
     from qeff_vision.families import get_family
 
-    return get_family(read_export(Path(export_dir))["family"]).vision_images_symbol
+    return get_family(read_export(Path(export_dir))["family"])
 
 
 def write_single_program(export_dir: Path, vision_path: Path, language_path: Path) -> Path:
@@ -357,7 +406,10 @@ def write_single_program(export_dir: Path, vision_path: Path, language_path: Pat
     import onnx
 
     target = single_program_path(export_dir)
-    model = compose(Path(vision_path), Path(language_path), _images_symbol(export_dir))
+    family = _family(export_dir)
+    model = compose(
+        Path(vision_path), Path(language_path), family.vision_images_symbol, family.single_encode_axis
+    )
     staging = target.with_name(target.name + ".partial")
     try:
         onnx.save(model, str(staging))

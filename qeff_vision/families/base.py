@@ -163,6 +163,13 @@ class Family:
     #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
     #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.
     vision_images_symbol: str = symbols.BATCH_SIZE
+    #: ``deployment: single``'s encode gate: the axis of the vision graph's first (pixel) input
+    #: whose extent is 1 in a keep specialization (the host's placeholder) and larger in every
+    #: encode one. The image side (the last axis) of [..., C, H, W] images by default; a
+    #: patch-sequence graph ([patches, patch_dim]) names its patch axis. A pixel input without the
+    #: image-count axis concatenates a call's images on this axis, so an encode entry of n images
+    #: binds its symbol to their sum (spec/single.py).
+    single_encode_axis: int = -1
     #: Optional capability: the family's :class:`PatchBuckets` subclass (a vision program on patch
     #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
     patch_bucket_capability: type[PatchBuckets] | None = None

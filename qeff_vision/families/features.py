@@ -63,8 +63,9 @@ DISAGGREGATED_PROGRAMS = yes(
 #: graph as one If branch (compile/single_program.py); the others declare this (or their own reason).
 SINGLE_PROGRAM_NOT_BUILT = no(
     "not built for this family: the single program composes a vision graph of [..., C, H, W] "
-    "images whose outputs are retained language inputs (built: llava, llava_next, gemma3, "
-    "internvl, mistral3, mllama, llama4)"
+    "images or a patch sequence with a declared patch axis, whose outputs are retained language "
+    "inputs (built: llava, llava_next, gemma3, gemma4, internvl, mistral3, mllama, llama4, "
+    "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe)"
 )
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 

@@ -273,6 +273,10 @@ class Conversation:
             raise UserError(
                 f"{clip.source}: {family.title} does not take video ({family.features.video.note})"
             )
+        if getattr(generator, "single_program", False):  # its spec refuses vision.videos too
+            raise UserError(
+                f"{clip.source}: deployment single encodes images only; serve clips with deployment dual"
+            )
         problems = generator.family.validate_image(ModelDescription(generator.checkpoint.config), size)
         if problems:
             raise UserError(f"{clip.source}: {problems[0]}")

@@ -227,8 +227,9 @@ class SingleGenerator(Generator):
         super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
         #: The composed graph's image inputs (the vision graph's), with their axes.
         self.image_inputs = single_image_inputs(program, self.io.input_names)
-        self.rows_name = self.io.rows(Role.VISION_ROWS)[0].name
-        self._buffer: np.ndarray | None = None
+        #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
+        self._row_inputs = self.io.rows(Role.VISION_ROWS)
+        self._buffers: dict[str, np.ndarray] | None = None
         #: What the program holds (tokens, images, host caches); a later prompt keeps its prefix.
         self.held: HeldPrefix | None = None
         self._unpositioned = unpositioned_caches(self.io)
@@ -305,13 +306,14 @@ class SingleGenerator(Generator):
         """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
         return placeholder_feeds(self.language, self.image_inputs)
 
-    def _rows_feed(self) -> dict[Role, np.ndarray]:
-        """The retained buffer on onnxruntime (a device keeps it resident)."""
+    def _rows_feed(self) -> dict[Role, dict[str, np.ndarray]]:
+        """The retained buffers on onnxruntime, by name (a device keeps them resident)."""
         if self.language.retains_state:
             return {}
-        if self._buffer is None:
-            self._buffer = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
-        return {Role.VISION_ROWS: self._buffer}
+        if self._buffers is None:
+            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
+            self._buffers = self._vision_feeds_of_rows(zeros)
+        return {Role.VISION_ROWS: self._buffers}
 
     def _call(self, by_role: dict, images: Mapping[str, np.ndarray], past: dict) -> dict[str, np.ndarray]:
         return self.step({**self.io.feeds({**by_role, **self._rows_feed()}), **images}, past)
@@ -330,8 +332,10 @@ class SingleGenerator(Generator):
     def step(self, feeds, past, in_place=False):
         """:meth:`Generator.step`, keeping the retained rows of a decode step too."""
         outputs = super().step(feeds, past, in_place)
-        if not self.language.retains_state and self.rows_name in feeds:
-            self._buffer = outputs[self.io.name(Role.VISION_ROWS, output=True)]
+        if not self.language.retains_state and self._buffers is not None:
+            for row in self._row_inputs:
+                if row.name in feeds:
+                    self._buffers[row.name] = outputs[self.io.output_of(row)]
         return outputs
 
     def _encode_later_groups(

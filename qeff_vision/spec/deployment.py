@@ -131,6 +131,27 @@ def check_deployment(reader: Any, family: Any, deployment: Deployment, model: An
         )
 
 
+def check_single_vision(reader: Any, deployment: Deployment, vision: Any) -> None:
+    """``deployment: single`` encodes a prompt's images with one resolution table: no clips, no buckets.
+
+    A clip (``vision.videos``) would ride the image path with its frames as temporal patches,
+    which the single program's runtime does not feed; patch buckets pack images with host-made
+    ids (a separate vision graph) that the composition does not take. Both serve dual.
+    """
+    if deployment.mode != SINGLE or vision is None:
+        return
+    if any(image.video for _, image in vision.images):
+        reader.add(
+            "vision.videos", "deployment single encodes images only; serve video clips with deployment dual"
+        )
+    if vision.patch_buckets:
+        reader.add(
+            "vision.patch_buckets",
+            "deployment single composes the per-resolution vision graph; give vision.images "
+            "(patch buckets serve dual)",
+        )
+
+
 def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None) -> tuple[Any, ...]:
     """The language program(s) of ``mode`` from the dual language files (``ProgramFiles``).
 

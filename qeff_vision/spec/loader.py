@@ -14,7 +14,7 @@ from qeff_vision.families.base import Family, ModelDescription
 from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
-from qeff_vision.spec.deployment import check_deployment, read_deployment
+from qeff_vision.spec.deployment import check_deployment, check_single_vision, read_deployment
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
     MAX_BATCH_SIZE,
@@ -156,6 +156,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
         reader.add("compile.comp_ctx_lengths", f"{family.title} cannot use compute-context lengths: {note}")
     if family is not None and deployment is not None and description is not None:
         check_deployment(reader, family, deployment, description)
+    if deployment is not None:
+        check_single_vision(reader, deployment, vision)
     if family is not None and description is not None and vision is not None and vision.image_processor:
         description = with_image_processor_options(reader, family, description, vision.image_processor)
     if family is not None and description is not None and vision is not None:

@@ -59,6 +59,7 @@ def single_program(
     max_images: int,
     pixel_side: int | None = None,
     images_symbol: str | None = symbols.BATCH_SIZE,
+    summed: str | None = None,
 ) -> Any:
     """The ``lang`` program files of a single deployment from the dual pair's files.
 
@@ -75,6 +76,9 @@ def single_program(
             has no such axis and takes images as batches of tiles (InternVL); one encode call
             takes the tiles of every image of the prompt, so an encode entry exists per
             combination of resolutions, its tile count their sum.
+        summed: The pixel input's patch-axis symbol when that input concatenates a call's images
+            on it (a patch sequence, Qwen-VL's [patches, patch_dim]: the family's
+            ``single_encode_axis``); an entry of n images binds it to n times one image's.
 
     Returns:
         One ``ProgramFiles`` (directory ``lang``) with the language custom IO.
@@ -100,7 +104,8 @@ def single_program(
             for image in vision.specializations:
                 pixels = {**_image_symbols(image, images_symbol, bound), **side}
                 for count in range(1, max_images + 1):
-                    encode = _ordered(base, {**pixels, NUM_IMAGES: str(count)}, buffer)
+                    joined = {summed: str(count * int(pixels[summed]))} if summed in pixels else {}
+                    encode = _ordered(base, {**pixels, **joined, NUM_IMAGES: str(count)}, buffer)
                     name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{image.name.removeprefix('Vision-')}"
                     entries.append(Specialization(name, encode))
         entries.append(replace(entry, symbols=_ordered(base, keep_images, buffer)))

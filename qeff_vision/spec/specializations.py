@@ -364,6 +364,11 @@ def build_specializations(
     if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
         on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
         count = family.vision_images_symbol if family.vision_images_symbol in on_inputs else None
+        # A pixel input without the image-count axis (a patch sequence) joins a call's images on
+        # its gate axis: that axis's symbol sums over the images.
+        pixel_axes = next(iter(family.vision_input_axes.values()), {})
+        joined = pixel_axes.get(family.single_encode_axis)
+        summed = joined if count is not None and count not in pixel_axes.values() else None
         programs = (
             single_program(
                 vision,
@@ -372,6 +377,7 @@ def build_specializations(
                 spec.vision.max_images,
                 family.fixed_pixel_side(model),
                 count,
+                summed,
             ),
         )
     else:

@@ -35,7 +35,6 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     SLIDING_ATTENTION,
     Family,
     Features,
@@ -84,7 +83,10 @@ class Gemma4(Family):
         ),
         video=no("video frames are not exported yet (images only; audio is refused)"),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the patch-sequence tower composed in, gated on the patch count (the "
+            "placeholder has 1 patch); same-resolution images share the first chunk's encode call"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
@@ -93,6 +95,9 @@ class Gemma4(Family):
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
         IMAGE_POSITION_IDS: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
     }
+    # deployment single: the patch axis gates the encoder (an image has at least one pooled cell of
+    # pooling_kernel_size^2 = 9 patches, the keep placeholder 1).
+    single_encode_axis = 1
     # <|image> and <image|> always separate two images' soft tokens.
     tokens_between_images = 2
     # The image budget (spec key vision.image_processor.max_soft_tokens).

@@ -20,7 +20,6 @@ from qeff_vision.families.base import (
     NO_DEEPSTACK,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
@@ -171,7 +170,11 @@ class Qwen2_5_VL(Family):
         video=yes("2 frames per temporal patch; a vision specialization per (resolution, frames)"),
         video_pruning=EVS_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the patch-sequence tower composed in, gated on the patch count "
+            "(the placeholder has 1 patch); same-resolution images share the first chunk's encode "
+            "call; images only (clips and patch buckets serve dual)"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
@@ -183,6 +186,9 @@ class Qwen2_5_VL(Family):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
+    # deployment single: the patch axis gates the encoder (an image has >= min_pixels / 14^2 = 16
+    # patches, the keep placeholder 1); a call's images are concatenated on it.
+    single_encode_axis = 0
     #: Whose defaults ``VISION_DEFAULTS`` and the pixel bounds are, for notes.
     defaults_source = "Qwen2.5-VL default"
     vision_defaults = VISION_DEFAULTS

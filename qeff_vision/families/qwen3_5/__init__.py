@@ -26,7 +26,6 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     EVS_VIDEO_PRUNING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     ModelDescription,
     no,
@@ -91,7 +90,11 @@ FEATURES = dict(
     deepstack=no("the architecture has no deepstack layers"),
     continuous_batching=yes("conv/recurrent states and KV caches indexed by batch_index"),
     disaggregated=DISAGGREGATED_PROGRAMS,
-    single_program=SINGLE_PROGRAM_NOT_BUILT,
+    single_program=yes(
+        "one lang program: the patch-sequence tower composed in, gated on the patch count; "
+        "same-resolution images share one encode call; conv/recurrent states kept per turn like "
+        "the KV; images only"
+    ),
     comp_ctx_lengths=no("not yet tested with recurrent layers"),
 )
 

@@ -23,7 +23,6 @@ from qeff_vision.families.base import (
     EVS_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     ImageSize,
     ModelDescription,
@@ -73,7 +72,11 @@ class Qwen3_VL(Qwen2_5_VL):
         video=yes("2 frames per temporal patch; frames as timestamped placeholder runs"),
         video_pruning=EVS_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=yes(
+            "one lang program: the patch-sequence tower composed in, gated on the patch count; the "
+            "first chunk writes vision_embeds and deepstack_features rows into their retained "
+            "buffers; same-resolution images share one encode call; images only"
+        ),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
