@@ -85,7 +85,8 @@ class Gemma4(Family):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count (the "
-            "placeholder has 1 patch); same-resolution images share the first chunk's encode call"
+            "placeholder has 1 patch); one encode call per run of same-resolution images (one "
+            "num_patches per call) in the first chunk"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,

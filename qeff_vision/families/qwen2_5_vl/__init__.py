@@ -172,8 +172,9 @@ class Qwen2_5_VL(Family):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count "
-            "(the placeholder has 1 patch); same-resolution images share the first chunk's encode "
-            "call; images only (clips and patch buckets serve dual)"
+            "(the placeholder has 1 patch); one encode call per run of same-resolution images in the "
+            "first chunk (the grid rides on image_grid_thw's shape); images only (clips and patch "
+            "buckets serve dual)"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,

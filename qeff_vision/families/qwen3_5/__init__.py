@@ -92,7 +92,7 @@ FEATURES = dict(
     disaggregated=DISAGGREGATED_PROGRAMS,
     single_program=yes(
         "one lang program: the patch-sequence tower composed in, gated on the patch count; "
-        "same-resolution images share one encode call; conv/recurrent states kept per turn like "
+        "one encode call per run of same-resolution images; conv/recurrent states kept per turn like "
         "the KV; images only"
     ),
     comp_ctx_lengths=no("not yet tested with recurrent layers"),

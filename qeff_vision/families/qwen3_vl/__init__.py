@@ -75,7 +75,7 @@ class Qwen3_VL(Qwen2_5_VL):
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count; the "
             "first chunk writes vision_embeds and deepstack_features rows into their retained "
-            "buffers; same-resolution images share one encode call; images only"
+            "buffers; one encode call per run of same-resolution images; images only"
         ),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,

@@ -42,8 +42,8 @@ class Qwen3_VL_MoE(Qwen3_VL):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program, as Qwen3-VL's: the patch-sequence tower composed in, gated on the "
-            "patch count; vision_embeds and deepstack_features rows retained; same-resolution "
-            "images share one encode call; images only"
+            "patch count; vision_embeds and deepstack_features rows retained; one encode call per "
+            "run of same-resolution images; images only"
         ),
         deepstack=yes("deepstack_features rows sliced per chunk like vision_embeds"),
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
