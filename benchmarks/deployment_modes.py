@@ -147,7 +147,8 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
     program = OnnxProgram(composed)
     checkpoint = Checkpoint.open(checkpoint_dir, family)
     # Two widths; on the tiny checkpoints both land on one tile grid (LLaVA-NeXT) and one resized
-    # size (Mistral 3), so every family encodes the two in one call.
+    # size (Mistral 3), so those encode the two in one call; Qwen2.5-VL's and Gemma 4's patch grids
+    # differ, so theirs are two calls (one per resolution), each image still encoded once.
     widths = [64, 72]
     images = [Image.new("RGB", (width, 64), (40 * i, 90, 160)) for i, width in enumerate(widths)]
     # The retained buffer holds two of the larger image's rows (mllama: no rows, its K/V slots).
