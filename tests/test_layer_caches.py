@@ -4,9 +4,15 @@ import pytest
 import torch
 
 from qeff_vision import symbols
+from qeff_vision.contract.full_kv import full_length_caches, has_rings
 from qeff_vision.contract.language_io import (
+    CACHE_KINDS,
+    FULL_CACHE,
     KV_ROLES,
     RECURRENT,
+    RECURRENT_CACHE,
+    RING_CACHE,
+    SHARED_CACHE,
     STATE_ROLES,
     DType,
     Fixed,
@@ -82,6 +88,13 @@ def test_the_four_layer_kinds_coexist_in_one_table():
     layers = [*LAYERS, RECURRENT]
     io = language_io(5, cache_symbols=layers, continuous_batching=True)
     assert [cache.kind for cache in io.layers] == ["ring", "full", "shared", "shared", "recurrent"]
+    assert [cache.kind for cache in io.layers] == [
+        RING_CACHE,
+        FULL_CACHE,
+        SHARED_CACHE,
+        SHARED_CACHE,
+        RECURRENT_CACHE,
+    ]
     assert [row.name for row in io.rows(*STATE_ROLES)] == ["conv_state.4", "recurrent_state.4"]
     assert [row.layer for row in io.rows(*KV_ROLES)] == [0, 0, 1, 1]
     # Declaring the layer recurrent by index is the same table.
@@ -117,3 +130,21 @@ def test_retained_cache_skips_layers_without_rows():
     assert read_keys[0, 0, 1].tolist() == [1.0, 1.0]
     retained = cache.retained()
     assert len(retained) == 4 and retained[0].abs().sum() == 0 and retained[3][0, 0, 1].tolist() == [2.0, 2.0]
+
+
+def test_cache_kinds_are_named_once_with_their_values_unchanged():
+    # The names the code compares against keep the strings LayerCache.kind always returned.
+    assert CACHE_KINDS == ("full", "ring", "shared", "recurrent")
+    assert {LayerCache(symbols.CHUNK_CTX_LEN).kind, LayerCache(symbols.SLIDING_WINDOW).kind} == {RING_CACHE}
+    assert LayerCache("max_num_images").kind == FULL_CACHE  # a family's own symbol is not a ring
+    # retain_full_kv rewrites exactly the ring kinds: shared, recurrent and full layers are kept.
+    full = full_length_caches([*LAYERS, RECURRENT])
+    assert [cache.kind for cache in full] == [
+        FULL_CACHE,
+        FULL_CACHE,
+        SHARED_CACHE,
+        SHARED_CACHE,
+        RECURRENT_CACHE,
+    ]
+    assert full[2] == LAYERS[2] and full[1] == LAYERS[1]
+    assert has_rings(LAYERS) and not has_rings(full)

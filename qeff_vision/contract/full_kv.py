@@ -22,19 +22,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, LayerCache
-
-RING = "ring"
+from qeff_vision.contract.language_io import KV_ROLES, RING_CACHE, LanguageIO, LayerCache
 
 
 def full_length_caches(caches: Sequence[LayerCache]) -> tuple[LayerCache, ...]:
     """``caches`` with every ring layer's slot axis made ``ctx_len`` (heads, head dim, reads kept)."""
-    return tuple(replace(cache, length=symbols.CTX_LEN) if cache.kind == RING else cache for cache in caches)
+    return tuple(
+        replace(cache, length=symbols.CTX_LEN) if cache.kind == RING_CACHE else cache for cache in caches
+    )
 
 
 def has_rings(caches: Iterable[LayerCache]) -> bool:
     """Whether any layer keeps a ring (what ``retain_full_kv`` changes)."""
-    return any(cache.kind == RING for cache in caches)
+    return any(cache.kind == RING_CACHE for cache in caches)
 
 
 def keeps_full_kv(ring_table: LanguageIO, input_dims: Mapping[str, Sequence]) -> bool:
@@ -49,7 +49,7 @@ def keeps_full_kv(ring_table: LanguageIO, input_dims: Mapping[str, Sequence]) ->
         symbol.
     """
     for row in ring_table.rows(*KV_ROLES):
-        if ring_table.layers and ring_table.layers[row.layer].kind == RING and row.name in input_dims:
+        if ring_table.layers and ring_table.layers[row.layer].kind == RING_CACHE and row.name in input_dims:
             dims = list(input_dims[row.name])
             return len(dims) > 2 and dims[2] == symbols.CTX_LEN
     return False

@@ -109,6 +109,16 @@ STATE_ROLES = (Role.CONV_STATE, Role.RECURRENT_STATE)
 SLOT_ROLES = (*KV_ROLES, *STATE_ROLES)
 
 
+#: The kinds of layer cache (:attr:`LayerCache.kind`), named once: code compares against these.
+FULL_CACHE = "full"
+RING_CACHE = "ring"
+SHARED_CACHE = "shared"
+RECURRENT_CACHE = "recurrent"
+CACHE_KINDS = (FULL_CACHE, RING_CACHE, SHARED_CACHE, RECURRENT_CACHE)
+#: The slot symbols that make a layer's cache a ring (its slot = position mod the ring's length).
+RING_SYMBOLS = (symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN)
+
+
 @dataclass(frozen=True)
 class LayerCache:
     """What one decoder layer keeps between calls, declared once; its rows follow from it.
@@ -148,12 +158,16 @@ class LayerCache:
 
     @property
     def kind(self) -> str:
-        """``recurrent``, ``shared``, ``ring`` (a ``sliding_window``/``chunk_ctx_len`` axis) or ``full``."""
+        """The layer's kind: one of :data:`CACHE_KINDS`.
+
+        :data:`RECURRENT_CACHE`, :data:`SHARED_CACHE`, :data:`RING_CACHE` (a slot axis of
+        :data:`RING_SYMBOLS`) or :data:`FULL_CACHE`.
+        """
         if self.recurrent:
-            return "recurrent"
+            return RECURRENT_CACHE
         if self.shared:
-            return "shared"
-        return "ring" if self.length in (symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN) else "full"
+            return SHARED_CACHE
+        return RING_CACHE if self.length in RING_SYMBOLS else FULL_CACHE
 
     @property
     def has_kv(self) -> bool:

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from qeff_vision.contract.full_kv import RING
 from qeff_vision.contract.language_io import (
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
     KV_ROLES,
+    RING_CACHE,
     SLIDING_ATTENTION,
     STATE_ROLES,
     LanguageIO,
@@ -241,7 +241,7 @@ def ring_layers(parts: DecoderParts, io: LanguageIO | None = None) -> list[bool]
         return rings
     caches = io.layers
     return [
-        ring and caches[cache.reads if cache.shared else layer].kind == RING
+        ring and caches[cache.reads if cache.shared else layer].kind == RING_CACHE
         for layer, (ring, cache) in enumerate(zip(rings, caches))
     ]
 

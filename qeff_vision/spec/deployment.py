@@ -205,8 +205,7 @@ def full_kv_note(spec: Any) -> str | None:
     from math import prod
 
     from qeff_vision import symbols
-    from qeff_vision.contract.full_kv import RING
-    from qeff_vision.contract.language_io import KV_ROLES
+    from qeff_vision.contract.language_io import KV_ROLES, RING_CACHE
     from qeff_vision.families import get_family
 
     if not spec.deployment.retain_full_kv:
@@ -229,7 +228,7 @@ def full_kv_note(spec: Any) -> str | None:
         )
         return sum(prod(row.concrete_shape(values)) for row in table.rows(*KV_ROLES)) * per_element / 2**20
 
-    rings = sum(cache.kind == RING for cache in family.layer_caches(model))
+    rings = sum(cache.kind == RING_CACHE for cache in family.layer_caches(model))
     ring, full = mib(False), mib(True)
     return (
         f"retain_full_kv: {rings} ring layer(s) keep ctx_len {spec.ctx_len} slots; lang_decode's KV "
