@@ -210,3 +210,41 @@ def test_handoffs_are_reported_for_a_disaggregated_pair_only():
     assert handoff_counts(router) == (2, 4096)
     # A program that merely has such attributes is not a disaggregated pair.
     assert handoff_counts(SimpleNamespace(handoffs=3, handoff_bytes=1)) is None
+
+
+def test_engine_takes_its_slots_from_a_declared_slot_provider_only():
+    from types import SimpleNamespace
+
+    from qeff_vision.runtime.slots import BatchedSlots, SlotProvider
+
+    def program(full_batch_size: int, seq_len: int) -> SimpleNamespace:
+        entry = {symbols.SEQ_LEN: seq_len, symbols.FULL_BATCH_SIZE: full_batch_size}
+        return SimpleNamespace(
+            path="lang", input_dims={}, output_names=[], retains_state=False, specializations=[entry]
+        )
+
+    def engine_over(language) -> BatchedEngine:
+        # A continuous-batching host whose language program is ``language`` (no call is made).
+        generator = SimpleNamespace(
+            io=SimpleNamespace(has=lambda role: True),
+            language=language,
+            empty_cache=lambda slots=1: {},
+            decode_vision_feeds=lambda: {},
+        )
+        return BatchedEngine(generator)
+
+    # The pair: its slots, counted on the decode program (the prefill program binds 1).
+    router = PhaseRouter(program(1, 32), program(SLOTS, 1))
+    assert isinstance(router, SlotProvider)
+    engine = engine_over(router)
+    assert isinstance(engine.slots, DisaggregatedSlots) and engine.full_batch_size == SLOTS
+
+    # A program that merely has members of those names is an ordinary continuous-batching one.
+    def engine_slots(generator, full_batch_size):
+        raise AssertionError("a look-alike's engine_slots was called")
+
+    look_alike = program(2, 1)
+    look_alike.engine_slots, look_alike.decode_specializations = engine_slots, router.decode_specializations
+    assert not isinstance(look_alike, SlotProvider)
+    engine = engine_over(look_alike)
+    assert type(engine.slots) is BatchedSlots and engine.full_batch_size == 2

@@ -30,11 +30,14 @@ from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.session import ShapeMismatch
-from qeff_vision.runtime.slots import BatchedSlots, DecodeRow, SequentialSlots
+from qeff_vision.runtime.slots import BatchedSlots, DecodeRow, SequentialSlots, SlotProvider
 
 
-class PhaseRouter:
+class PhaseRouter(SlotProvider):
     """Two programs of one graph, as one language program: prefill calls to one, decode to the other.
+
+    It is a :class:`~qeff_vision.runtime.slots.SlotProvider`: the batched engine prefills and
+    decodes through its :class:`DisaggregatedSlots`.
 
     Args:
         prefill: The ``lang_prefill`` program (its specializations only).

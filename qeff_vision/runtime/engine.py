@@ -29,7 +29,7 @@ from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
-from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
+from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots, SlotProvider
 
 
 @dataclass(frozen=True)
@@ -199,16 +199,16 @@ class BatchedEngine:
         self.protocol = protocol
         batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
         language = generator.language
+        provider = isinstance(language, SlotProvider)  # declared, never guessed from attributes
         if full_batch_size is None:
             # A disaggregated pair: the decode program's slots (its prefill program has one).
-            decode = getattr(language, "decode_specializations", language.specializations)
+            decode = language.decode_specializations if provider else language.specializations
             full_batch_size = compiled_full_batch_size(decode) if batched else 1
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
         # Programs that bring their own slots (qeff_vision.runtime.disaggregated) build them.
-        own_slots = getattr(language, "engine_slots", None)
-        if own_slots is not None:
-            self.slots = own_slots(generator, full_batch_size)
+        if provider:
+            self.slots = language.engine_slots(generator, full_batch_size)
         else:
             self.slots = (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
 
@@ -312,9 +312,8 @@ class BatchedEngine:
         if chunk.index < len(sequence.plan.chunks) - 1:
             return None
         sequence.chunks.close()  # unpins the images the last chunk sent
-        finish = getattr(self.slots, "finish_prefill", None)
-        if finish is not None:  # disaggregated: the prefill's KV moves to the decode program's slot
-            finish(sequence.slot)
+        # Disaggregated: the prefill's KV moves to the decode program's slot (a no-op otherwise).
+        self.slots.finish_prefill(sequence.slot)
         sequence.first_token_step = step.step
         logits = outputs[symbols.LOGITS][0, -1]
         return sequence.emit(

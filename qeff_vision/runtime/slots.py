@@ -12,11 +12,15 @@ Two ways to hold the slots:
   without continuous batching has one slot.
 
 Both drive the program through :meth:`Generator.step <qeff_vision.runtime.generate.Generator.step>`.
+A language program that holds its slots another way declares it by subclassing
+:class:`SlotProvider` (the disaggregated pair: :mod:`qeff_vision.runtime.disaggregated`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +31,35 @@ from qeff_vision.runtime.generate import Generator
 
 # slot -> (last token, its position ids, the request's extra decode inputs by role, one row each)
 DecodeRow = tuple[int, np.ndarray, Mapping[Role, np.ndarray]]
+
+
+class SlotProvider(ABC):
+    """A language program that builds the batched engine's slots itself, declared by subclassing.
+
+    The engine asks such a program for its slots (:meth:`engine_slots`) and reads its slot count
+    from :attr:`decode_specializations`; any other program gets :class:`BatchedSlots` or
+    :class:`SequentialSlots` and its own ``specializations``. The check is nominal on purpose: an
+    object that merely has members of these names is not taken for one.
+
+    Attributes:
+        decode_specializations: The specializations of the program that decodes (the engine's
+            slot count is its ``full_batch_size``); None when not compiled.
+    """
+
+    decode_specializations: Sequence[Mapping[str, Any]] | None
+
+    @abstractmethod
+    def engine_slots(self, generator: Generator, full_batch_size: int) -> Any:
+        """The engine's slots over this program.
+
+        Args:
+            generator: The single-request host the engine drives.
+            full_batch_size: Slots.
+
+        Returns:
+            An object with the slots' members (``batched``, ``full_batch_size``, ``prefill``,
+            ``finish_prefill``, ``decode``), like :class:`BatchedSlots`.
+        """
 
 
 class SequentialSlots:
@@ -55,6 +88,9 @@ class SequentialSlots:
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot``."""
         return self.generator.step(feeds, self.past[slot])
+
+    def finish_prefill(self, slot: int) -> None:
+        """Nothing to do: the request's prefill wrote its slot's cache, which it decodes from."""
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One lone decode step per running slot, given slot -> (last token, its position ids, extra).
@@ -99,6 +135,9 @@ class BatchedSlots:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
         slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
         return self.generator.step({**feeds, **slot_index}, self.past, in_place=True)
+
+    def finish_prefill(self, slot: int) -> None:
+        """Nothing to do: the request's prefill wrote row ``slot`` of the cache it decodes from."""
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One call at batch ``full_batch_size`` for slot -> (last token, its position ids, extra).
