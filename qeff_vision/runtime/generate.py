@@ -23,6 +23,7 @@ from qeff_vision.contract.language_io import SLOT_ROLES, Role
 from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
+from qeff_vision.runtime.decoding import TokenDecoding
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
 from qeff_vision.runtime.image_encoding import ImageEncoding
 from qeff_vision.runtime.language_shape import LanguageShape
@@ -33,8 +34,11 @@ from qeff_vision.runtime.session import OnnxProgram
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
-class Generator(ImageEncoding):
+class Generator(ImageEncoding, TokenDecoding):
     """Runs prompts through a vision program and a language program with the chunk protocol.
+
+    Its vision half is :class:`~qeff_vision.runtime.image_encoding.ImageEncoding`, its decode half
+    (one-token calls after the prompt) :class:`~qeff_vision.runtime.decoding.TokenDecoding`.
 
     Args:
         checkpoint: The checkpoint the programs were exported from (config, family, end ids).
@@ -283,59 +287,6 @@ class Generator(ImageEncoding):
             served=self._served_notes(),
         )
 
-    def _feed_history(self, history: Continuation, past: dict[str, np.ndarray]) -> np.ndarray:
-        """Feed a history's unfed generated tokens; the position of the next token."""
-        steps = history.fed_steps
-        for token in history.unfed:
-            position = self.host.decode_positions(history.positions, steps)
-            self.feed_token(token, position, past, history.decode_feeds)
-            steps += 1
-        return self.host.decode_positions(history.positions, steps)
-
-    def feed_token(
-        self,
-        token: int,
-        position: np.ndarray,
-        past: dict[str, np.ndarray],
-        extra: Mapping[Role, np.ndarray] | None = None,
-    ) -> dict:
-        """One decode-shaped :meth:`step` of one sequence: ``token`` at ``position``, taking no image row.
-
-        A seq_len-1 step merges no row (:func:`qeff_vision.export.decoder.vision_row_index`), so a
-        placeholder id the model generated keeps its token embedding, as in transformers.
-
-        Args:
-            token: The token fed (the last one generated).
-            position: Its position ids
-                (:meth:`~qeff_vision.families.host.Host.decode_positions`).
-            past: The sequence's batch-1 KV cache, updated by the call.
-            extra: Further inputs of every decode step by role (:meth:`decode_extra`).
-
-        Returns:
-            The program's outputs by name; the next token's logits are ``[0, -1]`` of the logits.
-        """
-        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
-        return self.step(feeds, past)
-
-    def decode_step_feeds(
-        self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None
-    ) -> dict[str, np.ndarray]:
-        """Inputs of a decode-shaped call (seq_len 1, one row per sequence), the KV cache excluded.
-
-        ``image_idx`` points past the decode rows (the call merges none); the decode rows are
-        zeros sent on onnxruntime only (a device keeps the last chunk's vision_embeds resident).
-        ``extra`` adds inputs by role (a cross-attention family's mask row).
-        """
-        by_role = {
-            Role.TOKEN_IDS: token_ids,
-            Role.POSITIONS: positions,
-            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
-        }
-        if not self.language.retains_state:
-            by_role[Role.VISION_ROWS] = self.decode_vision_feeds()
-        by_role.update(extra or {})
-        return self.io.feeds(by_role)
-
     def _prefill(
         self,
         plan: ChunkPlan,
@@ -417,10 +368,6 @@ class Generator(ImageEncoding):
         """Images (and videos) of a request, as its report counts them: the plan's segments."""
         return len(plan.segments)
 
-    def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
-        """Inputs by role every decode step of this request adds, one row (none for this kind)."""
-        return {}
-
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """The program's image counter after a chunk must be the plan's."""
         returned = int(outputs[self.io.name(Role.VISION_CURSOR, output=True)].reshape(-1)[0])
@@ -428,33 +375,6 @@ class Generator(ImageEncoding):
             raise RuntimeError(
                 f"chunk {chunk.index}: image_idx_output {returned}, expected {chunk.image_idx_output}"
             )
-
-    def _decode(
-        self,
-        token: int,
-        positions: np.ndarray,
-        past: dict[str, np.ndarray],
-        max_new_tokens: int,
-        on_token: Callable[[int], None] | None,
-        kept: list[np.ndarray] | None,
-        extra: Mapping[Role, np.ndarray] | None = None,
-    ) -> list[int]:
-        """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given.
-
-        ``extra``: further inputs of every decode step by role (:meth:`feed_token`).
-        """
-        tokens = [token]
-        for step in range(max_new_tokens - 1):
-            if token in self.eos_token_ids:
-                break
-            outputs = self.feed_token(token, self.host.decode_positions(positions, step), past, extra)
-            if kept is not None:
-                kept.append(outputs[self.logits_name][0, -1].copy())
-            token = int(outputs[self.logits_name][0, -1].argmax())
-            tokens.append(token)
-            if on_token:
-                on_token(token)
-        return tokens
 
 
 def generator_for_export(
