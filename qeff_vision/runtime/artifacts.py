@@ -238,10 +238,12 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
         )
     if artifacts.backend == QAIC and artifacts.deployment == SINGLE:
-        raise UserError(
-            f"{artifacts.out_dir}: running a single-program qaic artifact is not built yet (its keep "
-            "specializations feed a placeholder image); the onnxruntime backend runs it"
+        # One program; its encoder is counted by the single runner, never called as a vision program.
+        require_qaic_runtime(artifacts.language_path)
+        language = QaicProgram(
+            artifacts.language_path, single_program_io(artifacts), artifacts.language_specializations
         )
+        return language, language
     if artifacts.backend == QAIC:
         require_qaic_runtime(artifacts.language_path)
         io = read_export(artifacts.export_dir)["programs"]
@@ -270,6 +272,39 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
         ),
         language,
     )
+
+
+def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any]]]:
+    """The composed single program's ``inputs`` / ``outputs`` (dtype, shape), read from its ONNX.
+
+    export.json describes the vision and language graphs, not their composition
+    (:mod:`qeff_vision.compile.single_program`), so the graph itself is read (no weights loaded).
+
+    Raises:
+        UserError: The manifest names no ONNX for ``lang`` or it cannot be read.
+    """
+    import onnx
+
+    recorded = artifacts.manifest["programs"]["lang"].get("onnx")
+    if not recorded:
+        raise UserError(f"{artifacts.out_dir / 'manifest.json'}: the lang program records no ONNX")
+    path = Path(recorded)
+    path = path if path.is_absolute() else artifacts.out_dir / path
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # onnx raises DecodeError, OSError, ...
+        raise UserError(f"{path}: cannot read the single program's graph ({exc})") from None
+
+    def described(values) -> dict[str, dict[str, Any]]:
+        return {
+            value.name: {
+                "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
+                "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
+            }
+            for value in values
+        }
+
+    return {"inputs": described(graph.input), "outputs": described(graph.output)}
 
 
 def _mx_of(artifacts: Artifacts):

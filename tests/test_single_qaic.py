@@ -1,0 +1,125 @@
+"""``deployment: single`` on the qaic backend: the composed program through QaicProgram.
+
+Tiny LLaVA and mllama compiled ``deployment: single`` with the stand-in compiler, run on the SDK
+runtime's test double (tests/device_double), which keeps every ``X_RetainedState`` resident like a
+device and rejects a call whose buffers match no compiled specialization. Checked: ``run
+--compare-hf`` over three turns token-identical to transformers, a three-turn conversation whose
+turns encode 1, 0 and 1 images (each turn's tokens identical to transformers generate on the
+whole conversation), and that the host sends neither the KV cache nor the retained row buffer /
+cross K/V (they stay on the device), the keep placeholder in every call that does not encode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qeff_vision.cli import main
+from qeff_vision.runtime.artifacts import generator_for_artifacts
+from qeff_vision.runtime.conversation import Conversation
+from qeff_vision.runtime.session import QaicProgram
+from tests import helpers
+from tests.compile_fixtures import stand_in
+
+DOUBLE = Path(__file__).with_name("device_double")
+NEW_TOKENS = 4
+# Per family: the spec's resolutions and buckets, the conversation's two image sizes, the retained
+# buffer the device keeps (besides the KV). Qwen2.5-VL: a patch sequence, gated on its patch axis.
+CASES = {
+    "llava": ([(336, 336)], [8, 32], [(112, 112), (140, 196)], "vision_embeds"),
+    "mllama": ([(100, 150)], [8, 32], [(100, 150), (300, 120)], "past_key."),
+    "qwen2_5_vl": ([(100, 150), (300, 120)], [16, 32], [(100, 150), (300, 120)], "vision_embeds"),
+}
+
+
+@pytest.fixture
+def device_runtime(monkeypatch):
+    """Make the SDK-runtime double importable as ``qaicrt`` / ``QAicApi_pb2`` for one test."""
+    monkeypatch.syspath_prepend(str(DOUBLE))
+    for name in ("qaicrt", "QAicApi_pb2"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    qaicrt = importlib.import_module("qaicrt")
+    qaicrt.LOG.clear()
+    qaicrt.ERRORS.clear()
+    yield qaicrt
+    for name in ("qaicrt", "QAicApi_pb2"):
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def compiled(request, tiny_checkpoint, exported, tmp_path_factory):
+    """(family, root) of a tiny single spec compiled for qaic with the stand-in compiler."""
+    family = request.param
+    resolutions, seq_lens, sizes, _ = CASES[family]
+    root = tmp_path_factory.mktemp(f"single-qaic-{family}")
+    compiler, _ = stand_in(root)
+    spec = {
+        "name": f"{family}-single-qaic",
+        "model": str(tiny_checkpoint(family)),
+        "ctx_len": 256,
+        "deployment": "single",
+        "prefill": {"seq_lens": seq_lens},
+        "vision": {"images": [{"height": h, "width": w} for h, w in resolutions], "max_images": 2},
+    }
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    args = ["compile", str(root / "spec.yaml"), "-o", str(root / "out"), "--compiler", str(compiler)]
+    assert main([*args, "--export", str(exported(family))]) == 0
+    for name, size in zip("ab", sizes):
+        helpers.image(*size, ord(name)).save(root / f"{name}.png")
+    return family, root
+
+
+def _sent_to_device(log: list[dict], kept: str) -> None:
+    """No call sent the KV cache or the retained buffers: the device keeps them."""
+    for sent in log:
+        assert not any(name.startswith("past_") or name.startswith(kept) for name in sent), sorted(sent)
+
+
+def _transformers(model, chat: Conversation) -> list[int]:
+    """transformers greedy tokens on the conversation's last processed inputs (the whole history)."""
+    import torch
+
+    processed = chat.last_inputs.processed
+    return helpers.hf_generate(model, {k: torch.as_tensor(v) for k, v in processed.items()}, NEW_TOKENS)[0]
+
+
+def test_run_compare_hf_over_three_turns(compiled, device_runtime, capsys):
+    family, root = compiled
+    out = str(root / "out")
+    turns = ["--prompt", "Describe it.", "--prompt", "And the colours?", "--prompt", "Thanks."]
+    args = ["run", out, "--image", str(root / "a.png"), *turns, "--max-new-tokens", str(NEW_TOKENS)]
+    assert main([*args, "--compare-hf"]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 3
+    assert err.count("1 encoder call(s) encoding 1 image(s)") == 1
+    assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
+    assert err.count("prompt tokens already held by the program (earlier turns)") == 2
+    assert device_runtime.LOG and not device_runtime.ERRORS
+    _sent_to_device(device_runtime.LOG, CASES[family][3])
+
+
+def test_conversation_encodes_1_0_1_and_matches_transformers(compiled, device_runtime, hf_model):
+    family, root = compiled
+    generator = generator_for_artifacts(root / "out")
+    assert isinstance(generator.language, QaicProgram) and generator.language.retains_state
+    model, processor = hf_model(family)
+    chat = Conversation(generator, processor, max_new_tokens=NEW_TOKENS)
+    first, second = (helpers.image(*size, seed) for size, seed in zip(CASES[family][2], (5, 6)))
+    results = []
+    turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare.")]
+    for images, text in turns:
+        result = chat.ask(images, text)
+        assert result.tokens == _transformers(model, chat), f"{family} turn {len(results) + 1}"
+        results.append(result)
+    assert [r.images_encoded for r in results] == [1, 0, 1]
+    assert [r.encoder_calls for r in results] == [1, 0, 1]
+    assert not device_runtime.ERRORS
+    _sent_to_device(device_runtime.LOG, CASES[family][3])
+    # The two encoding calls send the images; every other call the keep placeholder (symbolic axes 1).
+    placeholder = {name: list(array.shape) for name, array in generator._placeholder().items()}
+    encoding = [sent for sent in device_runtime.LOG if any(sent[k] != v for k, v in placeholder.items())]
+    assert len(encoding) == 2 and len(device_runtime.LOG) > 2 * len(results)
