@@ -1,12 +1,14 @@
 """``deployment: single`` on the qaic backend: the composed program through QaicProgram.
 
-Tiny LLaVA and mllama compiled ``deployment: single`` with the stand-in compiler, run on the SDK
-runtime's test double (tests/device_double), which keeps every ``X_RetainedState`` resident like a
-device and rejects a call whose buffers match no compiled specialization. Checked: ``run
+Tiny LLaVA, mllama and Qwen2.5-VL compiled ``deployment: single`` with the stand-in compiler, run
+on the SDK runtime's test double (tests/device_double), which keeps every ``X_RetainedState``
+resident like a device and rejects a call whose buffers match no compiled specialization. Checked: ``run
 --compare-hf`` over three turns token-identical to transformers, a three-turn conversation whose
 turns encode 1, 0 and 1 images (each turn's tokens identical to transformers generate on the
 whole conversation), and that the host sends neither the KV cache nor the retained row buffer /
 cross K/V (they stay on the device), the keep placeholder in every call that does not encode.
+Qwen2.5-VL stands for the patch-sequence families (gated on the patch axis). Qwen3.5 (a recurrent
+state the device keeps) checks a later turn whose two image sizes take two encode calls.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -79,12 +82,15 @@ def _sent_to_device(log: list[dict], kept: str) -> None:
         assert not any(name.startswith("past_") or name.startswith(kept) for name in sent), sorted(sent)
 
 
-def _transformers(model, chat: Conversation) -> list[int]:
-    """transformers greedy tokens on the conversation's last processed inputs (the whole history)."""
+def _transformers(model, chat: Conversation, with_logits: bool = False):
+    """transformers greedy tokens (and per-step logits) on the conversation's last processed inputs."""
     import torch
 
     processed = chat.last_inputs.processed
-    return helpers.hf_generate(model, {k: torch.as_tensor(v) for k, v in processed.items()}, NEW_TOKENS)[0]
+    tokens, logits = helpers.hf_generate(
+        model, {k: torch.as_tensor(v) for k, v in processed.items()}, NEW_TOKENS
+    )
+    return (tokens, logits) if with_logits else tokens
 
 
 def test_run_compare_hf_over_three_turns(compiled, device_runtime, capsys):
@@ -123,3 +129,42 @@ def test_conversation_encodes_1_0_1_and_matches_transformers(compiled, device_ru
     placeholder = {name: list(array.shape) for name, array in generator._placeholder().items()}
     encoding = [sent for sent in device_runtime.LOG if any(sent[k] != v for k, v in placeholder.items())]
     assert len(encoding) == 2 and len(device_runtime.LOG) > 2 * len(results)
+
+
+def test_later_turn_with_two_image_sizes_on_recurrent_state(
+    tiny_checkpoint, exported, tmp_path, device_runtime, hf_model
+):
+    """Qwen3.5 (Gated DeltaNet recurrent state, resident on the device): turn two continues exactly
+    where the program stopped (turn one generated one token, so nothing of it was fed) and brings
+    two images of different sizes, two encode calls in its first chunk; the extra call writes only
+    rows (every token padding), so the recurrent state advances once: tokens as transformers."""
+    family, sizes = "qwen3_5", [(100, 150), (300, 120)]
+    compiler, _ = stand_in(tmp_path)
+    spec = {
+        "name": f"{family}-single-qaic",
+        "model": str(tiny_checkpoint(family)),
+        "ctx_len": 512,
+        "deployment": "single",
+        "prefill": {"seq_lens": [16, 32]},
+        "vision": {"images": [{"height": h, "width": w} for h, w in sizes], "max_images": 2},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    args = ["compile", str(tmp_path / "spec.yaml"), "-o", str(tmp_path / "out"), "--compiler", str(compiler)]
+    assert main([*args, "--export", str(exported(family))]) == 0
+    model, processor = hf_model(family)
+    chat = Conversation(generator_for_artifacts(tmp_path / "out"), processor, max_new_tokens=NEW_TOKENS)
+    first, second, third = (helpers.image(*sizes[i % 2], 7 + i) for i in range(3))
+    opening = chat.ask([first], "Describe this picture.", max_new_tokens=1)
+    assert opening.tokens == _transformers(model, chat)[:1]
+    held = len(chat.generator.held.tokens)
+    device_runtime.LOG.clear()
+    result = chat.ask([second, third], "Compare all three.", keep_logits=True)
+    tokens, logits = _transformers(model, chat, with_logits=True)
+    assert result.tokens == tokens
+    # Measured: 2.4e-5 here; 8.4e-4 when the extra encode call fed the chunk too (state advanced twice).
+    assert max(float(np.abs(ours - ref).max()) for ours, ref in zip(result.logits, logits)) < 1e-4
+    assert (result.encoder_calls, result.images_encoded) == (2, 2)
+    assert f"{held} of {result.prompt_tokens} prompt tokens already held" in result.notes[-1]
+    extra = device_runtime.LOG[0]  # the second size's encode call, before the first chunk's own
+    assert extra["pixel_values"] != device_runtime.LOG[1]["pixel_values"]
+    assert not device_runtime.ERRORS

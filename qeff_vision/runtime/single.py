@@ -343,18 +343,18 @@ class SingleGenerator(Generator):
     ) -> None:
         """Encode calls writing the rows of a prompt's later image groups before its first chunk runs.
 
-        Each is the first chunk's call with one group's images and ``image_idx`` at the group's
-        first row (where the composed graph writes them; rows before and after are kept). Only
-        the rows are kept: the host caches are put back, so the first chunk's own call (the first
-        group's images, written at row 0, with every later group's rows already in place) writes
-        the chunk's KV once.
+        Each is the first chunk's call with one group's images, ``image_idx`` at the group's first
+        row (where the composed graph writes them; rows before and after are kept) and every token
+        padding (position -1): it writes rows only, no KV slot anyone reads and no recurrent state
+        (padding leaves both unchanged), so the first chunk's own call (the first group's images,
+        written at row 0, with every later group's rows in place) feeds the chunk once. A device
+        keeps the caches resident, so they could not be put back after a call that wrote them
+        (a Gated DeltaNet state would advance twice).
         """
-        held = dict(past)
+        padding = np.full_like(by_role[Role.POSITIONS], -1)
         for first_row, feeds in groups:
             cursor = {Role.VISION_CURSOR: np.array([[first_row]], dtype=np.int64)}
-            self._call({**by_role, **cursor}, feeds, past)
-        past.clear()
-        past.update(held)
+            self._call({**by_role, Role.POSITIONS: padding, **cursor}, feeds, past)
 
     def _prefill(
         self,
