@@ -1,14 +1,16 @@
 """``deployment: single`` on the qaic backend: the composed program through QaicProgram.
 
-Tiny LLaVA, mllama and Qwen2.5-VL compiled ``deployment: single`` with the stand-in compiler, run
-on the SDK runtime's test double (tests/device_double), which keeps every ``X_RetainedState``
-resident like a device and rejects a call whose buffers match no compiled specialization. Checked: ``run
---compare-hf`` over three turns token-identical to transformers, a three-turn conversation whose
-turns encode 1, 0 and 1 images (each turn's tokens identical to transformers generate on the
-whole conversation), and that the host sends neither the KV cache nor the retained row buffer /
-cross K/V (they stay on the device), the keep placeholder in every call that does not encode.
-Qwen2.5-VL stands for the patch-sequence families (gated on the patch axis). Qwen3.5 (a recurrent
-state the device keeps) checks a later turn whose two image sizes take two encode calls.
+Tiny LLaVA, mllama, Qwen2.5-VL, InternVL and Gemma 3 compiled ``deployment: single`` with the
+stand-in compiler, run on the SDK runtime's test double (tests/device_double), which keeps every
+``X_RetainedState`` resident like a device and rejects a call whose buffers match no compiled
+specialization. Checked: ``run --compare-hf`` over three turns token-identical to transformers;
+a three-turn conversation whose turns encode 1, 0 and 1 images, each turn's tokens identical to
+transformers generate on the whole conversation; the host sends neither the KV cache nor the
+retained row buffer / cross K/V (they stay on the device), and the keep placeholder in every call
+that does not encode. Qwen2.5-VL stands for the patch-sequence families (gated on the patch
+axis), InternVL for the tiled ones (``pixel_side``); Gemma 3's rings make each turn start over on
+a device (counts 1, 1, 2, tokens still identical). Qwen3.5 (a recurrent state the device keeps)
+checks a later turn whose two image sizes take two encode calls.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ CASES = {
     "llava": ([(336, 336)], [8, 32], [(112, 112), (140, 196)], "vision_embeds"),
     "mllama": ([(100, 150)], [8, 32], [(100, 150), (300, 120)], "past_key."),
     "qwen2_5_vl": ([(100, 150), (300, 120)], [16, 32], [(100, 150), (300, 120)], "vision_embeds"),
+    "internvl": ([(100, 100), (60, 250)], [16, 32], [(100, 100), (60, 250)], "vision_embeds"),
+    "gemma3": ([(100, 150)], [24, 32], [(100, 150), (300, 120)], "vision_embeds"),
 }
+# Gemma 3's sliding-window rings cannot be rolled back, and a device keeps no copy of them at the
+# last prompt's end (the host does: runtime/retained_prefix.py), so a turn that does not continue
+# exactly where the program stopped (the rendered reply differs from the fed tokens) starts over
+# from 0 there and encodes its images again: per turn (images encoded in the conversation, run's
+# encoded images).
+RESTARTS = {"gemma3": ([1, 1, 2], [1, 1, 1])}
 
 
 @pytest.fixture
@@ -101,14 +111,18 @@ def test_run_compare_hf_over_three_turns(compiled, device_runtime, capsys):
     assert main([*args, "--compare-hf"]) == 0, capsys.readouterr().err
     err = capsys.readouterr().err
     assert err.count("tokens identical to transformers generate") == 3
-    assert err.count("1 encoder call(s) encoding 1 image(s)") == 1
-    assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
-    assert err.count("prompt tokens already held by the program (earlier turns)") == 2
+    encoded = RESTARTS.get(family, (None, [1, 0, 0]))[1]
+    for count in set(encoded):
+        line = f"{count} encoder call(s) encoding {count} image(s)"
+        assert err.count(line) == encoded.count(count), line
+    held = err.count("prompt tokens already held by the program (earlier turns)")
+    assert held == encoded.count(0)
     assert device_runtime.LOG and not device_runtime.ERRORS
     _sent_to_device(device_runtime.LOG, CASES[family][3])
 
 
 def test_conversation_encodes_1_0_1_and_matches_transformers(compiled, device_runtime, hf_model):
+    """Image, text-only turn, new image: encoded 1, 0, 1 (Gemma 3: :data:`RESTARTS`)."""
     family, root = compiled
     generator = generator_for_artifacts(root / "out")
     assert isinstance(generator.language, QaicProgram) and generator.language.retains_state
@@ -121,14 +135,17 @@ def test_conversation_encodes_1_0_1_and_matches_transformers(compiled, device_ru
         result = chat.ask(images, text)
         assert result.tokens == _transformers(model, chat), f"{family} turn {len(results) + 1}"
         results.append(result)
-    assert [r.images_encoded for r in results] == [1, 0, 1]
-    assert [r.encoder_calls for r in results] == [1, 0, 1]
+    encoded = RESTARTS.get(family, ([1, 0, 1],))[0]
+    assert [r.images_encoded for r in results] == encoded
+    assert [r.encoder_calls for r in results] == [min(count, 1) for count in encoded]
     assert not device_runtime.ERRORS
     _sent_to_device(device_runtime.LOG, CASES[family][3])
     # The two encoding calls send the images; every other call the keep placeholder (symbolic axes 1).
     placeholder = {name: list(array.shape) for name, array in generator._placeholder().items()}
     encoding = [sent for sent in device_runtime.LOG if any(sent[k] != v for k, v in placeholder.items())]
-    assert len(encoding) == 2 and len(device_runtime.LOG) > 2 * len(results)
+    assert len(encoding) == sum(r.encoder_calls for r in results) and len(device_runtime.LOG) > 2 * len(
+        results
+    )
 
 
 def test_later_turn_with_two_image_sizes_on_recurrent_state(
