@@ -31,6 +31,7 @@ from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
+from qeff_vision.runtime.artifacts import load_artifacts, open_programs
 from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
@@ -240,6 +241,12 @@ def test_compile_lists_one_program_and_runs_every_specialization(compiled):
     ]  # fmt: skip
     assert len(lang["verification"]["runs"]) == len(names)  # each run on onnxruntime
     assert lang["onnx"].endswith("single.onnx")
+
+
+def test_the_single_artifact_opens_one_session(compiled):
+    """The encoder runs inside the one program: no second session over single.onnx."""
+    vision, language = open_programs(load_artifacts(compiled / "out"))
+    assert vision is language and language.path.name == "single.onnx"
 
 
 def test_run_shows_the_encoder_runs_and_matches_transformers(compiled, capsys):

@@ -209,6 +209,8 @@ def device_plan(artifacts: Artifacts, program: str) -> list[str] | None:
 def open_programs(artifacts: Artifacts, precision: str | None = None):
     """(vision, language) program sessions for the artifacts' backend.
 
+    A ``deployment: single`` artifact has one program: both places hold the same session.
+
     Args:
         artifacts: The compile output.
         precision: ``fp32`` runs the exported graphs as they are; ``device`` runs them as the
@@ -260,6 +262,8 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
         fp32_values=device_plan(artifacts, language_program) if device else None,
         mx=mx,
     )
+    if artifacts.deployment == SINGLE:
+        return language, language  # one session: the encoder runs inside it (as on qaic above)
     if artifacts.deployment == DISAGGREGATED:
         from qeff_vision.runtime.disaggregated import phase_programs
 
