@@ -61,7 +61,7 @@ def _pruning_generator(runtime, seq_lens, rate, cache=None):
 def check_pruned(runtime, generator, processed, result, label: str, new_tokens: int = NEW_TOKENS) -> None:
     """Tokens identical to transformers on the same pruned prompt; every step's logits close."""
     pruned = generator.prepare_prompt(processed)  # the clips' kept rows are cached: no encoder call
-    tokens, logits = reference_generate_pruned(runtime.model, processed, pruned, NEW_TOKENS)
+    tokens, logits = reference_generate_pruned(runtime.model, runtime.family, processed, pruned, NEW_TOKENS)
     assert result.tokens == tokens[:new_tokens], f"{label}: tokens differ from transformers"
     worst = max(float(np.abs(ours - ref).max()) for ours, ref in zip(result.logits, logits))
     assert worst <= LOGIT_TOLERANCE, f"{label}: logits differ by {worst}"

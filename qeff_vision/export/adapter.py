@@ -100,6 +100,18 @@ class ExportAdapter:
         """Transformers' rows [depth, tokens, hidden] per image of each stacked vision-row input."""
         return {}
 
+    def hf_pruned_encoder_outputs(
+        self, model: nn.Module, processed: Mapping[str, Any], keep: Any
+    ) -> dict[str, Any]:
+        """Transformers' encoder outputs for ``processed`` with each clip cut to the rows ``keep`` marks.
+
+        What ``generate(mm_encoder_outputs=...)`` takes for a prompt whose clips were pruned
+        (EVS): transformers does not prune, so the reference is given our retention masks
+        (``keep``: bool over every clip row of the prompt, in order). Families that declare
+        ``video_pruning`` implement it.
+        """
+        raise NotImplementedError(f"{self.family.title} does not prune video")
+
     def vision_parity_pairs(
         self, outputs: Mapping[str, Any], features: Sequence[torch.Tensor], model: ModelDescription
     ) -> list[tuple[Any, Any]]:

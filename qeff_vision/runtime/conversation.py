@@ -465,7 +465,9 @@ def run_turns(
             if pruned is processed:
                 theirs, _ = reference_generate(reference, processed, chat.max_new_tokens, eos)
             else:  # transformers does not prune: it is given our pruned prompt and positions
-                theirs, _ = reference_generate_pruned(reference, processed, pruned, chat.max_new_tokens, eos)
+                theirs, _ = reference_generate_pruned(
+                    reference, chat.generator.family, processed, pruned, chat.max_new_tokens, eos
+                )
             comparison = TokenComparison(tuple(result.tokens), tuple(theirs))
         turns.append(Turn(prompt, result, comparison))
         if on_done:

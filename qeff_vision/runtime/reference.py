@@ -52,6 +52,7 @@ def reference_generate(
 
 def reference_generate_pruned(
     model,
+    family,
     original: Mapping[str, Any],
     pruned: Mapping[str, Any],
     max_new_tokens: int,
@@ -62,11 +63,12 @@ def reference_generate_pruned(
     transformers does not prune, so it is given what our host computed: the pruned prompt's
     token embeddings (``inputs_embeds``), its recomputed positions (``position_ids``, the
     [4, 1, L] text + M-RoPE rows) and its own vision tower's features of ``original``'s pixels
-    with each clip's rows cut by our retention masks (``mm_encoder_outputs``, which the model
-    merges at the placeholders, Qwen3-VL's deepstack rows included).
+    with each clip's rows cut by our retention masks (``mm_encoder_outputs``, from the family's
+    adapter: ``hf_pruned_encoder_outputs``).
 
     Args:
         model: The transformers model (:func:`load_reference_model`).
+        family: The checkpoint's family (its adapter knows the model's encoder outputs).
         original: The processor outputs before pruning (pixels and grids).
         pruned: :meth:`~qeff_vision.runtime.generate.Generator.prepare_prompt`'s result for them.
         max_new_tokens: Tokens to generate.
@@ -79,30 +81,13 @@ def reference_generate_pruned(
 
     from qeff_vision.contract.video_pruning import PRUNED_POSITIONS, RETENTION
 
-    inner = model.model
-    tensor = {name: torch.as_tensor(np.asarray(value)) for name, value in original.items()}
-    outputs: dict[str, Any] = {}
+    keep = np.asarray(pruned[RETENTION], dtype=bool)
+    outputs = family.adapter().hf_pruned_encoder_outputs(model, original, keep)
+    input_ids = torch.as_tensor(np.asarray(pruned["input_ids"], dtype=np.int64))
+    options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
+    if eos_token_ids is not None:
+        options["eos_token_id"] = list(eos_token_ids) or None
     with torch.no_grad():
-        if "pixel_values" in tensor:
-            outputs["image"] = inner.get_image_features(
-                tensor["pixel_values"], tensor["image_grid_thw"], return_dict=True
-            )
-        video = inner.get_video_features(
-            tensor["pixel_values_videos"], tensor["video_grid_thw"], return_dict=True
-        )
-        keep = torch.as_tensor(np.asarray(pruned[RETENTION], dtype=bool))
-        sizes = [len(rows) for rows in video.pooler_output]
-        masks = torch.split(keep, sizes)
-        video.pooler_output = tuple(rows[mask] for rows, mask in zip(video.pooler_output, masks))
-        if getattr(video, "deepstack_features", None) is not None:
-            video.deepstack_features = [
-                tuple(rows[mask] for rows, mask in zip(layer, masks)) for layer in video.deepstack_features
-            ]
-        outputs["video"] = video
-        input_ids = torch.as_tensor(np.asarray(pruned["input_ids"], dtype=np.int64))
-        options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
-        if eos_token_ids is not None:
-            options["eos_token_id"] = list(eos_token_ids) or None
         out = model.generate(
             inputs_embeds=model.get_input_embeddings()(input_ids),
             attention_mask=torch.ones_like(input_ids),

@@ -252,6 +252,31 @@ class Adapter(ExportAdapter):
     def _window(config) -> int:
         return config.window_size // config.spatial_merge_size // config.patch_size
 
+    def hf_pruned_encoder_outputs(self, model, processed, keep):
+        """Images as transformers encodes them; each clip's rows (and stacked rows) cut by ``keep``."""
+        inner = model.model
+        tensor = {name: torch.as_tensor(value) for name, value in processed.items()}
+        outputs = {}
+        with torch.no_grad():
+            if "pixel_values" in tensor:
+                outputs["image"] = inner.get_image_features(
+                    tensor["pixel_values"], tensor["image_grid_thw"], return_dict=True
+                )
+            video = inner.get_video_features(
+                tensor["pixel_values_videos"], tensor["video_grid_thw"], return_dict=True
+            )
+        masks = torch.split(
+            torch.as_tensor(keep, dtype=torch.bool), [len(rows) for rows in video.pooler_output]
+        )
+        outputs["video"] = self._cut_video_features(video, masks)
+        return outputs
+
+    @staticmethod
+    def _cut_video_features(video, masks):
+        """The clips' merged rows kept by ``masks`` (one per clip)."""
+        video.pooler_output = tuple(rows[mask] for rows, mask in zip(video.pooler_output, masks))
+        return video
+
     def hf_image_features(self, model, processed):
         """Transformers' vision tower on the processor outputs, split per image."""
         grid = torch.as_tensor(processed["image_grid_thw"])

@@ -27,6 +27,7 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.export.gated_delta import GatedDeltaRuleFunction
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
+from qeff_vision.families.qwen2_5_vl.export import Adapter as Qwen2_5_VLAdapter
 from qeff_vision.families.qwen3_vl.export import Adapter as Qwen3_VLAdapter
 from qeff_vision.families.qwen3_vl.export import VisionEncoder
 
@@ -119,6 +120,9 @@ class Adapter(Qwen3_VLAdapter):
     def hf_stacked_rows(self, model, processed):
         """None: no deepstack."""
         return {}
+
+    # No deepstack rows to cut either: a pruned clip is its merged rows only.
+    _cut_video_features = staticmethod(Qwen2_5_VLAdapter._cut_video_features)
 
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """The shared layout; linear-attention layers run on the retained states."""

@@ -186,6 +186,15 @@ class Adapter(Qwen2_5_VLAdapter):
         output, counts = self._hf_vision(model, processed)
         return list(torch.split(output.pooler_output, counts))
 
+    @staticmethod
+    def _cut_video_features(video, masks):
+        """The clips' merged rows and each deepstack layer's rows kept by ``masks``."""
+        video = Qwen2_5_VLAdapter._cut_video_features(video, masks)
+        video.deepstack_features = [
+            tuple(rows[mask] for rows, mask in zip(layer, masks)) for layer in video.deepstack_features
+        ]
+        return video
+
     def hf_stacked_rows(self, model, processed):
         """Transformers' deepstack features per image: [num_feature_layers, tokens, hidden]."""
         output, counts = self._hf_vision(model, processed)
