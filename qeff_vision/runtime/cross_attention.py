@@ -20,7 +20,7 @@ states unchanged, as transformers' skipping of the cross layers does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,25 +172,9 @@ class CrossAttentionGenerator(Generator):
             images_encoded = 0
             mask = np.repeat(history.decode_feeds[Role.CROSS_MASK], length, axis=1)
         encode_seconds = time.perf_counter() - encode_start
-        records, outputs = [], {}
-        for chunk in plan.chunks:
-            chunk_start = time.perf_counter()
-            feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
-            vision_feeds, sent = self.chunk_vision(chunk, past)
-            outputs = self._run({**feeds, **vision_feeds}, past)
-            records.append(
-                ChunkRecord(
-                    tokens=chunk.tokens,
-                    seq_len=chunk.seq_len,
-                    vision_size=0,
-                    rows=0,
-                    vision_bytes=sent,
-                    seconds=time.perf_counter() - chunk_start,
-                    encode_seconds=encode_seconds if chunk.index == 0 else 0.0,
-                    images_encoded=images_encoded if chunk.index == 0 else 0,
-                    start=chunk.start,
-                )
-            )
+        outputs, records = self.run_chunks(
+            plan.chunks, (mask, input_ids, positions), past, images_encoded, encode_seconds
+        )
         return CrossPrefill(
             length=length,
             logits=outputs[self.logits_name][0, -1].copy(),
@@ -253,6 +237,47 @@ class CrossAttentionGenerator(Generator):
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """Plain token windows: an image is one placeholder token, nothing to keep whole."""
         return plan_chunks(len(input_ids), [], self.shape.buckets, protocol=protocol)
+
+    def run_chunks(
+        self,
+        chunks: Sequence[Chunk],
+        request: tuple[np.ndarray, np.ndarray, np.ndarray],
+        past: dict[str, np.ndarray],
+        images_encoded: int,
+        encode_seconds: float = 0.0,
+        start: int = 0,
+    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
+        """Run a prompt's prefill chunks in order: the last call's outputs and a record per chunk.
+
+        Args:
+            chunks: The planned chunks.
+            request: (cross-attention mask, token ids, positions) the chunks slice
+                (:meth:`chunk_feeds`).
+            past: The language caches, updated in place.
+            images_encoded: Images encoded for the prompt (recorded on its first chunk).
+            encode_seconds: Time that encoding took (recorded on the first chunk).
+            start: Prompt position of ``request``'s first token (a kept prefix before it).
+        """
+        records, outputs = [], {}
+        for chunk in chunks:
+            began = time.perf_counter()
+            vision_feeds, sent = self.chunk_vision(chunk, past)
+            outputs = self._run({**self.chunk_feeds(chunk, *request), **vision_feeds}, past)
+            first = chunk.index == 0
+            records.append(
+                ChunkRecord(
+                    tokens=chunk.tokens,
+                    seq_len=chunk.seq_len,
+                    vision_size=0,
+                    rows=0,
+                    vision_bytes=sent,
+                    seconds=time.perf_counter() - began,
+                    encode_seconds=encode_seconds if first else 0.0,
+                    images_encoded=images_encoded if first else 0,
+                    start=start + chunk.start,
+                )
+            )
+        return outputs, records
 
     def chunk_feeds(
         self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray

@@ -38,7 +38,7 @@ from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
 from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
-from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import (
     HeldPrefix,
     Resume,
@@ -183,23 +183,9 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         mask = self._cross_mask(processed, length)
         past = {**self.empty_cache(), **self._retained_feeds(), **self._resume.restore}
         rest = (mask[:, start:], input_ids[start:], positions[..., start:])
-        records, outputs = [], {}
-        for chunk in plan_chunks(length - start, [], self.shape.buckets, protocol=protocol).chunks:
-            began = time.perf_counter()
-            vision_feeds, sent = self.chunk_vision(chunk, past)
-            outputs = self._run({**self.chunk_feeds(chunk, *rest), **vision_feeds}, past)
-            records.append(
-                ChunkRecord(
-                    tokens=chunk.tokens,
-                    seq_len=chunk.seq_len,
-                    vision_size=0,
-                    rows=0,
-                    vision_bytes=sent,
-                    seconds=time.perf_counter() - began,
-                    images_encoded=len(new) if chunk.index == 0 else 0,
-                    start=start + chunk.start,
-                )
-            )
+        chunks = plan_chunks(length - start, [], self.shape.buckets, protocol=protocol).chunks
+        # The encoder runs inside the first chunk's program call: no separate encode time.
+        outputs, records = self.run_chunks(chunks, rest, past, len(new), start=start)
         return CrossPrefill(
             length=length,
             logits=outputs[self.logits_name][0, -1].copy(),
