@@ -6,6 +6,11 @@ these constants instead of repeating string literals.
 """
 
 BATCH_SIZE = "batch_size"
+# ``deployment: single`` (compile/single_program.py composes the vision graph into the language
+# graph): the vision graph's image count there, and a fixed pixel side (InternVL's 448 px tiles)
+# made symbolic so the side stays the encode signal.
+NUM_IMAGES = "num_images"
+PIXEL_SIDE = "pixel_side"
 SEQ_LEN = "seq_len"
 CTX_LEN = "ctx_len"
 # Slot axis of a window layer's KV cache (QEfficient's name for Gemma 3's sliding layers).

@@ -47,20 +47,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from qeff_vision import symbols
+from qeff_vision.contract.deployment_programs import KEEP_SIDE
 from qeff_vision.errors import UserError
+from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
 SINGLE_FILE = "single.onnx"
 VISION_PREFIX = "vision/"
-NUM_IMAGES = "num_images"
 ROWS = "single/vision_rows"  # the buffer the language graph reads instead of vision_embeds
-# ref: QEfficient's single QPC encodes in every specialization; ours keeps this many pixels per
-# side in a keep specialization (the host's placeholder), an encode one has the image's side.
-KEEP_SIDE = 1
 # A vision graph whose pixel side is fixed (InternVL's 448 px tiles: its only symbol is the tile
-# count, and a one-tile image has the keep placeholder's batch) gets its side axes renamed to this
-# symbol in the composed graph, so the side stays the encode signal: encode entries bind the
-# tile side, keep entries 1.
-PIXEL_SIDE = "pixel_side"
+# count, and a one-tile image has the keep placeholder's batch) gets its side axes renamed to
+# PIXEL_SIDE in the composed graph, so the side stays the encode signal: encode entries bind the
+# tile side, keep entries KEEP_SIDE.
 
 
 def single_program_path(export_dir: Path) -> Path:

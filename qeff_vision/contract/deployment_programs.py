@@ -13,6 +13,10 @@ DISAGGREGATED = "disaggregated"
 DEPLOYMENTS = (DUAL, SINGLE, DISAGGREGATED)
 LANG_PREFILL = "lang_prefill"
 LANG_DECODE = "lang_decode"
+#: A single program's keep specializations bind every image symbol to this (the compiler takes
+#: positive values only; the host's placeholder image has these sides): no encoder runs there.
+# ref: QEfficient's single QPC encodes in every specialization; ours only where the side is larger.
+KEEP_SIDE = 1
 
 #: Program directory names under OUT per mode, in compile order; each maps to its compile: section.
 PROGRAMS: dict[str, dict[str, str]] = {

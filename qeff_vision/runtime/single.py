@@ -30,6 +30,7 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, DecoderKind
+from qeff_vision.contract.deployment_programs import KEEP_SIDE
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
@@ -43,21 +44,8 @@ from qeff_vision.runtime.retained_prefix import (
     resume_point,
     unpositioned_caches,
 )
-
-KEEP_SIDE = 1  # a keep specialization's image side (compile/single_program.py)
-NUM_IMAGES = "num_images"
-PIXEL_SIDE = "pixel_side"  # a fixed tile side made symbolic by the composition (not a vision symbol)
-# The language program's own symbols; the others of a single program's entries are the image inputs'.
-LANGUAGE_SYMBOLS = {
-    symbols.BATCH_SIZE,
-    symbols.SEQ_LEN,
-    symbols.CTX_LEN,
-    symbols.VISION_BATCH_SIZE,
-    symbols.VISION_SIZE,
-    symbols.FULL_BATCH_SIZE,
-    symbols.SLIDING_WINDOW,
-    symbols.COMP_CTX_LENGTHS,
-}
+from qeff_vision.spec.table import LANGUAGE_SYMBOLS
+from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
 
 def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:

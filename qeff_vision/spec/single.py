@@ -28,11 +28,11 @@ from itertools import combinations_with_replacement
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.deployment_programs import KEEP_SIDE
+from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
 ENCODE = "Encode"
-KEEP_SIDE = "1"  # the keep entries' image symbols (the compiler takes positive values only)
-NUM_IMAGES = "num_images"  # the vision graph's batch symbol in the composed graph
-PIXEL_SIDE = "pixel_side"  # a fixed pixel side, symbolic in the composed graph (InternVL's tiles)
+KEEP = str(KEEP_SIDE)  # the keep entries' image symbols
 
 
 def _image_symbols(
@@ -88,13 +88,11 @@ def single_program(
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
     bound = {name for entry in language.specializations for name in entry.symbols}
-    keep_images = {
-        name: KEEP_SIDE for name in _image_symbols(vision.specializations[0], images_symbol, bound)
-    }
+    keep_images = {name: KEEP for name in _image_symbols(vision.specializations[0], images_symbol, bound)}
     side = {} if pixel_side is None else {PIXEL_SIDE: str(pixel_side)}
     tiled = images_symbol is None
     if pixel_side is not None:
-        keep_images[PIXEL_SIDE] = KEEP_SIDE
+        keep_images[PIXEL_SIDE] = KEEP
     for entry in language.specializations:
         base = dict(entry.symbols)
         decode = entry.name.startswith("Decode")
