@@ -161,6 +161,21 @@ def kept_note(start: int, length: int) -> str:
     )
 
 
+def served_notes(images: int, held: int, states: str) -> list[str]:
+    """What ``run`` prints per image of a prompt: held from an earlier turn, or encoded now.
+
+    Args:
+        images: Images of the prompt.
+        held: How many of them (the leading ones) the program already holds.
+        states: What the program holds of an image ("KV", "K/V").
+    """
+    return [
+        f"image {number}: "
+        + (f"{states} held from an earlier turn" if number <= held else "encoded inside the single program")
+        for number in range(1, images + 1)
+    ]
+
+
 def image_set_resume(resume: Resume, held: HeldPrefix | None, keys: Sequence[str]) -> Resume:
     """``resume`` for a program where a token that sees no image still reads every image's states.
 

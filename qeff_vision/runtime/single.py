@@ -42,6 +42,7 @@ from qeff_vision.runtime.retained_prefix import (
     held_after,
     kept_note,
     resume_point,
+    served_notes,
     unpositioned_caches,
 )
 from qeff_vision.spec.table import LANGUAGE_SYMBOLS
@@ -278,15 +279,7 @@ class SingleGenerator(Generator):
             image_rows=int(sum(s.rows for s in self.host.segments(processed))) if images else 0,
             images_encoded=self.encoder.images - before,
             notes=[*result.notes, *notes],
-            served=[
-                f"image {number}: "
-                + (
-                    "KV held from an earlier turn"
-                    if number <= resume.images
-                    else "encoded inside the single program"
-                )
-                for number in range(1, len(images) + 1)
-            ],
+            served=served_notes(len(images), resume.images, "KV"),
             vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
         )
 

@@ -46,6 +46,7 @@ from qeff_vision.runtime.retained_prefix import (
     image_set_resume,
     kept_note,
     resume_point,
+    served_notes,
     unpositioned_caches,
 )
 from qeff_vision.runtime.single import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
@@ -127,15 +128,7 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         finally:
             resume, self._resume = self._resume, Resume()
         self.held = held_after(input_ids, result.tokens, keys, result.continuation.past, None)
-        served = [
-            f"image {number}: "
-            + (
-                "K/V held from an earlier turn"
-                if number <= resume.images
-                else "encoded inside the single program"
-            )
-            for number in range(1, len(keys) + 1)
-        ]
+        served = served_notes(len(keys), resume.images, "K/V")
         # The encoder runs inside the program call: its time is the chunk's prefill time, and
         # what the base measured as encoding is only the host batching the pixels.
         chunks = [replace(chunk, encode_seconds=0.0) for chunk in result.chunks]
