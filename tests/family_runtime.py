@@ -72,6 +72,20 @@ class FamilyRuntime:
         worst = max(float(np.abs(ours - ref).max()) for ours, ref in zip(result.logits, logits))
         assert worst <= LOGIT_TOLERANCE, f"{label}: logits differ by {worst}"
 
+    def three_turns(self, chat, first, second, label: str) -> list:
+        """Image, text-only follow-up, new image through ``chat``: each turn checked, the results."""
+        turns = [
+            ([first], "Describe this picture."),
+            ([], "What colour dominates?"),
+            ([second], "Compare them."),
+        ]
+        results = []
+        for images, text in turns:
+            result = chat.ask(images, text, keep_logits=True)
+            self.check(result, chat.last_inputs.processed, f"{label} turn {len(results) + 1}")
+            results.append(result)
+        return results
+
     def run(
         self, processed, seq_lens: Sequence[int], protocol: str = "chunk", cache: EmbeddingCache | None = None
     ):

@@ -31,12 +31,7 @@ def test_three_turn_conversation(family, exported, hf_model):
         runtime.generator([16, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS
     )
     first, second = helpers.image(*sizes[0], 5), helpers.image(*sizes[-1], 6)
-    turns = [([first], "Describe this picture."), ([], "What colour dominates?"), ([second], "Compare them.")]
-    results = []
-    for images, text in turns:
-        result = chat.ask(images, text, keep_logits=True)
-        runtime.check(result, chat.last_inputs.processed, f"{family} turn {len(results) + 1}")
-        results.append(result)
+    results = runtime.three_turns(chat, first, second, family)
     assert [r.images_encoded for r in results] == [1, 0, 1]  # turn one's image is encoded once
 
 

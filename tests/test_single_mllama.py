@@ -143,15 +143,7 @@ def test_three_turn_conversation(single):
     runtime, program = single
     chat = Conversation(_generator(runtime, program, 16), runtime.processor, max_new_tokens=NEW_TOKENS)
     first, second = helpers.image(100, 150, 5), helpers.image(300, 120, 6)
-    results = []
-    for images, text in [
-        ([first], "Describe this picture."),
-        ([], "What colour dominates?"),
-        ([second], "Compare them."),
-    ]:
-        result = chat.ask(images, text, keep_logits=True)
-        runtime.check(result, chat.last_inputs.processed, f"mllama single turn {len(results) + 1}")
-        results.append(result)
+    results = runtime.three_turns(chat, first, second, "mllama single")
     # Each turn renders the whole conversation (what transformers is given). The text-only turn
     # keeps the prefix the program holds; the third turn encodes only its new image, into slot 1,
     # while the first image's K/V stay in slot 0. Its text is prefilled again: in transformers the

@@ -180,15 +180,7 @@ def test_three_turn_conversation(single):
     sizes = load_adapter(runtime.family).test_image_sizes
     chat = Conversation(_generator(runtime, program), runtime.processor, max_new_tokens=NEW_TOKENS)
     first, second = helpers.image(*sizes[0], 5), helpers.image(*sizes[-1], 6)
-    results = []
-    for images, text in [
-        ([first], "Describe this picture."),
-        ([], "What colour dominates?"),
-        ([second], "Compare them."),
-    ]:
-        result = chat.ask(images, text, keep_logits=True)
-        runtime.check(result, chat.last_inputs.processed, f"{runtime.family.name} turn {len(results) + 1}")
-        results.append(result)
+    results = runtime.three_turns(chat, first, second, runtime.family.name)
     # Each turn renders the whole conversation (what transformers is given), but the program keeps
     # the prefix it holds: only the rest is prefilled, and only the third turn's new image encoded.
     assert [r.images_encoded for r in results] == [1, 0, 1]
