@@ -53,6 +53,7 @@ from qeff_vision.export_record import (
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
+from qeff_vision.transformers_version import require_supported_transformers
 
 OPSET = 17
 # Example sizes for tracing the language program: small on purpose (the axes are symbolic).
@@ -111,6 +112,7 @@ def load_adapter(family: Family) -> ExportAdapter:
 
 
 def _load_model(adapter: ExportAdapter, model_dir: Path, dtype: torch.dtype):
+    require_supported_transformers()
     try:
         return adapter.empty_model(model_dir, dtype)
     except UserError:

@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
-    {"numerics", "tiny", "export_record", "compile_record", "hf_logging"},
+    {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version"},
     {"contract"},
     {"symbols", "fsutil", "qeff_vision"},
     {"errors"},

@@ -19,6 +19,7 @@ from qeff_vision.contract.language_io import LanguageIO
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, LanguageDecoder
 from qeff_vision.hf_logging import quiet_transformers
+from qeff_vision.transformers_version import require_supported_transformers
 
 if TYPE_CHECKING:  # the family sits above export/ (its adapter subclasses ExportAdapter)
     from qeff_vision.families.base import Family, ModelDescription
@@ -47,6 +48,7 @@ class ExportAdapter:
         """Load the checkpoint in float32 with eager attention (what the exporter traces)."""
         from transformers import AutoModelForImageTextToText
 
+        require_supported_transformers()
         quiet_transformers()
         model, info = AutoModelForImageTextToText.from_pretrained(
             str(model_dir), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
