@@ -7,6 +7,7 @@ AND(window, OR(causal, same image))), for whole prompts and for prefill chunks.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -124,11 +125,17 @@ def _hf_masks(token_ids: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
     )
     config._attn_implementation = "eager"
     length = token_ids.shape[1]
+    # transformers 5.24 renamed the cache argument from past_key_values to cache.
+    cache_argument = (
+        "cache"
+        if "cache" in inspect.signature(create_masks_for_vision_model).parameters
+        else "past_key_values"
+    )
     masks = create_masks_for_vision_model(
         config=config,
         inputs_embeds=torch.zeros(1, length, 8),
         attention_mask=None,
-        past_key_values=None,
+        **{cache_argument: None},
         position_ids=torch.arange(length).view(1, -1),
         block_sequence_ids=get_block_sequence_ids_for_mask((token_ids == IMAGE_TOKEN).long()),
     )

@@ -201,8 +201,12 @@ class RetainedKVCache:
             states = torch.where(self.fresh.unsqueeze(1).unsqueeze(-1), states, kept)
         return self._write(cache, self.write_slots, states)
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        """Write this chunk's keys/values and return what attention reads for this layer."""
+    def update(self, key_states, value_states, layer_idx, *_, **__):
+        """Write this chunk's keys/values and return what attention reads for this layer.
+
+        What else the attention layer passes (``cache_kwargs`` up to transformers 5.23, ``kwargs``
+        from 5.24) only serves HF's own cache layers; positions here come from the write slots.
+        """
         if self.ring_layers[layer_idx]:
             keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
             values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)

@@ -86,10 +86,12 @@ def _on_retained_state(layer: nn.Module):
     """The layer's forward: ours on the decoder's retained cache, transformers' otherwise."""
     original = type(layer).forward.__get__(layer)
 
-    def forward(hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        states = getattr(cache_params, "recurrent", None)
+    def forward(hidden_states, attention_mask=None, **kwargs):
+        # The decoder layer passes the cache as ``cache_params`` (transformers 5.23) or ``cache`` (5.24).
+        cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("cache_params")
+        states = getattr(cache, "recurrent", None)
         if states is None:
-            return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
+            return original(hidden_states, attention_mask=attention_mask, **kwargs)
         return linear_attention_forward(layer, hidden_states, states)
 
     return forward
