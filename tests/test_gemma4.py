@@ -12,6 +12,8 @@ as wide as the sliding ones. One export per layout per session (built here for m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -311,6 +313,31 @@ def test_all_bidirectional_attention_is_refused_in_one_line(layout):
     assert "\n" not in str(error.value)
 
 
+def test_patch_axis_is_named_max_patches_like_qefficient(exported):
+    """QEfficient names Gemma 4's patch-list axis ``max_patches`` (ref: quic/efficient-transformers
+    QEffGemma4ForConditionalGeneration.get_onnx_dynamic_axes / get_specializations): the exported
+    vision graph, export.json and every spec's specializations (dual, batching, single) use it."""
+    from qeff_vision.export_record import read_export
+    from qeff_vision.spec import build_specializations, load_spec
+
+    axes = [symbols.BATCH_SIZE, "max_patches"]
+    vision = read_export(exported(FAMILY))["programs"]["vision"]
+    graph = onnx.load(str(exported(FAMILY) / vision["path"]), load_external_data=False).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
+    assert dims[symbols.PIXEL_VALUES][:2] == axes and dims["image_position_ids"] == [*axes, 2]
+    for name in (symbols.PIXEL_VALUES, "image_position_ids"):
+        assert vision["inputs"][name]["axes"] == {"0": axes[0], "1": axes[1]}
+    specs = Path(__file__).resolve().parents[1] / "specs" / "gemma4"
+    for spec_file in ("gemma-4-e2b-it.yaml", "gemma-4-e2b-it-cb.yaml", "gemma-4-26b-a4b-it.yaml"):
+        entries = build_specializations(load_spec(specs / spec_file)).vision.specializations
+        assert [sorted(entry.symbols) for entry in entries] == [
+            sorted([*axes, symbols.VISION_SIZE])
+        ] * len(entries), spec_file
+    (single,) = build_specializations(load_spec(specs / "gemma-4-e2b-it-single.yaml")).programs
+    assert all("max_patches" in entry.symbols for entry in single.specializations)  # encode and keep
+    assert not any("num_patches" in entry.symbols for entry in single.specializations)
+
+
 def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_path, capsys):
     """vision.image_processor.max_soft_tokens sets the image budget: the vision specialization of a
     resolution follows it, compile writes it into OUT's processor config, and the processor ``run``
@@ -355,7 +382,7 @@ def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_p
     processor = Checkpoint.open(out / manifest["runtime_model"]).processor  # what `run` loads
     processed = processor.image_processor(images=[helpers.image(100, 150)], return_tensors="np")
     patches = int((processed["image_position_ids"][0] >= 0).all(-1).sum())
-    assert [int(entry["symbols"]["num_patches"]) for entry in compiled] == [patches] == [126 * 9]
+    assert [int(entry["symbols"]["max_patches"]) for entry in compiled] == [patches] == [126 * 9]
     bad = {**spec, "vision": {**spec["vision"], "image_processor": {"max_soft_tokens": 100}}}
     path.write_text(yaml.safe_dump(bad))
     assert main(["validate", str(path)]) == 2

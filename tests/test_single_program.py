@@ -58,7 +58,7 @@ MAX_IMAGES = 2
 # Mistral 3's the pixel grid (their shapes are graph symbols). Two images of different sizes are
 # then two encode calls in the first chunk, each writing its rows from its image_idx. So are the
 # patch sequences': Qwen-VL's grid graph reads one grid from image_grid_thw's shape, Gemma 4's
-# [n, num_patches, patch_dim] batch shares one patch count.
+# [n, max_patches, patch_dim] batch shares one patch count.
 ONE_SIZE_PER_CALL = {"llava_next", "mistral3", *QWEN, "gemma4"}
 
 
@@ -376,8 +376,8 @@ def test_full_batch_size_is_refused_in_one_line(path, tmp_path, capsys):
 
 def _check_patch_entries(entries: list[dict]) -> None:
     """Qwen-VL's encode entries bind grid_height to n images x one image's patches (QEfficient's
-    single-QPC form), Gemma 4's num_patches beside the image count; keep entries bind 1 patch."""
-    patches = "grid_height" if "grid_height" in entries[0]["symbols"] else "num_patches"
+    single-QPC form), Gemma 4's max_patches beside the image count; keep entries bind 1 patch."""
+    patches = "grid_height" if "grid_height" in entries[0]["symbols"] else "max_patches"
     for entry in entries:
         bound = entry["symbols"]
         if not entry["name"].startswith("Encode"):

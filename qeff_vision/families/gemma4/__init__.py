@@ -9,8 +9,9 @@ and (-1, -1) on padding. The tower pools every k x k block of patches into one s
 image is ``patches / k**2`` placeholders, between a begin- and an end-of-image token.
 
 The host strips the padding (:mod:`qeff_vision.families.gemma4.host`), so the vision program
-sees exactly an image's patches: one specialization per resolution (symbol ``num_patches``), and
-the tower's boolean-mask stripping of padded rows, which does not trace, never has rows to strip.
+sees exactly an image's patches: one specialization per resolution (symbol ``max_patches``,
+QEfficient's name for the same axis, which it binds to the padded budget instead), and the tower's
+boolean-mask stripping of padded rows, which does not trace, never has rows to strip.
 
 The decoder breaks three assumptions of one-shape caches (:meth:`Gemma4.layer_caches`): full
 layers have a wider head (``global_head_dim``) and, with ``attention_k_eq_v``, their own KV-head
@@ -55,8 +56,10 @@ from qeff_vision.families.gemma4.config import (
 )
 from qeff_vision.families.gemma4.tiny import write_tiny_checkpoint  # torch-free until called
 
-#: Patches of one image (the vision program's patch-list axis; one value per resolution).
-NUM_PATCHES = "num_patches"
+#: Patches of one image (the vision program's patch-list axis; one value per resolution). QEfficient's
+#: name (ref: quic/efficient-transformers QEffGemma4ForConditionalGeneration.get_onnx_dynamic_axes),
+#: so vllm-qaic and QEfficient tooling see the same symbol; here it is an image's exact patch count.
+MAX_PATCHES = "max_patches"
 IMAGE_POSITION_IDS = "image_position_ids"
 #: Model dimensions of the full layers' caches.
 GLOBAL_KV_HEADS = Fixed("num_global_kv_heads")
@@ -86,15 +89,15 @@ class Gemma4(Family):
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count (the "
             "placeholder has 1 patch); one encode call per run of same-resolution images (one "
-            "num_patches per call) in the first chunk"
+            "max_patches per call) in the first chunk"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {
-        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
-        IMAGE_POSITION_IDS: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
+        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_PATCHES},
+        IMAGE_POSITION_IDS: {0: symbols.BATCH_SIZE, 1: MAX_PATCHES},
     }
     # deployment single: the patch axis gates the encoder (an image has at least one pooled cell of
     # pooling_kernel_size^2 = 9 patches, the keep placeholder 1).
@@ -226,11 +229,11 @@ class Gemma4(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """``num_patches`` of the resized image and its soft tokens (``vision_size``)."""
+        """``max_patches`` of the resized image and its soft tokens (``vision_size``)."""
         view = self.config(model)
         height, width = self.resized(model, image)
         patches = (height // view.patch_size) * (width // view.patch_size)
-        return {NUM_PATCHES: patches, symbols.VISION_SIZE: patches // view.pooling_kernel_size**2}
+        return {MAX_PATCHES: patches, symbols.VISION_SIZE: patches // view.pooling_kernel_size**2}
 
 
 def _host():
