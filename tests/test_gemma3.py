@@ -18,7 +18,7 @@ from qeff_vision import api, symbols
 from qeff_vision.export.decoder import FULL_ATTENTION, SLIDING_ATTENTION, attention_masks, same_image_links
 from qeff_vision.families import ImageSize, ModelDescription, describe_checkpoint, family_for, get_family
 from qeff_vision.families.base import TextDims
-from qeff_vision.families.gemma3 import IMAGE_SIZE
+from qeff_vision.families.gemma3 import IMG_SIZE
 from qeff_vision.families.gemma3.tiny import MM_TOKENS_PER_IMAGE, SLIDING_WINDOW, SPECIAL_TOKENS
 from tests import helpers
 
@@ -57,7 +57,7 @@ def test_pinned_gemma_3_4b_it_token_math_and_defaults():
     for height, width in ((896, 896), (1080, 1920), (100, 3000)):
         image = ImageSize(height, width)
         assert family.validate_image(model, image) == []
-        assert family.vision_symbols(model, image) == {IMAGE_SIZE: 896, symbols.VISION_SIZE: 256}
+        assert family.vision_symbols(model, image) == {IMG_SIZE: 896, symbols.VISION_SIZE: 256}
         assert family.image_tokens(model, image) == 256
 
 

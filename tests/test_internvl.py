@@ -18,7 +18,7 @@ from qeff_vision import symbols
 from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
-from qeff_vision.families.internvl import NUM_TILES
+from qeff_vision.families.internvl import BATCHED_NUM_PATCHES
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
@@ -46,13 +46,13 @@ def _transformers_tiles(model: ModelDescription, height: int, width: int) -> int
 @given(st.integers(1, 6000), st.integers(1, 6000))
 def test_tile_count_equals_transformers_for_any_size(height, width):
     values = get_family(FAMILY).vision_symbols(INTERNVL3_8B, ImageSize(height, width))
-    assert values[NUM_TILES] == _transformers_tiles(INTERNVL3_8B, height, width)
-    assert values[symbols.VISION_SIZE] == 256 * values[NUM_TILES]
+    assert values[BATCHED_NUM_PATCHES] == _transformers_tiles(INTERNVL3_8B, height, width)
+    assert values[symbols.VISION_SIZE] == 256 * values[BATCHED_NUM_PATCHES]
 
 
 def test_spec_has_one_vision_specialization_per_tile_count():
     result = build_specializations(load_spec(SPECS / "internvl" / "internvl3-8b-hf.yaml"))
-    tiles = [int(s.symbols[NUM_TILES]) for s in result.vision.specializations]
+    tiles = [int(s.symbols[BATCHED_NUM_PATCHES]) for s in result.vision.specializations]
     assert tiles == [1, 9, 11, 13]
     assert result.request_image_tokens == 2 * 13 * 256
 

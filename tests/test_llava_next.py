@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qeff_vision import symbols
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
-from qeff_vision.families.llava_next import FEATURE_HEIGHT, FEATURE_WIDTH, NUM_TILES, TILE_COLS, TILE_ROWS
+from qeff_vision.families.llava_next import FEATURE_HEIGHT, FEATURE_WIDTH, NUM_PATCHES, TILE_COLS, TILE_ROWS
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
@@ -61,7 +61,7 @@ def _transformers_counts(
 def test_granite_reference_1109x1610_is_10_tiles_and_5239_tokens():
     values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(1109, 1610))
     assert values == {
-        NUM_TILES: 10,
+        NUM_PATCHES: 10,
         TILE_ROWS: 3,
         TILE_COLS: 3,
         FEATURE_HEIGHT: 55,
@@ -95,7 +95,7 @@ def test_token_math_equals_transformers_for_any_size(height, width):
     values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(height, width))
     tokens, tiles, grid = _transformers_counts(GRANITE, height, width)
     assert values[symbols.VISION_SIZE] == tokens
-    assert values[NUM_TILES] == tiles
+    assert values[NUM_PATCHES] == tiles
     assert (values[FEATURE_HEIGHT], values[FEATURE_WIDTH]) == grid
 
 
@@ -133,7 +133,7 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
     adapter = load_adapter(get_family(FAMILY))
     program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
     graph = json.loads((exported(FAMILY) / "export.json").read_text())["programs"]["vision"]
-    assert graph["inputs"]["pixel_values"]["axes"] == {"0": symbols.BATCH_SIZE, "1": NUM_TILES}
+    assert graph["inputs"]["pixel_values"]["axes"] == {"0": symbols.BATCH_SIZE, "1": NUM_PATCHES}
     for height, width in model.config.image_grid_pinpoints:
         pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
         processed = processor.image_processor(images=pair, return_tensors="pt")

@@ -42,7 +42,9 @@ from qeff_vision.families.config_view import ConfigReader, Section
 from qeff_vision.families.gemma3.tiny import write_tiny_checkpoint  # torch-free until called
 
 #: Side of the square ``pixel_values`` (one value per checkpoint: the processor's resize target).
-IMAGE_SIZE = "image_size"
+#: QEfficient's name (ref: quic/efficient-transformers QEffGemma3ForConditionalGeneration
+#: .get_onnx_dynamic_axes, pixel_values {0: batch_size, 2: img_size, 3: img_size}).
+IMG_SIZE = "img_size"
 
 # ref: transformers v5 models/gemma3/configuration_gemma3.py (Gemma3Config, Gemma3TextConfig defaults)
 # and models/siglip/configuration_siglip.py (SiglipVisionConfig defaults).
@@ -110,7 +112,7 @@ class Gemma3(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
-    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_SIZE, 3: IMAGE_SIZE}}
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMG_SIZE, 3: IMG_SIZE}}
     image_token_key = "image_token_index"
     # <end_of_image> and <start_of_image> always separate two images' soft tokens (the processor
     # adds newlines too, whose token count depends on the tokenizer: 2 is the safe lower bound).
@@ -178,9 +180,9 @@ class Gemma3(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """image_size (the processor's resize target) and vision_size (mm_tokens_per_image), any image."""
+        """img_size (the processor's resize target) and vision_size (mm_tokens_per_image), any image."""
         return {
-            IMAGE_SIZE: self.vision(model).image_size,
+            IMG_SIZE: self.vision(model).image_size,
             symbols.VISION_SIZE: self.vision(model).tokens_per_image,
         }
 

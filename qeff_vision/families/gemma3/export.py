@@ -28,7 +28,7 @@ from qeff_vision.export.adapter import FixedResolutionAdapter
 
 
 class VisionEncoder(nn.Module):
-    """pixel_values [batch, 3, image_size, image_size] -> vision_embeds [batch, mm_tokens_per_image, text]."""
+    """pixel_values [batch, 3, img_size, img_size] -> vision_embeds [batch, mm_tokens_per_image, text]."""
 
     def __init__(self, model: nn.Module):
         super().__init__()

@@ -11,9 +11,9 @@ becomes (image_size / patch)^2 patches, pixel-shuffled by ``downsample_ratio`` (
 into one token), so a tile is always the same number of tokens (256 for 448 px tiles of 14 px
 patches). The prompt wraps them in ``<img>`` ... ``</img>``.
 
-The vision program takes one image's tiles, ``pixel_values`` [num_tiles, 3, S, S] (QEfficient's
-layout, ``batched_num_patches``, which the vllm-qaic plugin sends), and returns ``vision_embeds``
-[1, num_tiles * tokens_per_tile, hidden]: the tile count is its only varying dimension, and each
+The vision program takes one image's tiles, ``pixel_values`` [batched_num_patches, 3, S, S]
+(QEfficient's layout and axis name, which the vllm-qaic plugin sends), and returns ``vision_embeds``
+[1, tiles * tokens_per_tile, hidden]: the tile count is its only varying dimension, and each
 tile count is one vision specialization.
 """
 
@@ -41,7 +41,9 @@ from qeff_vision.families.base import (
 from qeff_vision.families.config_view import ConfigReader
 from qeff_vision.families.internvl.tiny import write_tiny_checkpoint  # torch-free until called
 
-NUM_TILES = "num_tiles"
+#: Tiles in one call (QEfficient's name: ref quic/efficient-transformers
+#: QEffInternVLModel.get_onnx_dynamic_axes); one image's tiles in dual, all a prompt's in single.
+BATCHED_NUM_PATCHES = "batched_num_patches"
 
 # ref: transformers v5 GotOcr2ImageProcessor class defaults (min_patches 1, max_patches 12) and
 # InternVLProcessor's images_kwargs default crop_to_patches=True; InternVLVisionConfig defaults
@@ -140,7 +142,7 @@ class InternVL(Family):
     )
     # ref: QEfficient QEffInternVLModel.get_onnx_dynamic_axes (pixel_values {0: batched_num_patches});
     # vllm-qaic's qaic_multimodal.py splits pixel_values_flat per image into [tiles, 3, S, S].
-    vision_input_axes = {symbols.PIXEL_VALUES: {0: NUM_TILES}}
+    vision_input_axes = {symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES}}
     # "</img>" and "<img>" always separate the context tokens of two images.
     tokens_between_images = 2
 
@@ -214,9 +216,9 @@ class InternVL(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """num_tiles and vision_size (num_tiles * tokens per tile)."""
+        """batched_num_patches (the tiles) and vision_size (tiles * tokens per tile)."""
         tiles = self.num_tiles(model, image)
-        return {NUM_TILES: tiles, symbols.VISION_SIZE: tiles * self.tokens_per_tile(model)}
+        return {BATCHED_NUM_PATCHES: tiles, symbols.VISION_SIZE: tiles * self.tokens_per_tile(model)}
 
 
 def _host():

@@ -38,7 +38,9 @@ from qeff_vision.families.base import (
 from qeff_vision.families.config_view import ConfigReader, pair
 from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint  # torch-free until called
 
-NUM_TILES = "num_tiles"
+#: Tiles of one image, base tile included: QEfficient's name for pixel_values axis 1 (ref:
+#: quic/efficient-transformers QEffLlavaNextForConditionalGeneration.get_onnx_dynamic_axes).
+NUM_PATCHES = "num_patches"
 TILE_ROWS = "tile_rows"
 TILE_COLS = "tile_cols"
 FEATURE_HEIGHT = "feature_height"
@@ -131,7 +133,7 @@ class LlavaNext(Family):
     # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
     # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
     vision_input_axes = {
-        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_TILES},
+        symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
         TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
         FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
     }
@@ -183,13 +185,13 @@ class LlavaNext(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """num_tiles, tile_rows, tile_cols, feature_height, feature_width and vision_size."""
+        """num_patches (the tiles), tile_rows, tile_cols, feature_height, feature_width and vision_size."""
         tile, side = self.tile_size(model), self.patches_per_side(model)
         pin_height, pin_width = best_resolution(image.height, image.width, self.pinpoints(model))
         rows, cols = math.ceil(pin_height / tile), math.ceil(pin_width / tile)
         feature_height, feature_width = unpadded_grid(image.height, image.width, rows * side, cols * side)
         return {
-            NUM_TILES: rows * cols + 1,
+            NUM_PATCHES: rows * cols + 1,
             TILE_ROWS: rows,
             TILE_COLS: cols,
             FEATURE_HEIGHT: feature_height,

@@ -14,7 +14,7 @@ from qeff_vision.families.llava_next import (
     FEATURE_GRID,
     FEATURE_HEIGHT,
     FEATURE_WIDTH,
-    NUM_TILES,
+    NUM_PATCHES,
     TILE_COLS,
     TILE_GRID,
     TILE_ROWS,
@@ -36,7 +36,7 @@ class Host(BaseHost):
             values = self._symbols(image_size)
             inputs.append(
                 {
-                    symbols.PIXEL_VALUES: pixels[index : index + 1, : values[NUM_TILES]],
+                    symbols.PIXEL_VALUES: pixels[index : index + 1, : values[NUM_PATCHES]],
                     TILE_GRID: np.zeros((1, values[TILE_ROWS], values[TILE_COLS]), dtype=np.int64),
                     FEATURE_GRID: np.zeros(
                         (1, values[FEATURE_HEIGHT], values[FEATURE_WIDTH]), dtype=np.int64
