@@ -42,3 +42,13 @@ def read_export(out_dir: str | Path) -> dict[str, Any]:
     if not isinstance(programs, dict) or any(program not in programs for program in PROGRAMS):
         raise UserError(f"{path}: expected programs 'vision' and 'lang'")
     return manifest
+
+
+def recorded_symbols(manifest: dict[str, Any]) -> set[str]:
+    """Every symbolic axis ``export.json`` records on the programs' inputs and outputs."""
+    found: set[str] = set()
+    for program in (manifest.get("programs") or {}).values():
+        for side in ("inputs", "outputs"):
+            for io in ((program or {}).get(side) or {}).values():
+                found.update(str(symbol) for symbol in ((io or {}).get("axes") or {}).values())
+    return found

@@ -330,12 +330,67 @@ def test_patch_axis_is_named_max_patches_like_qefficient(exported):
     specs = Path(__file__).resolve().parents[1] / "specs" / "gemma4"
     for spec_file in ("gemma-4-e2b-it.yaml", "gemma-4-e2b-it-cb.yaml", "gemma-4-26b-a4b-it.yaml"):
         entries = build_specializations(load_spec(specs / spec_file)).vision.specializations
-        assert [sorted(entry.symbols) for entry in entries] == [
-            sorted([*axes, symbols.VISION_SIZE])
-        ] * len(entries), spec_file
+        expected = sorted([*axes, symbols.VISION_SIZE])
+        assert [sorted(entry.symbols) for entry in entries] == [expected] * len(entries), spec_file
     (single,) = build_specializations(load_spec(specs / "gemma-4-e2b-it-single.yaml")).programs
     assert all("max_patches" in entry.symbols for entry in single.specializations)  # encode and keep
     assert not any("num_patches" in entry.symbols for entry in single.specializations)
+
+
+def test_exports_and_compiles_that_name_num_patches_are_refused_in_one_line(layout, tmp_path, capsys):
+    """Before max_patches the axis was num_patches: ``compile --export`` of such an export and
+    ``run`` of such a compile stop in one line naming the new symbol; an old OUT/export is stale."""
+    import json
+    import shutil
+
+    import yaml
+
+    from qeff_vision.cli import main
+    from qeff_vision.compile_record import MANIFEST_FILE, MANIFEST_FORMAT
+    from qeff_vision.export_record import EXPORT_FILE
+
+    runtime = layout("e")
+    export = runtime.language.path.parents[1]
+    spec = {
+        "name": "tiny-gemma4",
+        "model": str(runtime.checkpoint.directory),
+        "ctx_len": 512,
+        "prefill": {"seq_lens": [64]},
+        "vision": {"images": [{"height": 100, "width": 150}]},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    old = tmp_path / "out" / "export"
+    old.mkdir(parents=True)
+    text = (export / EXPORT_FILE).read_text()
+    assert '"max_patches"' in text
+    (old / EXPORT_FILE).write_text(text.replace('"max_patches"', '"num_patches"'))
+    for name in ("vision", "lang"):
+        shutil.copytree(export / name, old / name)
+
+    def one_line(command):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        return err
+
+    err = one_line(["compile", str(path), "-o", str(tmp_path / "o2"), "--dry-run", "--export", str(old)])
+    assert "former symbol 'num_patches' (now 'max_patches')" in err and "export it again" in err
+    assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert f"{old} is stale" in captured.out + captured.err
+    entry = {"name": "v", "symbols": {"batch_size": "1", "num_patches": "54", "vision_size": "6"}}
+    compiled = tmp_path / "compiled"
+    compiled.mkdir()
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "backend": "onnxruntime",
+        "family": FAMILY,
+        "programs": {"vision": {"specializations": [entry]}, "lang": {"specializations": []}},
+    }
+    (compiled / MANIFEST_FILE).write_text(json.dumps(manifest))
+    err = one_line(["run", str(compiled), "--prompt", "Hi"])
+    assert "former symbol 'num_patches' (now 'max_patches')" in err and "compile it again" in err
 
 
 def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_path, capsys):

@@ -20,7 +20,14 @@ from qeff_vision.compile.precision import PrecisionPlan
 from qeff_vision.compile.single_program import SINGLE_FILE, single_program_path
 from qeff_vision.compile_record import MANIFEST_FILE
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.export_record import EXPORT_FILE, PATCH_BUCKETS, config_hash, read_export, vision_mode
+from qeff_vision.export_record import (
+    EXPORT_FILE,
+    PATCH_BUCKETS,
+    config_hash,
+    read_export,
+    recorded_symbols,
+    vision_mode,
+)
 from qeff_vision.fsutil import atomic_write_json
 from qeff_vision.spec import write_specializations
 from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
@@ -86,6 +93,13 @@ def _run_export(
     ).manifest
 
 
+def _former_symbol(spec: Any, manifest: Mapping[str, Any]) -> str | None:
+    """The first symbol the export records under a name its family has since changed, or None."""
+    from qeff_vision.families import get_family
+
+    return get_family(spec.family).former_symbol_note(recorded_symbols(dict(manifest)))
+
+
 def given_export(spec: Any, export_dir: Path) -> Export:
     """The export ``--export DIR`` names, checked against the spec; reads only, writes nothing.
 
@@ -99,6 +113,9 @@ def given_export(spec: Any, export_dir: Path) -> Export:
         raise UserError(
             f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
         )
+    former = _former_symbol(spec, manifest)
+    if former:
+        raise UserError(f"{export_dir}: exported with {former}; export it again (`qeff-vision export`)")
     ccl = spec.compile.comp_ctx_lengths is not None
     if bool(manifest.get("comp_ctx_lengths")) != ccl:
         wanted = "with" if ccl else "without"
@@ -158,6 +175,8 @@ def locate_export(
         stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
         stale = True  # the spec added or dropped retain_full_kv
+    if manifest is not None and _former_symbol(spec, manifest):
+        stale = True  # exported before the family took QEfficient's symbol names
     if manifest is not None and not stale:
         return Export(directory, manifest)
     if dry_run:

@@ -14,7 +14,7 @@ caches and the language IO table). Families import every name they use from here
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,6 +137,17 @@ class Family(FamilyConfig, FamilyLanguageIO):
     #: Optional capability: the family's :class:`PatchBuckets` subclass (a vision program on patch
     #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
     patch_bucket_capability: type[PatchBuckets] | None = None
+    #: Symbols the family named otherwise before it took QEfficient's names (former -> current).
+    #: An export or compile that still binds a former one is refused (or re-exported) by name
+    #: instead of failing later on a symbol nothing binds.
+    former_symbols: Mapping[str, str] = {}
+
+    def former_symbol_note(self, names: Iterable[str]) -> str | None:
+        """``symbol 'old' (now 'new')`` for the first former symbol among ``names``, else None."""
+        found = sorted(set(names) & set(self.former_symbols))
+        if not found:
+            return None
+        return f"{self.title}'s former symbol {found[0]!r} (now {self.former_symbols[found[0]]!r})"
 
     #: Image-processor options a spec may set (``vision.image_processor``): name -> allowed values
     #: (Gemma 4's ``max_soft_tokens``). The spec's token math reads them over the checkpoint's

@@ -91,6 +91,23 @@ def _symbols(entries: Any, where: str) -> tuple[dict[str, int], ...]:
         raise UserError(f"{where}: specializations are not [{{'name', 'symbols'}}] entries ({exc})") from exc
 
 
+def _refuse_former_symbols(manifest: Mapping[str, Any], where: str) -> None:
+    """A compile whose specializations bind a symbol its family has since renamed: one user error."""
+    try:
+        family = get_family(manifest.get("family"))
+        names = {
+            name
+            for program in (manifest.get("programs") or {}).values()
+            for entry in (program or {}).get("specializations") or ()
+            for name in (entry.get("symbols") or {})
+        }
+    except (UserError, AttributeError, TypeError):
+        return  # an unknown family or malformed entries: the readers below say so in their words
+    former = family.former_symbol_note(names)
+    if former:
+        raise UserError(f"{where}: compiled with {former}; compile it again (`qeff-vision compile`)")
+
+
 def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
     directory = Path((manifest.get("export") or {}).get("dir") or "export")
     return directory if directory.is_absolute() else out_dir / directory
@@ -139,6 +156,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     if backend not in (QAIC, ONNXRUNTIME):
         raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
     where = str(out_dir / "manifest.json")
+    _refuse_former_symbols(manifest, where)
     deployment = manifest.get("deployment", DUAL)
     language_program, phases = "lang", ()
     if deployment == SINGLE:  # one program: its encode entries stand for the vision program's

@@ -113,6 +113,7 @@ class Gemma3(Family):
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMG_SIZE, 3: IMG_SIZE}}
+    former_symbols = {"image_size": IMG_SIZE}
     image_token_key = "image_token_index"
     # <end_of_image> and <start_of_image> always separate two images' soft tokens (the processor
     # adds newlines too, whose token count depends on the tokenizer: 2 is the safe lower bound).

@@ -99,6 +99,7 @@ class Gemma4(Family):
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_PATCHES},
         IMAGE_POSITION_IDS: {0: symbols.BATCH_SIZE, 1: MAX_PATCHES},
     }
+    former_symbols = {"num_patches": MAX_PATCHES}
     # deployment single: the patch axis gates the encoder (an image has at least one pooled cell of
     # pooling_kernel_size^2 = 9 patches, the keep placeholder 1).
     single_encode_axis = 1

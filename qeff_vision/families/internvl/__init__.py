@@ -143,6 +143,7 @@ class InternVL(Family):
     # ref: QEfficient QEffInternVLModel.get_onnx_dynamic_axes (pixel_values {0: batched_num_patches});
     # vllm-qaic's qaic_multimodal.py splits pixel_values_flat per image into [tiles, 3, S, S].
     vision_input_axes = {symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES}}
+    former_symbols = {"num_tiles": BATCHED_NUM_PATCHES}
     # "</img>" and "<img>" always separate the context tokens of two images.
     tokens_between_images = 2
 

@@ -137,6 +137,7 @@ class LlavaNext(Family):
         TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
         FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
     }
+    former_symbols = {"num_tiles": NUM_PATCHES}
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> LlavaNextVision:
         """Tile and patch sizes over LlavaNextConfig's defaults; the model's and processor's pinpoints.
