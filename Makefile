@@ -12,8 +12,8 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install --quiet --upgrade pip
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)
