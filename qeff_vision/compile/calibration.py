@@ -120,7 +120,8 @@ def prompt_ranges(
     fitting = _Fitting(shape.ctx_len)
     for text in prompts or [DEFAULT_PROMPT]:
         for picture in [*pictures, None]:  # each image with the prompt, then the prompt alone
-            chat = Conversation(generator, processor)
+            # Every prompt token's activations are recorded: no prefix kept from the last run.
+            chat = Conversation(generator, processor, keep_prefix=False)
             shown = [] if picture is None else [picture]
             fitted = fitting.fit(chat, shown, text)
             if fitted is not None:

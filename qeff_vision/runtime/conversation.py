@@ -1,12 +1,14 @@
 """Multi-turn conversations over a :class:`Generator`, with the checkpoint's processor and chat template.
 
-Our KV cache lives for one request, so every turn re-runs the whole conversation: the history
-(user turns with their images, assistant replies as text) is rendered by the checkpoint's chat
-template and processed again. What makes that cheap is the per-image embedding cache the
-generator owns: an image shown in an earlier turn has the same preprocessed pixels, hence the same
-content key, and is never encoded again while the cache holds it. A single-deployment program
-keeps its KV between turns instead: it prefills only what follows the prefix it already holds
-(:mod:`qeff_vision.runtime.retained_prefix`).
+Every turn renders the whole conversation (user turns with their images, assistant replies as
+text) with the checkpoint's chat template and processes it again: what transformers ``generate``
+is given. The language program keeps its KV between turns, so only what follows the prefix it
+already holds is prefilled (:mod:`qeff_vision.runtime.kept_prefix` for the dual deployment, the
+program itself in single; the rules in :mod:`qeff_vision.runtime.retained_prefix`): the earlier
+turns' tokens, and the images among them, are not prefilled again. An image shown again after
+the kept prefix (or in a conversation that had to start over) comes from the per-image
+embedding cache the generator owns: same preprocessed pixels, same content key, no encoder call
+while the cache holds it.
 """
 
 from __future__ import annotations
@@ -19,102 +21,11 @@ from typing import Any
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
 
-ImageSource = Any  # a path (str or Path) or a PIL image
 ImageFitter = Callable[[Any], "tuple[Any, str | None]"]
-
-
-def load_image(source: ImageSource):
-    """An RGB PIL image from a path or a PIL image.
-
-    Raises:
-        UserError: The file is missing or is not an image PIL can read.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(source, Image.Image):
-        return source.convert("RGB")
-    path = Path(source)
-    if not path.is_file():
-        raise UserError(f"{path}: no such image file")
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable image ({reason})") from exc
-
-
-FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-DEFAULT_FPS = 2.0
-
-
-@dataclass
-class Clip:
-    """A video as the processor takes it: RGB frames and the rate they were sampled at.
-
-    Attributes:
-        frames: PIL images, in order.
-        fps: Frames per second of ``frames`` (Qwen-VL times its temporal positions by it).
-        source: Where it came from, for messages.
-    """
-
-    frames: list
-    fps: float = DEFAULT_FPS
-    source: str = "<clip>"
-
-
-def load_video(source: Any, fps: float | None = None) -> Clip:
-    """A :class:`Clip` from a directory of frame images (sorted by name) or a video file.
-
-    Video files are decoded with PyAV (``av``: FFmpeg's decoders in a wheel, no system FFmpeg;
-    transformers' own video loader uses it too), keeping every frame, or every n-th to reach
-    ``fps`` when given. A directory's frames are taken at ``fps`` (2 when not given, Qwen-VL's
-    sampling rate).
-
-    Raises:
-        UserError: A missing path, a directory without frames, an unreadable frame or file.
-    """
-    if isinstance(source, Clip):
-        return source
-    if fps is not None and fps <= 0:
-        raise UserError(f"--fps must be positive, got {fps}")
-    path = Path(source)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FRAME_SUFFIXES)
-        if not files:
-            raise UserError(f"{path}: no frame images ({', '.join(FRAME_SUFFIXES)}) in the directory")
-        return Clip([load_image(file) for file in files], fps or DEFAULT_FPS, str(path))
-    if not path.is_file():
-        raise UserError(f"{path}: no such video file or frame directory")
-    return _decode_video_file(path, fps)
-
-
-def _decode_video_file(path: Path, fps: float | None) -> Clip:
-    try:
-        import av
-    except ImportError:
-        raise UserError(
-            f"{path}: reading video files needs PyAV (pip install av); or pass a directory of frames"
-        ) from None
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            rate = float(stream.average_rate or 0) or DEFAULT_FPS
-            frames = [frame.to_image().convert("RGB") for frame in container.decode(stream)]
-    except (av.FFmpegError, IndexError, OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable video ({reason})") from exc
-    if not frames:
-        raise UserError(f"{path}: not a readable video (no frames decoded)")
-    if fps is None or fps >= rate:
-        return Clip(frames, rate, str(path))
-    step = rate / fps
-    kept = [frames[int(i * step)] for i in range(int(len(frames) / step))]
-    return Clip(kept, fps, str(path))
 
 
 class TextStream:
@@ -194,6 +105,9 @@ class Conversation:
         protocol: Default vision protocol of :meth:`ask`.
         max_new_tokens: Default upper bound of generated tokens per turn.
         model_dir: The checkpoint directory (what a transformers reference would load).
+        keep_prefix: Each turn prefills only what follows the prefix the language program holds
+            from the previous one (False: the whole conversation every turn, e.g. calibration,
+            which records every prompt token's activations).
     """
 
     def __init__(
@@ -205,8 +119,10 @@ class Conversation:
         protocol: str = VisionProtocol.CHUNK.value,
         max_new_tokens: int = 32,
         model_dir: str | Path | None = None,
+        keep_prefix: bool = True,
     ):
         self.generator = generator
+        self.keep_prefix = keep_prefix
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.processor = processor
         self.fit_image = fit_image
@@ -321,8 +237,9 @@ class Conversation:
     ) -> GenerationResult:
         """One turn: the user shows ``images`` (possibly none) and says ``text``; the model replies.
 
-        The whole conversation is prefilled again; images already shown come from the cache. The
-        turn joins the history only when generation succeeds.
+        The whole conversation is rendered again; only what follows the prefix the program holds is
+        prefilled (``result.prefilled_tokens``; a note says how many were kept). The turn joins
+        the history only when generation succeeds; a failed turn leaves no prefix held.
 
         Args:
             images: New images (paths or PIL images), placed before the text.
@@ -349,6 +266,7 @@ class Conversation:
             protocol=protocol or self.protocol,
             on_token=on_token,
             keep_logits=keep_logits,
+            keep_prefix=self.keep_prefix,
         )
         rest = stream.finish()
         if rest and on_text:
@@ -362,7 +280,11 @@ class Conversation:
         return result
 
     def reset(self) -> None:
-        """Forget the history (the embedding cache keeps its entries)."""
+        """Forget the history (the embedding cache keeps its entries).
+
+        The program still holds the last turn: the next prompt keeps only what it shares with it
+        (the chat template's opening tokens, say), or starts over.
+        """
         self.messages, self.images, self.videos, self.last_inputs = [], [], [], None
 
 

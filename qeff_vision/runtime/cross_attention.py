@@ -34,6 +34,7 @@ from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, unpositioned_caches
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 
@@ -87,6 +88,32 @@ class CrossAttentionGenerator(Generator):
         # zero states that the mask never selects. None (a bare export): exactly the request's.
         slots = {s.get(symbols.MAX_NUM_IMAGES) for s in self.language.specializations or ()} - {None}
         self.image_slots = slots.pop() if len(slots) == 1 else None
+        self._unpositioned = unpositioned_caches(self.io, exclude=self.cross_names)
+
+    def prefix_images(self, processed: Mapping[str, Any]) -> tuple[list[str], list[tuple[int, int]]]:
+        """Content keys and ``<|image|>`` token spans of the prompt's images (see :meth:`keys_and_spans`)."""
+        _, keys, spans = self.keys_and_spans(processed)
+        return keys, spans
+
+    def keys_and_spans(self, processed: Mapping[str, Any]) -> tuple[list, list[str], list]:
+        """Per image of the prompt: its inputs, content key and ``<|image|>`` token span."""
+        per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
+        keys = [
+            content_key(next(iter(inputs.values())), tuple(int(d) for a in inputs.values() for d in a.shape))
+            for inputs in per_image
+        ]
+        input_ids = np.asarray(processed["input_ids"]).reshape(-1)
+        spans = [(int(at), int(at) + 1) for at in np.flatnonzero(input_ids == self.image_token_id)]
+        return per_image, keys, spans if len(spans) == len(keys) else []
+
+    def kept_resume(self, resume: Resume, held: HeldPrefix | None, keys) -> Resume:
+        """A prefix kept only while the prompt's images are the held ones (a text-less token reads all).
+
+        The dual programs hold no image slots of their own: a changed image set starts over (the
+        vision program's states come from :attr:`encoded`, not encoded again).
+        """
+        resume = image_set_resume(resume, held, keys)
+        return resume if resume.start else Resume()
 
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """Zeroed KV of ``slots`` sequences, the cross layers' sized for the compiled image slots.
@@ -161,10 +188,17 @@ class CrossAttentionGenerator(Generator):
             positions = continued_positions(positions, first)
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
         self.check_fits(length, max_new_tokens, used)  # the one fit check of every runner
-        plan = self.plan(input_ids, processed, protocol)
+        start = self._resume.start
+        plan = self.plan(input_ids[start:], processed, protocol)
         calls_before = self.vision.calls
         encode_start = time.perf_counter()
-        if history is None:
+        if history is None and start:  # the kept prefix's caches hold the images' states
+            images_encoded = 0
+            mask = self._cross_mask(processed, length)
+            past = {**self.empty_cache(), **self._resume.restore}
+            if self.language.retains_state:  # resident, with the kept positions' KV
+                past = {}
+        elif history is None:
             cross, images_encoded = self._cross_states(processed)
             mask = self._cross_mask(processed, length)
             past = {**self.empty_cache(), **cross}
@@ -172,9 +206,10 @@ class CrossAttentionGenerator(Generator):
             images_encoded = 0
             mask = np.repeat(history.decode_feeds[Role.CROSS_MASK], length, axis=1)
         encode_seconds = time.perf_counter() - encode_start
-        outputs, records = self.run_chunks(
-            plan.chunks, (mask, input_ids, positions), past, images_encoded, encode_seconds
-        )
+        request = (mask[:, start:], input_ids[start:], positions[..., start:])
+        outputs, records = self.run_chunks(plan.chunks, request, past, images_encoded, encode_seconds, start)
+        # The caches a later turn may restore (host only; the arrays are replaced, never written).
+        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
         return CrossPrefill(
             length=length,
             logits=outputs[self.logits_name][0, -1].copy(),
@@ -196,13 +231,25 @@ class CrossAttentionGenerator(Generator):
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
         history: Continuation | None = None,
+        keep_prefix: bool = False,
     ) -> GenerationResult:
         """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
 
         A continued turn (``history``) keeps the first turn's cross states and extends its mask
         with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
-        ``cross_attention_mask`` for mllama; it cannot add images.
+        ``cross_attention_mask`` for mllama; it cannot add images. ``keep_prefix``: as
+        :meth:`Generator.generate`, while the prompt's images are the held ones.
         """
+        args = (max_new_tokens, protocol, on_token, keep_logits, history)
+        if keep_prefix:
+            return self.generate_kept(processed, *args)
+        self.held = None  # the program's caches now hold this prompt, recorded by no one
+        return self._generate(processed, *args)
+
+    def _generate(
+        self, processed, max_new_tokens, protocol, on_token, keep_logits, history
+    ) -> GenerationResult:
+        """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
         calls_before = self.vision.calls
         prefill = self.prefill(processed, max_new_tokens, protocol, history)
         past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row

@@ -3,7 +3,9 @@
 The host side of the protocol in docs/design.md: positions (M-RoPE included) are computed once
 for the whole prompt and sliced per chunk; each chunk receives only its rows of the per-image
 embeddings (``chunk`` protocol) or the whole embedding (``full``, kept for comparison); images are
-encoded when a chunk first needs them, through a per-conversation :class:`EmbeddingCache`.
+encoded when a chunk first needs them, through a per-conversation :class:`EmbeddingCache`. A
+conversation's turn prefills only what follows the prefix the language program already holds
+(:mod:`qeff_vision.runtime.kept_prefix`).
 """
 
 from __future__ import annotations
@@ -26,19 +28,22 @@ from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.decoding import TokenDecoding
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
 from qeff_vision.runtime.image_encoding import ImageEncoding
+from qeff_vision.runtime.kept_prefix import PrefixKeeping
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.retained_prefix import segments_after, unpositioned_caches
 from qeff_vision.runtime.session import OnnxProgram
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
-class Generator(ImageEncoding, TokenDecoding):
+class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
     """Runs prompts through a vision program and a language program with the chunk protocol.
 
     Its vision half is :class:`~qeff_vision.runtime.image_encoding.ImageEncoding`, its decode half
-    (one-token calls after the prompt) :class:`~qeff_vision.runtime.decoding.TokenDecoding`.
+    (one-token calls after the prompt) :class:`~qeff_vision.runtime.decoding.TokenDecoding`, the
+    prefix a conversation keeps between turns :class:`~qeff_vision.runtime.kept_prefix.PrefixKeeping`.
 
     Args:
         checkpoint: The checkpoint the programs were exported from (config, family, end ids).
@@ -93,6 +98,8 @@ class Generator(ImageEncoding, TokenDecoding):
         if keeps_full_kv(self.io, graph_dims):  # exported with retain_full_kv: ctx_len on ring layers
             self.io = with_kv_prefix(family.language_table(description, **table, retain_full_kv=True), prefix)
         self.logits_name = self.io.name(Role.LOGITS, output=True)
+        #: Caches a kept prefix cannot roll back (window rings, recurrent states).
+        self._unpositioned = unpositioned_caches(self.io)
         #: The compute-context length fed to each language call (empty without CCL specializations).
         self.ccl_history: list[int] = []
         self._ccl_feeds: dict[int, np.ndarray] = {}
@@ -209,10 +216,11 @@ class Generator(ImageEncoding, TokenDecoding):
             )
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
-        """The chunk plan of a processed prompt."""
+        """The chunk plan of a processed prompt (of its tokens after a kept prefix, in a kept generation)."""
+        start = self._resume.start
         return plan_chunks(
-            len(input_ids),
-            self.host.segments({**processed, "input_ids": input_ids}),
+            len(input_ids) - start,
+            segments_after(self.host.segments({**processed, "input_ids": input_ids}), start),
             self.shape.buckets,
             allow_image_split=self.family.splits_images(self.checkpoint.description),
             protocol=protocol,
@@ -226,6 +234,7 @@ class Generator(ImageEncoding, TokenDecoding):
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
         history: Continuation | None = None,
+        keep_prefix: bool = False,
     ) -> GenerationResult:
         """Greedy generation for one processed prompt (batch 1).
 
@@ -238,12 +247,31 @@ class Generator(ImageEncoding, TokenDecoding):
             history: A previous result's ``continuation``: ``processed`` is then only the new
                 turn's tokens and images, run after that history's KV cache (see
                 :mod:`qeff_vision.runtime.continuation`). The history is consumed.
+            keep_prefix: ``processed`` is the whole conversation: prefill only what follows the
+                prefix the program holds from the last such call (:mod:`~qeff_vision.runtime.kept_prefix`),
+                and record what it holds after this one.
 
         Raises:
             UserError: The prompt and the new tokens do not fit ``ctx_len``, no plan fits the
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
+        args = (max_new_tokens, protocol, on_token, keep_logits, history)
+        if keep_prefix:
+            return self.generate_kept(processed, *args)
+        self.held = None  # the program's caches now hold this prompt, recorded by no one
+        return self._generate(processed, *args)
+
+    def _generate(
+        self,
+        processed: Mapping[str, Any],
+        max_new_tokens: int,
+        protocol: str,
+        on_token: Callable[[int], None] | None,
+        keep_logits: bool,
+        history: Continuation | None,
+    ) -> GenerationResult:
+        """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
         started = time.perf_counter()
         self.ccl_history = []
         self.served = {}
@@ -251,7 +279,8 @@ class Generator(ImageEncoding, TokenDecoding):
         processed = self.prepare_prompt(processed)  # clips pruned (and so encoded) at a pruning rate
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         length = len(input_ids)
-        past = history.past if history is not None else self.empty_cache()
+        # A kept prefix's caches: held on the host (onnxruntime) or resident on the device.
+        past = history.past if history is not None else {**self.empty_cache(), **self._resume.restore}
         positions = self.host.prompt_positions(processed)
         used = 0
         if history is not None:
@@ -295,9 +324,15 @@ class Generator(ImageEncoding, TokenDecoding):
         processed: Mapping[str, Any],
         past: dict[str, np.ndarray],
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
-        """Run every chunk of ``plan``; the last call's outputs and one record per chunk."""
+        """Run every chunk of ``plan``; the last call's outputs and one record per chunk.
+
+        In a kept generation the plan covers the tokens after the kept prefix, and its images are
+        the prompt's after the kept ones.
+        """
+        start, kept = self._resume.start, self._resume.images
+        input_ids, positions = input_ids[start:], positions[..., start:]
         images, inputs_by_key = self._prepare_images(processed) if plan.segments else ([], {})
-        self._images = images
+        self._images = images = images[kept:]
         encode_timer = [0.0]
         encoder = self._encoder(inputs_by_key, encode_timer)
         hidden = self.row_width
@@ -320,10 +355,12 @@ class Generator(ImageEncoding, TokenDecoding):
                     seconds=seconds,
                     encode_seconds=encode_timer[0] - encode_before,
                     images_encoded=encoded_now - encoded_before,
-                    start=chunk.start,
+                    start=start + chunk.start,
                 )
             )
             encoded_before, encode_before = encoded_now, encode_timer[0]
+        # The caches a later turn may restore (host only; step replaces the arrays, never writes them).
+        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
         return outputs, records
 
     def chunk_feeds(

@@ -30,8 +30,8 @@ class ImageEncoding:
 
     They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
     ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``, ``_images``,
-    ``video_pruning_rate``, ``retention`` (pruned cache key -> retention mask) and ``prepared``
-    (the last pruned prompt with its prepared images), and record in
+    ``video_pruning_rate``, ``retention`` (pruned cache key -> retention mask), ``prepared``
+    (the last pruned prompt with its prepared images) and ``_resume`` (a kept prefix), and record in
     ``served`` how the vision program served each image; the generator sets them all.
     """
 
@@ -155,8 +155,13 @@ class ImageEncoding:
         return self._vision_feeds_of_rows(rows)
 
     def _served_notes(self) -> list[str]:
-        """One line per image of the last prompt: which vision program (mode) served it."""
-        return [
+        """One line per image of the last prompt: which vision program (mode) served it.
+
+        The images of a kept prefix (``_resume.images``, the leading ones) were not sent at all:
+        the language program holds their KV from an earlier turn.
+        """
+        kept = self._resume.images
+        return [f"image {number}: KV held from an earlier turn" for number in range(1, kept + 1)] + [
             f"image {number}: " + self.served.get(image.key, "embedding cache (encoded by an earlier turn)")
-            for number, image in enumerate(self._images, start=1)
+            for number, image in enumerate(self._images, start=kept + 1)
         ]

@@ -95,6 +95,11 @@ class GenerationResult:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens prefilled (fewer than :attr:`prompt_tokens` after a kept prefix)."""
+        return sum(chunk.tokens for chunk in self.chunks)
+
+    @property
     def vision_bytes(self) -> int:
         """Bytes of the vision input (:attr:`vision_input`) sent over all prefill chunks."""
         return sum(chunk.vision_bytes for chunk in self.chunks)

@@ -1,13 +1,16 @@
-"""What a single program already holds, so a later prompt prefills only the part that differs.
+"""What a program already holds, so a later prompt prefills only the part that differs.
 
-A ``deployment: single`` program keeps one sequence's state between calls: the KV cache of every
-token fed so far (positions 0..H-1), the images' rows or cross K/V, and (here, on the host) a
-record of those tokens and images. A conversation renders its whole history every turn (the chat
-template's text, what transformers ``generate`` is given), and that history starts with what the
-program holds: the earlier prompts and the fed part of the replies. The longest common prefix is
-kept and only the rest is prefilled, so an image shown in an earlier turn is never encoded again
-and the history is not prefilled again (vLLM's prefix caching serves chat turns the same way;
-ref: vllm ``v1/core/kv_cache_manager.py`` ``get_computed_blocks``).
+A program that keeps one sequence's state between calls holds the KV cache of every token fed
+so far (positions 0..H-1) and the images' rows or cross K/V; the host keeps a record of those
+tokens and images. Two runners keep one: a ``deployment: single`` program (always: the state
+lives in it), and the dual deployment's language program when a conversation asks for it
+(:mod:`qeff_vision.runtime.kept_prefix`; the host holds its KV on onnxruntime, the device on
+Cloud AI 100). A conversation renders its whole history every turn (the chat template's text,
+what transformers ``generate`` is given), and that history starts with what the program holds:
+the earlier prompts and the fed part of the replies. The longest common prefix is kept and only
+the rest is prefilled, so an image shown in an earlier turn is never encoded again and the
+history is not prefilled again (vLLM's prefix caching serves chat turns the same way; ref: vllm
+``v1/core/kv_cache_manager.py`` ``get_computed_blocks``).
 
 The kept prefix (:func:`resume_point`):
 
@@ -28,17 +31,18 @@ cache across requests without clearing it).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import SLOT_ROLES
+from qeff_vision.contract.segments import Segment
 
 
 @dataclass
 class HeldPrefix:
-    """The sequence a single program holds after a generation.
+    """The sequence a program holds after a generation.
 
     Attributes:
         tokens: Token ids whose KV the program holds, in position order.
@@ -130,6 +134,25 @@ def _before_new_images(
         if stop > start or index >= len(held) or held[index] != keys[index]:
             return first
     return start
+
+
+def segments_after(segments: Sequence[Segment], start: int) -> list[Segment]:
+    """The segments of the images after a kept prefix of ``start`` tokens, counted from ``start``.
+
+    The prefix never ends inside an image (:func:`resume_point`), so each image is either kept
+    whole (dropped here) or after the prefix whole.
+    """
+    if not start:
+        return list(segments)
+    return [
+        replace(
+            segment,
+            start=segment.start - start,
+            runs=tuple((first - start, length) for first, length in segment.runs),
+        )
+        for segment in segments
+        if segment.start >= start
+    ]
 
 
 def held_after(

@@ -42,6 +42,7 @@ from qeff_vision.runtime.retained_prefix import (
     held_after,
     kept_note,
     resume_point,
+    segments_after,
     served_notes,
     unpositioned_caches,
 )
@@ -232,15 +233,7 @@ class SingleGenerator(Generator):
         the ones the first chunk encodes (written at the buffer's front).
         """
         start = self._resume.start
-        segments = [
-            replace(
-                segment,
-                start=segment.start - start,
-                runs=tuple((first - start, length) for first, length in segment.runs),
-            )
-            for segment in self.host.segments({**processed, "input_ids": input_ids})
-            if segment.start >= start
-        ]
+        segments = segments_after(self.host.segments({**processed, "input_ids": input_ids}), start)
         return plan_chunks(
             len(input_ids) - start,
             segments,
@@ -260,6 +253,7 @@ class SingleGenerator(Generator):
             raise UserError(
                 "deployment single continues a conversation from the prompt it holds; pass no history"
             )
+        kwargs.pop("keep_prefix", None)  # the program always keeps what it holds
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
         images = self._prepare_images(processed)[0] if self.host.has_images(processed) else []
         spans = [(s.start, s.stop) for s in self.host.segments(processed)] if images else []

@@ -36,7 +36,6 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
-from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import (
@@ -96,17 +95,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         self._pending_images = 0
         self._first_slot = 0
 
-    def _keys_and_spans(self, processed: Mapping[str, Any]) -> tuple[list, list[str], list]:
-        """Per image of the prompt: its inputs, content key and ``<|image|>`` token span."""
-        per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
-        keys = [
-            content_key(next(iter(inputs.values())), tuple(int(d) for a in inputs.values() for d in a.shape))
-            for inputs in per_image
-        ]
-        input_ids = np.asarray(processed["input_ids"]).reshape(-1)
-        spans = [(int(at), int(at) + 1) for at in np.flatnonzero(input_ids == self.image_token_id)]
-        return per_image, keys, spans if len(spans) == len(keys) else []
-
     def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
         """:meth:`CrossAttentionGenerator.generate` after the prefix the program holds.
 
@@ -118,8 +106,9 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             raise UserError(
                 "deployment single continues a conversation from the prompt it holds; pass no history"
             )
+        kwargs.pop("keep_prefix", None)  # the program always keeps what it holds
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        _, keys, spans = self._keys_and_spans(processed)
+        _, keys, spans = self.keys_and_spans(processed)
         resume = resume_point(self.held, input_ids, spans, keys, self._unpositioned)
         self._resume = image_set_resume(resume, self.held, keys)
         self.held = None  # a failed generation leaves the program holding nothing known
@@ -163,7 +152,7 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         length = len(input_ids)
         self.check_fits(length, max_new_tokens)
         start, kept = self._resume.start, self._resume.images
-        per_image, _, _ = self._keys_and_spans(processed)
+        per_image, _, _ = self.keys_and_spans(processed)
         slots = self.image_slots if self.image_slots is not None else max(len(per_image), 1)
         if len(per_image) > slots:
             raise UserError(
