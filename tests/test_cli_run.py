@@ -102,7 +102,11 @@ def test_several_prompts_make_one_conversation_with_cached_images(artifacts_dir,
     assert code == 0, err
     assert "[turn 1] Describe it." in err and "[turn 2] Again, shorter." in err
     summaries = re.findall(r"(\d+) encoder call\(s\) encoding (\d+) image\(s\); (\d+) cache hit\(s\)", err)
-    assert summaries == [("1", "1", "0"), ("0", "0", "1")], "turn two reuses turn one's embedding"
+    # Turn two keeps turn one's prompt and image in the language program's KV: nothing encoded,
+    # nothing fetched, only the rest prefilled.
+    assert summaries == [("1", "1", "0"), ("0", "0", "0")]
+    assert "vision: image 1: KV held from an earlier turn" in err
+    assert re.search(r"note: \d+ of \d+ prompt tokens already held by the program", err)
     assert err.count("compare-hf: tokens identical") == 2
 
 

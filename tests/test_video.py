@@ -83,7 +83,7 @@ def test_clip_straddling_chunks_matches_generate(runtimes, family, frames, size)
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_image_and_clip_in_one_prompt_then_a_text_turn(runtimes, family):
-    """Prompt order image, clip; the next turn re-runs both from the cache (one entry per clip)."""
+    """Prompt order image, clip; the next turn keeps both in the language program's KV (none encoded)."""
     runtime = runtimes[family]
     cache = EmbeddingCache(16 * 2**20)
     turns = [

@@ -98,7 +98,7 @@ def test_pruned_clip_split_across_chunks_matches_transformers(runtimes, family, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_clip_and_image_in_one_prompt_then_a_turn_from_the_cache(runtimes, family):
-    """Image then pruned clip; the second turn re-runs both, the clip's kept rows from the cache."""
+    """Image then pruned clip; the second turn keeps both in the language program's KV (none encoded)."""
     runtime = runtimes(family)
     generator = _pruning_generator(runtime, [32, 64], 0.5, EmbeddingCache(16 * 2**20))
     chat = Conversation(generator, runtime.processor, max_new_tokens=NEW_TOKENS)
@@ -112,7 +112,7 @@ def test_clip_and_image_in_one_prompt_then_a_turn_from_the_cache(runtimes, famil
     second = chat.ask([], "Describe the video again.", keep_logits=True)
     check_pruned(runtime, generator, chat.last_inputs.processed, second, f"{family} turn 2")
     assert (first.images, second.images) == (2, 2)
-    # Turn 1 encoded the image and the clip once each; turn 2 found both (the clip as kept rows).
+    # Turn 1 encoded the image and the clip once each; turn 2 holds both (kept prefix).
     assert (first.images_encoded, second.images_encoded, second.encoder_calls) == (2, 0, 0)
 
 

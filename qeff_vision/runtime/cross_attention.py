@@ -180,6 +180,7 @@ class CrossAttentionGenerator(Generator):
         length = len(input_ids)
         if history is not None and self.host.has_images(processed):
             raise UserError("a continued turn of a cross-attention model cannot add images")
+        self.resume_prompt(processed, input_ids)  # where a kept generation's prefill starts
         positions = self.host.prompt_positions(processed)
         used = 0
         if history is not None:

@@ -278,6 +278,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         stats_before, calls_before = self.cache.stats, self.vision.calls
         processed = self.prepare_prompt(processed)  # clips pruned (and so encoded) at a pruning rate
         input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
+        self.resume_prompt(processed, input_ids)  # where a kept generation's prefill starts
         length = len(input_ids)
         # A kept prefix's caches: held on the host (onnxruntime) or resident on the device.
         past = history.past if history is not None else {**self.empty_cache(), **self._resume.restore}
@@ -299,6 +300,8 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept)
         decode_seconds = time.perf_counter() - decode_start
         stats_after = self.cache.stats
+        # The images of a kept prefix are the prompt's too (held, so not in the plan).
+        held_images = self.host.segments(processed)[: self._resume.images] if self._resume.images else []
         return GenerationResult(
             prompt_tokens=length,
             tokens=tokens,
@@ -309,8 +312,8 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             cache_hits=stats_after.hits - stats_before.hits,
             logits=kept or [],
             protocol=plan.protocol.value,
-            images=len(plan.segments),
-            image_rows=plan.total_rows,
+            images=len(held_images) + len(plan.segments),
+            image_rows=sum(segment.rows for segment in held_images) + plan.total_rows,
             images_encoded=stats_after.images_encoded - stats_before.images_encoded,
             continuation=Continuation(past, positions, len(tokens) - 1, (tokens[-1],)),
             served=self._served_notes(),

@@ -28,7 +28,7 @@ the next one starts over.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,8 @@ from qeff_vision.runtime.session import CompiledProgram
 class PrefixKeeping:
     """Methods of :class:`~qeff_vision.runtime.generate.Generator` that keep a held prefix (a mixin).
 
-    They read the generator's ``language``, ``host`` and ``prepare_prompt``, and set ``held``
+    They read the generator's ``language`` and ``host`` and call its ``_generate`` (which calls
+    :meth:`resume_prompt` with the prompt as it runs), and set ``held``
     (what the program holds after the last kept generation, or None), ``_resume`` (where the
     running prompt's prefill starts; :class:`Resume` ``()`` outside a kept generation) and
     ``_at_prompt_end`` (the caches not indexed by position at the end of the last prefill, which
@@ -53,6 +54,7 @@ class PrefixKeeping:
     _resume: Resume = Resume()
     _at_prompt_end: dict[str, np.ndarray] | None = None
     _unpositioned: Sequence[str] = ()
+    _kept_turn: _KeptTurn | None = None
     #: Language-program calls when ``held`` was recorded (a device's resident caches are the
     #: held ones only if nothing ran since).
     _held_calls: int = -1
@@ -79,6 +81,9 @@ class PrefixKeeping:
     def generate_kept(self, processed: Mapping[str, Any], *args: Any) -> GenerationResult:
         """The generator's ``_generate(processed, *args)``, prefilling only what follows the prefix held.
 
+        ``_generate`` calls :meth:`resume_prompt` once the prompt is as it runs (clips pruned),
+        which sets where its prefill starts.
+
         Args:
             processed: The whole prompt (the conversation rendered again).
             *args: ``_generate``'s (max_new_tokens, protocol, on_token, keep_logits, history); with
@@ -88,23 +93,37 @@ class PrefixKeeping:
             The result, with a note on the kept tokens when a prefix was kept.
         """
         held, self.held = self.held, None  # a failed generation leaves nothing known held
-        if args[-1] is not None:  # a continued history's cache: not the conversation rendered whole
+        if args[-1] is not None:
             return self._generate(processed, *args)
-        processed = self.prepare_prompt(processed)  # clips pruned first: the prompt as it runs
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        keys, spans = self.prefix_images(processed)
-        resume = Resume()
-        if held is not None and self._keeps_held():
-            found = resume_point(held, input_ids, spans, keys, self._unpositioned)
-            resume = self.kept_resume(found, held, keys)
-        self._resume, self._at_prompt_end = resume, None
+        turn = self._kept_turn = _KeptTurn(held if held is not None and self._keeps_held() else None)
+        self._at_prompt_end = None
         try:
             result = self._generate(processed, *args)
         finally:
-            self._resume = Resume()
+            self._kept_turn, resume, self._resume = None, self._resume, Resume()
         past = result.continuation.past if result.continuation is not None else {}
-        self.held = held_after(input_ids, result.tokens, keys, past, self._at_prompt_end)
+        self.held = held_after(turn.input_ids, result.tokens, turn.keys, past, self._at_prompt_end)
         self._held_calls = self.language.calls
         if not resume.start:
             return result
-        return replace(result, notes=[*result.notes, kept_note(resume.start, len(input_ids))])
+        return replace(result, notes=[*result.notes, kept_note(resume.start, len(turn.input_ids))])
+
+    def resume_prompt(self, processed: Mapping[str, Any], input_ids: np.ndarray) -> None:
+        """Set :attr:`_resume` for the running prompt, as it runs, in a kept generation (else nothing)."""
+        turn = self._kept_turn
+        if turn is None:
+            return
+        turn.input_ids = input_ids
+        turn.keys, spans = self.prefix_images(processed)
+        if turn.held is not None:
+            found = resume_point(turn.held, input_ids, spans, turn.keys, self._unpositioned)
+            self._resume = self.kept_resume(found, turn.held, turn.keys)
+
+
+@dataclass
+class _KeptTurn:
+    """A kept generation under way: what the program held before it, and its prompt once known."""
+
+    held: HeldPrefix | None
+    input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    keys: list[str] = field(default_factory=list)
