@@ -135,3 +135,35 @@ def test_run_still_works_after_a_failed_forced_recompile(
     expected, _ = helpers.hf_generate(model, inputs, max_new_tokens=4)
     result = generator_for_artifacts(out).generate(helpers.as_numpy(inputs), max_new_tokens=4)
     assert result.tokens == expected
+
+
+def test_a_conversation_keeps_the_resident_prefix_only_while_nothing_else_ran(
+    qaic_out, device_runtime, hf_model
+):
+    """The device keeps the KV resident: a turn prefills only what follows the prefix it holds, and
+    starts over when another prompt reached the program since (its resident cache is not ours)."""
+    import torch
+
+    from qeff_vision.runtime.conversation import Conversation
+
+    model, processor = hf_model(FAMILY)
+    generator = generator_for_artifacts(qaic_out)
+    chat = Conversation(generator, processor, max_new_tokens=6)
+
+    def ask(images, text):
+        result = chat.ask(images, text)
+        inputs = {k: torch.as_tensor(v) for k, v in chat.last_inputs.processed.items()}
+        assert result.tokens == helpers.hf_generate(model, inputs, max_new_tokens=6)[0], text
+        return result
+
+    first = ask([helpers.image(112, 112, 5)], "Describe this picture.")
+    second = ask([], "What colour dominates?")
+    assert first.prefilled_tokens == first.prompt_tokens
+    assert 0 < second.prefilled_tokens < second.prompt_tokens
+    assert not any(name.startswith("past_") for sent in device_runtime.LOG for name in sent)
+    # Another prompt through the same program (no kept prefix) overwrites the resident cache.
+    other = helpers.process(processor, helpers.user_turn("Hi"), [])
+    generator.generate(helpers.as_numpy(other), max_new_tokens=2)
+    third = ask([helpers.image(140, 196, 6)], "Compare them.")
+    assert third.prefilled_tokens == third.prompt_tokens
+    assert not device_runtime.ERRORS
