@@ -108,13 +108,17 @@ def _extended(processed, ids: np.ndarray) -> dict:
     """``processed`` with its token ids replaced by the longer ``ids`` (text appended).
 
     Per-token inputs [1, L] grow with the text: the attention mask with ones, token type ids
-    (Gemma 3's image marks, Qwen's modality marks) with zeros.
+    (Gemma 3's image marks, Qwen's modality marks) with zeros. mllama's cross-attention mask
+    [1, L, images, tiles] repeats its last row, as transformers pads it for later tokens
+    (``prepare_inputs_for_generation``).
     """
     length = processed["input_ids"].shape[-1]
     out = {}
     for name, value in processed.items():
         if name == "input_ids":
             out[name] = ids.reshape(1, -1)
+        elif name == "cross_attention_mask":
+            out[name] = np.concatenate([value, np.repeat(value[:, -1:], len(ids) - length, axis=1)], axis=1)
         elif getattr(value, "shape", None) is not None and value.ndim == 2 and value.shape == (1, length):
             fill = 1 if name == "attention_mask" else 0
             out[name] = np.concatenate([value, np.full((1, len(ids) - length), fill, value.dtype)], axis=1)
@@ -126,8 +130,6 @@ def _extended(processed, ids: np.ndarray) -> dict:
 def test_a_prompt_that_continues_every_held_token_resumes_where_the_caches_stopped(chat):
     """The rings and the recurrent state are not rolled back: they continue after the decode."""
     runtime, chat = chat
-    if runtime.family.decoder_kind == CROSS_ATTENTION:
-        pytest.skip("mllama's per-token cross-attention mask does not grow with appended text")
     generator = chat.generator
     sizes = load_adapter(runtime.family).test_image_sizes
     processed = runtime.inputs(["<image>", "What is in this image?"], [helpers.image(*sizes[0], 5)])

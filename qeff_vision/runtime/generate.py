@@ -257,10 +257,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
                 (:class:`ShapeMismatch`).
         """
         args = (max_new_tokens, protocol, on_token, keep_logits, history)
-        if keep_prefix:
-            return self.generate_kept(processed, *args)
-        self.held = None  # the program's caches now hold this prompt, recorded by no one
-        return self._generate(processed, *args)
+        return self.run_generation(processed, keep_prefix, *args)
 
     def _generate(
         self,

@@ -78,6 +78,20 @@ class PrefixKeeping:
             return False  # never holds the reply
         return not language.retains_state or language.calls == self._held_calls
 
+    def run_generation(self, processed: Mapping[str, Any], keep_prefix: bool, *args: Any) -> GenerationResult:
+        """``generate``'s dispatch: :meth:`generate_kept`, or ``_generate`` with nothing left held.
+
+        Args:
+            processed: The prompt.
+            keep_prefix: Whether ``processed`` is the whole conversation to resume (see
+                :meth:`generate_kept`).
+            *args: ``_generate``'s (max_new_tokens, protocol, on_token, keep_logits, history).
+        """
+        if keep_prefix:
+            return self.generate_kept(processed, *args)
+        self.held = None  # the program's caches now hold this prompt, recorded by no one
+        return self._generate(processed, *args)
+
     def generate_kept(self, processed: Mapping[str, Any], *args: Any) -> GenerationResult:
         """The generator's ``_generate(processed, *args)``, prefilling only what follows the prefix held.
 
