@@ -1,8 +1,9 @@
-"""A dual deployment's conversation turn prefills only what follows the prefix the program holds.
+"""A conversation turn prefills only what follows the prefix the program holds.
 
 A :class:`~qeff_vision.runtime.generate.Generator` asked to keep the prefix
 (``generate(..., keep_prefix=True)``, what a :class:`~qeff_vision.runtime.conversation.Conversation`
-asks) records what its language program holds after each generation: the prompt's tokens and
+asks, and what a single program's :class:`~qeff_vision.runtime.single.SingleGenerator` always
+does) records what its language program holds after each generation: the prompt's tokens and
 the fed part of the reply, the images among them by content key, and the caches (host-held on
 onnxruntime). The next prompt, the whole conversation rendered again, keeps the longest prefix
 the rules of :mod:`qeff_vision.runtime.retained_prefix` allow (the same rules a single program

@@ -36,16 +36,7 @@ from qeff_vision.errors import UserError
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
-from qeff_vision.runtime.retained_prefix import (
-    HeldPrefix,
-    Resume,
-    held_after,
-    kept_note,
-    resume_point,
-    segments_after,
-    served_notes,
-    unpositioned_caches,
-)
+from qeff_vision.runtime.retained_prefix import segments_after, served_notes
 from qeff_vision.spec.table import LANGUAGE_SYMBOLS
 from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
@@ -220,11 +211,6 @@ class SingleGenerator(Generator):
         #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
         self._row_inputs = self.io.rows(Role.VISION_ROWS)
         self._buffers: dict[str, np.ndarray] | None = None
-        #: What the program holds (tokens, images, host caches); a later prompt keeps its prefix.
-        self.held: HeldPrefix | None = None
-        self._unpositioned = unpositioned_caches(self.io)
-        self._resume = Resume()
-        self._at_prompt_end: dict[str, np.ndarray] | None = None
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
         """The chunks after the kept prefix, ``full`` protocol: rows stay in the program.
@@ -245,37 +231,26 @@ class SingleGenerator(Generator):
     def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
         """:meth:`Generator.generate` after the prefix the program holds, with the images encoded.
 
-        Tokens and images the program already holds (an earlier turn of the conversation) are
-        kept (:func:`~qeff_vision.runtime.retained_prefix.resume_point`): only the rest is
-        prefilled and only its images are encoded.
+        The program always keeps what it holds (``keep_prefix``, :mod:`~qeff_vision.runtime.kept_prefix`):
+        tokens and images of an earlier turn are not prefilled or encoded again, and only the
+        rest's images reach the encoder inside the program.
         """
         if kwargs.get("history") is not None:
             raise UserError(
                 "deployment single continues a conversation from the prompt it holds; pass no history"
             )
-        kwargs.pop("keep_prefix", None)  # the program always keeps what it holds
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        images = self._prepare_images(processed)[0] if self.host.has_images(processed) else []
-        spans = [(s.start, s.stop) for s in self.host.segments(processed)] if images else []
-        keys = [image.key for image in images]
-        self._resume = resume_point(self.held, input_ids, spans, keys, self._unpositioned)
         before = self.encoder.images
-        self.held = None  # a failed generation leaves the program holding nothing known
-        try:
-            result = super().generate(processed, *args, **kwargs)
-        finally:
-            resume, self._resume = self._resume, Resume()
-        self.held = held_after(input_ids, result.tokens, keys, result.continuation.past, self._at_prompt_end)
-        notes = [kept_note(resume.start, len(input_ids))] if resume.start else []
+        result = super().generate(processed, *args, **{**kwargs, "keep_prefix": True})
         return replace(
             result,
-            images=len(images),
-            image_rows=int(sum(s.rows for s in self.host.segments(processed))) if images else 0,
             images_encoded=self.encoder.images - before,
-            notes=[*result.notes, *notes],
-            served=served_notes(len(images), resume.images, "KV"),
             vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
         )
+
+    def _served_notes(self) -> list[str]:
+        """Per image: held from an earlier turn, or encoded inside the program (never a cache)."""
+        kept = self._resume.images
+        return served_notes(kept + len(self._images), kept, "KV")
 
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
