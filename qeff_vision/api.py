@@ -256,8 +256,13 @@ def run(
     videos=(),
     fps: float | None = None,
     video_pruning_rate: float | None = None,
+    turn_images=None,
+    turn_videos=None,
 ):
-    """Generate on compiled artifacts: one turn per prompt, the images shown in the first turn.
+    """Generate on compiled artifacts: one turn per prompt, each showing its images and clips.
+
+    The program keeps the conversation's prefix between turns: a turn prefills only its new tokens
+    and encodes only its new images (one shown in turn 3 is encoded there, held after).
 
     Args:
         artifacts_dir: OUT of ``qeff-vision compile``.
@@ -272,6 +277,9 @@ def run(
         on_turn: Called with (turn index, prompt) before each turn.
         on_done: Called with (turn index, :class:`~qeff_vision.runtime.conversation.Turn`) after it.
         videos: Clips of the first turn: directories of frame images or video files.
+        turn_images: Turn number (1 = the first) -> images that turn shows (in turn 1, after
+            ``images``).
+        turn_videos: Turn number -> clips that turn shows (in turn 1, after ``videos``).
         fps: Frame rate of the clips' frames (a directory) or to sample a file at.
         video_pruning_rate: Prune the clips at this rate (see :func:`conversation`).
 
@@ -279,15 +287,19 @@ def run(
         One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
 
     Raises:
-        UserError: No manifest, a missing or unreadable image, a prompt that does not fit
-            ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
+        UserError: No manifest, a missing or unreadable image, a turn number beyond the prompts,
+            a prompt that does not fit ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
     """
-    from qeff_vision.runtime.conversation import load_image, load_video, run_turns
+    from qeff_vision.runtime.conversation import load_image, load_video, media_by_turn, run_turns
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    for image in images:
-        load_image(image)  # fail on a bad image before loading anything heavy
+    # Fail on a bad turn number, image or clip before loading anything heavy.
+    media_by_turn(images, turn_images, len(prompts), "image")
+    media_by_turn(videos, turn_videos, len(prompts), "video")
+    for image in [*images, *(image for shown in (turn_images or {}).values() for image in shown)]:
+        load_image(image)
     clips = [load_video(video, fps) for video in videos]
+    turn_clips = {n: [load_video(video, fps) for video in shown] for n, shown in (turn_videos or {}).items()}
     chat = conversation(
         artifacts_dir,
         protocol=protocol,
@@ -304,6 +316,8 @@ def run(
         on_turn=on_turn,
         on_done=on_done,
         videos=clips,
+        turn_images=turn_images,
+        turn_videos=turn_clips,
     )
 
 

@@ -168,3 +168,68 @@ def test_run_help_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "--vision-protocol [chunk|full]" in done.stdout and "--compare-hf" in done.stdout
+
+
+def test_an_image_shown_in_turn_three_is_encoded_there_and_held_after(artifacts_dir, image_files, capsys):
+    code, out, err = run(
+        capsys,
+        artifacts_dir,
+        "--image",
+        image_files["square"],
+        "--prompt",
+        "Describe it.",
+        "--prompt",
+        "Shorter.",
+        "--turn-image",
+        3,
+        image_files["wide"],
+        "--prompt",
+        "And this one?",
+        "--prompt",
+        "Which is wider?",
+        "--max-new-tokens",
+        4,
+        "--compare-hf",
+    )
+    assert code == 0, err
+    turns = re.split(r"\[turn \d\] ", err)[1:]
+    assert len(turns) == 4
+    summaries = [re.findall(r"(\d+) encoder call\(s\) encoding (\d+) image\(s\)", turn) for turn in turns]
+    # Turn 3 encodes only its new image; turn 4 holds both in the language program's KV.
+    assert summaries == [[("1", "1")], [("0", "0")], [("1", "1")], [("0", "0")]]
+    assert "1 image(s) = 16 vision rows" in turns[0] and "2 image(s) = 51 vision rows" in turns[2]
+    held = r"note: (\d+) of (\d+) prompt tokens already held by the program"
+    assert [bool(re.search(held, turn)) for turn in turns] == [False, True, True, True]
+    assert "vision: image 1: KV held from an earlier turn" in turns[2]
+    assert "vision: image 2: KV held from an earlier turn" in turns[3]
+    assert "image 2: KV held" not in turns[2]
+    # Every turn against transformers on the whole rendered conversation.
+    assert [turn.count("compare-hf: tokens identical") for turn in turns] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--prompt", "a", "--prompt", "b", "--turn-image", 3, "IMG"],
+            "--turn-image 3: the conversation has 2 turn(s)",
+        ),
+        (["--prompt", "a", "--turn-video", 2, "CLIP"], "--turn-video 2: the conversation has 1 turn(s)"),
+        (
+            ["--requests", "REQ", "--turn-image", 1, "IMG"],
+            "--requests takes prompts and images from the file",
+        ),
+        (["--prompt", "a", "--turn-image", 0, "IMG"], "Invalid value for '--turn-image'"),
+        (["--prompt", "a", "--turn-image", 1], "requires 2 arguments"),
+    ],
+)
+def test_bad_turn_media_is_one_line_and_exit_2(artifacts_dir, image_files, tmp_path, capsys, args, message):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "hi", "images": []}) + "\n")
+    swap = {"IMG": image_files["square"], "CLIP": tmp_path, "REQ": requests}
+    code, out, err = run(capsys, artifacts_dir, *[swap.get(arg, arg) for arg in args])
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qeff-vision: error: "), err
+    assert message in lines[0], lines[0]
+    assert out == ""

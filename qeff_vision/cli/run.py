@@ -1,5 +1,8 @@
 """``qeff-vision run ARTIFACTS --image IMG --prompt TEXT``: chunk-aware generation on compiled artifacts.
 
+Several ``--prompt`` make one conversation; ``--turn-image N IMG`` (``--turn-video N CLIP``) shows
+an image (a clip) in turn N, which is encoded in that turn while the program keeps the earlier ones.
+
 The reply streams to stdout as it is decoded; notes, the per-chunk table, timings and the
 ``--compare-hf`` verdict go to stderr, so ``> reply.txt`` keeps only the reply.
 """
@@ -13,14 +16,18 @@ import click
 from qeff_vision.runtime.planner import VisionProtocol
 
 HELP = {
-    "image": "An image of the first turn (repeat for several, in prompt order).",
+    "image": "An image of the first turn (repeat for several, in prompt order; later turns: --turn-image).",
     "video": "A clip of the first turn, after the images: a directory of frame images (sorted by name) "
     "or a video file (decoded with PyAV).",
     "fps": "Frame rate of a frame directory (default 2), or the rate to sample a video file at.",
     "video_pruning_rate": "Prune each clip's most redundant rows (EVS, as vLLM's video_pruning_rate): "
     "keep the first temporal patch and the rows that changed most, 1 - RATE of them; 0 turns it off. "
     "Default: the compiled spec's vision.video_pruning_rate.",
-    "prompt": "The user's text after the images; repeat for further turns of the same conversation.",
+    "turn_image": "An image shown in turn N (1 = the first, counting --prompt options), before that turn's "
+    "text; repeat for several (in order). Only turn N encodes it; later turns find it held by the program.",
+    "turn_video": "A clip shown in turn N, after that turn's images (as --video for turn 1).",
+    "prompt": "The user's text after the images; repeat for further turns of the same conversation: each "
+    "turn prefills only what it adds to the prefix the program holds from the turns before.",
     "max_new_tokens": "Upper bound of generated tokens per turn.",
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
     "precision": "fp32: run the exported graphs as they are (onnxruntime backend; its default). "
@@ -42,6 +49,24 @@ HELP = {
 @click.option("--fps", type=float, default=None, metavar="N", help=HELP["fps"])
 @click.option(
     "--video-pruning-rate", type=float, default=None, metavar="RATE", help=HELP["video_pruning_rate"]
+)
+@click.option(
+    "--turn-image",
+    "turn_images",
+    multiple=True,
+    nargs=2,
+    type=(click.IntRange(min=1), str),
+    metavar="N IMG",
+    help=HELP["turn_image"],
+)
+@click.option(
+    "--turn-video",
+    "turn_videos",
+    multiple=True,
+    nargs=2,
+    type=(click.IntRange(min=1), str),
+    metavar="N FILE_OR_FRAME_DIR",
+    help=HELP["turn_video"],
 )
 @click.option("--prompt", "prompts", multiple=True, metavar="TEXT", help=HELP["prompt"])
 @click.option(
@@ -71,6 +96,8 @@ def run(
     videos,
     fps,
     video_pruning_rate,
+    turn_images,
+    turn_videos,
     prompts,
     requests_file,
     max_new_tokens,
@@ -81,22 +108,29 @@ def run(
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
     Uses the checkpoint's own processor and chat template. Several --prompt options make one
-    conversation: each turn re-runs the history, and images already shown are not encoded again.
+    conversation: the program keeps what earlier turns prefilled, so each turn prefills only its new
+    tokens and encodes only its new images (--image in turn 1, --turn-image N IMG in turn N).
     --requests serves a file of requests arriving at different steps through the batched engine.
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
     from qeff_vision import api
 
     if requests_file is not None:
-        if prompts or images or videos or video_pruning_rate is not None:
+        if prompts or images or videos or turn_images or turn_videos or video_pruning_rate is not None:
             raise click.UsageError(
                 "--requests takes prompts and images from the file; "
-                "drop --prompt/--image/--video/--video-pruning-rate"
+                "drop --prompt/--image/--video/--turn-image/--turn-video/--video-pruning-rate"
             )
         _run_requests(artifacts, requests_file, max_new_tokens, vision_protocol, precision, compare_hf)
         return
     if not prompts:
         raise click.UsageError("give --prompt TEXT (or --requests FILE.jsonl)")
+    for option, pairs in (("--turn-image", turn_images), ("--turn-video", turn_videos)):
+        beyond = [number for number, _ in pairs if number > len(prompts)]
+        if beyond:
+            raise click.UsageError(
+                f"{option} {beyond[0]}: the conversation has {len(prompts)} turn(s), one per --prompt"
+            )
 
     several = len(prompts) > 1
 
@@ -129,10 +163,20 @@ def run(
         videos=list(videos),
         fps=fps,
         video_pruning_rate=video_pruning_rate,
+        turn_images=by_turn(turn_images),
+        turn_videos=by_turn(turn_videos),
     )
     if compare_hf and not all(turn.comparison.identical for turn in turns):
         # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.
         click.get_current_context().exit(1)
+
+
+def by_turn(pairs) -> dict[int, list[str]]:
+    """``(N, path)`` pairs as turn number -> paths, in command-line order."""
+    grouped: dict[int, list[str]] = {}
+    for number, path in pairs:
+        grouped.setdefault(number, []).append(path)
+    return grouped
 
 
 def report_lines(result) -> list[str]:

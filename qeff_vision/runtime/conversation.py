@@ -13,7 +13,7 @@ while the cache holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -353,10 +353,18 @@ def run_turns(
     on_turn: Callable[[int, str], None] | None = None,
     on_done: Callable[[int, Turn], None] | None = None,
     videos: Sequence[Any] = (),
+    turn_images: Mapping[int, Sequence[ImageSource]] | None = None,
+    turn_videos: Mapping[int, Sequence[Any]] | None = None,
 ) -> list[Turn]:
-    """Ask ``prompts`` in order (``images`` with the first), optionally checking each against transformers.
+    """Ask ``prompts`` in order, each with its images, optionally checking each against transformers.
 
+    ``images`` and ``videos`` are shown in the first turn; ``turn_images`` and ``turn_videos`` map a
+    turn number (1 = the first) to what that turn shows besides (after ``images`` in turn 1). A
+    later turn's image is encoded in that turn and held by the program in the turns after it.
     The reference model is loaded after the first reply has streamed, so it does not delay it.
+
+    Raises:
+        UserError: A turn number outside 1..len(prompts), or what :meth:`Conversation.ask` raises.
     """
     from qeff_vision.runtime.reference import (
         TokenComparison,
@@ -365,14 +373,14 @@ def run_turns(
         reference_generate_pruned,
     )
 
+    shown_images = media_by_turn(images, turn_images, len(prompts), "image")
+    shown_videos = media_by_turn(videos, turn_videos, len(prompts), "video")
     turns: list[Turn] = []
     reference = None
     for index, prompt in enumerate(prompts):
         if on_turn:
             on_turn(index, prompt)
-        result = chat.ask(
-            images if index == 0 else [], prompt, on_text=on_text, videos=videos if index == 0 else ()
-        )
+        result = chat.ask(shown_images[index], prompt, on_text=on_text, videos=shown_videos[index])
         comparison = None
         if compare_hf:
             if chat.model_dir is None:
@@ -395,6 +403,24 @@ def run_turns(
         if on_done:
             on_done(index, turns[-1])
     return turns
+
+
+def media_by_turn(
+    first: Sequence[Any], by_turn: Mapping[int, Sequence[Any]] | None, turns: int, kind: str
+) -> list[list[Any]]:
+    """What each of ``turns`` turns shows: ``first`` then ``by_turn[1]`` in turn 1, ``by_turn[n]`` in turn n.
+
+    Raises:
+        UserError: A turn number outside 1..turns.
+    """
+    shown: list[list[Any]] = [list(first)] + [[] for _ in range(turns - 1)]
+    for number, items in (by_turn or {}).items():
+        if not 1 <= number <= turns:
+            raise UserError(
+                f"{kind} for turn {number}, but the conversation has {turns} turn(s) (one per prompt)"
+            )
+        shown[number - 1].extend(items)
+    return shown
 
 
 def as_arrays(processed) -> dict[str, Any]:
