@@ -19,6 +19,7 @@ holds image placeholders so its logits read the rows.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -253,6 +254,21 @@ def test_run_shows_the_encoder_runs_and_matches_transformers(compiled, capsys):
     assert err.count("0 encoder call(s) encoding 0 image(s)") == 2
     assert err.count("prompt tokens already held by the program (earlier turns)") == 2
     assert err.count("image 2: KV held from an earlier turn") == 2
+
+
+def test_run_encodes_an_image_shown_in_turn_three_there(compiled, capsys):
+    """``--turn-image 3``: the one program encodes the new image in turn 3 and keeps turns 1-2."""
+    out = str(compiled / "out")
+    args = ["--image", str(compiled / "a.png"), "--prompt", "Describe.", "--prompt", "Shorter."]
+    args += ["--turn-image", "3", str(compiled / "b.png"), "--prompt", "And this one?"]
+    assert main(["run", out, *args, "--max-new-tokens", "4", "--compare-hf"]) == 0
+    turns = re.split(r"\[turn \d\] ", capsys.readouterr().err)[1:]
+    summaries = [re.findall(r"(\d+) encoder call\(s\) encoding (\d+) image\(s\)", turn) for turn in turns]
+    assert summaries == [[("1", "1")], [("0", "0")], [("1", "1")]]
+    held = "prompt tokens already held by the program (earlier turns)"
+    assert [held in turn for turn in turns] == [False, True, True]
+    assert "image 1: KV held from an earlier turn" in turns[2]
+    assert all("tokens identical to transformers generate" in turn for turn in turns)
 
 
 def test_stand_in_compiler_takes_the_single_program(compiled, exported, tmp_path):
