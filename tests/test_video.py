@@ -142,6 +142,18 @@ def test_run_video_from_a_frame_directory_matches_transformers(video_artifacts, 
     assert "compare-hf: tokens identical to transformers generate" in captured.err
 
 
+def test_a_clip_shown_in_turn_two_is_encoded_there(video_artifacts, tmp_path, capsys):
+    frames = _frames(tmp_path / "frames", 8)
+    args = ["run", str(video_artifacts), "--prompt", "Hi.", "--turn-video", "2", str(frames)]
+    code = main([*args, "--prompt", "What?", "--fps", "2", "--max-new-tokens", "4", "--compare-hf"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    first, second = err.split("[turn 2] ")
+    assert "0 encoder call(s)" in first and "1 encoder call(s)" in second
+    assert "prompt tokens already held by the program" in second
+    assert err.count("compare-hf: tokens identical to transformers generate") == 2
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
