@@ -233,3 +233,16 @@ def test_bad_turn_media_is_one_line_and_exit_2(artifacts_dir, image_files, tmp_p
     assert len(lines) == 1 and lines[0].startswith("qeff-vision: error: "), err
     assert message in lines[0], lines[0]
     assert out == ""
+
+
+def test_media_by_turn_keeps_command_line_order_and_refuses_a_turn_beyond_the_prompts():
+    from qeff_vision.cli.run import by_turn
+    from qeff_vision.errors import UserError
+    from qeff_vision.runtime.conversation import media_by_turn
+
+    grouped = by_turn([(3, "b"), (1, "x"), (3, "c")])
+    assert grouped == {3: ["b", "c"], 1: ["x"]}
+    assert media_by_turn(["a"], grouped, 3, "image") == [["a", "x"], [], ["b", "c"]]
+    assert media_by_turn(["a"], None, 2, "image") == [["a"], []]  # the Python API's old meaning
+    with pytest.raises(UserError, match="image for turn 3, but the conversation has 2 turn"):
+        media_by_turn([], {3: ["b"]}, 2, "image")
