@@ -37,6 +37,7 @@ from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.retained_prefix import segments_after, served_notes
+from qeff_vision.runtime.session import CompiledProgram
 from qeff_vision.spec.table import LANGUAGE_SYMBOLS
 from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
@@ -74,25 +75,24 @@ def image_specializations(specializations, family: Any = None) -> tuple[dict[str
     return tuple(found)
 
 
-def single_image_inputs(program: Any, language_inputs: Any) -> dict[str, list]:
+def single_image_inputs(program: CompiledProgram, language_inputs: Any) -> dict[str, list]:
     """The composed program's image inputs (the vision graph's), with their axes.
 
     Raises:
         UserError: The program has none (it is not a single-deployment program).
     """
     names = set(language_inputs)
-    dims = getattr(program, "input_dims", {})
-    found = {name: axes for name, axes in dims.items() if name not in names}
+    found = {name: axes for name, axes in program.input_dims.items() if name not in names}
     if not found:
         raise UserError(f"{program.path}: not a single-deployment program (no image input)")
     return found
 
 
-def _dtype(program: Any, name: str) -> np.dtype:
-    return np.dtype(getattr(program, "input_dtypes", {}).get(name, np.float32))
+def _dtype(program: CompiledProgram, name: str) -> np.dtype:
+    return np.dtype(program.input_dtypes.get(name, np.float32))
 
 
-def placeholder_feeds(program: Any, image_inputs: Mapping[str, list]) -> dict[str, np.ndarray]:
+def placeholder_feeds(program: CompiledProgram, image_inputs: Mapping[str, list]) -> dict[str, np.ndarray]:
     """The keep specializations' image inputs: every symbolic axis 1, fixed axes kept.
 
     Each in its input's dtype (mllama's ``aspect_ratio_ids`` and ``aspect_ratio_mask`` are int64).
@@ -104,7 +104,7 @@ def placeholder_feeds(program: Any, image_inputs: Mapping[str, list]) -> dict[st
 
 
 def batched_images(
-    program: Any, image_inputs: Mapping[str, list], per_image: list[Mapping[str, np.ndarray]]
+    program: CompiledProgram, image_inputs: Mapping[str, list], per_image: list[Mapping[str, np.ndarray]]
 ) -> dict[str, np.ndarray]:
     """Every image of a prompt in one batch per input, joined on its ``num_images`` axis.
 
@@ -130,7 +130,7 @@ def batched_images(
 
 
 def image_groups(
-    program: Any,
+    program: CompiledProgram,
     image_inputs: Mapping[str, list],
     per_image: list[Mapping[str, np.ndarray]],
     rows: list[int],
