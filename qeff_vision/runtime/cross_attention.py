@@ -209,8 +209,7 @@ class CrossAttentionGenerator(Generator):
         encode_seconds = time.perf_counter() - encode_start
         request = (mask[:, start:], input_ids[start:], positions[..., start:])
         outputs, records = self.run_chunks(plan.chunks, request, past, images_encoded, encode_seconds, start)
-        # The caches a later turn may restore (host only; the arrays are replaced, never written).
-        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
+        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
         return CrossPrefill(
             length=length,
             logits=outputs[self.logits_name][0, -1].copy(),

@@ -359,8 +359,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
                 )
             )
             encoded_before, encode_before = encoded_now, encode_timer[0]
-        # The caches a later turn may restore (host only; step replaces the arrays, never writes them).
-        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
+        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
         return outputs, records
 
     def chunk_feeds(

@@ -79,6 +79,14 @@ class PrefixKeeping:
             return False  # never holds the reply
         return not language.retains_state or language.calls == self._held_calls
 
+    def record_prompt_end(self, past: Mapping[str, np.ndarray]) -> None:
+        """Keep the caches not indexed by position as the prompt's prefill left them.
+
+        A later turn that resumes at the prompt's end restores them (host caches only; a step
+        replaces the arrays, never writes into them, so no copy is needed).
+        """
+        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
+
     def run_generation(self, processed: Mapping[str, Any], keep_prefix: bool, *args: Any) -> GenerationResult:
         """``generate``'s dispatch: :meth:`generate_kept`, or ``_generate`` with nothing left held.
 

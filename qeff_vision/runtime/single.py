@@ -361,8 +361,7 @@ class SingleGenerator(Generator):
                     start=start + chunk.start,
                 )
             )
-        # The caches a later turn may restore (host only; the arrays are replaced, never written).
-        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
+        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
         return outputs, records
 
 

@@ -39,14 +39,12 @@ from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPr
 from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import (
-    HeldPrefix,
     Resume,
     held_after,
     image_set_resume,
     kept_note,
     resume_point,
     served_notes,
-    unpositioned_caches,
 )
 from qeff_vision.runtime.single import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
 
@@ -87,10 +85,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
-        #: What the program holds (tokens, images in slot order, host caches).
-        self.held: HeldPrefix | None = None
-        self._unpositioned = unpositioned_caches(self.io, exclude=self.cross_names)
-        self._resume = Resume()
         self._pending: dict[str, np.ndarray] | None = None
         self._pending_images = 0
         self._first_slot = 0
