@@ -1,4 +1,4 @@
-"""Qwen3-VL-MoE: the experts export densely (no routing-dependent shapes) and chunked generation is
+"""Qwen3-VL-MoE: the experts export in the routed form (no routing-dependent shapes) and chunked generation is
 token-identical to transformers generate (images: tests/test_qwen3_vl.py runs its generation tests
 for both families; a clip here); the tiny checkpoint stores its experts in the published
 [experts, in, out] layout, which the streaming export swaps exactly as transformers' loader does.
@@ -52,13 +52,17 @@ def test_experts_stored_as_published_are_swapped_like_transformers(tiny_checkpoi
     assert np.array_equal(stored.transpose(1, 2).numpy(), experts.gate_up_proj.detach().numpy())
 
 
-def test_language_graph_runs_every_expert_without_routing_dependent_shapes(exported):
+def test_language_graph_gathers_experts_without_routing_dependent_shapes(exported):
     manifest = read_export(exported(FAMILY))
     graph = onnx.load(
         str(exported(FAMILY) / manifest["programs"]["lang"]["path"]), load_external_data=False
     ).graph
     ops = {node.op_type for node in graph.node}
     assert "TopK" in ops and not ops & {"NonZero", "Loop", "If"}
+    # Each stacked expert tensor is read through one Gather on axis 0 (tests/test_moe_routing.py counts).
+    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
+    experts = {init.name for init in graph.initializer if "experts" in init.name}
+    assert len(experts) == 2 and experts <= gathered
 
 
 @pytest.fixture(scope="module")

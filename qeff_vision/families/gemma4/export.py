@@ -19,8 +19,9 @@ Language program: the generic decoder with Gemma 4's pieces:
     ways on sliding layers only (``create_masks_for_vision_model``: full layers stay causal);
   * shared-KV layers call no cache update: their producer's attention keys/values reach them
     through transformers' own ``shared_kv_states``, and the IO table gives them no rows;
-  * MoE experts computed densely (Qwen3-VL-MoE's form: the same routed sum without data-dependent
-    loops), in the exporter's own model only.
+  * MoE experts in Qwen3-VL-MoE's routed form (min(tokens x top_k, experts) expert slices read
+    per call: the chosen ones at decode, each once in a prefill chunk), in the exporter's own
+    model only; the router (per-expert scale included) is traced as transformers writes it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.decoder import SLIDING_ATTENTION, DecoderParts
 from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
-from qeff_vision.families.qwen3_vl_moe.export import dense_experts
+from qeff_vision.families.qwen3_vl_moe.export import routed_experts
 
 
 def pool_by_positions(hidden: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -129,11 +130,11 @@ class Adapter(ExportAdapter):
     rms_norm_weight_offsets = {}
 
     def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
-        """The exporter's placeholder model with every MoE block's experts written densely."""
+        """The exporter's placeholder model with every MoE block's experts in the routed form."""
         model = super().empty_model(model_dir, dtype)
         for layer in model.model.language_model.layers:
             if getattr(layer, "enable_moe_block", False):
-                layer.experts.forward = dense_experts(layer.experts)
+                layer.experts.forward = routed_experts(layer.experts)
         return model
 
     # ---- vision program ----

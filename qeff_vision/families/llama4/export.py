@@ -14,9 +14,11 @@ chunked prefill with padding or a device cache cannot give: here ``p`` is the to
 (``Llama4TextAttention.forward``, "temperature tuning").
 
 Our modules reuse transformers' layers and weights without changing the model, so the reference
-stays transformers' own. The MoE block is transformers' as is: its router scores every expert
-(sigmoid of the top-1 logit, zero elsewhere) and runs all experts with batched matmuls, a dense
-computation with no data-dependent loop; the shared expert is added.
+stays transformers' own. The MoE block (:func:`routed_moe`) keeps transformers' router (sigmoid of
+the top-k logits, zero elsewhere) and shared expert, but reads min(tokens x top_k, experts) expert
+slices (:mod:`qeff_vision.export.experts`): the routed ones at a decode step, every expert once in a
+prefill chunk. transformers runs every expert on every token (``Llama4TextMoe.forward``), and so
+does QEfficient's ``QEffLlama4TextMoe``: a Maverick decode step would read 128 experts for one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import grouped_attention
 from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.export.experts import expert_slices, read_slices, slice_weights, weighted_outputs
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llama4.host import ASPECT_RATIOS
@@ -55,6 +58,29 @@ def qk_norm(norm: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[to
     ones = torch.ones(joined.shape[-1], dtype=joined.dtype)
     normed = CustomRMSNormFunction.apply(joined, ones, float(norm.eps))
     return normed[:, :, :heads], normed[:, :, heads:].to(key.dtype)
+
+
+def routed_moe(moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``Llama4TextMoe`` on ``hidden`` [..., H] reading only min(tokens x top_k, experts) expert slices.
+
+    The router is transformers' (``Llama4Router.forward``): top-k of the logits, sigmoid in float32
+    of those, ``sigmoid(-inf) = 0`` elsewhere; each routed input is scaled by its score before the
+    expert (``routed_in = hidden * score``), the shared expert's output added to the experts' sum.
+    The expert weights are stored [E, in, out] (``bmm`` layout).
+    """
+    flat = hidden.reshape(-1, moe.hidden_dim)
+    router, experts = moe.router, moe.experts
+    logits = nn.Linear.forward(router, flat)  # the router is an nn.Linear; its own forward also scores
+    top_value, top_index = torch.topk(logits, router.top_k, dim=1)
+    scores = torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)
+    scores = torch.sigmoid(scores.float()).to(scores.dtype)
+    ids, owners = expert_slices(top_index, experts.num_experts)
+    weights = slice_weights(scores, ids, owners)
+    gate_up, down = read_slices(experts.gate_up_proj, ids), read_slices(experts.down_proj, ids)
+    routed = weighted_outputs(
+        flat, gate_up, down, experts.act_fn, weights, scale_inputs=True, stored_out_in=False
+    )
+    return moe.shared_expert(flat) + routed
 
 
 class TextModel(nn.Module):
@@ -88,9 +114,8 @@ class TextModel(nn.Module):
             )
             hidden = residual + attended
             residual = hidden
-            fed = layer.feed_forward(layer.post_attention_layernorm(hidden))
-            if layer.is_moe_layer:
-                fed = fed[0]
+            normed = layer.post_attention_layernorm(hidden)
+            fed = routed_moe(layer.feed_forward, normed) if layer.is_moe_layer else layer.feed_forward(normed)
             hidden = residual + fed.view(residual.shape)
         return SimpleNamespace(last_hidden_state=inner.norm(hidden))
 
