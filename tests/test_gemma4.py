@@ -2,7 +2,7 @@
 
 * ``e`` (E2B/E4B, the family's default tiny, also run by the registry suites): PLE, two shared-KV
   layers without cache rows, causal image attention, so the planner splits an image.
-* ``moe`` (26B-A4B): experts computed densely, ``attention_k_eq_v`` full layers with one KV head,
+* ``moe`` (26B-A4B): experts routed, ``attention_k_eq_v`` full layers with one KV head,
   ``"vision"`` attention: images bidirectional on sliding layers, so the planner moves them whole.
 * ``dense`` (31B): the same without experts.
 

@@ -77,7 +77,10 @@ class Gemma4(Family):
     model_types = ("gemma4",)
     features = Features(
         video_pruning=NO_VIDEO_PRUNING,
-        export=yes("per-layer cache shapes; shared-KV layers keep no cache; MoE experts computed densely"),
+        export=yes(
+            "per-layer cache shapes; shared-KV layers keep no cache; MoE experts routed (k slices per "
+            "token at decode)"
+        ),
         dynamic_vision_size=yes(),
         multi_resolution=yes("aspect-preserving resize: one vision specialization per resolution"),
         chunk_split=yes(

@@ -135,7 +135,7 @@ class Llama4(Family):
         video_pruning=NO_VIDEO_PRUNING,
         export=yes(
             "chunked RoPE layers keep rings of min(ctx_len, attention_chunk_size) slots; "
-            "RoPE as real cos/sin; MoE experts computed densely"
+            "RoPE as real cos/sin; MoE experts routed (k slices per token at decode)"
         ),
         dynamic_vision_size=yes(
             "vision_embeds stays [vision_batch_size, vision_size, hidden]; QEfficient's Llama 4 "

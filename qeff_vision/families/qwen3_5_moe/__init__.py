@@ -4,8 +4,8 @@ Everything the token math, the vision program, the recurrent state rows and the 
 Qwen3.5's (ref: transformers v5.23 models/qwen3_5_moe/modeling_qwen3_5_moe.py, whose vision model,
 ``Qwen3_5MoeGatedDeltaNet`` and attention are copies of Qwen3.5's), so the family only changes its
 names. The text model's feed-forward is a top-k router over ``num_experts`` experts plus a gated
-shared expert (``Qwen3_5MoeSparseMoeBlock``); its export computes the experts densely as
-Qwen3-VL-MoE's does (:mod:`qeff_vision.families.qwen3_5_moe.export`).
+shared expert (``Qwen3_5MoeSparseMoeBlock``); its export routes the experts as Qwen3-VL-MoE's
+does (:mod:`qeff_vision.families.qwen3_5_moe.export`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Qwen3_5_MoE(Qwen3_5):
     model_types = ("qwen3_5_moe",)
     features = Features(
         export=yes(
-            "Gated DeltaNet as an ONNX Scan; experts computed densely, weighted by the router's top-k"
+            "Gated DeltaNet as an ONNX Scan; experts routed: min(tokens x top_k, experts) slices per call"
         ),
         **FEATURES,
     )

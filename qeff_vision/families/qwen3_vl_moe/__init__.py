@@ -5,9 +5,9 @@ Everything the token math, the vision program and the deepstack rows depend on i
 ``_deepstack_process`` are copies of Qwen3-VL's), so the family only changes its names. The text
 model differs in its feed-forward: a top-k router over ``num_experts`` experts
 (``Qwen3VLMoeTextSparseMoeBlock``) in every layer not listed in ``mlp_only_layers``. Its export
-(:mod:`qeff_vision.families.qwen3_vl_moe.export`) computes the experts densely, because
-transformers' loop over the experts a batch happens to hit is data-dependent control flow that
-tracing would freeze to the example's routing.
+(:mod:`qeff_vision.families.qwen3_vl_moe.export`) reads min(tokens x top_k, experts) expert slices
+per call (:mod:`qeff_vision.export.experts`), because transformers' loop over the experts a batch
+happens to hit is data-dependent control flow that tracing would freeze to the example's routing.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Qwen3_VL_MoE(Qwen3_VL):
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
     features = Features(
-        export=yes("experts computed densely: every expert on every token, weighted by the router's top-k"),
+        export=yes("experts routed: min(tokens x top_k, experts) slices per call (k per token at decode)"),
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
         multi_resolution=yes("one vision graph, a specialization per resolution"),
         chunk_split=yes("causal attention over image tokens"),
