@@ -91,7 +91,10 @@ def _fold_constants(model: onnx.ModelProto, shapes: Mapping[str, tuple[int | Non
     for node in model.graph.node:
         outputs = None
         if node.op_type == "Constant":
-            known[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            tensor = node.attribute[0].t if node.attribute[0].type == onnx.AttributeProto.TENSOR else None
+            # A large constant stored out of line (a rope table) is no shape arithmetic: not loaded.
+            if tensor is not None and tensor.data_location != onnx.TensorProto.EXTERNAL:
+                known[node.output[0]] = numpy_helper.to_array(tensor)
             nodes.append(node)
             continue
         if node.op_type == "Shape":
