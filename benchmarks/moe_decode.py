@@ -103,9 +103,13 @@ def cut_config(config: dict, period: int, experts: int) -> dict:
     """``config`` with ``period`` text layers, ``experts`` experts, the cut vocabulary, a short tower."""
     config = json.loads(json.dumps(config))
     text = _text(config)
+    layers = text["num_hidden_layers"]
     text["num_hidden_layers"] = period
-    if "layer_types" in text:
-        text["layer_types"] = text["layer_types"][:period]
+    for key, value in list(text.items()):
+        if isinstance(value, list) and len(value) == layers:  # per-layer lists (layer_types, no_rope_layers)
+            text[key] = value[:period]
+        elif key.endswith("_layers") and isinstance(value, list):  # layer indices (moe_layers)
+            text[key] = [i for i in value if isinstance(i, int) and i < period]
     for key in EXPERT_KEYS:
         if text.get(key):
             text[key] = experts
@@ -426,7 +430,11 @@ def main() -> None:
     pinned = PINNED[:1] if args.smoke else PINNED
     families = list(TIMED)[:2] if args.smoke else list(TIMED)
     with tempfile.TemporaryDirectory(dir=args.out) as work:
-        rows = [row for p in pinned for row in count_bytes(p, args.full_batch_size, Path(work))]
+        rows = []
+        for checkpoint in pinned:  # each checkpoint's rows as soon as they are counted
+            counted = count_bytes(checkpoint, args.full_batch_size, Path(work))
+            print(bytes_table(counted), flush=True)
+            rows += counted
         print(bytes_table(rows), flush=True)
         timed = time_rows(
             families, 256 if args.smoke else 2048, 3 if args.smoke else args.repeats, Path(work)
