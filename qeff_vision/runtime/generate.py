@@ -56,6 +56,9 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         eos_token_ids: Generation stops after emitting one of these (default: the checkpoint's).
     """
 
+    #: What a result's ``vision_bytes`` count (:attr:`GenerationResult.vision_input`).
+    vision_input = "vision_embeds"
+
     def __init__(
         self,
         checkpoint: Checkpoint,
