@@ -207,9 +207,20 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         return feeds
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
-        """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit."""
+        """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit.
+
+        With compute-context lengths the prompt must also end below the last prefill CCL, which
+        QEfficient's lists keep under ``ctx_len`` (:mod:`qeff_vision.spec.ccl_lists`): a prefill
+        chunk reaching past it has no specialization.
+        """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        limit = self.shape.prefill_limit
+        if used + length > limit:
+            raise UserError(
+                f"prompt of {length} tokens reaches position {used + length - 1}, past the last prefill "
+                f"comp_ctx_length {limit} (prefill is compiled for prompts of at most {limit} tokens)"
+            )
         if used + length + max_new_tokens > self.shape.ctx_len:
             room = self.shape.ctx_len - used - length
             hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
