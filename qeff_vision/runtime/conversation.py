@@ -96,6 +96,19 @@ def user_message(image_count: int, text: str, video_count: int = 0) -> dict:
     return {"role": "user", "content": content}
 
 
+def process_turn(processor, images: Sequence[Any], text: str) -> dict[str, Any]:
+    """One user turn (``images`` then ``text``) rendered with the chat template and processed.
+
+    What a one-turn :class:`Conversation` sends, without a program: the benchmarks and the
+    transformers reference take it as it is.
+
+    Returns:
+        Processor outputs as numpy arrays (bfloat16 widened to float32, see :func:`as_arrays`).
+    """
+    rendered = processor.apply_chat_template([user_message(len(images), text)], add_generation_prompt=True)
+    return as_arrays(processor(text=[rendered], images=list(images) or None, return_tensors="pt"))
+
+
 def assistant_message(text: str) -> dict:
     """One assistant turn holding ``text``."""
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
