@@ -215,18 +215,18 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        limit = self.shape.prefill_limit
-        if used + length > limit:
-            raise UserError(
-                f"prompt of {length} tokens reaches position {used + length - 1}, past the last prefill "
-                f"comp_ctx_length {limit} (prefill is compiled for prompts of at most {limit} tokens)"
-            )
         if used + length + max_new_tokens > self.shape.ctx_len:
             room = self.shape.ctx_len - used - length
             hint = f"at most {room} new tokens fit" if room > 0 else "shorten the prompt or use fewer images"
             raise UserError(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
                 f"ctx_len {self.shape.ctx_len} ({hint})"
+            )
+        limit = self.shape.prefill_limit
+        if used + length > limit:
+            raise UserError(
+                f"prompt of {length} tokens reaches position {used + length - 1}, past the last prefill "
+                f"comp_ctx_length {limit} (prefill is compiled for prompts of at most {limit} tokens)"
             )
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
