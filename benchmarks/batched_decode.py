@@ -282,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its choice)."
     )
+    parser.add_argument(
+        "--smoke", action="store_true", help="F = 1 and 8, 4 tokens, one run (a quick check of every path)."
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.full_batch_sizes, args.new_tokens, args.repeats = [1, 8], 4, 1
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     batched_export, single_export = ensure_exports(work, args.export)

@@ -413,7 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="onnxruntime intra-op threads (0: its choice)."
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="224x224 and 1080p at S=128, two turns, one run (a quick check of every path).",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.images, args.seq_lens, args.turns, args.repeats = [(224, 224), (1080, 1920)], [128], 2, 1
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     bench = Bench(ensure_export(work, args.export), args.threads)

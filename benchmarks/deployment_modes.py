@@ -59,6 +59,8 @@ class Case:
     cross_state_bytes: int = 0  # cross-attention kind: bytes of one image's K/V states
 
 
+#: What ``--smoke`` measures: one family per decoder kind.
+SMOKE_FAMILIES = ("llava", "mllama")
 CASES = (
     Case("llava", "llava-1.5-7b-hf", ImageSize(336, 336), ((128, 128), (512, 512)), 3 * 336 * 336),
     Case("gemma3", "gemma-3-4b-it", ImageSize(896, 896), ((128, 1), (512, 256)), 3 * 896 * 896),
@@ -239,17 +241,26 @@ def count(case: Case, measured: dict[str, tuple[int, ...]] | None = None) -> lis
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Measure the built families' single programs on their tiny checkpoints; print both tables."""
+    import argparse
     import tempfile
 
     from qeff_vision.families import get_family as family_of
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="Measure only tiny LLaVA and Llama 3.2 Vision (both decoder kinds; the others from the design).",
+    )
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         measured = {
             case.family: measure_single(case.family, Path(work))
             for case in CASES
             if family_of(case.family).features.deployment("single").supported
+            and (not args.smoke or case.family in SMOKE_FAMILIES)
         }
     header = (
         "family",

@@ -99,7 +99,7 @@ def qefficient_gemma4_rule(export: Path) -> int:
     return kept
 
 
-def _plans(export: Path, length: int) -> tuple[dict[str, list[str]], int]:
+def auto_plans(export: Path, length: int) -> tuple[dict[str, list[str]], int]:
     import onnx
 
     from qeff_vision.compile.calibration import prompt_ranges
@@ -122,24 +122,25 @@ def _plans(export: Path, length: int) -> tuple[dict[str, list[str]], int]:
 
 def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     """Table rows of one checkpoint."""
+    from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.exporter import export_model
     from qeff_vision.numerics.device import MxEmulation
+    from qeff_vision.runtime.conversation import process_turn
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
+    from qeff_vision.runtime.reference import reference_generate
     from qeff_vision.runtime.session import DeviceOverflow
-    from tests import helpers
+    from qeff_vision.verify import synthetic_image
 
     checkpoint = _checkpoint(name, root)
     export = root / name / "export"
     export_model(checkpoint, export, progress=None)
-    model, processor = helpers.load_hf(checkpoint)
-    inputs = helpers.process(
-        processor, helpers.user_turn("<image>", "Describe this image."), [helpers.image(100, 150)]
-    )
-    hf_tokens, hf_logits = helpers.hf_generate(model, inputs, max_new_tokens=tokens)
+    opened = Checkpoint.open(checkpoint)
+    inputs = process_turn(opened.processor, [synthetic_image(100, 150)], "Describe this image.")
+    hf_tokens, hf_logits = reference_generate(opened.reference_model(), inputs, max_new_tokens=tokens)
     length = inputs["input_ids"].shape[1]
-    plans, candidates = _plans(export, length + 3)
+    plans, candidates = auto_plans(export, length + 3)
     kept = sum(len(v) for v in plans.values())
     family = SCALED.get(name, (name, {}))[0]
     rule = str(qefficient_gemma4_rule(export)) if family == "gemma4" else "-"
@@ -157,7 +158,7 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     for label, plan, mx, plan_cell in emulations:
         generator = generator_for_export(export, shape, fp32_values=plan, mx=mx)
         try:
-            result = generator.generate(helpers.as_numpy(inputs), max_new_tokens=tokens, keep_logits=True)
+            result = generator.generate(inputs, max_new_tokens=tokens, keep_logits=True)
         except DeviceOverflow:
             rows.append((name, label, plan_cell, rule, "inf/NaN", "-"))
             continue
@@ -170,6 +171,9 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     return rows
 
 
+SMOKE_HELP = "Smallest run that still takes every code path (a quick check; figures not meaningful)."
+
+
 def main() -> None:
     """Print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -177,7 +181,10 @@ def main() -> None:
     parser.add_argument("--families", nargs="+", default=names, choices=names)
     parser.add_argument("--tokens", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="Keep checkpoints and exports here.")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args()
+    if args.smoke:  # one plain and one scaled checkpoint (the QEfficient Gemma 4 rule column too)
+        args.families, args.tokens = ["llava", "gemma4-scaled"], 2
     root = args.out or Path(tempfile.mkdtemp(prefix="device-numerics-"))
     header = (
         "checkpoint",

@@ -203,7 +203,12 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float16"])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and exports")
+    parser.add_argument(
+        "--smoke", action="store_true", help="The tiny config in float32 only (a quick check of every path)."
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.config, args.dtypes = "tiny", ["float32"]
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-export-bench-"))
     writer, rows = measure(args.config, args.dtypes, work, args.keep)
     print(

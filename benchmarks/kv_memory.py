@@ -126,7 +126,10 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
+    parser.add_argument("--smoke", action="store_true", help="One context length (a quick check).")
     args = parser.parse_args()
+    if args.smoke:
+        args.ctx = args.ctx[:1]
     for index, config in enumerate(args.config):
         if index:
             print()

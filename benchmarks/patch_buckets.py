@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.window_attention import VISION  # noqa: E402 - the published block pattern
+# A sibling benchmark (the script's directory is on sys.path): the published block pattern.
+from window_attention import VISION
 
 # (width, height) as people quote them.
 PHOTOS = [
@@ -159,13 +158,13 @@ def _pixels(patches: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((patches, 3 * 2 * 14 * 14)).astype(np.float32)
 
 
-def run_resolutions(session, family, model, reps: int) -> ModeResult:
+def run_resolutions(session, family, model, reps: int, sizes=SIZES) -> ModeResult:
     """One call per image at the compiled resolution closest to it."""
     from qeff_vision.families.base import ImageSize
 
     result = ModeResult()
     compiled = {family.resized(model, ImageSize(*size)) for size in RESOLUTIONS}
-    for seed, (height, width) in enumerate(SIZES):
+    for seed, (height, width) in enumerate(sizes):
         own = family.resized(model, ImageSize(height, width))
         # A grid the programs were compiled for runs as it is; any other is resized.
         seen = (
@@ -187,7 +186,7 @@ def run_resolutions(session, family, model, reps: int) -> ModeResult:
     return result
 
 
-def run_buckets(session, family, model, reps: int) -> ModeResult:
+def run_buckets(session, family, model, reps: int, sizes=SIZES) -> ModeResult:
     """Each prompt's images at their own resolution, packed into patch-bucket calls."""
     from qeff_vision.families.base import ImageSize
     from qeff_vision.runtime.packing import plan_packed_calls
@@ -195,9 +194,9 @@ def run_buckets(session, family, model, reps: int) -> ModeResult:
     host = family.host(model)
     buckets = [family.patch_buckets.bucket_symbols(model, patches) for patches in BUCKETS]
     result = ModeResult()
-    for start in range(0, len(SIZES), PER_PROMPT):
-        items, sizes = [], []
-        for seed, (height, width) in enumerate(SIZES[start : start + PER_PROMPT], start=start):
+    for start in range(0, len(sizes), PER_PROMPT):
+        items, patch_counts = [], []
+        for seed, (height, width) in enumerate(sizes[start : start + PER_PROMPT], start=start):
             own = family.resized(model, ImageSize(height, width))
             grid_h, grid_w = own[0] // 14, own[1] // 14
             items.append(
@@ -206,15 +205,17 @@ def run_buckets(session, family, model, reps: int) -> ModeResult:
                     "image_grid_thw": np.zeros((1, 1, grid_h, grid_w), dtype=np.int64),
                 }
             )
-            sizes.append(grid_h * grid_w)
+            patch_counts.append(grid_h * grid_w)
             result.distorted += _aspect_change(own, (height, width)) > DISTORTION
 
-        for call in plan_packed_calls(items, sizes, buckets, host.patch_layout, host.pack_vision_inputs):
+        for call in plan_packed_calls(
+            items, patch_counts, buckets, host.patch_layout, host.pack_vision_inputs
+        ):
             patches = call.bucket["grid_height"]
             result.calls += 1
             result.computed += patches
             result.call_patches.append(patches)
-            result.padded += patches - sum(sizes[i] for i in call.images)
+            result.padded += patches - sum(patch_counts[i] for i in call.images)
             result.seconds += _timed(session, call.feeds, reps)
     return result
 
@@ -235,7 +236,7 @@ def table(results: dict[str, ModeResult]) -> list[str]:
     return lines
 
 
-def plot(results: dict[str, ModeResult], path: Path) -> None:
+def plot(results: dict[str, ModeResult], path: Path, sizes=SIZES) -> None:
     """Four bars per mode: calls, padded fraction, vision time, distorted images."""
     import matplotlib
 
@@ -254,7 +255,7 @@ def plot(results: dict[str, ModeResult], path: Path) -> None:
         axis.bar(names, [value(results[n]) for n in names], color=["tab:gray", "tab:blue"])
         axis.set_title(title)
         axis.tick_params(axis="x", labelsize=8)
-    figure.suptitle(f"{len(SIZES)} photo / screenshot / document sizes, {PER_PROMPT} images per prompt")
+    figure.suptitle(f"{len(sizes)} photo / screenshot / document sizes, {PER_PROMPT} images per prompt")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -262,9 +263,21 @@ def plot(results: dict[str, ModeResult], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Print the table (and write the PNG)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", type=Path, default=Path("patch_buckets.png"), help="PNG path")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG path (default patch_buckets.png)")
     parser.add_argument("--reps", type=int, default=2, help="timed runs per call (best of)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="Seven sizes (a full prompt and a partial one), one run each."
+    )
     args = parser.parse_args(argv)
+    sizes = SIZES[: PER_PROMPT + 2] if args.smoke else SIZES
+    if args.smoke:
+        args.reps = 1
+    if args.plot is None:  # a smoke run leaves nothing in the working directory
+        args.plot = (
+            Path(tempfile.mkdtemp(prefix="patch-buckets-")) / "patch_buckets.png"
+            if args.smoke
+            else Path("patch_buckets.png")
+        )
     from qeff_vision.families import get_family
 
     family, model = get_family("qwen2_5_vl"), _model()
@@ -272,14 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         paths = _export(Path(work))
         results = {
             f"resolution list ({len(RESOLUTIONS)})": run_resolutions(
-                _session(paths["resolutions"]), family, model, args.reps
+                _session(paths["resolutions"]), family, model, args.reps, sizes
             ),
             f"patch buckets ({len(BUCKETS)})": run_buckets(
-                _session(paths["buckets"]), family, model, args.reps
+                _session(paths["buckets"]), family, model, args.reps, sizes
             ),
         }
     print("\n".join(table(results)))
-    plot(results, args.plot)
+    plot(results, args.plot, sizes)
     print(f"\nplot: {args.plot}")
     return 0
 

@@ -1,6 +1,6 @@
 """Qwen3.5 recurrent state: 512 device-precision decode steps, decode time vs position, prefill vs length.
 
-Usage: python benchmarks/recurrent_state.py [--steps 512] [--out /tmp/recurrent-state]
+Usage: python benchmarks/recurrent_state.py [--steps 512] [--out /tmp/recurrent-state] [--smoke]
 
 On the tiny Qwen3.5 checkpoint (3 Gated DeltaNet layers, 1 full-attention layer), exported once:
 
@@ -32,17 +32,20 @@ import numpy as np
 from qeff_vision import symbols
 
 FAMILY = "qwen3_5"
+LENGTHS = (64, 128, 256, 512, 1024)  # prefill chunk lengths timed
 
 
 def _precision_rows(export: Path, processed, steps: int) -> list[tuple[str, ...]]:
-    from benchmarks.device_numerics import _plans
+    # A sibling benchmark: the script's directory is on sys.path when it runs.
+    from device_numerics import auto_plans
+
     from qeff_vision.numerics.device import MxEmulation
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
 
     length = processed["input_ids"].shape[1]
-    plans, candidates = _plans(export, length + 3)
+    plans, candidates = auto_plans(export, length + 3)
     bucket = PrefillBucket(length + 3, length + 3)
     shape = LanguageShape((bucket,), bucket.vision_size, length + steps + 8)
 
@@ -137,7 +140,7 @@ def _feeds(generator, tokens: int, first: int, valid: int | None = None) -> dict
     return {**feeds, **generator.empty_cache()}
 
 
-def _timing_rows(export: Path):
+def _timing_rows(export: Path, smoke: bool = False):
     import onnxruntime as ort
 
     from qeff_vision.runtime.generate import generator_for_export
@@ -152,10 +155,13 @@ def _timing_rows(export: Path):
         str(export / "lang" / "model.onnx"), options, providers=["CPUExecutionProvider"]
     )
     _timed(session, _feeds(generator, 1, 0))  # first-call allocations out of the figures
-    decode = [(p, _timed(session, _feeds(generator, 1, p), 15)) for p in (64, 256, 1024, 2048)]
-    prefill = [(s, _timed(session, _feeds(generator, s, 0), 5)) for s in (64, 128, 256, 512, 1024)]
-    chunked = _timed(session, _feeds(generator, 64, 100, valid=1), 15)
-    single = _timed(session, _feeds(generator, 1, 100), 15)
+    repeats, positions, lengths = (
+        (1, (64, 2048), (64, 128)) if smoke else (15, (64, 256, 1024, 2048), LENGTHS)
+    )
+    decode = [(p, _timed(session, _feeds(generator, 1, p), repeats)) for p in positions]
+    prefill = [(s, _timed(session, _feeds(generator, s, 0), min(repeats, 5))) for s in lengths]
+    chunked = _timed(session, _feeds(generator, 64, 100, valid=1), repeats)
+    single = _timed(session, _feeds(generator, 1, 100), repeats)
     return decode, prefill, (single, chunked)
 
 
@@ -164,10 +170,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=512)
     parser.add_argument("--out", type=Path, default=None, help="Keep the checkpoint and export here.")
+    parser.add_argument(
+        "--smoke", action="store_true", help="8 steps, two positions and lengths timed once (a quick check)."
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.steps = 8
     from qeff_vision import api
+    from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.exporter import export_model
-    from tests import helpers
+    from qeff_vision.runtime.conversation import process_turn
+    from qeff_vision.verify import synthetic_image
 
     root = args.out or Path(tempfile.mkdtemp(prefix="recurrent-state-"))
     checkpoint = root / "checkpoint"
@@ -176,12 +189,8 @@ def main() -> None:
     export = root / "export"
     if not export.exists():
         export_model(checkpoint, export, progress=None)
-    _, processor = helpers.load_hf(checkpoint)
-    processed = helpers.as_numpy(
-        helpers.process(
-            processor, helpers.user_turn("<image>", "Tell me a long story."), [helpers.image(100, 150)]
-        )
-    )
+    processor = Checkpoint.open(checkpoint).processor
+    processed = process_turn(processor, [synthetic_image(100, 150)], "Tell me a long story.")
     header = (
         "emulation",
         "fp32 nodes",
@@ -194,7 +203,7 @@ def main() -> None:
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     for row in (header, *rows):
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    decode, prefill, (ours, chunked) = _timing_rows(export)
+    decode, prefill, (ours, chunked) = _timing_rows(export, args.smoke)
     print("\ndecode position  ms/call")
     for position, seconds in decode:
         print(f"{position:>15}  {seconds * 1e3:.2f}")

@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specs", type=Path, default=ROOT / "specs")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="One repeat (a quick check).")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats = 1
     from qeff_vision.spec import find_specs
 
     paths = find_specs(args.specs)

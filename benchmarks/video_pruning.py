@@ -32,8 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 RATES = (0.0, 0.5, 0.75)
 FRAMES = 16
 SEQ_LENS = (64, 256)
@@ -214,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=list(FRAME_SIZE), choices=list(FRAME_SIZE))
     parser.add_argument("--rates", type=float, nargs="+", default=list(RATES))
     parser.add_argument("--repeats", type=int, default=5, help="Timed runs per configuration (median kept).")
+    parser.add_argument(
+        "--smoke", action="store_true", help="Qwen2.5-VL, rates 0 and 0.5, one run (a quick check)."
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.families, args.rates, args.repeats = ["qwen2_5_vl"], [0.0, 0.5], 1
     work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-evs-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -147,16 +147,22 @@ def validate(spec_path):
 
 
 def deployment_notes(spec_path) -> list[str]:
-    """What a valid spec's deployment options cost (``retain_full_kv``: the KV bytes it adds).
+    """What a valid spec's deployment options cost or change.
+
+    ``retain_full_kv``: the KV bytes it adds; ``compile.comp_ctx_lengths``: the lists as QEfficient
+    hands them to the compiler, when they differ from the spec's.
 
     Raises:
         SpecError: The spec is invalid.
     """
     from qeff_vision.spec import load_spec
+    from qeff_vision.spec.ccl_lists import changed_note
     from qeff_vision.spec.deployment import full_kv_note
 
-    note = full_kv_note(load_spec(spec_path))
-    return [note] if note else []
+    spec = load_spec(spec_path)
+    ccl = spec.compile.comp_ctx_lengths
+    notes = [full_kv_note(spec), changed_note(ccl.prefill, ccl.decode, spec.ctx_len) if ccl else None]
+    return [note for note in notes if note]
 
 
 def config_notes(spec_path) -> list[str]:

@@ -70,8 +70,15 @@ def as_numpy(inputs) -> dict:
 
 
 def load_benchmark(name: str):
-    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    """``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package).
+
+    Its directory joins ``sys.path`` as when the script runs, so a benchmark importing a sibling
+    (``from window_attention import VISION``) loads here too.
+    """
+    directory = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(directory) not in sys.path:
+        sys.path.append(str(directory))
+    path = directory / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -1,7 +1,12 @@
-"""Compute-context lengths (CCL): spec validation, one specialization per (bucket, CCL), the onnxruntime
-backend over every one, and generation that switches CCL as the sequence grows with tokens identical
-to the run without CCL (tiny Qwen2.5-VL and Gemma 3, CCL {prefill: [64, 256], decode: [128, 256, 512]}
-at ctx 512)."""
+"""Compute-context lengths (CCL): spec validation, the lists QEfficient hands the compiler, one
+specialization per (bucket, CCL), the onnxruntime backend over every one, and generation that switches
+CCL as the sequence grows with tokens identical to the run without CCL (tiny Qwen2.5-VL and Gemma 3).
+
+The spec's lists become QEfficient's (``QEfficient/utils/check_ccl_specializations.py``
+``validate_ccl_lists``): values raised to 1024, ctx_len added, prefill values moved off decode ones
+in steps of 32 (issue 36 item 5: prefill [256, 1024], decode [512, 2048, 4096] at ctx 4096 compile
+as prefill [992, 4064], decode [1024, 2048, 4096]).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ import pytest
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
+from qeff_vision.errors import UserError
 from qeff_vision.spec import build_specializations, load_spec
+from qeff_vision.spec.ccl_lists import compiler_ccl_lists
+from qeff_vision.spec.compile_options import CompCtxLengths
 from qeff_vision.spec.loader import spec_from_data
 from tests import helpers
 from tests.compile_fixtures import write_spec
@@ -20,7 +28,11 @@ from tests.test_spec_helpers import problems_of, spec_data
 from tests.test_spec_helpers import write_spec as write_spec_data
 
 CTX_LEN = 512
-CCL = {"prefill": [64, 256], "decode": [128, 256, 512]}
+# The issue's example: what QEfficient's compile path hands the compiler for these lists.
+ISSUE_CTX_LEN = 4096
+ISSUE_CCL = {"prefill": [256, 1024], "decode": [512, 2048, 4096]}
+QEFFICIENT_LISTS = ((992, 4064), (1024, 2048, 4096))
+PREFILL_CCLS = (64, 224, 480)
 NEW_TOKENS = 40
 PROMPT_TOKENS = 100  # decode starts below 128 and crosses it: the decode CCL switches 128 -> 256
 
@@ -55,34 +67,105 @@ def test_invalid_lists_are_rejected(tmp_path, ccl, expected):
     assert any(problem.startswith(expected) for problem in problems_of(path)), problems_of(path)
 
 
-def test_one_specialization_per_bucket_and_ccl_lists_completed_to_ctx_len(tmp_path):
-    spec = spec_from_data(
-        spec_data(ctx_len=CTX_LEN, prefill={"seq_lens": [64, 128]}, compile={"comp_ctx_lengths": CCL}),
-        tmp_path / "spec.yaml",
+@pytest.mark.parametrize(
+    ("prefill", "decode", "ctx_len", "expected"),
+    [
+        ([256, 1024], [512, 2048, 4096], 4096, QEFFICIENT_LISTS),
+        # Shared values move down to the next multiple of 32, again while taken.
+        ([1024, 4096], [1024, 2048, 4096, 8192], 8192, ((992, 4064, 8160), (1024, 2048, 4096, 8192))),
+        ([2048, 4096], [2048, 4096, 8192], 8192, ((2016, 4064, 8160), (2048, 4096, 8192))),
+        # Below 1024 everything is ctx_len; prefill keeps apart from it.
+        ([64, 256], [128, 256, 512], 512, ((480,), (512,))),
+        # Not a fixed point: ctx_len joins QEfficient's own prefill list again and moves to 4064,
+        # which pushes 4064 to 4032 (QEfficient's process_ccl_specializations gives the same).
+        ([992, 4064], [1024, 2048, 4096], 4096, ((992, 4032, 4064), (1024, 2048, 4096))),
+        ([1500, 3000], [1024, 3000, 6000], 6000, ((1500, 2976, 5984), (1024, 3000, 6000))),
+    ],
+)
+def test_lists_are_what_qefficient_hands_the_compiler(prefill, decode, ctx_len, expected):
+    assert compiler_ccl_lists(prefill, decode, ctx_len) == expected
+    compiled = CompCtxLengths(tuple(prefill), tuple(decode)).compiled(ctx_len)
+    assert (compiled.prefill, compiled.decode) == expected
+    assert not set(compiled.prefill) & set(compiled.decode), "the compiler takes distinct lists"
+
+
+def _issue_spec(tmp_path):
+    data = spec_data(
+        ctx_len=ISSUE_CTX_LEN, prefill={"seq_lens": [64, 128]}, compile={"comp_ctx_lengths": ISSUE_CCL}
     )
+    return spec_from_data(data, tmp_path / "spec.yaml"), write_spec_data(tmp_path, data)
+
+
+def test_one_specialization_per_bucket_and_qefficient_ccl(tmp_path):
+    spec, _ = _issue_spec(tmp_path)
     language = build_specializations(spec).language.specializations
     assert [(s.name, s.symbols["seq_len"], s.symbols[symbols.COMP_CTX_LENGTHS]) for s in language] == [
-        ("Prefill-64-ccl64", "64", "64"),
-        ("Prefill-64-ccl256", "64", "256"),
-        ("Prefill-64-ccl512", "64", "512"),  # the prefill list ends below ctx_len: ctx_len is added
-        ("Prefill-128-ccl64", "128", "64"),
-        ("Prefill-128-ccl256", "128", "256"),
-        ("Prefill-128-ccl512", "128", "512"),
-        ("Decode-ccl128", "1", "128"),
-        ("Decode-ccl256", "1", "256"),
-        ("Decode-ccl512", "1", "512"),
+        ("Prefill-64-ccl992", "64", "992"),
+        ("Prefill-64-ccl4064", "64", "4064"),
+        ("Prefill-128-ccl992", "128", "992"),
+        ("Prefill-128-ccl4064", "128", "4064"),
+        ("Decode-ccl1024", "1", "1024"),
+        ("Decode-ccl2048", "1", "2048"),
+        ("Decode-ccl4096", "1", "4096"),
     ]
-    assert all(s.symbols[symbols.CTX_LEN] == str(CTX_LEN) for s in language)
+    assert all(s.symbols[symbols.CTX_LEN] == str(ISSUE_CTX_LEN) for s in language)
+
+
+def test_validate_notes_the_lists_it_changed(tmp_path, capsys):
+    _, path = _issue_spec(tmp_path)
+    assert main(["validate", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "compile.comp_ctx_lengths compiled as QEfficient hands them to the compiler: "
+        "prefill [256, 1024] -> [992, 4064]; decode [512, 2048, 4096] -> [1024, 2048, 4096]"
+    ) in err
+    assert "a prompt prefills up to 4064 tokens" in err
+    # The decode list alone already QEfficient's: only prefill is named.
+    same_decode = {"prefill": [2048], "decode": [1024, 2048, 4096]}
+    data = spec_data(ctx_len=ISSUE_CTX_LEN, compile={"comp_ctx_lengths": same_decode})
+    assert main(["validate", str(write_spec_data(tmp_path, data, "decode.yaml"))]) == 0
+    note = capsys.readouterr().err
+    assert "prefill [2048] -> [2016, 4064] (raised" in note and "decode [" not in note
+
+
+def test_runtime_picks_each_calls_ccl_from_the_compiled_lists_and_refuses_what_none_covers(tmp_path):
+    """Smallest CCL above the call's furthest position; a prompt past the last prefill CCL is refused."""
+    from types import SimpleNamespace
+
+    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.language_shape import LanguageShape
+
+    spec, _ = _issue_spec(tmp_path)
+    specializations = [
+        {k: int(v) for k, v in s.symbols.items()}
+        for s in build_specializations(spec).language.specializations
+    ]
+    shape = LanguageShape.from_specializations(specializations)
+    assert (shape.prefill_ccls, shape.decode_ccls) == QEFFICIENT_LISTS
+    prefill = {position: shape.comp_ctx_length(False, position) for position in (0, 991, 992, 4063)}
+    assert prefill == {0: 992, 991: 992, 992: 4064, 4063: 4064}
+    decode = {position: shape.comp_ctx_length(True, position) for position in (0, 1023, 1024, 2048, 4095)}
+    assert decode == {0: 1024, 1023: 1024, 1024: 2048, 2048: 4096, 4095: 4096}
+    with pytest.raises(UserError, match="past every prefill comp_ctx_length"):
+        shape.comp_ctx_length(False, 4064)
+    # Every prompt the generator admits has a prefill CCL for its last position, and its decode
+    # steps up to ctx_len a decode CCL; one token more is refused before any call.
+    host = SimpleNamespace(shape=shape)
+    Generator.check_fits(host, 4064, 32)
+    with pytest.raises(UserError, match="prompt of 4065 tokens reaches position 4064, past the last prefill"):
+        Generator.check_fits(host, 4065, 16)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
 def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoint, tmp_path, capsys):
+    # QEfficient's lists for these at ctx 2048: prefill [992, 2016], decode [1024, 2048].
+    ctx_len, prefill, decode = 2048, (992, 2016), (1024, 2048)
     path = write_spec(
         tmp_path / "tiny.yaml",
         model=str(tiny_checkpoint(family)),
         config=None,
-        ctx_len=CTX_LEN,
-        compile_section={"comp_ctx_lengths": CCL},
+        ctx_len=ctx_len,
+        compile_section={"comp_ctx_lengths": {"prefill": [1024], "decode": [1024, 2048]}},
     )
     out = tmp_path / "out"
     code = main(["compile", str(path), "-o", str(out), "--backend", "onnxruntime"])
@@ -92,9 +175,9 @@ def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoi
     assert export["programs"]["lang"]["inputs"][symbols.COMP_CTX_LENGTHS]["axes"] == {"0": "comp_ctx_lengths"}
     lang = json.loads((out / "manifest.json").read_text())["programs"]["lang"]
     ran = [(s["name"], s["symbols"][symbols.COMP_CTX_LENGTHS]) for s in lang["specializations"]]
-    assert len(ran) == len(lang["verification"]["runs"]) == 2 * 3 + 3
-    assert {name for name, _ in ran} == {f"Prefill-{s}-ccl{c}" for s in (64, 128) for c in (64, 256, 512)} | {
-        f"Decode-ccl{c}" for c in (128, 256, 512)
+    assert len(ran) == len(lang["verification"]["runs"]) == 2 * 2 + 2
+    assert {name for name, _ in ran} == {f"Prefill-{s}-ccl{c}" for s in (64, 128) for c in prefill} | {
+        f"Decode-ccl{c}" for c in decode
     }
     # Every cache keeps its declared length whatever the CCL (a window layer its ring, others ctx_len).
     inputs = export["programs"]["lang"]["inputs"]
@@ -103,7 +186,7 @@ def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoi
             declared = inputs[symbols.past_key(index)]["shape"][2]
             expected = int(run["symbols"][declared])  # ctx_len, or the window ring's bound length
             assert run["output_shapes"][f"{symbols.past_key(index)}_RetainedState"][2] == expected
-    assert load_spec(path).compile.comp_ctx_lengths.prefill == (64, 256)
+    assert load_spec(path).compile.comp_ctx_lengths.prefill == (1024,)  # the spec as written
 
 
 def _prompt(processor, family: str):
@@ -124,7 +207,8 @@ def _generator(export_dir, ccl: bool):
     bucket = PrefillBucket(64, 64)
     if not ccl:
         return generator_for_export(export_dir, LanguageShape((bucket,), 64, CTX_LEN))
-    shape = LanguageShape((bucket,), 64, CTX_LEN, prefill_ccls=(64, 256, 512), decode_ccls=(128, 256, 512))
+    # Shaped like QEfficient's lists (distinct values, prefill ending below ctx_len), scaled down.
+    shape = LanguageShape((bucket,), 64, CTX_LEN, prefill_ccls=PREFILL_CCLS, decode_ccls=(128, 256, 512))
     return generator_for_export(export_dir, shape)
 
 
@@ -144,9 +228,9 @@ def test_ccl_generation_matches_the_run_without_ccl(family, tiny_checkpoint, exp
     result = with_ccl.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)
     assert result.tokens == without.tokens == hf_tokens and len(hf_tokens) == NEW_TOKENS
     assert max(np.abs(a - b).max() for a, b in zip(result.logits, without.logits)) <= 1e-4
-    # Prefill: the first chunk fits 64 slots, later ones need 256; decode switches 128 -> 256.
+    # Prefill: the first chunk fits 64 slots, later ones need 224; decode switches 128 -> 256.
     prefill_calls = len(result.chunks)
-    assert with_ccl.ccl_history[:prefill_calls] == [64] + [256] * (prefill_calls - 1)
+    assert with_ccl.ccl_history[:prefill_calls] == [64] + [224] * (prefill_calls - 1)
     decode = with_ccl.ccl_history[prefill_calls:]
     assert decode[0] == 128 and decode[-1] == 256 and decode == sorted(decode)
     assert plain.ccl_history == []

@@ -185,13 +185,16 @@ def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
     err = capsys.readouterr().err
     assert err.count("tokens identical to transformers generate") == 5
     assert "5 KV hand-off(s) into decode slots" in err
-    # One sequence, three turns: prefill on lang_prefill, decode on lang_decode (slot 0 of 4 for LLaVA).
+    # One sequence, three turns: prefill on lang_prefill, decode on lang_decode (at full_batch_size
+    # 4 a batch of one of the engine in slot 0, each turn prefilled whole).
     turns = ["--prompt", "Describe it.", "--prompt", "And the colours?", "--prompt", "Thanks. Summarise."]
     assert (
         main(["run", out, "--image", str(root / "a.png"), *turns, "--max-new-tokens", "4", "--compare-hf"])
         == 0
     )
-    assert capsys.readouterr().err.count("tokens identical to transformers generate") == 3
+    err = capsys.readouterr().err
+    assert err.count("tokens identical to transformers generate") == 3
+    assert err.count("prefilled again in slot 0") == (2 if "full_batch_size" in COMPILED[family] else 0)
 
 
 def test_handoffs_are_reported_for_a_disaggregated_pair_only():

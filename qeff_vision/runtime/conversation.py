@@ -9,6 +9,12 @@ turns' tokens, and the images among them, are not prefilled again. An image show
 the kept prefix (or in a conversation that had to start over) comes from the per-image
 embedding cache the generator owns: same preprocessed pixels, same content key, no encoder call
 while the cache holds it.
+
+On a language program compiled for ``full_batch_size`` > 1 (a continuous-batching artifact) a
+turn is one request of the batched engine, run alone in slot 0
+(:meth:`~qeff_vision.runtime.engine.BatchedEngine.generate`): such a program decodes only at
+batch ``full_batch_size``. The engine keeps no prefix between requests, so each turn prefills the
+whole conversation again.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
@@ -89,6 +96,19 @@ def user_message(image_count: int, text: str, video_count: int = 0) -> dict:
     return {"role": "user", "content": content}
 
 
+def process_turn(processor, images: Sequence[Any], text: str) -> dict[str, Any]:
+    """One user turn (``images`` then ``text``) rendered with the chat template and processed.
+
+    What a one-turn :class:`Conversation` sends, without a program: the benchmarks and the
+    transformers reference take it as it is.
+
+    Returns:
+        Processor outputs as numpy arrays (bfloat16 widened to float32, see :func:`as_arrays`).
+    """
+    rendered = processor.apply_chat_template([user_message(len(images), text)], add_generation_prompt=True)
+    return as_arrays(processor(text=[rendered], images=list(images) or None, return_tensors="pt"))
+
+
 def assistant_message(text: str) -> dict:
     """One assistant turn holding ``text``."""
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
@@ -132,6 +152,8 @@ class Conversation:
         self.images: list[Any] = []
         self.videos: list[Clip] = []
         self.last_inputs: PromptInputs | None = None
+        #: A continuous-batching program's engine (built at the first turn), else None.
+        self._engine: BatchedEngine | None = None
 
     @property
     def cache(self):
@@ -260,14 +282,26 @@ class Conversation:
             if piece and on_text:
                 on_text(piece)
 
-        result = self.generator.generate(
-            inputs.processed,
-            max_new_tokens=max_new_tokens or self.max_new_tokens,
-            protocol=protocol or self.protocol,
-            on_token=on_token,
-            keep_logits=keep_logits,
-            keep_prefix=self.keep_prefix,
-        )
+        budget, protocol = max_new_tokens or self.max_new_tokens, protocol or self.protocol
+        if compiled_slots(self.generator) > 1:
+            # One request in slot 0 of a continuous-batching program (see the module docstring).
+            if self._engine is None:
+                self._engine = BatchedEngine(self.generator, protocol=protocol)
+            result = self._engine.generate(inputs.processed, budget, protocol, on_token, keep_logits)
+            if self.messages:
+                result.notes.append(
+                    f"continuous batching: the whole conversation ({result.prompt_tokens} tokens) "
+                    "prefilled again in slot 0; no prefix is kept between turns"
+                )
+        else:
+            result = self.generator.generate(
+                inputs.processed,
+                max_new_tokens=budget,
+                protocol=protocol,
+                on_token=on_token,
+                keep_logits=keep_logits,
+                keep_prefix=self.keep_prefix,
+            )
         rest = stream.finish()
         if rest and on_text:
             on_text(rest)

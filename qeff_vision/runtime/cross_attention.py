@@ -75,6 +75,8 @@ class CrossAttentionGenerator(Generator):
     tiles per image, is static); read from the program's inputs when not given.
     """
 
+    vision_input = "cross-attention K/V"
+
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
         cross_mask_shape = cross_mask_shape or self.language.input_dims.get(self.io.name(Role.CROSS_MASK), ())
@@ -272,7 +274,7 @@ class CrossAttentionGenerator(Generator):
             images=self.request_images(plan=None, processed=processed),
             image_rows=0,
             images_encoded=prefill.images_encoded,
-            vision_input="cross-attention K/V",
+            vision_input=self.vision_input,
             continuation=Continuation(
                 past, positions, len(tokens) - 1, (tokens[-1],), {Role.CROSS_MASK: last_row}
             ),

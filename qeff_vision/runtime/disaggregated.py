@@ -13,9 +13,11 @@ as one language program: a call with ``seq_len`` > 1 goes to the prefill program
 call to the decode program, each accepting only its own specializations, so a decode-shaped call
 on the prefill program (or the reverse) is refused as a device would refuse it. For one sequence
 with a batch-1 decode program, the cache the prefill returned is the one the decode program
-takes (the host hand-off). :class:`DisaggregatedSlots` serves the batched engine: each request
-prefills into its own batch-1 cache, and :meth:`~DisaggregatedSlots.finish_prefill` copies it
-into the request's slot of the decode program's cache.
+takes (the host hand-off); one sequence on a decode program at ``full_batch_size`` > 1 runs
+through the batched engine like any request. :class:`DisaggregatedSlots` serves the batched
+engine: each request prefills into its own batch-1 cache, and
+:meth:`~DisaggregatedSlots.finish_prefill` copies it into the request's slot of the decode
+program's cache.
 """
 
 from __future__ import annotations
@@ -54,9 +56,6 @@ class PhaseRouter(SlotProvider):
         self.specializations = [*(prefill.specializations or ()), *(decode.specializations or ())]
         #: What the batched engine's slot count is read from (prefill binds full_batch_size 1).
         self.decode_specializations = decode.specializations
-        self.decode_slots = max(
-            (int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in decode.specializations or ()), default=1
-        )
         #: Prefill KV hand-offs to a decode slot, and their bytes (what a device pair would transfer).
         self.handoffs = 0
         self.handoff_bytes = 0
@@ -79,39 +78,11 @@ class PhaseRouter(SlotProvider):
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run on the phase's program (a shape it was not compiled for is refused).
 
-        One sequence's decode step on a decode program compiled for ``full_batch_size`` F > 1
-        (``run --prompt``) runs in slot 0 of a batch-F call whose other rows are idle, as the
-        batched engine feeds idle slots: token 0, position -1 (and -1 in every other integer
-        input), zero caches, ``batch_index`` 0..F-1; the outputs are cut back to the sequence's row.
+        One sequence on a decode program compiled for ``full_batch_size`` > 1 (``run --prompt``)
+        is a batch of one of the batched engine, which feeds the decode program at its batch
+        (:func:`qeff_vision.runtime.engine.compiled_slots`).
         """
-        program = self.program_for(feeds)
-        if program is self.decode and self.decode_slots > 1 and feeds[symbols.INPUT_IDS].shape[0] == 1:
-            return self._in_slot_zero(feeds, self.decode_slots)
-        return program.run(feeds)
-
-    def _in_slot_zero(self, feeds: Mapping[str, np.ndarray], slots: int) -> dict[str, np.ndarray]:
-        """A batch-1 decode call run as row 0 of a ``slots``-row call (see :meth:`run`)."""
-        batch_axes = (symbols.BATCH_SIZE, symbols.FULL_BATCH_SIZE)
-        widened = {}
-        for name, value in feeds.items():
-            dims = self.decode.input_dims.get(name, [])
-            axes = [axis for axis, dim in enumerate(dims) if dim in batch_axes]
-            if not axes or name == symbols.BATCH_INDEX:
-                widened[name] = value
-                continue
-            axis = axes[0]
-            pad = list(value.shape)
-            pad[axis] = slots - value.shape[axis]
-            fill = 0 if name == symbols.INPUT_IDS or value.dtype.kind == "f" else -1
-            widened[name] = np.concatenate([value, np.full(pad, fill, value.dtype)], axis=axis)
-        widened[symbols.BATCH_INDEX] = np.arange(slots, dtype=np.int64).reshape(slots, 1)
-        outputs = self.decode.run(widened)
-        cut = {}
-        for name, value in outputs.items():
-            dims = self.decode.output_dims.get(name, [])
-            axis = next((i for i, dim in enumerate(dims) if dim in batch_axes), None)
-            cut[name] = value if axis is None else value[(slice(None),) * axis + (slice(0, 1),)]
-        return cut
+        return self.program_for(feeds).run(feeds)
 
     def run_retained(
         self, feeds: Mapping[str, np.ndarray], state: dict[str, np.ndarray], retained: Mapping[str, str]

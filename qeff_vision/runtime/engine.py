@@ -11,6 +11,11 @@ requests show is encoded once).
 
 The slots themselves (one batched cache, or one host cache per slot) are held by
 :mod:`qeff_vision.runtime.slots`.
+
+A lone request on a program compiled for ``full_batch_size`` F > 1 (``run --prompt`` on a
+continuous-batching artifact, what vLLM sends whenever one sequence is running) is a batch of one
+(:meth:`BatchedEngine.generate`): it takes slot 0 and decodes in calls at batch F whose other rows
+are idle, the shapes the program was compiled for (:func:`compiled_slots`).
 """
 
 from __future__ import annotations
@@ -40,11 +45,15 @@ class EngineRequest:
         processed: Processor outputs as numpy arrays (what :meth:`Generator.generate` takes).
         max_new_tokens: Upper bound of generated tokens.
         arrival_step: The engine step at which the request arrives.
+        on_token: Called with each token id as soon as it is known (streaming).
+        protocol: Its vision protocol (``chunk`` or ``full``); the engine's when None.
     """
 
     processed: Mapping[str, Any]
     max_new_tokens: int = 32
     arrival_step: int = 0
+    on_token: Callable[[int], None] | None = None
+    protocol: str | None = None
 
 
 @dataclass
@@ -175,6 +184,8 @@ class _Sequence:
         self.tokens.append(token)
         if logits is not None:
             self.logits.append(logits.copy())
+        if self.request.on_token is not None:
+            self.request.on_token(token)
         return token in eos or len(self.tokens) >= self.request.max_new_tokens
 
 
@@ -201,9 +212,7 @@ class BatchedEngine:
         language = generator.language
         provider = isinstance(language, SlotProvider)  # declared, never guessed from attributes
         if full_batch_size is None:
-            # A disaggregated pair: the decode program's slots (its prefill program has one).
-            decode = language.decode_specializations if provider else language.specializations
-            full_batch_size = compiled_full_batch_size(decode) if batched else 1
+            full_batch_size = compiled_full_batch_size(_decode_specializations(generator)) if batched else 1
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
         # Programs that bring their own slots (qeff_vision.runtime.disaggregated) build them.
@@ -235,6 +244,43 @@ class BatchedEngine:
             UserError: A request does not fit ``ctx_len`` or the buckets (checked for every
                 request before any call), or a shape was not compiled.
         """
+        return self._serve(requests, keep_logits, on_finish, labelled=True)
+
+    def generate(
+        self,
+        processed: Mapping[str, Any],
+        max_new_tokens: int = 32,
+        protocol: str | None = None,
+        on_token: Callable[[int], None] | None = None,
+        keep_logits: bool = False,
+    ) -> GenerationResult:
+        """One request alone: a batch of one, in slot 0 (the lowest free slot).
+
+        Its prefill chunks are batch-1 calls into slot 0 and its decode steps calls at batch
+        ``full_batch_size`` with the other rows idle, as :meth:`run` serves any request.
+
+        Args:
+            processed: Processor outputs as numpy arrays.
+            max_new_tokens: Upper bound of generated tokens.
+            protocol: ``chunk`` or ``full`` (the engine's when None).
+            on_token: Called with each token id as soon as it is known (streaming).
+            keep_logits: Keep each step's logits row in the result.
+
+        Raises:
+            UserError: The prompt does not fit ``ctx_len`` or the buckets, or a shape was not compiled.
+        """
+        request = EngineRequest(processed, max_new_tokens, 0, on_token, protocol)
+        (done,) = self._serve([request], keep_logits, None, labelled=False).requests
+        return done.result
+
+    def _serve(
+        self,
+        requests: Sequence[EngineRequest],
+        keep_logits: bool,
+        on_finish: Callable[[RequestResult], None] | None,
+        labelled: bool,
+    ) -> EngineReport:
+        """:meth:`run`; ``labelled``: a request's error names its number."""
         generator = self.generator
         sequences = []
         vision_calls = generator.vision.calls
@@ -244,9 +290,9 @@ class BatchedEngine:
                 request = replace(request, processed=generator.prepare_prompt(request.processed))
                 input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
                 generator.check_fits(len(input_ids), request.max_new_tokens)
-                plan = generator.plan(input_ids, request.processed, self.protocol)
+                plan = generator.plan(input_ids, request.processed, request.protocol or self.protocol)
             except UserError as exc:
-                raise UserError(f"request {number}: {exc}") from None
+                raise UserError(f"request {number}: {exc}" if labelled else str(exc)) from None
             sequences.append(_Sequence(number, request, generator, plan))
         scheduler = Scheduler([r.arrival_step for r in requests], self.full_batch_size)
         report = EngineReport([], self.full_batch_size, batched=self.slots.batched)
@@ -359,6 +405,7 @@ class BatchedEngine:
             images=self.generator.request_images(plan, sequence.request.processed),
             image_rows=plan.total_rows,
             images_encoded=sequence.images_encoded,
+            vision_input=self.generator.vision_input,
         )
         return RequestResult(
             number=sequence.number,
@@ -370,6 +417,28 @@ class BatchedEngine:
             result=result,
             decode_batches=sequence.decode_batches,
         )
+
+
+def compiled_slots(generator: SequenceRunner) -> int:
+    """Slots a lone sequence must run among: the compiled ``full_batch_size`` of the decoding program.
+
+    1 for a program without ``batch_index`` or without a recorded ``full_batch_size`` (a bare
+    export runs a sequence at batch 1). Above 1, the program decodes only at batch
+    ``full_batch_size``: one request runs as a batch of one through :class:`BatchedEngine`.
+    """
+    if not generator.io.has(Role.KV_SLOT):
+        return 1
+    key = symbols.FULL_BATCH_SIZE
+    values = {int(entry[key]) for entry in _decode_specializations(generator) or () if key in entry}
+    return max(values, default=1)
+
+
+def _decode_specializations(generator: SequenceRunner) -> Sequence[Mapping[str, Any]] | None:
+    """The specializations of the program that decodes (a disaggregated pair's decode program)."""
+    language = generator.language
+    if isinstance(language, SlotProvider):  # its prefill program binds full_batch_size 1
+        return language.decode_specializations
+    return language.specializations
 
 
 def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:

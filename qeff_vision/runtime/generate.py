@@ -56,6 +56,9 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         eos_token_ids: Generation stops after emitting one of these (default: the checkpoint's).
     """
 
+    #: What a result's ``vision_bytes`` count (:attr:`GenerationResult.vision_input`).
+    vision_input = "vision_embeds"
+
     def __init__(
         self,
         checkpoint: Checkpoint,
@@ -204,7 +207,12 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         return feeds
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
-        """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit."""
+        """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit.
+
+        With compute-context lengths the prompt must also end below the last prefill CCL, which
+        QEfficient's lists keep under ``ctx_len`` (:mod:`qeff_vision.spec.ccl_lists`): a prefill
+        chunk reaching past it has no specialization.
+        """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if used + length + max_new_tokens > self.shape.ctx_len:
@@ -213,6 +221,12 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             raise UserError(
                 f"prompt of {length} tokens + {max_new_tokens} new tokens exceeds the compiled "
                 f"ctx_len {self.shape.ctx_len} ({hint})"
+            )
+        limit = self.shape.prefill_limit
+        if used + length > limit:
+            raise UserError(
+                f"prompt of {length} tokens reaches position {used + length - 1}, past the last prefill "
+                f"comp_ctx_length {limit} (prefill is compiled for prompts of at most {limit} tokens)"
             )
 
     def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:

@@ -51,6 +51,11 @@ class LanguageShape:
             tuple(sorted(ccls[True])),
         )
 
+    @property
+    def prefill_limit(self) -> int:
+        """Prompt tokens prefill can reach: the last prefill CCL when compiled with CCLs, else ``ctx_len``."""
+        return self.prefill_ccls[-1] if self.prefill_ccls else self.ctx_len
+
     def comp_ctx_length(self, decode: bool, furthest_position: int) -> int | None:
         """The smallest compiled CCL whose slots hold ``furthest_position``; None without CCLs.
 

@@ -29,6 +29,7 @@ class SequenceRunner(Protocol):
         io: The language program's IO table.
         cache: The per-image embedding cache.
         eos_token_ids: Token ids that end a sequence.
+        vision_input: What a result's vision bytes count (``vision_embeds``, cross-attention K/V).
     """
 
     host: Host
@@ -37,6 +38,7 @@ class SequenceRunner(Protocol):
     io: LanguageIO
     cache: EmbeddingCache
     eos_token_ids: set[int]
+    vision_input: str
 
     def prepare_prompt(self, processed: Mapping[str, Any]) -> Mapping[str, Any]:
         """The prompt as the runner runs it (clips pruned at a video pruning rate)."""

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from qeff_vision.errors import shown
+from qeff_vision.spec.ccl_lists import compiler_ccl_lists
 
 VISION = "vision"
 LANGUAGE = "language"
@@ -107,8 +108,9 @@ class CompCtxLengths:
 
     Each is a number of KV slots attention reads (the first ones): the language graph gains an
     input ``comp_ctx_lengths`` whose length selects it, and every prefill bucket (resp. decode)
-    gets one specialization per prefill (resp. decode) CCL. The runtime feeds the smallest CCL
-    that covers the furthest position written so far, so early steps read a fraction of the cache.
+    gets one specialization per prefill (resp. decode) CCL, from the lists as QEfficient rewrites
+    them (:meth:`compiled`). The runtime feeds the smallest CCL that covers the furthest position
+    written so far, so early steps read a fraction of the cache.
 
     Attributes:
         prefill: Strictly increasing CCLs for prefill chunks.
@@ -118,16 +120,14 @@ class CompCtxLengths:
     prefill: tuple[int, ...]
     decode: tuple[int, ...]
 
-    def completed(self, ctx_len: int) -> CompCtxLengths:
-        """Both lists ending at ``ctx_len``, appended when shorter (as QEfficient's validation does).
+    def compiled(self, ctx_len: int) -> CompCtxLengths:
+        """The lists QEfficient hands the compiler for these (:mod:`qeff_vision.spec.ccl_lists`).
 
-        Every position of the context then has a CCL covering it.
+        Raised to 1024 at least, ``ctx_len`` appended, capped, and every prefill value a decode
+        value holds moved down to a multiple of 32: each decode position has a CCL covering it,
+        each prompt position below the last prefill CCL too.
         """
-
-        def complete(values: tuple[int, ...]) -> tuple[int, ...]:
-            return values if values[-1] >= ctx_len else (*values, ctx_len)
-
-        return CompCtxLengths(complete(self.prefill), complete(self.decode))
+        return CompCtxLengths(*compiler_ccl_lists(self.prefill, self.decode, ctx_len))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.families.base import Family, ModelDescription
 from qeff_vision.spec.buckets import check_patch_buckets
+from qeff_vision.spec.ccl_lists import CCL_UNIQUE_STEP
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
 from qeff_vision.spec.deployment import check_deployment, check_single_vision, read_deployment
@@ -133,6 +134,13 @@ def spec_from_data(data: object, source: Path) -> Spec:
         for phase, values in (("prefill", ccl.prefill), ("decode", ccl.decode)):
             if values[-1] > ctx_len:
                 reader.add(f"compile.comp_ctx_lengths.{phase}", f"{values[-1]} exceeds ctx_len {ctx_len}")
+        if ctx_len <= CCL_UNIQUE_STEP:
+            # QEfficient's rules move the one prefill CCL (ctx_len, also a decode CCL) down to 0.
+            reader.add(
+                "compile.comp_ctx_lengths",
+                f"ctx_len {ctx_len} leaves no prefill length: QEfficient keeps prefill CCLs apart from "
+                f"decode ones in steps of {CCL_UNIQUE_STEP} (use ctx_len above {CCL_UNIQUE_STEP})",
+            )
     check_compile_files(reader, compile_options, top.get("compile"), source.parent)
 
     description = model_dir = config_path = None

@@ -256,7 +256,7 @@ def build_specializations(
     if spec.deployment.retain_full_kv:  # ring layers keep ctx_len slots (contract/full_kv.py)
         cache_symbols = full_length_caches(cache_symbols)
     ccl = spec.compile.comp_ctx_lengths
-    ccl = ccl.completed(spec.ctx_len) if ccl is not None else None
+    ccl = ccl.compiled(spec.ctx_len) if ccl is not None else None
     fbs = spec.full_batch_size
     cb = fbs is not None
     # The layer declarations carry every kind (full, ring, shared, recurrent).
