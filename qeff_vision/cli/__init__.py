@@ -36,8 +36,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class Interrupted(BaseException):
+    """Ctrl-C inside a command, carried past click (which would print an empty line for it)."""
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands live in modules imported only when invoked."""
+
+    def invoke(self, ctx: click.Context):
+        """Run the subcommand; a KeyboardInterrupt leaves as :class:`Interrupted`."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         """Commands whose modules exist, sorted."""
@@ -78,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result = cli.main(args=argv, prog_name="qeff-vision", standalone_mode=False)
     except UserError as exc:
         return _error(str(exc))
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (Interrupted, click.exceptions.Abort, KeyboardInterrupt):
         # click turns Ctrl-C (and EOF at a prompt) into Abort.
         click.echo("qeff-vision: interrupted", err=True)
         return 130

@@ -135,9 +135,7 @@ def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: Compi
     recorded = (export.manifest or {}).get("model")
     copied = copy_first_checkpoint((spec.model_dir, recorded), out_dir)
     if copied is None:
-        outcome.notes.append(
-            "note: no local checkpoint to copy into OUT; `run` needs the one the export names"
-        )
+        outcome.notes.append("no local checkpoint to copy into OUT; `run` needs the one the export names")
     elif spec.vision.image_processor:
         set_image_processor_options(out_dir / copied, dict(spec.vision.image_processor))
     return copied
