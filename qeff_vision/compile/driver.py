@@ -259,6 +259,7 @@ def compile_spec(
     lock = partial(cache.output_lock, out_dir, say)
     shared = (EXPORT_SUBDIR,)  # read in place (onnx refuses hard-linked external data); replaced if stale
     with staged_directory(out_dir, start_from_final=True, shared=shared, lock=lock) as staging:
+        say = _naming_out(progress, staging, out_dir)
         if export is None:
             export = locate_export(spec, staging, None, dry_run=dry_run, say=say)
             plans = write_inputs(generated, spec, staging, export)
@@ -281,7 +282,15 @@ def compile_spec(
         if not dry_run:
             atomic_write_json(staging / MANIFEST_FILE, manifest)
             outcome.manifest = manifest
+        outcome.notes = [note.replace(str(staging), str(out_dir)) for note in outcome.notes]
     return outcome
+
+
+def _naming_out(progress: Progress | None, staging: Path, out_dir: Path) -> Progress:
+    """``progress`` with the staging directory's path written as OUT's (what the user asked for)."""
+    if progress is None:
+        return lambda message: None
+    return lambda message: progress(message.replace(str(staging), str(out_dir)))
 
 
 def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
