@@ -182,7 +182,7 @@ def staged_directory(
         lock: Makes a context manager held from before the staging directory is made until
             ``final`` is replaced or left (a lock beside ``final``; its parent exists by then).
     """
-    from qeff_vision import interrupts
+    from qeff_vision.interrupts import deferred, raise_if_interrupted
 
     final = check_output_dir(final)
     created = _make_parents(final)
@@ -191,8 +191,8 @@ def staged_directory(
         with lock() if lock else contextlib.nullcontext():
             staging = _stage(final, start_from_final, shared)
             yield staging
-            interrupts.raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
-            with interrupts.deferred():  # the renames of the commit are not cut in half
+            raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
+            with deferred():  # the renames of the commit are not cut in half
                 _commit(staging, final, force or start_from_final, shared)
     except BaseException:
         if staging is not None:
