@@ -206,6 +206,7 @@ def _stage(final: Path, start_from_final: bool, shared: tuple[str, ...]) -> Path
     try:
         os.chmod(staging, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
         if start_from_final and final.is_dir():
+            shutil.copymode(final, staging)
             link_tree(final, staging, shared)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
