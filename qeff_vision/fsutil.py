@@ -178,7 +178,8 @@ def staged_directory(
         start_from_final: Start the staging directory as :func:`link_tree` of ``final`` (a compile
             reuses its earlier export and programs); implies replacing ``final``.
         shared: With ``start_from_final``: top-level directories of ``final`` used in place through
-            a symlink (read only); one still a symlink at the end moves into the result.
+            a symlink; one still a symlink at the end moves into the result. Files the block
+            adds there (derived graphs beside an export's) are removed when it fails.
         lock: Makes a context manager held from before the staging directory is made until
             ``final`` is replaced or left (a lock beside ``final``; its parent exists by then).
     """
@@ -187,9 +188,11 @@ def staged_directory(
     final = check_output_dir(final)
     created = _make_parents(final)
     staging = None
+    present: dict[str, set[Path]] = {}
     try:
         with lock() if lock else contextlib.nullcontext():
             staging = _stage(final, start_from_final, shared)
+            present = {name: _files(final / name) for name in shared if (staging / name).is_symlink()}
             yield staging
             raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
             with deferred():  # the renames of the commit are not cut in half
@@ -197,8 +200,15 @@ def staged_directory(
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)  # a symlink is removed, not followed
+        for name, before in present.items():  # files derived into a shared directory (single.onnx)
+            for added in _files(final / name) - before:
+                added.unlink(missing_ok=True)
         _remove_empty(created)
         raise
+
+
+def _files(directory: Path) -> set[Path]:
+    return {path for path in directory.rglob("*") if path.is_file()} if directory.is_dir() else set()
 
 
 def _stage(final: Path, start_from_final: bool, shared: tuple[str, ...]) -> Path:

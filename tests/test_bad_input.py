@@ -23,6 +23,7 @@ file, a path under ``/proc`` (refused for root too) or a monkeypatched refusal i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -491,3 +492,36 @@ def test_ctrl_c_while_the_compilers_run(tmp_path, temporary_directory):
     _, err = process.communicate(timeout=120)
     one_error_line(process.returncode, err, "interrupted", expected_code=130)
     assert tree_state(out) is None and not list(temporary_directory.glob("qeff-vision-*"))
+
+
+# ---- the staging every output goes through ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("fails", [True, False])
+def test_staged_directory_over_an_existing_output(tmp_path, fails):
+    """Files are hard links (replaced, never written into); a shared directory is used in place."""
+    from qeff_vision.errors import UserError
+    from qeff_vision.fsutil import atomic_write_text, staged_directory
+
+    final = tmp_path / "out"
+    (final / "export").mkdir(parents=True)
+    (final / "export" / "model.onnx").write_text("graph\n")
+    (final / "lang").mkdir()
+    (final / "lang" / "compile.log").write_text("the log of the program beside it\n")
+    before = tree_state(final)
+    with pytest.raises(UserError) if fails else contextlib.nullcontext():
+        with staged_directory(final, start_from_final=True, shared=("export",)) as staging:
+            assert (staging / "export").is_symlink() and (
+                staging / "lang" / "compile.log"
+            ).stat().st_nlink == 2
+            atomic_write_text(staging / "lang" / "compile.log", "a new log\n")  # replaces the link
+            (staging / "export" / "single.onnx").write_text("derived\n")  # through the symlink
+            assert tree_state(final)["lang/compile.log"] == before["lang/compile.log"]
+            if fails:
+                raise UserError("the compiler failed")
+    if fails:
+        assert tree_state(final) == before  # the derived file added in place is gone too
+    else:
+        assert not (final / "export").is_symlink() and (final / "export" / "single.onnx").is_file()
+        assert (final / "lang" / "compile.log").read_text() == "a new log\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tmp"]
