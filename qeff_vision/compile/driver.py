@@ -11,9 +11,13 @@ Layout of OUT::
 
 Which export is compiled and where each program's inputs go are decided by
 :mod:`qeff_vision.compile.inputs`; this module runs the stages in order and writes the manifest.
-The two compilers run concurrently under a lock on OUT. With ``backend="onnxruntime"`` no compiler
-runs: every specialization is executed on the exported graphs instead, and the manifest points at
-the ONNX files.
+Everything is written in a staging directory beside OUT (:func:`qeff_vision.fsutil.staged_directory`:
+hard links to OUT's files, OUT's export used in place) that replaces OUT only when every stage
+succeeded, under a lock beside OUT; the compilers' logs live in a temporary directory until then,
+and stay there (named by the error) when a compiler fails. So a failed or interrupted compile
+leaves OUT absent or byte for byte as it was. The two compilers run concurrently. With
+``backend="onnxruntime"`` no compiler runs: every specialization is executed on the exported
+graphs instead, and the manifest points at the ONNX files.
 """
 
 from __future__ import annotations
@@ -259,7 +263,7 @@ def compile_spec(
     lock = partial(cache.output_lock, out_dir, say)
     shared = (EXPORT_SUBDIR,)  # read in place (onnx refuses hard-linked external data); replaced if stale
     with staged_directory(out_dir, start_from_final=True, shared=shared, lock=lock) as staging:
-        say = _naming_out(progress, staging, out_dir)
+        say = (lambda message: progress(_as_out(message, staging, out_dir))) if progress else say
         if export is None:
             export = locate_export(spec, staging, None, dry_run=dry_run, say=say)
             plans = write_inputs(generated, spec, staging, export)
@@ -282,15 +286,13 @@ def compile_spec(
         if not dry_run:
             atomic_write_json(staging / MANIFEST_FILE, manifest)
             outcome.manifest = manifest
-        outcome.notes = [note.replace(str(staging), str(out_dir)) for note in outcome.notes]
+        outcome.notes = [_as_out(note, staging, out_dir) for note in outcome.notes]
     return outcome
 
 
-def _naming_out(progress: Progress | None, staging: Path, out_dir: Path) -> Progress:
-    """``progress`` with the staging directory's path written as OUT's (what the user asked for)."""
-    if progress is None:
-        return lambda message: None
-    return lambda message: progress(message.replace(str(staging), str(out_dir)))
+def _as_out(text: str, staging: Path, out_dir: Path) -> str:
+    """``text`` (a message, a compiler argument) with the staging directory written as OUT."""
+    return text.replace(str(staging), str(out_dir))
 
 
 def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
@@ -352,7 +354,7 @@ def _compile(
                 "warning: " + plan.precision.overflow.describe(plan.program, "on the calibration prompts")
             )
         key, key_inputs, job_argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
-        argv = [_as_final(argument, run) for argument in job_argv]  # what OUT's files will say
+        argv = [_as_out(a, run.out_dir, run.final_dir) for a in job_argv]  # what OUT's files will say
         outcome.commands[plan.program] = format_command(argv)
         entry = _program_entry(plan, run.out_dir, binary_dir)
         entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, run.out_dir))
@@ -411,11 +413,6 @@ def _run_compilers(run: _Run, jobs: list[Job], binary_dirs, records, entries, st
         target.unlink(missing_ok=True)  # a link to OUT's log: replace it, never write into it
         shutil.move(job.log_path, target)
     shutil.rmtree(logs, ignore_errors=True)
-
-
-def _as_final(argument: str, run: _Run) -> str:
-    """A compiler argument with the staging directory's path written as OUT's."""
-    return argument.replace(str(run.out_dir), str(run.final_dir))
 
 
 def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, hasher) -> tuple:
