@@ -131,7 +131,7 @@ def _log_of(error_text: str) -> Path:
     return path
 
 
-def test_failure_exits_2_with_log_tail_and_leaves_nothing(setup, tmp_path, capsys):
+def test_failure_exits_2_with_log_tail_and_leaves_nothing_valid(setup, tmp_path, capsys):
     spec, export, out = setup
     bad, _ = stand_in(tmp_path, mode="fail-vision")
     code = main(["compile", str(spec), "-o", str(out), "--compiler", str(bad), "--export", str(export)])
@@ -423,7 +423,9 @@ def test_onnxruntime_backend_on_synthetic_graphs(setup):
 
 
 @pytest.mark.parametrize("previous", ["none", "valid"])
-def test_interrupt_stops_the_compilers_and_leaves_nothing(setup, tmp_path, previous, temporary_directory):
+def test_interrupt_stops_the_compilers_and_leaves_nothing_valid(
+    setup, tmp_path, previous, temporary_directory
+):
     spec, export, out = setup
     if previous == "valid":
         run(spec, out, export, stand_in(tmp_path)[0])
