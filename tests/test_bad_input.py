@@ -335,7 +335,8 @@ COMPILER_FAILURES = {
 def test_failed_compile_leaves_out_as_it_was(mode, previous, tmp_path, temporary_directory, capsys):
     spec = write_spec(tmp_path / "spec.yaml")
     export = synthetic_export(tmp_path / "export")
-    out = tmp_path / "out"
+    # A new OUT under parents that do not exist yet: the failed compile removes those too.
+    out = tmp_path / "out" if previous == "valid" else tmp_path / "new" / "parents" / "out"
     if previous == "valid":
         good, _ = stand_in(tmp_path)
         code, err = cli(capsys, "compile", spec, "-o", out, "--export", export, "--compiler", good, "-q")
@@ -348,7 +349,7 @@ def test_failed_compile_leaves_out_as_it_was(mode, previous, tmp_path, temporary
     code, err = cli(capsys, *args)
     line = one_error_line(code, err, what)
     # OUT byte for byte as it was: its compile.log files still describe the programs beside them.
-    assert tree_state(out) == before
+    assert tree_state(out) == before and (previous == "valid" or not (tmp_path / "new").exists())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")], "staging left beside OUT"
     # The failed compiler's log is kept outside OUT, where the line says.
     log = Path(line.rsplit("(log: ", 1)[1].rstrip(")"))
