@@ -110,6 +110,9 @@ def specialize(spec_path, out_dir=None, *, layout: str | None = None):
     Raises:
         SpecError: Every problem of the spec.
     """
+    from pathlib import Path
+
+    from qeff_vision.fsutil import check_output_dir, staged_directory
     from qeff_vision.spec import AUTO, build_specializations, load_spec, resolve_layout, write_specializations
 
     spec = load_spec(spec_path)
@@ -119,9 +122,16 @@ def specialize(spec_path, out_dir=None, *, layout: str | None = None):
 
         sdk = detect_sdk()
         layout = resolve_layout(layout, sdk.specialization_layout if sdk else None)
-    result = build_specializations(spec, layout=layout)
     if out_dir is not None:
+        check_output_dir(out_dir)
+    result = build_specializations(spec, layout=layout)
+    if out_dir is None:
+        return result
+    if Path(out_dir).is_dir():  # others' files may live there: each of ours replaced atomically
         write_specializations(result, out_dir)
+    else:  # a new directory appears whole or not at all
+        with staged_directory(out_dir) as staging:
+            write_specializations(result, staging)
     return result
 
 
@@ -294,11 +304,13 @@ def run(
 
     Raises:
         UserError: No manifest, a missing or unreadable image, a turn number beyond the prompts,
-            a prompt that does not fit ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
+            a prompt that is not UTF-8 text, holds an image placeholder or does not fit ``ctx_len``,
+            a checkpoint without tokenizer, or a ``qaic`` artifact without the SDK runtime.
     """
+    from qeff_vision.bad_input import check_prompt
     from qeff_vision.runtime.conversation import load_image, load_video, media_by_turn, run_turns
 
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    prompts = [check_prompt(prompt) for prompt in ([prompts] if isinstance(prompts, str) else prompts)]
     # Fail on a bad turn number, image or clip before loading anything heavy.
     media_by_turn(images, turn_images, len(prompts), "image")
     media_by_turn(videos, turn_videos, len(prompts), "video")

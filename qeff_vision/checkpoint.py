@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from qeff_vision.bad_input import reading
 from qeff_vision.errors import UserError
 from qeff_vision.families import Family, family_for, get_family
 from qeff_vision.families.base import ModelDescription, TextDims, describe_checkpoint
@@ -101,7 +102,14 @@ class Checkpoint:
             quiet_transformers()
             from transformers import AutoProcessor
 
-            self._loaded["processor"] = AutoProcessor.from_pretrained(str(self.directory))
+            with reading(self.directory, "a checkpoint with a processor and tokenizer"):
+                processor = AutoProcessor.from_pretrained(str(self.directory))
+            if getattr(processor, "tokenizer", None) is None:
+                # Without one, generation would run and print token ids nobody can read.
+                raise UserError(
+                    f"{self.directory}: no tokenizer files (tokenizer.json, tokenizer_config.json)"
+                )
+            self._loaded["processor"] = processor
         return self._loaded["processor"]
 
     @property

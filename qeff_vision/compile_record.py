@@ -32,6 +32,7 @@ record without importing the compile driver, which itself runs the runtime (cali
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,9 @@ BACKENDS = (QAIC, ONNXRUNTIME)
 
 def relative_to(path: Path, base: Path) -> str:
     """``path`` relative to ``base`` when inside it, else absolute."""
-    path, base = Path(path).resolve(), Path(base).resolve()
+    # Absolute without resolving symlinks: a compile's staging directory reaches OUT's export
+    # through one, and the path recorded must stay inside OUT.
+    path, base = Path(os.path.abspath(path)), Path(os.path.abspath(base))
     try:
         return path.relative_to(base).as_posix()
     except ValueError:

@@ -25,6 +25,7 @@ import torch
 from onnx import external_data_helper
 
 from qeff_vision import __version__, symbols
+from qeff_vision.bad_input import reading
 from qeff_vision.contract.full_kv import has_rings
 from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.errors import UserError
@@ -52,7 +53,7 @@ from qeff_vision.export_record import (
 )
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.families.base import ModelDescription
-from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
+from qeff_vision.fsutil import atomic_write_json, check_output_dir, is_nonempty_dir, staged_directory
 from qeff_vision.transformers_version import require_supported_transformers
 
 OPSET = 17
@@ -113,13 +114,8 @@ def load_adapter(family: Family) -> ExportAdapter:
 
 def _load_model(adapter: ExportAdapter, model_dir: Path, dtype: torch.dtype):
     require_supported_transformers()
-    try:
+    with reading(model_dir, "a checkpoint whose weights load"):
         return adapter.empty_model(model_dir, dtype)
-    except UserError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - safetensors/transformers raise many types for bad files
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{model_dir}: cannot load the checkpoint weights ({first_line})") from exc
 
 
 def _torch_export(
@@ -304,6 +300,7 @@ def export_model(
     if dtype not in DTYPES:
         raise UserError(f"export dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     torch_dtype = DTYPES[dtype]
+    check_output_dir(out_dir)  # before minutes of work, not after
     if is_nonempty_dir(out_dir) and not force:
         raise UserError(f"{out_dir} is not empty; pass --force to replace it")
     description = describe_checkpoint(model_dir)

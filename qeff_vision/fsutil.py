@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,35 +69,182 @@ def atomic_write_json(path: str | os.PathLike, data: object) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """Refuse, before anything is read or written, an output directory that cannot be made here.
+
+    Every command that writes a directory calls this first (through :func:`staged_directory` or
+    directly), so an impossible ``-o`` is one line and exit 2, not a traceback after minutes of
+    work. It tries what the command will do: create an entry in the directory the output (or its
+    staging sibling) goes into, and in the output itself when it exists. Trying is the only check
+    that holds for every user: root ignores permission bits, a path under ``/proc`` or a read-only
+    mount refuses everyone.
+
+    Raises:
+        UserError: ``path`` exists and is not a directory, a parent is a file, or a directory that
+            would be written in refuses a new entry.
+    """
+    path = Path(path)
+    if os.path.lexists(path) and not path.is_dir():
+        raise UserError(f"{path}: exists and is not a directory")
+    ancestor = path.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{path}: cannot create it, {ancestor} is not a directory")
+    for directory in (ancestor, path) if path.is_dir() else (ancestor,):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".qeff-vision-write-check.", dir=directory))
+        except OSError as exc:
+            raise UserError(f"{path}: cannot write in {directory} ({exc.strerror or exc})") from None
+    return path
+
+
+def _make_parents(path: Path) -> list[Path]:
+    """Create the missing parents of ``path``; return those created, outermost first."""
+    missing = []
+    parent = path.parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    for directory in reversed(missing):
+        directory.mkdir()
+    return list(reversed(missing))
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for directory in reversed(directories):  # innermost first
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+
+
+def link_tree(source: Path, target: Path, shared: tuple[str, ...] = ()) -> None:
+    """Recreate ``source`` under ``target`` with hard links to its files (a copy where links fail).
+
+    Cheap for any size. The linked files are shared with ``source``: whoever writes in the copy
+    must replace a file (write a new one and rename it), never write into it. The top-level
+    directories named in ``shared`` become symlinks to ``source``'s instead (onnx refuses
+    external data with more than one hard link, so an export is used in place).
+
+    Raises:
+        UserError: ``source`` holds something that is neither a file, a directory nor a symlink.
+    """
+    for name in shared:
+        if (source / name).is_dir() and not (source / name).is_symlink():
+            os.symlink(os.path.abspath(source / name), target / name)
+    for root, directories, files in os.walk(source):
+        relative = Path(root).relative_to(source)
+        if relative == Path("."):
+            directories[:] = [name for name in directories if not (target / name).is_symlink()]
+        for name in directories:
+            entry, copy = Path(root) / name, target / relative / name
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), copy)
+            else:
+                copy.mkdir()
+                shutil.copymode(entry, copy)
+        directories[:] = [name for name in directories if not (Path(root) / name).is_symlink()]
+        for name in files:
+            entry, copy = Path(root) / name, target / relative / name
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), copy)
+            elif not entry.is_file():
+                raise UserError(f"{entry}: not a regular file; an output directory holds files only")
+            else:
+                try:
+                    os.link(entry, copy)
+                except OSError:  # another file system below source, or no hard links there
+                    shutil.copy2(entry, copy)
+
+
 @contextlib.contextmanager
-def staged_directory(final: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+def staged_directory(
+    final: str | os.PathLike,
+    *,
+    force: bool = False,
+    start_from_final: bool = False,
+    shared: tuple[str, ...] = (),
+    lock: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> Iterator[Path]:
     """Yield a temporary sibling directory that replaces ``final`` only when the block succeeds.
 
-    On any exception the staging directory is removed and ``final`` is left as it was, so an
-    interrupted export or compile never leaves a directory that looks complete.
+    On any exception (Ctrl-C included) the staging directory and any parent this made are
+    removed and ``final`` is left as it was, so a failed or interrupted command never leaves a
+    directory that looks complete, nor changes one that was.
 
     Args:
-        final: The directory the finished content should live in.
+        final: The directory the finished content should live in (checked by
+            :func:`check_output_dir` first).
         force: Replace an existing non-empty ``final``; without it the caller must have checked.
+        start_from_final: Start the staging directory as :func:`link_tree` of ``final`` (a compile
+            reuses its earlier export and programs); implies replacing ``final``.
+        shared: With ``start_from_final``: top-level directories of ``final`` used in place through
+            a symlink; one still a symlink at the end moves into the result. Files the block
+            adds there (derived graphs beside an export's) are removed when it fails.
+        lock: Makes a context manager held from before the staging directory is made until
+            ``final`` is replaced or left (a lock beside ``final``; its parent exists by then).
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging.", dir=final.parent))
-    os.chmod(staging, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
+    from qeff_vision.interrupts import deferred, raise_if_interrupted
+
+    final = check_output_dir(final)
+    created = _make_parents(final)
+    staging = None
+    present: dict[str, set[Path]] = {}
     try:
-        yield staging
-        if final.exists():
-            if not force and any(final.iterdir()):
-                raise FileExistsError(f"{final} appeared while writing; refusing to replace it")
-            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
-            os.replace(final, trash / final.name)
-            os.replace(staging, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, final)
+        with lock() if lock else contextlib.nullcontext():
+            staging = _stage(final, start_from_final, shared)
+            present = {name: _files(final / name) for name in shared if (staging / name).is_symlink()}
+            yield staging
+            raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
+            with deferred():  # the renames of the commit are not cut in half
+                _commit(staging, final, force or start_from_final, shared)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)  # a symlink is removed, not followed
+        for name, before in present.items():  # files derived into a shared directory (single.onnx)
+            for added in _files(final / name) - before:
+                added.unlink(missing_ok=True)
+        _remove_empty(created)
+        raise
+
+
+def _files(directory: Path) -> set[Path]:
+    return {path for path in directory.rglob("*") if path.is_file()} if directory.is_dir() else set()
+
+
+def _stage(final: Path, start_from_final: bool, shared: tuple[str, ...]) -> Path:
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.staging.", dir=final.parent))
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp creates 0700; the result is an ordinary directory
+        if start_from_final and final.is_dir():
+            shutil.copymode(final, staging)
+            link_tree(final, staging, shared)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return staging
+
+
+def _commit(staging: Path, final: Path, replace: bool, shared: tuple[str, ...]) -> None:
+    if not final.exists():
+        os.replace(staging, final)
+        return
+    if not replace and any(final.iterdir()):
+        raise UserError(f"{final} appeared while writing; refusing to replace it")
+    moved = []
+    try:
+        for name in shared:
+            if (staging / name).is_symlink():  # used in place: the directory itself moves over
+                (staging / name).unlink()
+                os.replace(final / name, staging / name)
+                moved.append(name)
+        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old.", dir=final.parent))
+        os.replace(final, trash / final.name)
+    except BaseException:
+        for name in moved:  # the caller removes the staging directory: give them back first
+            os.replace(staging / name, final / name)
+        raise
+    os.replace(staging, final)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def is_nonempty_dir(path: str | os.PathLike) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -67,9 +69,37 @@ def stand_in(tmp_path: Path, **kwargs) -> tuple[Path, Path]:
 
 def calls(record: Path) -> list[dict]:
     """Every stand-in invocation recorded so far."""
+    return [entry for entry in _entries(record) if "argv" in entry]
+
+
+def hanging(record: Path) -> int:
+    """How many stand-ins are hanging now, their partial output written (their own marker)."""
+    return sum(entry.get("event") == "hanging" for entry in _entries(record))
+
+
+def _entries(record: Path) -> list[dict]:
     if not record.exists():
         return []
     return [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
+
+
+def tree_state(path: Path) -> dict[str, str] | None:
+    """Every entry under ``path`` -> a digest of what it is (file bytes, link target, directory).
+
+    ``None`` when ``path`` does not exist: two equal states mean the tree is byte-for-byte the same.
+    """
+    if not os.path.lexists(path):
+        return None
+    state = {}
+    for entry in sorted([path, *path.rglob("*")]):
+        name = entry.relative_to(path).as_posix()
+        if entry.is_symlink():
+            state[name] = "link:" + os.readlink(entry)
+        elif entry.is_dir():
+            state[name] = "dir"
+        else:
+            state[name] = hashlib.sha256(entry.read_bytes()).hexdigest()
+    return state
 
 
 def make_executable(path: Path, text: str) -> Path:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,8 +21,18 @@ from qeff_vision.compile.driver import CompileFailed, compile_spec
 from qeff_vision.compile.vllm_handoff import QPC_PLACEHOLDER, golden_serve_text, serve_sections, serve_text
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.spec import load_spec
-from tests.compile_fixtures import REPO, calls, stand_in, synthetic_export, write_spec
+from tests.compile_fixtures import REPO, calls, hanging, stand_in, synthetic_export, tree_state, write_spec
 from tests.serve_form_rules import launcher_args, launcher_override
+
+
+@pytest.fixture(autouse=True)
+def temporary_directory(tmp_path, monkeypatch):
+    """The temporary directory failed compiles keep their logs in, per test (not /tmp)."""
+    directory = tmp_path / "tmp"
+    directory.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(directory))
+    monkeypatch.setenv("TMPDIR", str(directory))  # and in subprocesses
+    return directory
 
 
 @pytest.fixture
@@ -52,7 +64,9 @@ def test_compile_writes_both_programs_logs_and_manifest(setup, tmp_path):
         assert cache.cached_program(qpc, entry["cache_key"]) is not None
         assert "Compilation complete" in (out / program / "compile.log").read_text()
         assert "graph checks passed" in (out / program / "compile.log").read_text()  # stderr is logged too
-        assert json.loads((qpc / "stand_in_argv.json").read_text()) == entry["argv"][1:]
+        # The compiler ran in OUT's staging directory; the manifest names OUT.
+        received = json.loads((qpc / "stand_in_argv.json").read_text())
+        assert [re.sub(r"/\.out\.staging\.[^/]+/", "/out/", a) for a in received] == entry["argv"][1:]
     assert [s["name"] for s in manifest["programs"]["lang"]["specializations"]] == [
         "Prefill-64",
         "Prefill-128",
@@ -110,6 +124,13 @@ def test_corrupt_cache_is_rebuilt(setup, tmp_path, how):
     assert cache.cached_program(qpc, first.manifest["programs"]["lang"]["cache_key"]) is not None
 
 
+def _log_of(error_text: str) -> Path:
+    """The compiler log an error line names (kept outside OUT), after checking where it is."""
+    path = Path(re.search(r"\(log: (\S+/compile\.log)\)", error_text).group(1))
+    assert path.is_file() and path.parent.parent.name.startswith("qeff-vision-compile-")
+    return path
+
+
 def test_failure_exits_2_with_log_tail_and_leaves_nothing_valid(setup, tmp_path, capsys):
     spec, export, out = setup
     bad, _ = stand_in(tmp_path, mode="fail-vision")
@@ -118,35 +139,33 @@ def test_failure_exits_2_with_log_tail_and_leaves_nothing_valid(setup, tmp_path,
     assert code == 2
     assert "Error: stand-in failure requested" in err
     assert "stand-in: failure detail 39" in err and "stand-in: failure detail 10" not in err  # last 30 lines
-    assert "compiler exited with code 1" in err and str(out / "vision" / "compile.log") in err
-    assert not (out / "manifest.json").exists()
-    for program in ("vision", "lang"):
-        assert not list((out / program).glob("qpc-*")), "a failed program directory was left behind"
-    assert "failure detail 39" in (out / "vision" / "compile.log").read_text()
-    # The language compile was still running: it is stopped, and its log says so.
-    assert "compiler killed (stopped)" in (out / "lang" / "compile.log").read_text()
+    assert "compiler exited with code 1" in err
+    assert tree_state(out) is None and not list(tmp_path.glob(".out.*")), "a failed compile left OUT behind"
+    log = _log_of(err.splitlines()[-1])  # the error line names the log, outside OUT
+    assert "failure detail 39" in log.read_text()
+    # The language compile was still running: it is stopped, and its log (beside) says so.
+    assert "compiler killed (stopped)" in (log.parent.parent / "lang" / "compile.log").read_text()
+    shutil.rmtree(log.parent.parent)
 
 
 def test_a_failed_forced_recompile_keeps_the_previous_result(setup, tmp_path):
     spec, export, out = setup
     good, _ = stand_in(tmp_path)
     before = run(spec, out, export, good).manifest
-    programs = {p: out / before["programs"][p]["path"] for p in ("vision", "lang")}
-    binaries = {p: (path / cache.QPC_FILE).read_bytes() for p, path in programs.items()}
+    state = tree_state(out)
     bad, _ = stand_in(tmp_path, mode="fail-vision")
-    with pytest.raises(CompileFailed, match="compiler exited with code 1"):
+    with pytest.raises(CompileFailed, match="compiler exited with code 1") as failure:
         run(spec, out, export, bad, force=True)
-    assert json.loads((out / "manifest.json").read_text()) == before
-    for program, path in programs.items():
-        assert cache.cached_program(path, before["programs"][program]["cache_key"]) is not None
-        assert (path / cache.QPC_FILE).read_bytes() == binaries[program]
-        assert [p.name for p in (out / program).glob("qpc-*")] == [path.name], "staging left behind"
-    assert "failure detail 39" in (out / "vision" / "compile.log").read_text()  # the failure's log stays
+    # OUT is byte-for-byte as it was, its compile.log files included (they describe its programs).
+    assert tree_state(out) == state and "Compilation complete" in (out / "vision" / "compile.log").read_text()
+    assert "failure detail 39" in _log_of(str(failure.value)).read_text()  # the failure's log, elsewhere
+    shutil.rmtree(_log_of(str(failure.value)).parent.parent)
     # A forced recompile that succeeds swaps the new programs in under the same names.
     again = run(spec, out, export, good, force=True).manifest
     assert again["programs"]["lang"]["path"] == before["programs"]["lang"]["path"]
     assert again["programs"]["lang"]["cached"] is False
-    for program, path in programs.items():
+    for program in ("vision", "lang"):
+        path = out / before["programs"][program]["path"]
         assert cache.cached_program(path, before["programs"][program]["cache_key"]) is not None
         assert [p.name for p in (out / program).glob("qpc-*")] == [path.name]
 
@@ -193,7 +212,8 @@ def test_timeout_kills_a_hanging_compiler(setup, tmp_path):
     # The stand-in printed this after writing a partial program: there was a half-written
     # directory, and the driver removed it.
     assert "stand-in: hanging" in failure.value.tail
-    assert not list(out.glob("*/qpc-*")) and not (out / "manifest.json").exists()
+    assert tree_state(out) is None
+    shutil.rmtree(_log_of(str(failure.value)).parent.parent)
     # Killed after its timeout and promptly, by the driver's clock from the compiler's start. (The
     # whole compile_spec call is not timed: reading the spec and graphs takes seconds under load.)
     killed = r"\[qeff-vision\] compiler killed \(timeout\) after ([0-9.]+) s"
@@ -402,24 +422,32 @@ def test_onnxruntime_backend_on_synthetic_graphs(setup):
         serve_text(manifest)
 
 
-def test_interrupt_stops_the_compilers_and_leaves_nothing_valid(setup, tmp_path):
+@pytest.mark.parametrize("previous", ["none", "valid"])
+def test_interrupt_stops_the_compilers_and_leaves_nothing_valid(
+    setup, tmp_path, previous, temporary_directory
+):
     spec, export, out = setup
+    if previous == "valid":
+        run(spec, out, export, stand_in(tmp_path)[0])
+    state = tree_state(out)
     compiler, record = stand_in(tmp_path, mode="hang")
     command = [sys.executable, "-m", "qeff_vision", "compile", str(spec), "-o", str(out)]
-    command += ["--compiler", str(compiler), "--export", str(export)]
+    command += ["--compiler", str(compiler), "--export", str(export), "--force"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(calls(record)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)  # both stand-ins are hanging now
-    assert len(_processes_mentioning(f"-aic-binary-dir={out}")) == 2
+    # No sleeps: each stand-in appends a marker once it hangs with its partial output written.
+    while hanging(record) < 2:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    assert len(_processes_mentioning(f"-aic-binary-dir={out.parent}/.out.staging.")) == 2
     process.send_signal(signal.SIGINT)
-    _, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err  # Ctrl-C: "interrupted", the shell convention
+    assert err.splitlines()[-1] == "qeff-vision: interrupted" and "Traceback" not in err
     assert not _processes_mentioning(str(compiler.parent.parent)), (
         "a compiler outlived the interrupted compile"
     )
-    assert not list(out.glob("*/qpc-*")) and not (out / "manifest.json").exists()
+    assert tree_state(out) == state and not list(tmp_path.glob(".out.*"))  # OUT as it was, no staging
+    assert not list(temporary_directory.glob("qeff-vision-*")), "the interrupted compile left its logs behind"
 
 
 def _processes_mentioning(text):

@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version"},
     {"contract"},
     {"symbols", "fsutil", "qeff_vision"},
+    {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}

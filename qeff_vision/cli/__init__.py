@@ -6,12 +6,14 @@ A :class:`~qeff_vision.errors.UserError` becomes one line on stderr and exit cod
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 
 import click
 
-from qeff_vision import __version__
+from qeff_vision import __version__, interrupts
 from qeff_vision.errors import UserError
 
 # name -> (module, attribute, one-line help shown by --help without importing the module)
@@ -34,8 +36,19 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+class Interrupted(BaseException):
+    """Ctrl-C inside a command, carried past click (which would print an empty line for it)."""
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands live in modules imported only when invoked."""
+
+    def invoke(self, ctx: click.Context):
+        """Run the subcommand; a KeyboardInterrupt leaves as :class:`Interrupted`."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         """Commands whose modules exist, sorted."""
@@ -69,28 +82,52 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; user errors become one stderr line and exit code 2."""
+    """Run the CLI; user errors become one stderr line and exit code 2, Ctrl-C "interrupted" and 130."""
+    interrupts.install()
     try:
         # Without standalone mode click returns ctx.exit(code)'s code (or the command's value).
         result = cli.main(args=argv, prog_name="qeff-vision", standalone_mode=False)
     except UserError as exc:
-        click.echo(f"qeff-vision: error: {exc}", err=True)
-        return 2
-    except click.exceptions.Abort:
+        return _error(str(exc))
+    except (Interrupted, click.exceptions.Abort, KeyboardInterrupt):
         # click turns Ctrl-C (and EOF at a prompt) into Abort.
         click.echo("qeff-vision: interrupted", err=True)
         return 130
     except click.ClickException as exc:
-        click.echo(f"qeff-vision: error: {exc.format_message()}", err=True)
-        return 2
+        return _error(exc.format_message())
     except click.exceptions.Exit as exc:
         return exc.exit_code
-    except KeyboardInterrupt:
+    except OSError as exc:
+        # An operating-system refusal the checks before it did not foresee (a disk that filled,
+        # a directory removed underneath us): still the environment, still one line.
+        return _error(os_error_text(exc))
+    if interrupts.interrupted():  # a Ctrl-C whose KeyboardInterrupt a library swallowed
         click.echo("qeff-vision: interrupted", err=True)
         return 130
     return result if isinstance(result, int) else 0
 
 
+def _error(message: str) -> int:
+    click.echo(f"qeff-vision: error: {message}", err=True)
+    return 2
+
+
+def os_error_text(exc: OSError) -> str:
+    """``PATH: reason`` of an OSError (both paths of a failed rename)."""
+    paths = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    reason = exc.strerror or str(exc)
+    return f"{' -> '.join(paths)}: {reason}" if paths else reason
+
+
 def entry() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point.
+
+    Ends with ``os._exit`` once the output is flushed: the command's own cleanup has run by then,
+    and an interpreter that saw a KeyboardInterrupt inside a library's C++ would otherwise kill
+    itself with SIGINT at exit (exit status -2 instead of 130).
+    """
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

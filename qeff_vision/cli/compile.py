@@ -14,6 +14,7 @@ HELP = {
     "dry_run": "Write the compiler inputs and print both command lines; compile nothing.",
     "force": "Recompile both programs even when the cache holds them.",
     "timeout": "Seconds each compiler may run before it is killed (overrides compile.*.timeout).",
+    "quiet": "No progress lines; a failure is its one error line (naming the compiler's log).",
     "print_serve": (
         "Print how vLLM serves the compiled programs: vLLM 0.23 + vllm-qaic (offline, vllm serve) "
         "and the guide's 0.8.5 forms (two LLMs, E-PD in docker)."
@@ -31,15 +32,18 @@ HELP = {
 @click.option("--force", is_flag=True, help=HELP["force"])
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help=HELP["timeout"])
 @click.option("--print-serve", is_flag=True, help=HELP["print_serve"])
+@click.option("-q", "--quiet", is_flag=True, help=HELP["quiet"])
 def compile_command(
-    spec, out_dir, backend, compiler, export_dir, dry_run, force, timeout, print_serve
+    spec, out_dir, backend, compiler, export_dir, dry_run, force, timeout, print_serve, quiet
 ) -> None:
     """Compile both programs (vision encoder and language decoder) of SPEC into OUT.
 
     Exports the checkpoint if OUT has no export, writes specializations and custom IO, then runs
     both compilers at once with logs in OUT/<program>/compile.log. Programs whose inputs did not
     change are reused from OUT. OUT/manifest.json, written last, records both programs and the
-    vLLM hand-off.
+    vLLM hand-off. OUT is built beside it and replaced only when everything succeeded: a failed
+    or interrupted compile leaves it absent or as it was (a failed compiler's log stays in a
+    temporary directory the error names).
     """
     from qeff_vision import api
     from qeff_vision.compile.driver import CompileFailed
@@ -57,8 +61,11 @@ def compile_command(
             dry_run=dry_run,
             force=force,
             timeout=timeout,
+            **({"progress": None, "status_stream": None} if quiet else {}),
         )
     except CompileFailed as failure:
+        if quiet:
+            raise
         click.echo(f"--- last {len(failure.tail)} lines of {failure.log_path} ---", err=True)
         for line in failure.tail:
             click.echo(line, err=True)

@@ -69,5 +69,9 @@ def _golden(roots: tuple[Path, ...], update: bool, check_golden) -> None:
             err=True,
         )
     if failures:
-        action = "fix the spec(s)" if update else "run `qeff-vision specialize --update-golden` (make golden)"
+        action = (
+            "fix the spec(s); no golden file was changed"
+            if update
+            else "run `qeff-vision specialize --update-golden` (make golden)"
+        )
         raise UserError(f"golden check failed with {failures} finding(s); review them, then {action}")

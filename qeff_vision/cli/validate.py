@@ -20,9 +20,11 @@ def validate(paths: tuple[Path, ...]) -> None:
     if not files:
         raise UserError("no spec files found in " + ", ".join(map(str, paths)))
     bad = count = 0
+    reported: list[str] = []
     for path in files:
         problems, warnings = api.validate(path)
-        for problem in problems:
+        reported += [f"{path}: {problem}" for problem in problems]
+        for problem in problems if len(files) > 1 or len(problems) > 1 else ():
             click.echo(f"{path}: {problem}", err=True)
         for warning in warnings:
             click.echo(f"{path}: warning: {warning}", err=True)
@@ -36,5 +38,7 @@ def validate(paths: tuple[Path, ...]) -> None:
                 click.echo(f"{path}: note: {note}", err=True)
             for line in api.bucket_admission(path):
                 click.echo(f"{path}: {line}")
+    if bad == len(files) == count == 1:  # one problem in one file: the error line is the problem
+        raise UserError(reported[0])
     if bad:
         raise UserError(f"{count} problem(s) in {bad} of {len(files)} spec file(s)")

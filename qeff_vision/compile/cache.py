@@ -26,8 +26,7 @@ RECORD_FILE = "qeff_program.json"
 QPC_FILE = "programqpc.bin"
 RECORD_FORMAT = 1
 HASH_MEMO_FILE = ".content-hashes.json"
-LOCK_FILE = ".compile.lock"
-STAGING_SUFFIX = ".staging"  # a --force recompile of a valid program is built here, then swapped in
+LOCK_SUFFIX = ".compile.lock"
 KEY_LENGTH = 16  # hex digits in directory names; the record keeps the full key
 _CHUNK = 1 << 20
 
@@ -79,23 +78,35 @@ def external_data_files(onnx_path: Path) -> list[Path]:
 
 
 class ContentHasher:
-    """SHA-256 of files, remembered by (size, mtime) in a small JSON memo so a 15 GB graph is read once."""
+    """SHA-256 of files, remembered by (size, mtime) in a small JSON memo so a 15 GB graph is read once.
 
-    def __init__(self, memo_path: Path | None = None):
+    Files under ``root`` are remembered by their path relative to it: a compile works in a
+    staging directory of another name each time, whose files are hard links to OUT's (same size
+    and mtime), so the memo still finds them.
+    """
+
+    def __init__(self, memo_path: Path | None = None, root: Path | None = None):
         self.memo_path = memo_path
+        self.root = root.resolve() if root is not None else None
         self.memo: dict[str, dict] = {}
         if memo_path is not None:
             self.memo = read_record_json(memo_path) or {}
+
+    def _name(self, path: Path) -> str:
+        if self.root is not None and path.is_relative_to(self.root):
+            return path.relative_to(self.root).as_posix()
+        return str(path)
 
     def file(self, path: Path) -> str:
         """Hash of one file (memoized)."""
         path = path.resolve()
         stat = path.stat()
-        entry = self.memo.get(str(path))
+        name = self._name(path)
+        entry = self.memo.get(name)
         if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
             return entry["sha256"]
         digest = sha256_file(path)
-        self.memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        self.memo[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
         return digest
 
     def onnx(self, onnx_path: Path) -> str:
@@ -157,44 +168,49 @@ def discard(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def replace_program(staging: Path, binary_dir: Path) -> None:
-    """Swap a complete ``staging`` program into ``binary_dir``; the old one is removed after.
-
-    Two renames: between them ``binary_dir`` is briefly absent, never half-written.
-    """
-    retired = binary_dir.with_name(binary_dir.name + ".retired")
-    discard(retired)
-    if binary_dir.exists():
-        os.replace(binary_dir, retired)
-    os.replace(staging, binary_dir)
-    discard(retired)
+def lock_path(out_dir: Path) -> Path:
+    """The lock file of ``out_dir``: beside it, since OUT itself is replaced when a compile ends."""
+    return out_dir.parent / f".{out_dir.name}{LOCK_SUFFIX}"
 
 
 @contextlib.contextmanager
 def output_lock(out_dir: Path, on_wait: Callable[[str], None] | None = None) -> Iterator[None]:
     """Hold an exclusive lock on ``out_dir`` for the block; a second compile waits for the first.
 
-    The lock is an ``flock`` on ``out_dir/.compile.lock``: the kernel drops it when the holder
-    exits, even on a crash, so a stale lock never blocks.
+    The lock is an ``flock`` on ``.OUT.compile.lock`` beside OUT: the kernel drops it when the
+    holder exits, even on a crash, so a stale lock never blocks. The holder removes the file when
+    it is done (nothing is left beside OUT); a waiter that then gets the lock of a removed file
+    tries again on the current one.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / LOCK_FILE
-    with open(path, "a+", encoding="utf-8") as handle:
+    path = lock_path(out_dir)
+    waited = False
+    while True:
+        handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - closed below
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            if on_wait:
-                on_wait(f"waiting for another compile into {out_dir} (lock held by {holder})")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
-        try:
-            yield
-        finally:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                if on_wait and not waited:
+                    on_wait(f"waiting for another compile into {out_dir} (lock held by {holder})")
+                waited = True
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                current = os.stat(path).st_ino
+            except FileNotFoundError:
+                current = None
+            if current != os.fstat(handle.fileno()).st_ino:
+                continue  # the previous holder removed this file: lock the current one
             handle.seek(0)
             handle.truncate()
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.write(f"pid {os.getpid()}\n")
+            handle.flush()
+            try:
+                yield
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            return
+        finally:
+            handle.close()  # closing drops the flock

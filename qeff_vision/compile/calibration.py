@@ -97,6 +97,7 @@ def prompt_ranges(
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import make_generator
     from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.media import load_image
 
     manifest = read_export(export_dir)
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
@@ -110,7 +111,7 @@ def prompt_ranges(
     for name, value in (processor_options or {}).items():
         setattr(processor.image_processor, name, value)
     if images:
-        pictures = [Image.open(path).convert("RGB") for path in images]
+        pictures = [load_image(path) for path in images]
     else:
         rng = np.random.default_rng(0)
         pictures = [

@@ -11,9 +11,13 @@ Layout of OUT::
 
 Which export is compiled and where each program's inputs go are decided by
 :mod:`qeff_vision.compile.inputs`; this module runs the stages in order and writes the manifest.
-The two compilers run concurrently under a lock on OUT. With ``backend="onnxruntime"`` no compiler
-runs: every specialization is executed on the exported graphs instead, and the manifest points at
-the ONNX files.
+Everything is written in a staging directory beside OUT (:func:`qeff_vision.fsutil.staged_directory`:
+hard links to OUT's files, OUT's export used in place) that replaces OUT only when every stage
+succeeded, under a lock beside OUT; the compilers' logs live in a temporary directory until then,
+and stay there (named by the error) when a compiler fails. So a failed or interrupted compile
+leaves OUT absent or byte for byte as it was. The two compilers run concurrently. With
+``backend="onnxruntime"`` no compiler runs: every specialization is executed on the exported
+graphs instead, and the manifest points at the ONNX files.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ from qeff_vision.compile.argv import (
     format_command,
 )
 from qeff_vision.compile.inputs import (
+    EXPORT_SUBDIR,
     Export,
     ProgramPlan,
     Progress,
@@ -58,7 +65,7 @@ from qeff_vision.compile_record import (
     tool_name,
 )
 from qeff_vision.errors import UserError
-from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.fsutil import atomic_write_json, check_output_dir, staged_directory
 from qeff_vision.spec import build_specializations, load_spec, resolve_layout
 from qeff_vision.spec.compile_options import ProgramOptions
 from qeff_vision.spec.deployment import DUAL
@@ -111,7 +118,8 @@ class _Run:
 
     spec: Any
     spec_path: Path
-    out_dir: Path
+    out_dir: Path  # the staging directory everything is written in
+    final_dir: Path  # OUT, which the staging directory becomes
     export: Export
     sdk: SdkInfo | None
     manifest: dict
@@ -131,9 +139,7 @@ def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: Compi
     recorded = (export.manifest or {}).get("model")
     copied = copy_first_checkpoint((spec.model_dir, recorded), out_dir)
     if copied is None:
-        outcome.notes.append(
-            "note: no local checkpoint to copy into OUT; `run` needs the one the export names"
-        )
+        outcome.notes.append("no local checkpoint to copy into OUT; `run` needs the one the export names")
     elif spec.vision.image_processor:
         set_image_processor_options(out_dir / copied, dict(spec.vision.image_processor))
     return copied
@@ -237,7 +243,7 @@ def compile_spec(
         raise UserError(f"unknown backend {backend!r}; expected {QAIC} or {ONNXRUNTIME}")
     say = progress or (lambda message: None)
     env = os.environ if env is None else env
-    out_dir = Path(out_dir)
+    out_dir = check_output_dir(out_dir)
     spec = load_spec(spec_path)
     for warning in spec.warnings:
         say(f"warning: {warning}")
@@ -251,40 +257,42 @@ def compile_spec(
     if export is not None:
         plans = plan_inputs(generated, spec, out_dir, export)
         check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
-    created = not out_dir.exists()
-    try:
-        with cache.output_lock(out_dir, say):
-            # The previous manifest.json (and the programs it names) stays until the new one
-            # replaces it atomically: a failed or interrupted recompile leaves the last good
-            # result servable.
-            if export is None:
-                export = locate_export(spec, out_dir, None, dry_run=dry_run, say=say)
-                plans = write_inputs(generated, spec, out_dir, export)
-                if export.manifest is not None:
-                    check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
-            else:
-                plans = write_inputs(generated, spec, out_dir, export)
-            outcome.notes += resolve_plans(
-                plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
-            )
-            manifest = _common_manifest(spec, out_dir, export, backend, sdk)
-            if not dry_run:
-                manifest["runtime_model"] = _copy_runtime_files(spec, export, out_dir, outcome)
-            manifest["shapes"]["specialization_layout"] = layout
-            run = _Run(spec, Path(spec_path), out_dir, export, sdk, manifest, outcome, env, say)
-            if backend == ONNXRUNTIME:
-                _verify(run, plans)
-            else:
-                _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
-            if dry_run:
-                return outcome
-            atomic_write_json(out_dir / MANIFEST_FILE, manifest)
+    # OUT is built in a staging directory beside it (starting as hard links to the current OUT's
+    # files, so cached programs are reused) and swapped in only when everything succeeded: a
+    # failed or interrupted compile leaves OUT absent or exactly as it was.
+    lock = partial(cache.output_lock, out_dir, say)
+    shared = (EXPORT_SUBDIR,)  # read in place (onnx refuses hard-linked external data); replaced if stale
+    with staged_directory(out_dir, start_from_final=True, shared=shared, lock=lock) as staging:
+        say = (lambda message: progress(_as_out(message, staging, out_dir))) if progress else say
+        if export is None:
+            export = locate_export(spec, staging, None, dry_run=dry_run, say=say)
+            plans = write_inputs(generated, spec, staging, export)
+            if export.manifest is not None:
+                check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+        else:
+            plans = write_inputs(generated, spec, staging, export)
+        outcome.notes += resolve_plans(
+            plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
+        )
+        manifest = _common_manifest(spec, staging, export, backend, sdk)
+        if not dry_run:
+            manifest["runtime_model"] = _copy_runtime_files(spec, export, staging, outcome)
+        manifest["shapes"]["specialization_layout"] = layout
+        run = _Run(spec, Path(spec_path), staging, out_dir, export, sdk, manifest, outcome, env, say)
+        if backend == ONNXRUNTIME:
+            _verify(run, plans)
+        else:
+            _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
+        if not dry_run:
+            atomic_write_json(staging / MANIFEST_FILE, manifest)
             outcome.manifest = manifest
-    except UserError as error:
-        if created and not isinstance(error, CompileFailed):
-            shutil.rmtree(out_dir, ignore_errors=True)  # nothing this run made is worth keeping
-        raise
+        outcome.notes = [_as_out(note, staging, out_dir) for note in outcome.notes]
     return outcome
+
+
+def _as_out(text: str, staging: Path, out_dir: Path) -> str:
+    """``text`` (a message, a compiler argument) with the staging directory written as OUT."""
+    return text.replace(str(staging), str(out_dir))
 
 
 def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
@@ -338,16 +346,16 @@ def _compile(
     sdk, outcome = run.sdk, run.outcome
     compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
     argv0 = compiler_path or sdk_lookup.DEFAULT_COMPILERS[0]
-    hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE)
-    jobs, records, entries, binary_dirs, final_dirs = [], {}, {}, {}, {}
+    hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE, root=run.out_dir)
+    jobs, records, entries, binary_dirs = [], {}, {}, {}
     for plan in plans.values():
         if plan.precision and plan.precision.overflow:
             outcome.notes.append(
                 "warning: " + plan.precision.overflow.describe(plan.program, "on the calibration prompts")
             )
-        key, key_inputs, argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
+        key, key_inputs, job_argv, binary_dir = _program_command(run, plan, argv0, compiler_name, hasher)
+        argv = [_as_out(a, run.out_dir, run.final_dir) for a in job_argv]  # what OUT's files will say
         outcome.commands[plan.program] = format_command(argv)
-        final_dirs[plan.program] = binary_dir
         entry = _program_entry(plan, run.out_dir, binary_dir)
         entry.update(argv=argv, cache_key=key, log=relative_to(plan.directory / LOG_FILE, run.out_dir))
         entries[plan.program] = entry
@@ -356,23 +364,16 @@ def _compile(
         if outcome.dry_run:
             continue
         if not force and cache.cached_program(binary_dir, key) is not None:
-            run.say(f"{plan.program}: cached ({binary_dir})")
+            run.say(f"{plan.program}: cached ({run.final_dir / relative_to(binary_dir, run.out_dir)})")
             outcome.cached[plan.program] = True
             entry["cached"] = True
             continue
-        job_argv = argv
-        if cache.cached_program(binary_dir, key) is not None:
-            # --force over a valid program (perhaps the one the current manifest names): compile
-            # beside it and swap only when the new one is complete, so a failure keeps the old.
-            staging = binary_dir.with_name(binary_dir.name + cache.STAGING_SUFFIX)
-            job_argv = [staging_flag(a, binary_dir, staging) for a in argv]
-            binary_dirs[plan.program] = staging
-            cache.discard(staging)
-        else:
-            cache.discard(binary_dir)  # a leftover from a crash
+        cache.discard(binary_dir)  # stale, forced, or a leftover (links to OUT's files: OUT keeps them)
         outcome.cached[plan.program] = False
         entry["cached"] = False
-        jobs.append(Job(plan.program, job_argv, plan.directory / LOG_FILE, _timeout(plan.options, timeout)))
+        jobs.append(
+            Job(plan.program, job_argv, Path(plan.program) / LOG_FILE, _timeout(plan.options, timeout))
+        )
     hasher.save()
     if outcome.dry_run:
         if run.export.manifest is None:
@@ -383,19 +384,35 @@ def _compile(
         if compiler_path is None:
             outcome.notes.append(f"no SDK compiler found; the command lines show {argv0}")
         return
-    try:
-        stream = sys.stderr if status_stream is STDERR else status_stream  # resolved now, not at import
-        results = run_jobs(jobs, StatusLine(stream), run.env) if jobs else {}
-    except BaseException:
-        for job in jobs:
-            cache.discard(binary_dirs[job.program])
-        raise
-    _finish(results, jobs, binary_dirs, records, entries)
-    for job in jobs:
-        if binary_dirs[job.program] != final_dirs[job.program]:
-            cache.replace_program(binary_dirs[job.program], final_dirs[job.program])
+    if jobs:
+        _run_compilers(run, jobs, binary_dirs, records, entries, status_stream)
     run.manifest["programs"] = entries
     run.manifest["vllm"] = _handoff(run.spec, run.manifest, entries)
+
+
+def _run_compilers(run: _Run, jobs: list[Job], binary_dirs, records, entries, status_stream: Any) -> None:
+    """Run the compilers with their logs in a temporary directory outside OUT.
+
+    On success the logs move into the staging directory beside their programs. When a compiler
+    fails, the logs stay where they are (the error names them) and the staging directory goes:
+    OUT keeps the logs that describe its own programs. Ctrl-C removes them too.
+    """
+    logs = Path(tempfile.mkdtemp(prefix=f"qeff-vision-compile-{run.final_dir.name}-"))
+    jobs = [replace(job, log_path=logs / job.log_path) for job in jobs]
+    try:
+        stream = sys.stderr if status_stream is STDERR else status_stream  # resolved now, not at import
+        results = run_jobs(jobs, StatusLine(stream), run.env)
+        _finish(results, jobs, binary_dirs, records, entries)
+    except CompileFailed:
+        raise
+    except BaseException:
+        shutil.rmtree(logs, ignore_errors=True)
+        raise
+    for job in jobs:
+        target = run.out_dir / job.program / LOG_FILE
+        target.unlink(missing_ok=True)  # a link to OUT's log: replace it, never write into it
+        shutil.move(job.log_path, target)
+    shutil.rmtree(logs, ignore_errors=True)
 
 
 def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, hasher) -> tuple:
@@ -430,11 +447,6 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
     return key, key_inputs, argv, binary_dir
 
 
-def staging_flag(argument: str, binary_dir: Path, staging: Path) -> str:
-    """``argument`` with the ``-aic-binary-dir`` flag pointed at ``staging``; others unchanged."""
-    return f"-aic-binary-dir={staging}" if argument == f"-aic-binary-dir={binary_dir}" else argument
-
-
 def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]) -> dict:
     """The vLLM hand-off block of the manifest for compiled QPCs (paths relative to OUT)."""
     from qeff_vision.compile.vllm_handoff import handoff_for_spec
@@ -449,29 +461,19 @@ def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]
 
 
 def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries) -> None:
-    """Record successful programs (the record is the last write); remove every failed directory."""
+    """Record every program (the record is its last write), or raise for the first failure."""
     failures = [result for result in results.values() if not result.ok]
-    for job in jobs:
-        result = results[job.program]
-        binary_dir = binary_dirs[job.program]
-        entries[job.program]["compile_seconds"] = round(result.seconds, 3)
-        if failures:
-            # Keep a completed sibling: its record makes it a valid cache entry for the next run.
-            if result.ok and (binary_dir / cache.QPC_FILE).is_file():
-                cache.write_record(binary_dir, records[job.program])
-            else:
-                cache.discard(binary_dir)
-            continue
-        if not (binary_dir / cache.QPC_FILE).is_file():
-            cache.discard(binary_dir)
-            raise CompileFailed(
-                f"{job.program}: the compiler exited 0 but wrote no {cache.QPC_FILE} in {binary_dir} "
-                f"(log: {job.log_path})",
-                result.tail,
-                job.log_path,
-            )
-        cache.write_record(binary_dir, records[job.program])
     if failures:
         first = next((r for r in failures if r.state in ("failed", "timeout", "error")), failures[0])
         timeout = next(job.timeout for job in jobs if job.program == first.program)
         raise CompileFailed(first.describe(timeout), first.tail, first.log_path)
+    for job in jobs:
+        binary_dir = binary_dirs[job.program]
+        if not (binary_dir / cache.QPC_FILE).is_file():
+            raise CompileFailed(
+                f"{job.program}: the compiler exited 0 but wrote no {cache.QPC_FILE} (log: {job.log_path})",
+                results[job.program].tail,
+                job.log_path,
+            )
+        entries[job.program]["compile_seconds"] = round(results[job.program].seconds, 3)
+        cache.write_record(binary_dir, records[job.program])

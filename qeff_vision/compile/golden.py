@@ -66,7 +66,9 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
     Args:
         root: The specs directory (``specs/``).
         update: Rewrite differing or missing golden files and remove stale ones instead of
-            reporting them. Spec errors are reported either way.
+            reporting them. Spec errors are reported either way, and when there is any the
+            update changes nothing: a broken spec's golden files stay (they are not stale, the
+            spec is), and so do every other spec's.
 
     Returns:
         The report; ``report.ok`` is the check's verdict.
@@ -77,6 +79,8 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
     golden_root = root / GOLDEN_DIR
     report = GoldenReport(specs=find_specs(root))
     owners: dict[str, Path] = {}
+    writes: dict[Path, str] = {}
+    removals: list[Path] = []
     for spec_path in report.specs:
         try:
             spec = load_spec(spec_path)
@@ -99,27 +103,29 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
             if golden == fresh:
                 continue
             if update:
-                atomic_write_text(golden_path, fresh)
-                report.written.append(golden_path)
+                writes[golden_path] = fresh
             elif golden is None:
                 report.problems.append(f"{golden_path}: missing golden file for {spec_path}")
             else:
                 report.diffs.append(_diff(golden_path, golden, fresh, spec_path))
         expected = {spec_golden / relative for relative in files}
         for stale in sorted(p for p in spec_golden.rglob("*") if p.is_file() and p not in expected):
-            _stale(report, stale, update, f"not generated from {spec_path}")
+            _stale(report, removals, stale, update, f"not generated from {spec_path}")
     if golden_root.is_dir():
         for directory in sorted(p for p in golden_root.iterdir() if p.name not in owners):
-            _stale(report, directory, update, "no spec has this name")
+            _stale(report, removals, directory, update, "no spec has this name")
+    if update and not report.problems:  # all or nothing: a spec that failed owns no golden now
+        for path, text in writes.items():
+            atomic_write_text(path, text)
+            report.written.append(path)
+        for path in removals:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            report.written.append(path)
     return report
 
 
-def _stale(report: GoldenReport, path: Path, update: bool, reason: str) -> None:
-    if not update:
-        report.problems.append(f"{path}: stale golden ({reason})")
-        return
-    if path.is_dir():
-        shutil.rmtree(path)
+def _stale(report: GoldenReport, removals: list[Path], path: Path, update: bool, reason: str) -> None:
+    if update:
+        removals.append(path)
     else:
-        path.unlink()
-    report.written.append(path)
+        report.problems.append(f"{path}: stale golden ({reason})")

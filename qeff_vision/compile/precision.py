@@ -267,7 +267,8 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
 
     if not plans:
         return {}
-    hasher = cache.ContentHasher(plans[0].directory.parent / cache.HASH_MEMO_FILE)
+    out_dir = plans[0].directory.parent  # OUT's staging directory: memo paths relative to it
+    hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE, root=out_dir)
     calibration = spec.compile.calibration
     images = [spec_dir / image for image in calibration.images] if calibration else []
     common = {

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from qeff_vision.interrupts import raise_if_interrupted
+
 TAIL_LINES = 30
 POLL_SECONDS = 0.1
 REFRESH_SECONDS = 0.5
@@ -237,6 +239,7 @@ def run_jobs(
                     run.kill("stopped")
             status.update(_status_text(runs))
             time.sleep(POLL_SECONDS)
+            raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt was lost must not wait forever
     except BaseException:
         # Ctrl-C or an internal error: the compilers run in their own process groups, so they
         # would outlive us; stop them before giving up.

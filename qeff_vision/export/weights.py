@@ -31,6 +31,7 @@ from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from qeff_vision.bad_input import reading
 from qeff_vision.errors import UserError
 from qeff_vision.export.weight_sources import MergedSource, Source, checkpoint_keys_for
 
@@ -92,11 +93,15 @@ def read_header(path: Path) -> dict[str, _Entry]:
     Raises:
         UserError: The file is not a readable safetensors file.
     """
-    try:
+    with reading(path, "a safetensors file"):
         with open(path, "rb") as handle:
-            (header_len,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(header_len))
             size = os.fstat(handle.fileno()).st_size
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            # Checked before reading: random bytes give a length of petabytes (MemoryError or
+            # OverflowError from read), and the header must fit in the file anyway.
+            if header_len > size - 8:
+                raise ValueError(f"its header claims {header_len} bytes, the file has {size}")
+            header = json.loads(handle.read(header_len))
         entries = {}
         for key, info in header.items():
             if key == "__metadata__":
@@ -113,8 +118,6 @@ def read_header(path: Path) -> dict[str, _Entry]:
                 raise ValueError(f"tensor {key!r} runs past the end of the file")
             entries[key] = entry
         return entries
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise UserError(f"{path}: cannot load the checkpoint weights ({_first_line(exc)})") from exc
 
 
 class Checkpoint:
@@ -149,11 +152,6 @@ class Checkpoint:
         if got != entry.length or buffer.nbytes != entry.length:
             raise UserError(f"{entry.path}: cannot load the checkpoint weights (tensor {key!r} is truncated)")
         return tensor
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass

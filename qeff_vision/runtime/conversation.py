@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qeff_vision.bad_input import check_prompt, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
@@ -166,6 +167,7 @@ class Conversation:
         Raises:
             UserError: A missing or unreadable image or clip, or a clip the family cannot take.
         """
+        check_prompt(text, placeholder_texts(self.processor))
         notes: list[str] = []
         new_images = []
         for source in images:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qeff_vision.bad_input import reading
 from qeff_vision.errors import UserError
 
 ImageSource = Any  # a path (str or Path) or a PIL image
@@ -17,20 +18,18 @@ def load_image(source: ImageSource):
     Raises:
         UserError: The file is missing or is not an image PIL can read.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if isinstance(source, Image.Image):
         return source.convert("RGB")
     path = Path(source)
     if not path.is_file():
         raise UserError(f"{path}: no such image file")
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable image ({reason})") from exc
+    # PIL refuses a header claiming more than Image.MAX_IMAGE_PIXELS (DecompressionBombError)
+    # before decoding anything: the bound on the work one image may ask for.
+    with reading(path, "a readable image"), Image.open(path) as image:
+        image.load()
+        return image.convert("RGB")
 
 
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".gif", ".tif", ".tiff")
@@ -85,14 +84,10 @@ def _decode_video_file(path: Path, fps: float | None) -> Clip:
         raise UserError(
             f"{path}: reading video files needs PyAV (pip install av); or pass a directory of frames"
         ) from None
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            rate = float(stream.average_rate or 0) or DEFAULT_FPS
-            frames = [frame.to_image().convert("RGB") for frame in container.decode(stream)]
-    except (av.FFmpegError, IndexError, OSError, ValueError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"{path}: not a readable video ({reason})") from exc
+    with reading(path, "a readable video"), av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate or 0) or DEFAULT_FPS
+        frames = [frame.to_image().convert("RGB") for frame in container.decode(stream)]
     if not frames:
         raise UserError(f"{path}: not a readable video (no frames decoded)")
     if fps is None or fps >= rate:

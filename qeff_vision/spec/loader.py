@@ -27,7 +27,7 @@ from qeff_vision.spec.schema import (
     read_prefill,
     read_vision,
 )
-from qeff_vision.spec.strict_yaml import load_strict_yaml, shown
+from qeff_vision.spec.strict_yaml import MAX_BYTES, load_strict_yaml, shown
 
 
 def check_compile_files(reader, options, section, spec_dir: Path) -> None:
@@ -87,7 +87,11 @@ def load_spec(path: str | Path) -> Spec:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as handle:  # at most one byte past the bound: /dev/zero ends too
+            raw = handle.read(MAX_BYTES + 1)
+        if len(raw) > MAX_BYTES:
+            raise SpecError(str(path), [f"the file is larger than {MAX_BYTES:,} bytes; a spec is a few KB"])
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise SpecError(str(path), ["file not found"]) from None
     except (OSError, UnicodeDecodeError) as exc:

@@ -9,6 +9,10 @@ Anchors and aliases (``&a`` / ``*a``) are refused before anything is composed: n
 nine aliases are a few hundred bytes of text but 9**9 values once constructed (the "billion
 laughs"), and a spec never needs them. Values go into messages through
 :func:`qeff_vision.errors.shown`, which bounds their length whatever their size.
+
+Size and nesting are bounded before PyYAML sees the text (:func:`bounds_problem`): its scanner
+does work proportional to the nesting depth for every token, so a spec nested 100,000 levels
+deep (200 KB of brackets) keeps it busy for minutes. A spec is a few KB, a few levels deep.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import yaml
 
 from qeff_vision.errors import shown
 
-__all__ = ["load_strict_yaml", "shown", "yaml_path"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "bounds_problem", "load_strict_yaml", "shown", "yaml_path"]
+
+MAX_BYTES = 1 << 20  # the largest spec in specs/ is 2.4 KB
+MAX_DEPTH = 32  # levels of nested mappings and lists (specs use 4)
+# A quote opens a quoted scalar only where a token starts (not the apostrophe in `it's`).
+_TOKEN_START = " \t[{,:-?"
 
 
 def yaml_path(parent: str, key: str | int) -> str:
@@ -88,6 +97,65 @@ def _alias_problem(loader: yaml.SafeLoader) -> str | None:
     return None
 
 
+def _skip_quoted(line: str, start: int) -> int:
+    """Index after the quoted scalar opening at ``start`` (the line's end if it runs on)."""
+    quote, index = line[start], start + 1
+    while index < len(line):
+        if quote == '"' and line[index] == "\\":
+            index += 2
+            continue
+        if line[index] == quote:
+            if quote == "'" and line[index + 1 : index + 2] == "'":  # '' is a quote inside '...'
+                index += 2
+                continue
+            return index + 1
+        index += 1
+    return index
+
+
+def bounds_problem(text: str) -> str | None:
+    """The document's size or nesting beyond :data:`MAX_BYTES` / :data:`MAX_DEPTH`, or None.
+
+    One pass over the text, no YAML parsing: flow brackets outside quotes and comments, block
+    levels by indentation (and ``- `` markers opening a nested list on the same line). It may
+    count a level too many (a multi-line quoted scalar), never one too few.
+    """
+    if len(text) > MAX_BYTES:
+        return f"the spec is {len(text):,} characters; a spec is at most {MAX_BYTES:,}"
+    flow = 0
+    indents: list[int] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        body = line.lstrip(" ")
+        if flow == 0 and body and not body.startswith("#"):
+            indent = len(line) - len(body)
+            while indents and indents[-1] >= indent:
+                indents.pop()
+            indents.append(indent)
+            dashes = 0
+            while body.startswith("- "):
+                body = body[2:].lstrip(" ")
+                dashes += 1
+            if len(indents) + dashes > MAX_DEPTH:
+                return f"the spec nests more than {MAX_DEPTH} levels deep (line {number})"
+        index = 0
+        while index < len(line):
+            char = line[index]
+            at_token = index == 0 or line[index - 1] in _TOKEN_START
+            if char in "'\"" and at_token:
+                index = _skip_quoted(line, index)
+                continue
+            if char == "#" and at_token:
+                break
+            if char in "[{":
+                flow += 1
+                if flow + len(indents) > MAX_DEPTH:
+                    return f"the spec nests more than {MAX_DEPTH} levels deep (line {number})"
+            elif char in "]}":
+                flow = max(flow - 1, 0)
+            index += 1
+    return None
+
+
 def load_strict_yaml(text: str) -> tuple[object, list[str]]:
     """Parse one YAML document strictly.
 
@@ -99,6 +167,9 @@ def load_strict_yaml(text: str) -> tuple[object, list[str]]:
         problems found: syntax errors with their position, anchors and aliases, duplicate keys
         and non-string keys with their YAML path. Never raises for bad input.
     """
+    bounds = bounds_problem(text)
+    if bounds is not None:
+        return None, [bounds]
     loader = None
     try:
         loader = yaml.SafeLoader(text)

@@ -17,6 +17,7 @@ the graph itself writes the slot ``batch_index`` names).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -115,7 +116,11 @@ def _program_files(directory: Path) -> tuple[Path, list[dict], Path | None]:
         except ValueError:
             record = None
     if isinstance(record, dict) and "argv" in record:
-        argv = dict(arg.split("=", 1) for arg in record["argv"] if "=" in arg)
+        # The compiler ran in OUT's staging directory (.OUT.staging.*), renamed to OUT after.
+        argv = {
+            flag: re.sub(r"/\.([^/]+)\.staging\.[^/]+/", r"/\1/", value)
+            for flag, value in (arg.split("=", 1) for arg in record["argv"] if "=" in arg)
+        }
         specs = json.loads(Path(argv["-network-specialization-config"]).read_text())["specializations"]
         custom = argv.get("-custom-IO-list-file")
         return Path(argv["-m"]), specs, Path(custom) if custom else None

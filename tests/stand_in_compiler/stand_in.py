@@ -11,9 +11,11 @@ precision; ``-retained-state`` pairs every ``X_RetainedState`` output with an in
 the partition file lists ``numCores`` equal to ``-aic-num-cores``.
 
 Environment (set by the test wrapper script):
-    STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow.
+    STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow,
+        signal (killed by SIGKILL after a partial output), no-program (exits 0, writes no program).
         ``hang`` hangs right after parsing its flags, before any check (see :func:`hang`).
-    STAND_IN_RECORD: file to append one JSON line per invocation (argv, cwd, mode).
+    STAND_IN_RECORD: file to append one JSON line per invocation (argv, mode), and one
+        ``{"event": "hanging"}`` line when a hanging stand-in has its partial output in place.
     STAND_IN_LAYOUT: accept ``any`` layout (default) or only ``flat`` (an old SDK).
     STAND_IN_SLEEP: seconds the ``slow`` mode sleeps before compiling (default 1).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -203,6 +206,7 @@ def hang(binary_dir: Path) -> NoReturn:
     binary_dir.mkdir(parents=True, exist_ok=True)
     (binary_dir / "partial.bin").write_bytes(b"partial")
     print("stand-in: hanging", flush=True)
+    _record({"event": "hanging", "binary_dir": str(binary_dir)})  # the marker tests wait for
     while True:
         time.sleep(60)
 
@@ -252,6 +256,13 @@ def compile_program(argv: list[str]) -> int:
         mode = "hang" if "-retained-state" in switches else "fail"
     if mode == "hang":
         hang(binary_dir)
+    if mode == "signal":  # the compiler crashes: killed by a signal after a partial output
+        (binary_dir / "partial.bin").write_bytes(b"partial")
+        print("stand-in: crashing", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "no-program":  # exits 0 and says it finished, but writes no programqpc.bin
+        print("Compilation complete", flush=True)
+        return 0
     if mode == "fail":
         (binary_dir / "partial.bin").write_bytes(b"partial")
         for line in range(40):
@@ -264,13 +275,16 @@ def compile_program(argv: list[str]) -> int:
     return 0
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def _record(entry: dict) -> None:
     record = os.environ.get("STAND_IN_RECORD")
     if record:
         with open(record, "a", encoding="utf-8") as handle:
-            entry = {"argv": [sys.argv[0], *argv], "mode": os.environ.get("STAND_IN_MODE", "ok")}
             handle.write(json.dumps(entry) + "\n")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    _record({"argv": [sys.argv[0], *argv], "mode": os.environ.get("STAND_IN_MODE", "ok")})
     try:
         return compile_program(argv)
     except Refused as exc:
