@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qeff_vision import symbols
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
-from qeff_vision.families.llava_next import FEATURE_HEIGHT, FEATURE_WIDTH, NUM_PATCHES, TILE_COLS, TILE_ROWS
+from qeff_vision.families.llava_next import IMAGE_SIZES, NUM_PATCHES, ImageGrid
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
@@ -48,8 +48,8 @@ def _transformers_counts(
     )
     tokens = LlavaNextProcessor._get_number_of_features(processor, height, width, tile, tile)
     tiles = image_size_to_num_patches((height, width), pinpoints, tile)
-    family = get_family(FAMILY)
-    rows, cols = (family.vision_symbols(model, ImageSize(height, width))[k] for k in (TILE_ROWS, TILE_COLS))
+    grid = get_family(FAMILY).image_grid(model, ImageSize(height, width))
+    rows, cols = grid.tile_rows, grid.tile_cols
     side = tile // patch
     grid = unpad_image(torch.zeros(1, rows * side, cols * side), (height, width))
     return tokens, tiles, tuple(grid.shape[1:])
@@ -59,15 +59,12 @@ def _transformers_counts(
 
 
 def test_granite_reference_1109x1610_is_10_tiles_and_5239_tokens():
-    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(1109, 1610))
-    assert values == {
+    family = get_family(FAMILY)
+    assert family.vision_symbols(GRANITE, ImageSize(1109, 1610)) == {
         NUM_PATCHES: 10,
-        TILE_ROWS: 3,
-        TILE_COLS: 3,
-        FEATURE_HEIGHT: 55,
-        FEATURE_WIDTH: 81,
         symbols.VISION_SIZE: 5239,
     }
+    assert family.image_grid(GRANITE, ImageSize(1109, 1610)) == ImageGrid(3, 3, 55, 81)
 
 
 def test_granite_spec_has_a_vision_specialization_per_image_and_5239_among_them():
@@ -83,8 +80,14 @@ def test_every_granite_pinpoint_is_its_own_specialization():
     pinpoints = [tuple(p) for p in GRANITE.config["image_grid_pinpoints"]]
     assert [(image.height, image.width) for image in spec.vision.images] == pinpoints
     result = build_specializations(spec)
-    tile_grids = {(s.symbols[TILE_ROWS], s.symbols[TILE_COLS]) for s in result.vision.specializations}
-    assert len(tile_grids) == len(pinpoints) == len(result.vision.specializations)
+    # One graph: the grids are graph values, so a specialization binds only tiles and tokens, and
+    # two pinpoints of one tile count (1x10, 10x1) differ in tokens alone.
+    bound = {(s.symbols[NUM_PATCHES], s.symbols[symbols.VISION_SIZE]) for s in result.vision.specializations}
+    assert len(bound) == len(pinpoints) == len(result.vision.specializations)
+    assert all(
+        set(s.symbols) == {symbols.BATCH_SIZE, NUM_PATCHES, symbols.VISION_SIZE}
+        for s in result.vision.specializations
+    )
     for image in result.images:  # a pinpoint-sized image fills its grid: nothing is unpadded
         assert image.tokens == _transformers_counts(GRANITE, image.image.height, image.image.width)[0]
 
@@ -92,11 +95,13 @@ def test_every_granite_pinpoint_is_its_own_specialization():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 5000), st.integers(1, 5000))
 def test_token_math_equals_transformers_for_any_size(height, width):
-    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(height, width))
+    family = get_family(FAMILY)
+    values = family.vision_symbols(GRANITE, ImageSize(height, width))
+    image_grid = family.image_grid(GRANITE, ImageSize(height, width))
     tokens, tiles, grid = _transformers_counts(GRANITE, height, width)
     assert values[symbols.VISION_SIZE] == tokens
     assert values[NUM_PATCHES] == tiles
-    assert (values[FEATURE_HEIGHT], values[FEATURE_WIDTH]) == grid
+    assert (image_grid.feature_height, image_grid.feature_width) == grid
 
 
 # ---- the tiny checkpoint: processor placeholders, decoder multipliers ----
@@ -134,6 +139,7 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
     program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
     graph = json.loads((exported(FAMILY) / "export.json").read_text())["programs"]["vision"]
     assert graph["inputs"]["pixel_values"]["axes"] == {"0": symbols.BATCH_SIZE, "1": NUM_PATCHES}
+    assert graph["inputs"][IMAGE_SIZES]["axes"] == {"0": symbols.BATCH_SIZE}
     for height, width in model.config.image_grid_pinpoints:
         pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
         processed = processor.image_processor(images=pair, return_tensors="pt")

@@ -10,7 +10,9 @@ image resized to S). Each tile gives P x P features (P = S / patch). The tiles' 
 ("unpadded") to ``feature_height x feature_width``, and an ``image_newline`` embedding ends every
 row. Tokens = P*P + feature_height * (feature_width + 1).
 
-Both grids ride on input *shapes*, so one vision graph serves every resolution.
+The vision program takes what the processor returns (and the Cloud AI vLLM plugin sends):
+``pixel_values`` and ``image_sizes``. The graph derives both grids from the ``image_sizes`` values
+(see ``export.py``), so one vision graph serves every grid pinpoint and image size.
 """
 
 from __future__ import annotations
@@ -41,15 +43,29 @@ from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint  # torch-
 #: Tiles of one image, base tile included: QEfficient's name for pixel_values axis 1 (ref:
 #: quic/efficient-transformers QEffLlavaNextForConditionalGeneration.get_onnx_dynamic_axes).
 NUM_PATCHES = "num_patches"
-TILE_ROWS = "tile_rows"
-TILE_COLS = "tile_cols"
-FEATURE_HEIGHT = "feature_height"
-FEATURE_WIDTH = "feature_width"
-TILE_GRID = "tile_grid"
-FEATURE_GRID = "feature_grid"
+#: Each image's original (height, width), int64 [batch_size, 2]: the processor's output, which
+#: QEfficient's vision program and the vLLM plugin name the same.
+IMAGE_SIZES = symbols.IMAGE_SIZES
 # LlavaNextConfig's CLIP ViT-L/14-336 vision defaults, used when the config omits them.
 DEFAULT_IMAGE_SIZE = 336
 DEFAULT_PATCH_SIZE = 14
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """Where an image lands: its tile grid and the feature grid left after unpadding.
+
+    Attributes:
+        tile_rows: Tiles down (the pinpoint's height / tile side).
+        tile_cols: Tiles across.
+        feature_height: Feature rows kept (each ends with an ``image_newline`` token).
+        feature_width: Feature columns kept.
+    """
+
+    tile_rows: int
+    tile_cols: int
+    feature_height: int
+    feature_width: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +138,7 @@ class LlavaNext(Family):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the tiling CLIP tower composed in, run once per image in the first "
-            "chunk (one call per run of same-size images: a call takes one tile and feature grid); "
+            "chunk (one call per run of same-size images: the first image_sizes row sets the grids); "
             "the fixed tile side is the symbol pixel_side (1 in keep entries); later chunks and "
             "decode read the rows"
         ),
@@ -130,12 +146,11 @@ class LlavaNext(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
-    # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
-    # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
+    # QEfficient's inputs (get_onnx_dynamic_axes), as the processor returns them: the graph reads
+    # the tile grid and the unpadded feature grid from the image_sizes values (export.py).
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
-        TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
-        FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
+        IMAGE_SIZES: {0: symbols.BATCH_SIZE},
     }
     former_symbols = {"num_tiles": NUM_PATCHES}
 
@@ -185,19 +200,20 @@ class LlavaNext(Family):
             problems.append("the image processor's image_grid_pinpoints differ from the model config's")
         return problems
 
-    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """num_patches (the tiles), tile_rows, tile_cols, feature_height, feature_width and vision_size."""
+    def image_grid(self, model: ModelDescription, image: ImageSize) -> ImageGrid:
+        """The tile grid of the pinpoint the processor picks and the unpadded feature grid."""
         tile, side = self.tile_size(model), self.patches_per_side(model)
         pin_height, pin_width = best_resolution(image.height, image.width, self.pinpoints(model))
         rows, cols = math.ceil(pin_height / tile), math.ceil(pin_width / tile)
         feature_height, feature_width = unpadded_grid(image.height, image.width, rows * side, cols * side)
+        return ImageGrid(rows, cols, feature_height, feature_width)
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """num_patches (the tiles, base tile included) and vision_size."""
+        grid, side = self.image_grid(model, image), self.patches_per_side(model)
         return {
-            NUM_PATCHES: rows * cols + 1,
-            TILE_ROWS: rows,
-            TILE_COLS: cols,
-            FEATURE_HEIGHT: feature_height,
-            FEATURE_WIDTH: feature_width,
-            symbols.VISION_SIZE: side * side + feature_height * (feature_width + 1),
+            NUM_PATCHES: grid.tile_rows * grid.tile_cols + 1,
+            symbols.VISION_SIZE: side * side + grid.feature_height * (grid.feature_width + 1),
         }
 
 
