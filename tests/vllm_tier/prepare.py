@@ -53,6 +53,11 @@ CASES = {
     "qwen3_vl_moe": Case("qwen3_vl_moe", 8, (128, 128)),
     "llava_next": Case("llava_next", 8, (40, 40), ctx_len=1024),
     "mistral3": Case("mistral3", 8, (112, 112)),
+    "gemma4": Case("gemma4", 8, (100, 150)),
+    "qwen3_5": Case("qwen3_5", 8, (128, 128)),
+    "qwen3_5_moe": Case("qwen3_5_moe", 8, (128, 128)),
+    "llama4": Case("llama4", 8, (80, 80)),
+    "mllama": Case("mllama", 8, (100, 150)),
 }
 
 
