@@ -35,6 +35,8 @@ class Case:
             so the bucket holds a whole image and the "several chunks" request is the prompt, not
             the image.
         ctx_len: Context length (a LLaVA-NeXT image is hundreds of tokens even when tiny).
+        vision_size: The spec's ``vision.vision_size`` (None for a cross-attention family, which
+            has no image rows in the token sequence).
     """
 
     family: str
@@ -42,6 +44,7 @@ class Case:
     image: tuple[int, int]
     whole_images: bool = False
     ctx_len: int = CTX_LEN
+    vision_size: str | None = "chunk"
 
 
 CASES = {
@@ -57,7 +60,7 @@ CASES = {
     "qwen3_5": Case("qwen3_5", 8, (128, 128)),
     "qwen3_5_moe": Case("qwen3_5_moe", 8, (128, 128)),
     "llama4": Case("llama4", 8, (80, 80)),
-    "mllama": Case("mllama", 8, (100, 150)),
+    "mllama": Case("mllama", 8, (100, 150), vision_size=None),
 }
 
 
@@ -69,8 +72,10 @@ def compile_case(case: Case, root: Path, checkpoint: Path, *, full_batch_size: i
         "model": str(checkpoint),
         "ctx_len": case.ctx_len,
         "prefill": {"seq_lens": [case.seq_len]},
-        "vision": {"images": [{"height": case.image[0], "width": case.image[1]}], "vision_size": "chunk"},
+        "vision": {"images": [{"height": case.image[0], "width": case.image[1]}]},
     }
+    if case.vision_size:
+        spec["vision"]["vision_size"] = case.vision_size
     if full_batch_size:
         spec["full_batch_size"] = full_batch_size
     (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))

@@ -51,12 +51,17 @@ NOT_SERVED = {
     "llama4": "vLLM 0.23's Llama 4 prompt update reads each image's processor output "
     "(aspect_ratios), which the image embeddings the generate instance (enable_mm_embeds) "
     "receives do not carry (KeyError before any request reaches the device)",
+    "mllama": "vLLM removed MllamaForConditionalGeneration in 0.10.2 (encoder-decoder models went "
+    "with the V0 engine); 0.23 falls back to its Transformers backend, which asks MllamaProcessor "
+    "for _get_num_multimodal_tokens (AttributeError while the engine starts); the plugin marks "
+    "mllama unsupported too",
 }
 NOT_SERVED_SIGN = {
     "gemma3": "_resolve_image_kwargs",
     "mistral3": "ImageEmbeddingItems",
     "gemma4": "has no attribute 'default_output_length'",
     "llama4": "Modality 'image' not found",
+    "mllama": "'MllamaProcessor' object has no attribute '_get_num_multimodal_tokens'",
 }
 # The plugin asks every program for a logits binding, the vision encoder too (which has none,
 # as QEfficient's vision QPCs have none): the one binding warning that is not ours to fix.
