@@ -12,7 +12,9 @@ row. Tokens = P*P + feature_height * (feature_width + 1).
 
 The vision program takes what the processor returns (and the Cloud AI vLLM plugin sends):
 ``pixel_values`` and ``image_sizes``. The graph derives both grids from the ``image_sizes`` values
-(see ``export.py``), so one vision graph serves every grid pinpoint and image size.
+(see ``export.py``) and gathers the rows into an output whose length depends on the tile count
+only (``vision_size``, :meth:`LlavaNext.vision_rows`), so one vision graph serves every grid
+pinpoint and image size, and every specialization has static shapes.
 """
 
 from __future__ import annotations
@@ -130,15 +132,17 @@ class LlavaNext(Family):
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes(
-            "one vision graph over every grid pinpoint; a specialization per image size, since the "
-            "unpadded feature grid follows the exact aspect ratio; resize other images to a compiled size"
+            "one vision graph over every grid pinpoint; a specialization per tile count serves every "
+            "image whose pinpoint has that many tiles (any aspect ratio): its output is that count's "
+            "largest row total, each image's own rows first; resize other images to a compiled size"
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the tiling CLIP tower composed in, run once per image in the first "
-            "chunk (one call per run of same-size images: the first image_sizes row sets the grids); "
+            "chunk (one call per image: each writes its own rows and zeros up to the tile count's "
+            "row total); "
             "the fixed tile side is the symbol pixel_side (1 in keep entries); later chunks and "
             "decode read the rows"
         ),
@@ -153,6 +157,11 @@ class LlavaNext(Family):
         IMAGE_SIZES: {0: symbols.BATCH_SIZE},
     }
     former_symbols = {"num_tiles": NUM_PATCHES}
+    # The tile_grid / feature_grid shape carriers of the first vision program: their grids are
+    # read from the image_sizes values now, so an export or compile binding them is stale.
+    retired_symbols = dict.fromkeys(
+        ("tile_rows", "tile_cols", "feature_height", "feature_width"), "now read from image_sizes values"
+    )
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> LlavaNextVision:
         """Tile and patch sizes over LlavaNextConfig's defaults; the model's and processor's pinpoints.
@@ -208,13 +217,36 @@ class LlavaNext(Family):
         feature_height, feature_width = unpadded_grid(image.height, image.width, rows * side, cols * side)
         return ImageGrid(rows, cols, feature_height, feature_width)
 
-    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """num_patches (the tiles, base tile included) and vision_size."""
+    def vision_rows(self, model: ModelDescription, tiles: int) -> int:
+        """Output rows of the vision program for ``tiles`` tiles per image (base tile included).
+
+        The most any image those tiles hold produces: the base tile's P*P, plus the largest
+        pinpoint grid of at most ``tiles - 1`` tiles uncropped, with a newline per row. The
+        graph computes the same from the tile axis (``export.most_rows``), so a specialization's
+        output shape is fixed; an image's own rows come first, zeros after.
+        """
+        tile, side = self.tile_size(model), self.patches_per_side(model)
+        grids = [
+            (height // tile * side) * (width // tile * side + 1)
+            for height, width in self.pinpoints(model)
+            if (height // tile) * (width // tile) <= tiles - 1
+        ]
+        return side * side + max(grids, default=0)
+
+    def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """P*P + feature_height * (feature_width + 1): the processor's count for this size."""
         grid, side = self.image_grid(model, image), self.patches_per_side(model)
-        return {
-            NUM_PATCHES: grid.tile_rows * grid.tile_cols + 1,
-            symbols.VISION_SIZE: side * side + grid.feature_height * (grid.feature_width + 1),
-        }
+        return side * side + grid.feature_height * (grid.feature_width + 1)
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """num_patches (the tiles, base tile included) and vision_size, the rows that tile count outputs.
+
+        Both depend on the tile count only: every image whose pinpoint has as many tiles (any
+        aspect ratio) runs in one specialization; :meth:`image_tokens` counts its own rows.
+        """
+        grid = self.image_grid(model, image)
+        tiles = grid.tile_rows * grid.tile_cols + 1
+        return {NUM_PATCHES: tiles, symbols.VISION_SIZE: self.vision_rows(model, tiles)}
 
 
 def _host():

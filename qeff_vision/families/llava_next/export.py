@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -97,14 +98,55 @@ def image_geometry(
     return Geometry(rows, cols, top, left, grid_height - 2 * top, grid_width - 2 * left)
 
 
+def row_sources(geometry: Geometry, rows: torch.Tensor, side: int, tiles) -> torch.Tensor:
+    """Per image and output row, the row of the feature table it copies: [B, rows] int64.
+
+    The table is every tile's P x P features in tile order (base tile first), then one
+    ``image_newline`` row (index ``tiles * P*P``), then one zero row (``tiles * P*P + 1``).
+    Output row k < P*P is the base tile's k-th feature; after it, the unpadded grid row by row,
+    each row of ``feature_width`` features ended by a newline; rows past the image's own
+    ``P*P + feature_height * (feature_width + 1)`` copy the zero row. Only values come from
+    ``image_sizes``: every shape is ``rows`` (a function of the tile count) and the batch.
+    """
+    per_tile = side * side
+    k = torch.arange(rows)[None, :]
+    height, width = geometry.feature_height[:, None], geometry.feature_width[:, None]
+    j = k - per_tile
+    grid_row, column = j // (width + 1), j % (width + 1)
+    y, x = grid_row + geometry.top[:, None], column + geometry.left[:, None]
+    tile = 1 + (y // side) * geometry.tile_cols[:, None] + x // side
+    source = tile * per_tile + (y % side) * side + x % side
+    newline, zero = tiles * per_tile, tiles * per_tile + 1
+    source = torch.where(column == width, torch.full_like(source, newline), source)
+    source = torch.where(grid_row >= height, torch.full_like(source, zero), source)
+    return torch.where(k < per_tile, k.expand_as(source), source)
+
+
+def most_rows(pinpoints: torch.Tensor, tile: int, side: int, tiles) -> torch.Tensor:
+    """The output rows of a call with ``tiles`` tiles per image (base tile included), as a graph value.
+
+    The most rows any image those tiles can hold produces: the base tile plus the largest
+    pinpoint grid of at most ``tiles - 1`` tiles, uncropped, with its newlines (the graph form of
+    ``LlavaNext.vision_rows``). It depends on the tile count (a shape) only, so a specialization
+    fixes it.
+    """
+    rows, cols = pinpoints[:, 0] // tile, pinpoints[:, 1] // tile
+    grid = (rows * side) * (cols * side + 1)
+    fits = rows * cols <= tiles - 1
+    return side * side + torch.where(fits, grid, torch.zeros_like(grid)).max()
+
+
 class VisionEncoder(nn.Module):
-    """Tiles to packed image features, the grids computed from ``image_sizes``.
+    """Tiles to packed image features, the grids computed from ``image_sizes``, every shape static.
 
     Inputs: pixel_values [B, tiles, 3, S, S] (the tile axis may be padded, as the processor pads
-    it across a batch), image_sizes [B, 2] int64 (original height, width; the images of one call
-    share a size, so its first row sets the grids).
-    Output: [B, P*P + fh * (fw + 1), hidden]: the base tile, then the unpadded grid row by row,
-    each row ended by ``image_newline``.
+    it across a batch), image_sizes [B, 2] int64 (each image's original height, width).
+    Output: [B, vision_size, hidden]: per image the base tile, then the unpadded grid row by row,
+    each row ended by ``image_newline``, then zero rows. ``vision_size`` is the most rows an image
+    of ``tiles`` tiles can produce (:func:`most_rows`), so each specialization's output is one
+    fixed shape whatever the image sizes' values: the SDK compiler needs static shapes per
+    specialization. Each image's own rows are the first ``image_tokens`` (the processor's count);
+    the host and the vLLM plugin read only those.
     """
 
     def __init__(self, model: nn.Module):
@@ -123,32 +165,25 @@ class VisionEncoder(nn.Module):
         )
 
     def forward(self, pixel_values, image_sizes) -> torch.Tensor:
-        """Encode a batch of images of one size."""
-        batch, side = pixel_values.shape[0], self.side
+        """Encode a batch of images with the same tile count (any sizes)."""
+        batch, tiles, side = pixel_values.shape[0], pixel_values.shape[1], self.side
         geometry = image_geometry(
-            image_sizes[0, 0], image_sizes[0, 1], self.pinpoints, self.tile, side, pixel_values.shape[1] - 1
+            image_sizes[:, 0], image_sizes[:, 1], self.pinpoints, self.tile, side, tiles - 1
         )
-        rows, cols = geometry.tile_rows, geometry.tile_cols
-        # Only the image's own tiles reach the tower: the base tile, then rows x cols.
-        pixels = pixel_values.index_select(1, torch.arange(rows * cols + 1))
-        output = self.tower(pixels.flatten(0, 1), output_hidden_states=True)
+        # Every tile reaches the tower (padding too): a static shape; the gather reads only the
+        # image's own tiles.
+        output = self.tower(pixel_values.flatten(0, 1), output_hidden_states=True)
         selected = torch.cat([output.hidden_states[layer] for layer in self.feature_layers], dim=-1)
         if self.drop_cls:
             selected = selected[:, 1:]
         features = self.projector(selected)  # [B*tiles, P*P, hidden]
         hidden = features.shape[-1]
-        features = features.reshape(batch, rows * cols + 1, side * side, hidden)
-        base = features[:, 0]
-        # Tiles in row-major order, each P x P: lay them out as one (rows*P) x (cols*P) grid.
-        grid = features[:, 1:].reshape(batch, rows, cols, side, side, hidden)
-        grid = grid.permute(0, 1, 3, 2, 4, 5).reshape(batch, rows * side, cols * side, hidden)
-        height, width = geometry.feature_height, geometry.feature_width
-        grid = grid.index_select(1, torch.arange(height) + geometry.top)
-        grid = grid.index_select(2, torch.arange(width) + geometry.left)
-        newline = self.image_newline.to(grid.dtype).reshape(1, 1, 1, hidden)
-        newline = newline.expand(batch, grid.shape[1], 1, hidden)
-        grid = torch.cat([grid, newline], dim=2).reshape(batch, -1, hidden)
-        return torch.cat([base, grid], dim=1)
+        features = features.reshape(batch, tiles * side * side, hidden)
+        newline = self.image_newline.to(features.dtype).reshape(1, 1, hidden).expand(batch, 1, hidden)
+        table = torch.cat([features, newline, torch.zeros_like(newline)], dim=1)
+        rows = most_rows(self.pinpoints, self.tile, side, tiles)
+        sources = row_sources(geometry, rows, side, tiles)
+        return table.gather(1, sources[..., None].expand(-1, -1, hidden))
 
 
 class Adapter(ExportAdapter):
@@ -180,6 +215,14 @@ class Adapter(ExportAdapter):
             symbols.PIXEL_VALUES: pixels,
             IMAGE_SIZES: torch.tensor([[height, width]], dtype=torch.int64),
         }
+
+    def vision_parity_pairs(self, outputs, features, model):
+        """The image's own rows against transformers', and the padding after them against zeros."""
+        ours, reference = outputs[symbols.VISION_EMBEDS][0], features[0].numpy()
+        pairs = [(ours[: len(reference)], reference)]
+        if len(ours) > len(reference):
+            pairs.append((ours[len(reference) :], np.zeros_like(ours[len(reference) :])))
+        return pairs
 
     def hf_image_features(self, model, processed):
         """Transformers' packed features per image [tokens, hidden]."""

@@ -20,6 +20,10 @@ class Host(BaseHost):
         height, width = (int(v) for v in image_size)
         return self.family.vision_symbols(self.model, ImageSize(height, width))
 
+    def _tokens(self, image_size) -> int:
+        height, width = (int(v) for v in image_size)
+        return self.family.image_tokens(self.model, ImageSize(height, width))
+
     def vision_inputs(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Per image: its own tiles (the processor pads the tile axis across a batch) and its size."""
         pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
@@ -34,5 +38,8 @@ class Host(BaseHost):
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> list[int]:
         """The family's token math on each image's original size (``image_sizes``)."""
-        sizes = np.asarray(processed[IMAGE_SIZES]).tolist()
-        return [self._symbols(size)[symbols.VISION_SIZE] for size in sizes]
+        return [self._tokens(size) for size in np.asarray(processed[IMAGE_SIZES]).tolist()]
+
+    def own_rows(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """The processor's count for the image's size: the output's rows after it are zeros."""
+        return self._tokens(np.asarray(inputs[IMAGE_SIZES]).reshape(-1, 2)[0])
