@@ -42,16 +42,22 @@ def value_dependent_shapes(model, inputs: Iterable[str]) -> list[str]:
     """Nodes whose output shape follows the values of ``inputs`` (empty: static per specialization).
 
     Args:
-        model: An ``onnx.ModelProto`` (subgraphs of ``If``/``Loop`` are checked as opaque nodes:
-            their condition or trip count counts as a shape operand).
+        model: An ``onnx.ModelProto``. The branches of ``If`` and the body of ``Loop`` are walked
+            too (they read the outer graph's values); their condition or trip count counts as a
+            shape operand.
         inputs: Graph input names whose values vary at run time.
 
     Returns:
         ``"op name: operand"`` for each offending node, in graph order.
     """
     tainted = set(inputs)
-    found = []
-    for node in model.graph.node:
+    found: list[str] = []
+    _walk(model.graph, tainted, found)
+    return found
+
+
+def _walk(graph, tainted: set[str], found: list[str]) -> None:
+    for node in graph.node:
         if node.op_type in SHAPE_READERS:
             continue
         operands = [name in tainted for name in node.input]
@@ -60,6 +66,10 @@ def value_dependent_shapes(model, inputs: Iterable[str]) -> list[str]:
         for position in SHAPE_OPERANDS.get(node.op_type, ()):
             if position < len(operands) and operands[position]:
                 found.append(f"{node.op_type} {node.name}: operand {position} ({node.input[position]})")
-        if any(operands) or node.op_type in ("If", "Loop"):
+        branch_outputs = []
+        for attribute in node.attribute:
+            for subgraph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _walk(subgraph, tainted, found)
+                branch_outputs += [value.name for value in subgraph.output]
+        if any(operands) or any(name in tainted for name in branch_outputs):
             tainted.update(output for output in node.output if output)
-    return found

@@ -346,11 +346,12 @@ class SingleGenerator(Generator):
             encoding = pending is not None
             # Padded outputs with several calls: every group before the chunk, in row order, and
             # the chunk itself keeps (the first group's padding would overwrite the next rows).
-            ahead = groups if padded and len(groups) > 1 else groups[1:]
+            chunk_keeps = padded and len(groups) > 1
+            ahead = groups if chunk_keeps else groups[1:]
             began = time.perf_counter()
             if encoding and ahead:
                 self._encode_later_groups(ahead, by_role, past)
-            own = pending if encoding and ahead is not groups else self._placeholder()
+            own = pending if encoding and not chunk_keeps else self._placeholder()
             outputs = self._call(by_role, own, past)
             seconds = time.perf_counter() - began
             self.check_chunk_outputs(chunk, outputs)
