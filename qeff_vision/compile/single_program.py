@@ -10,7 +10,8 @@ Ours encodes each image once. The two exported graphs are composed at the ONNX l
                                         flattened to [1, n, H] and written into the retained
                                         buffer from row ``image_idx`` (0 in a first chunk; a
                                         prompt's later same-size group its first row), the
-                                        rows before and after kept: Concat(head, rows, tail)
+                                        rows before and after kept (a row select:
+                                        Where(row in [f, f+n), Gather(rows), buffer))
                               └ else: Identity(vision_embeds)
     the language graph reads the If's output wherever it read ``vision_embeds``; its
     ``vision_embeds_RetainedState`` therefore retains the encoded rows for the later chunks.
