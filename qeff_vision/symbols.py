@@ -41,6 +41,10 @@ LOGITS = "logits"
 IMAGE_IDX_OUTPUT = "image_idx_output"
 RETAINED_SUFFIX = "_RetainedState"
 PIXEL_VALUES = "pixel_values"
+# Each image's original (height, width), int64 [batch, 2] (the processor's and QEfficient's name).
+# A graph that reads its values (LLaVA-NeXT) is fed, in generated inputs, the size of the
+# image each vision specialization was built from.
+IMAGE_SIZES = "image_sizes"
 # Cross-attention decoder kind: which image (and which of its tiles) each token attends to,
 # [batch, seq_len, max_num_images, tiles] (QEfficient's and transformers' mllama name).
 CROSS_ATTENTION_MASK = "cross_attention_mask"

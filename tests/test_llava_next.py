@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from qeff_vision import symbols
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
-from qeff_vision.families.llava_next import FEATURE_HEIGHT, FEATURE_WIDTH, NUM_PATCHES, TILE_COLS, TILE_ROWS
+from qeff_vision.families.llava_next import IMAGE_SIZES, NUM_PATCHES, ImageGrid
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
@@ -48,8 +48,8 @@ def _transformers_counts(
     )
     tokens = LlavaNextProcessor._get_number_of_features(processor, height, width, tile, tile)
     tiles = image_size_to_num_patches((height, width), pinpoints, tile)
-    family = get_family(FAMILY)
-    rows, cols = (family.vision_symbols(model, ImageSize(height, width))[k] for k in (TILE_ROWS, TILE_COLS))
+    grid = get_family(FAMILY).image_grid(model, ImageSize(height, width))
+    rows, cols = grid.tile_rows, grid.tile_cols
     side = tile // patch
     grid = unpad_image(torch.zeros(1, rows * side, cols * side), (height, width))
     return tokens, tiles, tuple(grid.shape[1:])
@@ -59,32 +59,40 @@ def _transformers_counts(
 
 
 def test_granite_reference_1109x1610_is_10_tiles_and_5239_tokens():
-    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(1109, 1610))
-    assert values == {
+    family = get_family(FAMILY)
+    assert family.image_tokens(GRANITE, ImageSize(1109, 1610)) == 5239
+    assert family.image_grid(GRANITE, ImageSize(1109, 1610)) == ImageGrid(3, 3, 55, 81)
+    # The vision output of 10 tiles holds the most rows 9 tiles can give: 3456x384 (9x1), uncropped.
+    assert family.vision_symbols(GRANITE, ImageSize(1109, 1610)) == {
         NUM_PATCHES: 10,
-        TILE_ROWS: 3,
-        TILE_COLS: 3,
-        FEATURE_HEIGHT: 55,
-        FEATURE_WIDTH: 81,
-        symbols.VISION_SIZE: 5239,
+        symbols.VISION_SIZE: 27 * 27 + 9 * 27 * (27 + 1),
     }
 
 
-def test_granite_spec_has_a_vision_specialization_per_image_and_5239_among_them():
+def test_granite_spec_has_a_vision_specialization_per_tile_count_and_5239_among_its_images():
     result = build_specializations(load_spec(SPECS / "llava_next" / "granite-vision-3.2-2b.yaml"))
     sizes = {(image.image.height, image.image.width): image.tokens for image in result.images}
     assert sizes[(1109, 1610)] == 5239
-    assert len(result.vision.specializations) == len(sizes)
+    tiles = {get_family(FAMILY).vision_symbols(GRANITE, image.image)[NUM_PATCHES] for image in result.images}
+    assert len(result.vision.specializations) == len(tiles) < len(sizes)  # 384x3840, 3840x384: one
     assert result.request_image_tokens == max(sizes.values())
 
 
-def test_every_granite_pinpoint_is_its_own_specialization():
+def test_granite_pinpoints_share_a_specialization_per_tile_count():
     spec = load_spec(SPECS / "llava_next" / "granite-vision-3.2-2b-pinpoints.yaml")
     pinpoints = [tuple(p) for p in GRANITE.config["image_grid_pinpoints"]]
     assert [(image.height, image.width) for image in spec.vision.images] == pinpoints
     result = build_specializations(spec)
-    tile_grids = {(s.symbols[TILE_ROWS], s.symbols[TILE_COLS]) for s in result.vision.specializations}
-    assert len(tile_grids) == len(pinpoints) == len(result.vision.specializations)
+    # One graph with static shapes: a specialization binds the tile count and the most rows it
+    # can give, so pinpoints of one tile count (1x10, 10x1, 2x5, 5x2) share it.
+    tile = 384
+    counts = {(h // tile) * (w // tile) + 1 for h, w in pinpoints}
+    bound = {(s.symbols[NUM_PATCHES], s.symbols[symbols.VISION_SIZE]) for s in result.vision.specializations}
+    assert len(bound) == len(counts) == len(result.vision.specializations) < len(pinpoints)
+    assert all(
+        set(s.symbols) == {symbols.BATCH_SIZE, NUM_PATCHES, symbols.VISION_SIZE}
+        for s in result.vision.specializations
+    )
     for image in result.images:  # a pinpoint-sized image fills its grid: nothing is unpadded
         assert image.tokens == _transformers_counts(GRANITE, image.image.height, image.image.width)[0]
 
@@ -92,11 +100,13 @@ def test_every_granite_pinpoint_is_its_own_specialization():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 5000), st.integers(1, 5000))
 def test_token_math_equals_transformers_for_any_size(height, width):
-    values = get_family(FAMILY).vision_symbols(GRANITE, ImageSize(height, width))
+    family = get_family(FAMILY)
+    values = family.vision_symbols(GRANITE, ImageSize(height, width))
+    image_grid = family.image_grid(GRANITE, ImageSize(height, width))
     tokens, tiles, grid = _transformers_counts(GRANITE, height, width)
-    assert values[symbols.VISION_SIZE] == tokens
+    assert family.image_tokens(GRANITE, ImageSize(height, width)) == tokens <= values[symbols.VISION_SIZE]
     assert values[NUM_PATCHES] == tiles
-    assert (values[FEATURE_HEIGHT], values[FEATURE_WIDTH]) == grid
+    assert (image_grid.feature_height, image_grid.feature_width) == grid
 
 
 # ---- the tiny checkpoint: processor placeholders, decoder multipliers ----
@@ -134,6 +144,7 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
     program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
     graph = json.loads((exported(FAMILY) / "export.json").read_text())["programs"]["vision"]
     assert graph["inputs"]["pixel_values"]["axes"] == {"0": symbols.BATCH_SIZE, "1": NUM_PATCHES}
+    assert graph["inputs"][IMAGE_SIZES]["axes"] == {"0": symbols.BATCH_SIZE}
     for height, width in model.config.image_grid_pinpoints:
         pair = [helpers.image(height, width, 0), helpers.image(height, width, 1)]
         processed = processor.image_processor(images=pair, return_tensors="pt")
@@ -141,5 +152,7 @@ def test_one_vision_graph_serves_every_pinpoint_batched(hf_model, exported):
         inputs = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
         feeds = {name: np.concatenate([one[name] for one in inputs]) for name in inputs[0]}
         embeds = program.run(feeds)[symbols.VISION_EMBEDS]
-        assert embeds.shape == (2, *reference[0].shape)
-        assert max(np.abs(embeds[i] - reference[i]).max() for i in range(2)) <= 1e-4, (height, width)
+        rows = len(reference[0])  # a pinpoint-sized image fills its grid: no row is padding
+        assert embeds.shape[0] == 2 and embeds.shape[1] >= rows
+        assert max(np.abs(embeds[i, :rows] - reference[i]).max() for i in range(2)) <= 1e-4, (height, width)
+        assert not embeds[:, rows:].any()

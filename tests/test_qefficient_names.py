@@ -23,7 +23,10 @@ QWEN_VISION = {
 }
 QEFFICIENT_VISION = {
     "llava": {"pixel_values": {0: B, 2: "img_size", 3: "img_size"}},
-    "llava_next": {"pixel_values": {0: B, 1: "num_patches", 3: "img_size", 4: "img_size"}},
+    "llava_next": {
+        "pixel_values": {0: B, 1: "num_patches", 3: "img_size", 4: "img_size"},
+        "image_sizes": {0: "image_size_height", 1: "image_size_width"},
+    },
     "gemma3": {"pixel_values": {0: B, 2: "img_size", 3: "img_size"}},
     "gemma4": {"pixel_values": {0: B, 1: "max_patches"}, "image_position_ids": {0: B, 1: "max_patches"}},
     "internvl": {"pixel_values": {0: "batched_num_patches", 2: "img_size", 3: "img_size"}},
@@ -40,8 +43,9 @@ QEFFICIENT_VISION = {
 DELIBERATE = {
     "mistral3": {"pixel_values": "image_height / image_width: any aspect ratio (QEfficient: image_size)"},
     "llava_next": {
-        "tile_grid": "shape carrier for unpadding, instead of QEfficient's image_sizes input",
-        "feature_grid": "shape carrier for unpadding, instead of QEfficient's image_sizes input",
+        "image_sizes": "[batch_size, 2] as the processor returns it and the plugin sends it; QEfficient "
+        "names its axes image_size_height / image_size_width, and its trace reads the values as "
+        "constants of the 1109x1610 example, where ours reads them in the graph",
     },
 }
 LANGUAGE_ROWS = ("input_ids", "position_ids", "vision_embeds", "batch_index")

@@ -320,6 +320,7 @@ def _verify(run: _Run, plans: Mapping[str, ProgramPlan]) -> None:
             mx=MxEmulation.from_options(
                 plan.options.mxfp6_matmul, plan.options.kv_cache_dtype, plan.options.state_dtype
             ),
+            image_sizes=plan.image_sizes(),
         )
         entry = _program_entry(plan, run.out_dir, plan.onnx)
         entry["verification"] = {

@@ -61,6 +61,12 @@ class ProgramPlan:
         """Specializations as symbol -> int."""
         return [{k: int(v) for k, v in entry["symbols"].items()} for entry in self.specializations]
 
+    def image_sizes(self) -> list[tuple[int, int] | None]:
+        """Per specialization, the (height, width) of the image it was built from (None: no image)."""
+        from qeff_vision.spec.specializations import specialization_image_size
+
+        return [specialization_image_size(entry.get("name", "")) for entry in self.specializations]
+
 
 @dataclass
 class Export:

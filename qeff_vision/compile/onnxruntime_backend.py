@@ -94,17 +94,27 @@ def deviation(names: Sequence[str], reference: Sequence[Any], device: Sequence[A
     return DeviceDeviation(worst[0], worst[1], worst[2], finite)
 
 
-def generated_input(tensor: TensorInfo, shape: tuple[int, ...], rng: Any, slots: int = 0) -> Any:
+def generated_input(
+    tensor: TensorInfo,
+    shape: tuple[int, ...],
+    rng: Any,
+    slots: int = 0,
+    image_size: tuple[int, int] | None = None,
+) -> Any:
     """A valid input for ``tensor``: small random floats, zero integers, positions counting up.
 
     Zero is a valid token id, image index and cache slot in every family; ``position_ids``
     count 0..seq_len-1 along the last axis (every M-RoPE row too), as a real prompt would.
     ``batch_index`` (continuous batching) gives each row its own KV slot, the last ones, so a
     batch-1 prefill writes slot full_batch_size - 1 and a decode every slot once.
+    ``image_sizes`` rows are ``image_size``, the image the specialization was built from: a graph
+    that reads those values (LLaVA-NeXT's grids) has the specialization's output shapes only then.
     """
     import numpy as np
 
     dtype = np.dtype(tensor.dtype)
+    if tensor.name == symbols.IMAGE_SIZES and image_size is not None and shape:
+        return np.broadcast_to(np.asarray(image_size, dtype=dtype), shape).copy()
     if tensor.name == symbols.POSITION_IDS and np.issubdtype(dtype, np.integer) and shape:
         return np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
     if tensor.name == symbols.BATCH_INDEX and slots and shape:
@@ -165,6 +175,7 @@ def verify_program(
     progress: Callable[[str], None] | None = None,
     device_values: Sequence[str] | None = None,
     mx: MxEmulation | None = None,
+    image_sizes: Sequence[tuple[int, int] | None] | None = None,
 ) -> list[SpecializationRun]:
     """Run ``onnx_path`` once per specialization and check every output shape.
 
@@ -182,6 +193,7 @@ def verify_program(
         device_values: Node outputs kept in fp32 at device precision; ``None`` skips that check.
         mx: Microscaling formats of the compile (``-mxfp6-matmul``, an MXINT8 KV cache): their
             deviation is recorded too, on top of fp16 (a report, not a check).
+        image_sizes: Per specialization, the image it was built from (``image_sizes`` inputs).
 
     Raises:
         SpecError: A specialization misses a graph symbol or names one the graph lacks.
@@ -209,8 +221,9 @@ def verify_program(
     for index, values in enumerate(specializations):
         where = f"{program} specialization {index} {dict(values)}"
         slots = int(values.get(symbols.FULL_BATCH_SIZE, 0))
+        image_size = image_sizes[index] if image_sizes else None
         feeds = {
-            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng, slots)
+            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng, slots, image_size)
             for tensor in graph.inputs
         }
         names = [tensor.name for tensor in graph.outputs]

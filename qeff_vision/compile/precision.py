@@ -72,16 +72,24 @@ class PrecisionPlan:
         }
 
 
-def calibration_feeds(onnx_path: Path, specializations: Sequence[Mapping[str, int]], seed: int = 0):
-    """One generated input set per specialization (the shapes the program is compiled for)."""
+def calibration_feeds(
+    onnx_path: Path,
+    specializations: Sequence[Mapping[str, int]],
+    seed: int = 0,
+    image_sizes: Sequence[tuple[int, int] | None] | None = None,
+):
+    """One generated input set per specialization (the shapes the program is compiled for).
+
+    ``image_sizes``: per specialization, the image it was built from (see ``generated_input``).
+    """
     graph = read_graph_io(onnx_path)
     rng = np.random.default_rng(seed)
     for index, values in enumerate(specializations):
         where = f"calibration of specialization {index}"
+        slots = int(values.get(symbols.FULL_BATCH_SIZE, 0))
+        image_size = image_sizes[index] if image_sizes else None
         yield {
-            tensor.name: generated_input(
-                tensor, bound_shape(tensor, values, where), rng, int(values.get(symbols.FULL_BATCH_SIZE, 0))
-            )
+            tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng, slots, image_size)
             for tensor in graph.inputs
         }
 
@@ -96,13 +104,14 @@ def resolve_plan(
     exported: bool,
     dry_run: bool,
     prompt_ranges: Mapping[str, float] | None = None,
+    image_sizes: Sequence[tuple[int, int] | None] | None = None,
 ) -> PrecisionPlan:
     """Write (or remove) ``directory/node_precision.yaml`` for this program and describe the plan.
 
     A dry run (or a run before export) computes nothing: an ``auto`` plan keeps the file a previous
     compile wrote, if any. A user's plan is checked against the graph when it is exported.
     ``prompt_ranges`` (from :func:`qeff_vision.compile.calibration.prompt_ranges`) join the ranges
-    of the generated per-specialization inputs.
+    of the generated per-specialization inputs (``image_sizes``: each one's image, if any).
     """
     target = directory / PLAN_FILE
     if not options.convert_to_fp16:
@@ -114,7 +123,7 @@ def resolve_plan(
     if options.node_precision == NODE_PRECISION_AUTO:
         if dry_run or not exported:
             return PrecisionPlan(NODE_PRECISION_AUTO, target if target.is_file() else None, None)
-        return _auto(onnx_path, specializations, target, prompt_ranges or {})
+        return _auto(onnx_path, specializations, target, prompt_ranges or {}, image_sizes)
     source = Path(options.node_precision)
     source = source if source.is_absolute() else spec_dir / source
     names = read_plan(source)
@@ -138,12 +147,13 @@ def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] |
 
 
 def _auto(
-    onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float]
+    onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float], image_sizes=None
 ) -> PrecisionPlan:
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
-    ranges = value_ranges(model, onnx_path.parent, calibration_feeds(onnx_path, specializations))
+    feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
+    ranges = value_ranges(model, onnx_path.parent, feeds)
     for name, peak in prompt_ranges.items():
         ranges[name] = max(ranges.get(name, 0.0), peak)
     names = auto_plan(model, ranges)
@@ -192,6 +202,7 @@ def resolve_plans(
                 exported=exported,
                 dry_run=dry_run,
                 prompt_ranges=prompts.get(plan.program),
+                image_sizes=plan.image_sizes(),
             )
             if plan.program in keys:
                 _remember(plan.directory, keys[plan.program], precision)

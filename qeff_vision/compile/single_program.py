@@ -10,7 +10,8 @@ Ours encodes each image once. The two exported graphs are composed at the ONNX l
                                         flattened to [1, n, H] and written into the retained
                                         buffer from row ``image_idx`` (0 in a first chunk; a
                                         prompt's later same-size group its first row), the
-                                        rows before and after kept: Concat(head, rows, tail)
+                                        rows before and after kept (a row select:
+                                        Where(row in [f, f+n), Gather(rows), buffer))
                               └ else: Identity(vision_embeds)
     the language graph reads the If's output wherever it read ``vision_embeds``; its
     ``vision_embeds_RetainedState`` therefore retains the encoded rows for the later chunks.
@@ -188,11 +189,13 @@ def _write_rows(
     rows per image (n over the encoded image count).
 
     With ``cursor`` (the token-merge kind's ``image_idx`` [1, 1]) f is its value and the rows
-    after are kept too: a prompt whose images need several encode calls (images of different
-    sizes where one call takes one size: LLaVA-NeXT, Mistral 3) writes each group at its first
-    row, the call at row 0 last (runtime/single.py). A first chunk's ``image_idx`` is 0, so a
+    after are kept too: a prompt whose images need several
+    encode calls (images of different sizes where one call takes one size: Mistral 3; LLaVA-NeXT,
+    whose output is padded to its tile count's most rows, one call per image) writes each group at
+    its first row (runtime/single.py orders the calls). A first chunk's ``image_idx`` is 0, so a
     one-call prompt writes at the front as before; rows past the prompt's images are never read
-    (placeholders read rows by ``image_idx``).
+    (placeholders read rows by ``image_idx``). Every write is a static row select
+    (:func:`_select_rows`): no shape follows f.
     """
     name = buffer.name
     axis = _row_axis(buffer)
@@ -204,14 +207,12 @@ def _write_rows(
         _constant(helper, TensorProto, f"{tag}/shape", shape),
         helper.make_node("Reshape", [encoded, f"{tag}/shape"], [f"{tag}/rows"]),
         helper.make_node("Shape", [f"{tag}/rows"], [f"{tag}/n"], start=axis, end=axis + 1),
-        _constant(helper, TensorProto, f"{tag}/end", [2**62]),
-        _constant(helper, TensorProto, f"{tag}/axis", [axis]),
     ]
     first_row = f"{tag}/first"
     if cursor is not None:
         nodes += [
-            _constant(helper, TensorProto, f"{tag}/one", [1]),
-            helper.make_node("Reshape", [cursor, f"{tag}/one"], [first_row]),
+            _constant(helper, TensorProto, f"{tag}/one_row", [1]),
+            helper.make_node("Reshape", [cursor, f"{tag}/one_row"], [first_row]),
         ]
     elif slot is None:
         nodes.append(_constant(helper, TensorProto, first_row, [0]))
@@ -222,28 +223,58 @@ def _write_rows(
             helper.make_node("Div", [f"{tag}/n", f"{tag}/images"], [f"{tag}/per_image"]),
             helper.make_node("Mul", [symbols.FIRST_IMAGE_SLOT, f"{tag}/per_image"], [first_row]),
         ]
-    stop = f"{tag}/stop"
+    return _select_rows(helper, TensorProto, buffer, axis, nodes, tag, clear_after=cursor is None)
+
+
+def _select_rows(helper, TensorProto, buffer, axis: int, nodes: list, tag: str, clear_after: bool):
+    """The write of :func:`_write_rows` with every shape static: a row select, not a concat.
+
+    Buffer row r takes encoded row r - f where 0 <= r - f < n (f the value of ``{tag}/first``, n
+    the encoded rows); a row before f keeps its value, a row after the encoded ones keeps it too
+    or, with ``clear_after``, becomes zero. Only values depend on f (an input's value: the cursor
+    or ``first_image_slot``), so a compiler fixes every shape per specialization; encoded rows past
+    the buffer's end are dropped (a vision output padded to a fixed length, LLaVA-NeXT's, may be
+    longer than the rows left).
+    """
+    rank = len(buffer.type.tensor_type.shape.dim)
+    rows = f"{tag}/rows"
+    mask_shape = [1] * rank
+    mask_shape[axis] = -1
     nodes += [
-        helper.make_node("Add", [first_row, f"{tag}/n"], [stop]),
-        helper.make_node("Slice", [name, f"{tag}/zero_start", first_row, f"{tag}/axis"], [f"{tag}/head"]),
-        helper.make_node("Slice", [name, stop, f"{tag}/end", f"{tag}/axis"], [f"{tag}/tail"]),
+        _constant(helper, TensorProto, f"{tag}/zero", [0]),
+        _constant(helper, TensorProto, f"{tag}/one", [1]),
+        _constant(helper, TensorProto, f"{tag}/mask_shape", mask_shape),
+        helper.make_node("Shape", [buffer.name], [f"{tag}/total"], start=axis, end=axis + 1),
+        helper.make_node("Squeeze", [f"{tag}/total", f"{tag}/zero"], [f"{tag}/total_0d"]),
+        helper.make_node("Squeeze", [f"{tag}/zero", f"{tag}/zero"], [f"{tag}/zero_0d"]),
+        helper.make_node("Squeeze", [f"{tag}/one", f"{tag}/zero"], [f"{tag}/one_0d"]),
+        helper.make_node("Range", [f"{tag}/zero_0d", f"{tag}/total_0d", f"{tag}/one_0d"], [f"{tag}/r"]),
+        helper.make_node("Sub", [f"{tag}/r", f"{tag}/first"], [f"{tag}/source"]),
+        helper.make_node("GreaterOrEqual", [f"{tag}/source", f"{tag}/zero"], [f"{tag}/after_first"]),
+        helper.make_node("Less", [f"{tag}/source", f"{tag}/n"], [f"{tag}/before_end"]),
+        helper.make_node("And", [f"{tag}/after_first", f"{tag}/before_end"], [f"{tag}/written"]),
+        helper.make_node("Sub", [f"{tag}/n", f"{tag}/one"], [f"{tag}/last"]),
+        helper.make_node("Max", [f"{tag}/source", f"{tag}/zero"], [f"{tag}/low"]),
+        helper.make_node("Min", [f"{tag}/low", f"{tag}/last"], [f"{tag}/index"]),
+        helper.make_node("Gather", [rows, f"{tag}/index"], [f"{tag}/moved"], axis=axis),
+        helper.make_node("Reshape", [f"{tag}/written", f"{tag}/mask_shape"], [f"{tag}/mask"]),
     ]
-    after = f"{tag}/tail"
-    if cursor is None:
-        after = f"{tag}/cleared"
+    kept = buffer.name
+    if clear_after:  # rows past the encoded ones: no stale image of an earlier conversation stays
+        kept = f"{tag}/cleared"
         nodes += [
-            helper.make_node("Shape", [f"{tag}/tail"], [f"{tag}/tail_shape"]),
+            helper.make_node("Less", [f"{tag}/source", f"{tag}/zero"], [f"{tag}/before_first"]),
+            helper.make_node("Reshape", [f"{tag}/before_first", f"{tag}/mask_shape"], [f"{tag}/head_mask"]),
+            helper.make_node("Shape", [buffer.name], [f"{tag}/buffer_shape"]),
             helper.make_node(
                 "ConstantOfShape",
-                [f"{tag}/tail_shape"],
-                [after],
-                value=helper.make_tensor(f"{tag}/nought", buffer.type.tensor_type.elem_type, [1], [0]),
+                [f"{tag}/buffer_shape"],
+                [f"{tag}/nought"],
+                value=helper.make_tensor(f"{tag}/nought_value", buffer.type.tensor_type.elem_type, [1], [0]),
             ),
+            helper.make_node("Where", [f"{tag}/head_mask", buffer.name, f"{tag}/nought"], [kept]),
         ]
-    nodes.append(
-        helper.make_node("Concat", [f"{tag}/head", f"{tag}/rows", after], [f"{tag}/encoded"], axis=axis)
-    )
-    nodes.insert(0, _constant(helper, TensorProto, f"{tag}/zero_start", [0]))
+    nodes.append(helper.make_node("Where", [f"{tag}/mask", f"{tag}/moved", kept], [f"{tag}/encoded"]))
     return nodes, f"{tag}/encoded"
 
 

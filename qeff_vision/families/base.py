@@ -141,13 +141,19 @@ class Family(FamilyConfig, FamilyLanguageIO):
     #: An export or compile that still binds a former one is refused (or re-exported) by name
     #: instead of failing later on a symbol nothing binds.
     former_symbols: Mapping[str, str] = {}
+    #: Symbols the family's graphs no longer have under any name (former -> what replaced them, in
+    #: words). Refused (or re-exported) as :attr:`former_symbols` are.
+    retired_symbols: Mapping[str, str] = {}
 
     def former_symbol_note(self, names: Iterable[str]) -> str | None:
-        """``symbol 'old' (now 'new')`` for the first former symbol among ``names``, else None."""
+        """``symbol 'old' (now 'new')`` for the first former or retired symbol among ``names``, else None."""
         found = sorted(set(names) & set(self.former_symbols))
-        if not found:
-            return None
-        return f"{self.title}'s former symbol {found[0]!r} (now {self.former_symbols[found[0]]!r})"
+        if found:
+            return f"{self.title}'s former symbol {found[0]!r} (now {self.former_symbols[found[0]]!r})"
+        retired = sorted(set(names) & set(self.retired_symbols))
+        if retired:
+            return f"{self.title}'s former symbol {retired[0]!r} ({self.retired_symbols[retired[0]]})"
+        return None
 
     #: Image-processor options a spec may set (``vision.image_processor``): name -> allowed values
     #: (Gemma 4's ``max_soft_tokens``). The spec's token math reads them over the checkpoint's

@@ -58,6 +58,15 @@ class Host:
         pixels = np.asarray(processed[symbols.PIXEL_VALUES], dtype=np.float32)
         return [{symbols.PIXEL_VALUES: pixels[index : index + 1]} for index in range(pixels.shape[0])]
 
+    def own_rows(self, inputs: Mapping[str, np.ndarray]) -> int | None:
+        """How many leading rows of one image's vision output are its own (None: all of them).
+
+        A vision program whose output length is fixed per specialization (LLaVA-NeXT: the most
+        rows its tile count can produce) pads each image's rows with zeros; the runtime keeps
+        only these. ``inputs`` are the image's :meth:`vision_inputs` entry.
+        """
+        return None
+
     def placeholder_ids(self) -> dict[int, str]:
         """Placeholder token id -> modality of every placeholder whose tokens take vision rows."""
         return {self.family.image_token_id(self.model): "image"}

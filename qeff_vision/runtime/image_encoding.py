@@ -106,7 +106,8 @@ class ImageEncoding:
                     size -= 1
                 output = self.vision.run(self._vision_feeds(pending[:size], inputs_by_key))
                 for i, image in enumerate(pending[:size]):
-                    rows = self.wide_rows(output, i)
+                    # A fixed-length output pads an image's rows with zeros: keep its own.
+                    rows = self.wide_rows(output, i, slice(self.host.own_rows(inputs_by_key[image.key])))
                     # A pruned clip evicted since its prompt was built: the same mask again.
                     mask = self.retention.get(image.key)
                     embeds.append(rows if mask is None else prune_rows(rows, mask))

@@ -134,6 +134,7 @@ def image_groups(
     image_inputs: Mapping[str, list],
     per_image: list[Mapping[str, np.ndarray]],
     rows: list[int],
+    alone: bool = False,
 ) -> list[tuple[int, dict[str, np.ndarray]]]:
     """A prompt's images as encode calls: (first buffer row, batched inputs) per call.
 
@@ -149,6 +150,8 @@ def image_groups(
         image_inputs: Its image inputs with their axes (:func:`single_image_inputs`).
         per_image: Each image's vision inputs, in prompt order.
         rows: Each image's embedding rows, in prompt order.
+        alone: One call per image (a vision output padded past the image's own rows: a batch
+            would put the second image's rows after the first one's padding).
     """
 
     def shape_key(inputs: Mapping[str, np.ndarray]) -> tuple:
@@ -161,7 +164,7 @@ def image_groups(
     groups: list[tuple[int, list]] = []
     first = 0
     for index, inputs in enumerate(per_image):
-        if not groups or shape_key(per_image[groups[-1][1][0]]) != shape_key(inputs):
+        if alone or not groups or shape_key(per_image[groups[-1][1][0]]) != shape_key(inputs):
             groups.append((first, []))
         groups[-1][1].append(index)
         first += rows[index]
@@ -299,7 +302,8 @@ class SingleGenerator(Generator):
         (padding leaves both unchanged), so the first chunk's own call (the first group's images,
         written at row 0, with every later group's rows in place) feeds the chunk once. A device
         keeps the caches resident, so they could not be put back after a call that wrote them
-        (a Gated DeltaNet state would advance twice).
+        (a Gated DeltaNet state would advance twice). Images whose output is padded are all
+        encoded here, in row order, and the first chunk then runs as a keep call.
         """
         padding = np.full_like(by_role[Role.POSITIONS], -1)
         for first_row, feeds in groups:
@@ -322,7 +326,10 @@ class SingleGenerator(Generator):
         # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
         per_image = self.host.vision_inputs(processed)[kept:] if images else []
         rows = self.host.placeholder_counts(processed)[kept:] if images else []
-        groups = image_groups(self.language, self.image_inputs, per_image, rows) if images else []
+        # A vision output padded past each image's rows (Host.own_rows) writes zeros after them:
+        # one call per image, in prompt order, so each overwrites the previous one's padding.
+        padded = any(self.host.own_rows(inputs) is not None for inputs in per_image)
+        groups = image_groups(self.language, self.image_inputs, per_image, rows, padded) if images else []
         pending = groups[0][1] if groups else None
         pixel_bytes = sum(array.nbytes for _, feeds in groups for array in feeds.values())
         records, outputs = [], {}
@@ -337,10 +344,15 @@ class SingleGenerator(Generator):
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             encoding = pending is not None
+            # Padded outputs with several calls: every group before the chunk, in row order, and
+            # the chunk itself keeps (the first group's padding would overwrite the next rows).
+            chunk_keeps = padded and len(groups) > 1
+            ahead = groups if chunk_keeps else groups[1:]
             began = time.perf_counter()
-            if encoding and len(groups) > 1:
-                self._encode_later_groups(groups[1:], by_role, past)
-            outputs = self._call(by_role, pending if encoding else self._placeholder(), past)
+            if encoding and ahead:
+                self._encode_later_groups(ahead, by_role, past)
+            own = pending if encoding and not chunk_keeps else self._placeholder()
+            outputs = self._call(by_role, own, past)
             seconds = time.perf_counter() - began
             self.check_chunk_outputs(chunk, outputs)
             count = len(images) if encoding else 0

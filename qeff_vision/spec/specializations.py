@@ -10,6 +10,7 @@ for decode.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,17 @@ def _image_name(image: ImageSize) -> str:
     return f"Vision-{image.height}x{image.width}" + (
         f"x{image.frames}" if image.frames != 1 or image.video else ""
     )
+
+
+def specialization_image_size(name: str) -> tuple[int, int] | None:
+    """(height, width) of the image a specialization named ``name`` was built from, else None.
+
+    Vision entries (``Vision-HxW``) and a single program's encode entries (``Encode-S-nxHxW``,
+    the first image of a ``+``-joined tile total) name one; patch-bucket entries
+    (``Vision-patchesN``) and the other language entries do not.
+    """
+    found = re.fullmatch(r"(?:Vision-|Encode-\d+-\d+x)(\d+)x(\d+)(?:x\d+)?(?:\+.*)?", name)
+    return (int(found.group(1)), int(found.group(2))) if found else None
 
 
 def _graph_order(axes_maps: Iterable[Mapping[str, Mapping[int, str]]]) -> list[str]:

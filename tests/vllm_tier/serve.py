@@ -2,10 +2,12 @@
 
 Usage: ``python serve.py JOB.json RESULT.json``. The job names OUT's model directory, its vision
 and language program directories, the engine sizes and the requests (prompt text, optional image
-file). Like the plugin's ``examples/qaic_vision_language.py``: a pooling instance on the vision
+files). Like the plugin's ``examples/qaic_vision_language.py``: a pooling instance on the vision
 program encodes each image, a generate instance on the language program (``enable_mm_embeds``)
-generates from the embeddings. ``VLLM_QAIC_QPC_PATH=vision:language`` gives each instance its
-program (index 0 to the pooling runner, 1 to the generate runner). The result records each
+generates from the embeddings; a ``single_program`` job has the generate instance only, on the
+one-program artifact (the plugin's ``kv_offload: False``), and sends it the images.
+``VLLM_QAIC_QPC_PATH=vision:language`` gives each instance its program (index 0 to the pooling
+runner, 1 to the generate runner). The result records each
 request's prompt and output token ids and every plugin warning.
 
 The device runtime is the stand-in (tests/device_double, first on ``PYTHONPATH``); this script
@@ -46,7 +48,9 @@ def main(job_file: str, result_file: str) -> None:
     # The printed plugin form's arguments; the tier adds only determinism (seed, no media cache).
     extra = {"seed": 0, "mm_processor_cache_gb": 0}
     language = LLM(**job["engine_args"]["language"], **extra)
-    vision = LLM(**job["engine_args"]["vision"], **extra)
+    # The single-program artifact (the plugin's kv_offload=False) takes pixels: no pooling instance.
+    single_program = job.get("single_program", False)
+    vision = None if single_program else LLM(**job["engine_args"]["vision"], **extra)
     max_tokens = job["max_tokens"]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     import qaicrt  # the stand-in runtime the engine runs in this process: what reached the "device"
@@ -57,24 +61,31 @@ def main(job_file: str, result_file: str) -> None:
         inputs = []
         for request in batch:
             item = {"prompt": request["prompt"]}
-            if request.get("image"):
-                image = Image.open(request["image"]).convert("RGB")
-                encoded = vision.encode(
-                    [{"prompt": request["prompt"], "multi_modal_data": {"image": image}}],
-                    pooling_task="embed",
-                )
-                embeds = encoded[0].outputs.data
+            images = [Image.open(path).convert("RGB") for path in request.get("images", [])]
+            if images and single_program:
+                item["multi_modal_data"] = {"image": images[0] if len(images) == 1 else images}
+            elif images:
+                # Each image encoded alone (its one-image prompt): the plugin's pooling output
+                # stacks a prompt's images, which needs them of one size.
+                embeds = [
+                    vision.encode(
+                        [{"prompt": prompt, "multi_modal_data": {"image": image}}], pooling_task="embed"
+                    )[0].outputs.data
+                    for prompt, image in zip(request["image_prompts"], images, strict=True)
+                ]
+                if len(embeds) > 1:  # one [rows, hidden] item per image (each came as [1, rows, hidden])
+                    embeds = [embed.reshape(-1, embed.shape[-1]) for embed in embeds]
                 if request.get("image_grid_thw"):
                     import torch
 
                     item["multi_modal_data"] = {
                         "image": {
-                            "image_embeds": embeds,
+                            "image_embeds": torch.cat(embeds) if len(embeds) > 1 else embeds[0],
                             "image_grid_thw": torch.tensor(request["image_grid_thw"]),
                         }
                     }
                 else:
-                    item["multi_modal_data"] = {"image": embeds}
+                    item["multi_modal_data"] = {"image": embeds[0] if len(embeds) == 1 else embeds}
             inputs.append(item)
         outputs = language.generate(inputs, sampling_params=params)
         results.append(

@@ -52,6 +52,10 @@ VISION = dict(
     patch_size=PATCH_SIZE,
     pooling_kernel_size=POOLING,
     position_embedding_size=64,
+    # The published checkpoints' vision_config carries the image budget under this name (280 in
+    # google/gemma-4-*-it, their processor's max_soft_tokens too); transformers' config class does
+    # not declare it but keeps it, and vLLM 0.23 sizes image prompts from it.
+    default_output_length=MAX_SOFT_TOKENS,
 )
 TEXT = dict(
     hidden_size=64,

@@ -10,7 +10,11 @@ image resized to S). Each tile gives P x P features (P = S / patch). The tiles' 
 ("unpadded") to ``feature_height x feature_width``, and an ``image_newline`` embedding ends every
 row. Tokens = P*P + feature_height * (feature_width + 1).
 
-Both grids ride on input *shapes*, so one vision graph serves every resolution.
+The vision program takes what the processor returns (and the Cloud AI vLLM plugin sends):
+``pixel_values`` and ``image_sizes``. The graph derives both grids from the ``image_sizes`` values
+(see ``export.py``) and gathers the rows into an output whose length depends on the tile count
+only (``vision_size``, :meth:`LlavaNext.vision_rows`), so one vision graph serves every grid
+pinpoint and image size, and every specialization has static shapes.
 """
 
 from __future__ import annotations
@@ -41,15 +45,29 @@ from qeff_vision.families.llava_next.tiny import write_tiny_checkpoint  # torch-
 #: Tiles of one image, base tile included: QEfficient's name for pixel_values axis 1 (ref:
 #: quic/efficient-transformers QEffLlavaNextForConditionalGeneration.get_onnx_dynamic_axes).
 NUM_PATCHES = "num_patches"
-TILE_ROWS = "tile_rows"
-TILE_COLS = "tile_cols"
-FEATURE_HEIGHT = "feature_height"
-FEATURE_WIDTH = "feature_width"
-TILE_GRID = "tile_grid"
-FEATURE_GRID = "feature_grid"
+#: Each image's original (height, width), int64 [batch_size, 2]: the processor's output, which
+#: QEfficient's vision program and the vLLM plugin name the same.
+IMAGE_SIZES = symbols.IMAGE_SIZES
 # LlavaNextConfig's CLIP ViT-L/14-336 vision defaults, used when the config omits them.
 DEFAULT_IMAGE_SIZE = 336
 DEFAULT_PATCH_SIZE = 14
+
+
+@dataclass(frozen=True)
+class ImageGrid:
+    """Where an image lands: its tile grid and the feature grid left after unpadding.
+
+    Attributes:
+        tile_rows: Tiles down (the pinpoint's height / tile side).
+        tile_cols: Tiles across.
+        feature_height: Feature rows kept (each ends with an ``image_newline`` token).
+        feature_width: Feature columns kept.
+    """
+
+    tile_rows: int
+    tile_cols: int
+    feature_height: int
+    feature_width: int
 
 
 @dataclass(frozen=True)
@@ -114,15 +132,17 @@ class LlavaNext(Family):
         export=yes(),
         dynamic_vision_size=yes(),
         multi_resolution=yes(
-            "one vision graph over every grid pinpoint; a specialization per image size, since the "
-            "unpadded feature grid follows the exact aspect ratio; resize other images to a compiled size"
+            "one vision graph over every grid pinpoint; a specialization per tile count serves every "
+            "image whose pinpoint has that many tiles (any aspect ratio): its output is that count's "
+            "largest row total, each image's own rows first; resize other images to a compiled size"
         ),
         chunk_split=yes("causal attention over image tokens"),
         video=no("LLaVA-NeXT takes images only; LLaVA-NeXT-Video is a different architecture"),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the tiling CLIP tower composed in, run once per image in the first "
-            "chunk (one call per run of same-size images: a call takes one tile and feature grid); "
+            "chunk (one call per image: each writes its own rows and zeros up to the tile count's "
+            "row total); "
             "the fixed tile side is the symbol pixel_side (1 in keep entries); later chunks and "
             "decode read the rows"
         ),
@@ -130,14 +150,18 @@ class LlavaNext(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
-    # The tile grid and the unpadded feature grid ride on the shapes of two int64 carriers, so
-    # unpadding and newline insertion are shape arithmetic in the graph, never traced constants.
+    # QEfficient's inputs (get_onnx_dynamic_axes), as the processor returns them: the graph reads
+    # the tile grid and the unpadded feature grid from the image_sizes values (export.py).
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: NUM_PATCHES},
-        TILE_GRID: {0: symbols.BATCH_SIZE, 1: TILE_ROWS, 2: TILE_COLS},
-        FEATURE_GRID: {0: symbols.BATCH_SIZE, 1: FEATURE_HEIGHT, 2: FEATURE_WIDTH},
+        IMAGE_SIZES: {0: symbols.BATCH_SIZE},
     }
     former_symbols = {"num_tiles": NUM_PATCHES}
+    # The tile_grid / feature_grid shape carriers of the first vision program: their grids are
+    # read from the image_sizes values now, so an export or compile binding them is stale.
+    retired_symbols = dict.fromkeys(
+        ("tile_rows", "tile_cols", "feature_height", "feature_width"), "now read from image_sizes values"
+    )
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> LlavaNextVision:
         """Tile and patch sizes over LlavaNextConfig's defaults; the model's and processor's pinpoints.
@@ -185,20 +209,44 @@ class LlavaNext(Family):
             problems.append("the image processor's image_grid_pinpoints differ from the model config's")
         return problems
 
-    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """num_patches (the tiles), tile_rows, tile_cols, feature_height, feature_width and vision_size."""
+    def image_grid(self, model: ModelDescription, image: ImageSize) -> ImageGrid:
+        """The tile grid of the pinpoint the processor picks and the unpadded feature grid."""
         tile, side = self.tile_size(model), self.patches_per_side(model)
         pin_height, pin_width = best_resolution(image.height, image.width, self.pinpoints(model))
         rows, cols = math.ceil(pin_height / tile), math.ceil(pin_width / tile)
         feature_height, feature_width = unpadded_grid(image.height, image.width, rows * side, cols * side)
-        return {
-            NUM_PATCHES: rows * cols + 1,
-            TILE_ROWS: rows,
-            TILE_COLS: cols,
-            FEATURE_HEIGHT: feature_height,
-            FEATURE_WIDTH: feature_width,
-            symbols.VISION_SIZE: side * side + feature_height * (feature_width + 1),
-        }
+        return ImageGrid(rows, cols, feature_height, feature_width)
+
+    def vision_rows(self, model: ModelDescription, tiles: int) -> int:
+        """Output rows of the vision program for ``tiles`` tiles per image (base tile included).
+
+        The most any image those tiles hold produces: the base tile's P*P, plus the largest
+        pinpoint grid of at most ``tiles - 1`` tiles uncropped, with a newline per row. The
+        graph computes the same from the tile axis (``export.most_rows``), so a specialization's
+        output shape is fixed; an image's own rows come first, zeros after.
+        """
+        tile, side = self.tile_size(model), self.patches_per_side(model)
+        grids = [
+            (height // tile * side) * (width // tile * side + 1)
+            for height, width in self.pinpoints(model)
+            if (height // tile) * (width // tile) <= tiles - 1
+        ]
+        return side * side + max(grids, default=0)
+
+    def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """P*P + feature_height * (feature_width + 1): the processor's count for this size."""
+        grid, side = self.image_grid(model, image), self.patches_per_side(model)
+        return side * side + grid.feature_height * (grid.feature_width + 1)
+
+    def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
+        """num_patches (the tiles, base tile included) and vision_size, the rows that tile count outputs.
+
+        Both depend on the tile count only: every image whose pinpoint has as many tiles (any
+        aspect ratio) runs in one specialization; :meth:`image_tokens` counts its own rows.
+        """
+        grid = self.image_grid(model, image)
+        tiles = grid.tile_rows * grid.tile_cols + 1
+        return {NUM_PATCHES: tiles, symbols.VISION_SIZE: self.vision_rows(model, tiles)}
 
 
 def _host():
