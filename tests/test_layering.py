@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version"},
     {"contract"},
-    {"symbols", "fsutil", "qeff_vision"},
+    {"symbols", "fsutil", "graph_file", "qeff_vision"},
     {"errors"},
 ]
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}

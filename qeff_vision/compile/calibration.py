@@ -45,13 +45,12 @@ class RecordingProgram(OnnxProgram):
     """An fp32 :class:`OnnxProgram` that records the largest magnitude of every float node output."""
 
     def __init__(self, onnx_path: str | Path, specializations=None):
-        import onnx
-
+        from qeff_vision.graph_file import load_graph
         from qeff_vision.numerics.device import float_outputs, session_for, value_types
         from qeff_vision.numerics.plan import PEAK_SUFFIX, probe_model
 
         super().__init__(onnx_path, specializations)
-        model = onnx.load(str(onnx_path), load_external_data=False)
+        model = load_graph(onnx_path)
         self.recorded = float_outputs(model, value_types(model))
         self.recording_session = session_for(probe_model(model, self.recorded), Path(onnx_path).parent)
         self.peaks = [name + PEAK_SUFFIX for name in self.recorded]

@@ -20,6 +20,7 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
+from qeff_vision.graph_file import load_graph
 from qeff_vision.numerics.plan import (
     PLAN_FILE,
     Overflow,
@@ -140,9 +141,7 @@ def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] |
 def _auto(
     onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float]
 ) -> PrecisionPlan:
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_graph(onnx_path)
     ranges = value_ranges(model, onnx_path.parent, calibration_feeds(onnx_path, specializations))
     for name, peak in prompt_ranges.items():
         ranges[name] = max(ranges.get(name, 0.0), peak)

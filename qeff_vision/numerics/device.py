@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
+from qeff_vision.graph_file import load_graph
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -212,31 +213,13 @@ class MxEmulation:
         return " + ".join(parts)
 
 
-def _load_external_constants(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Read into the graph the values of Constant nodes the exporter stored as external data.
-
-    The exporter moves every tensor of at least its threshold to ``model.onnx.data``, a traced
-    buffer's Constant included (Llama 4's vision RoPE table); the fp16 rewrite reads and rounds
-    constants, and the rewritten graph is serialized without the data file's directory.
-    """
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR and uses_external_data(attribute.t):
-                load_external_data_for_tensor(attribute.t, str(base_dir))
-                attribute.t.data_location = TensorProto.DEFAULT
-                del attribute.t.external_data[:]
-
-
 def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
     """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats)."""
     from qeff_vision.numerics import mx as formats
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    _load_external_constants(model, Path(onnx_path).parent)
+    model = load_graph(onnx_path)
     mx = mx or MxEmulation()
     graph = device_graph(model, fp32_values)
     if mx.kv_mxint8:

@@ -26,6 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.graph_file import load_graph
 from qeff_vision.numerics.device import FLOAT_TYPES, FP16_MAX, float_outputs, session_for, value_types
 
 PLAN_KEY = "FP32NodeInstanceNames"
@@ -206,7 +207,7 @@ def overflow_message(
 
     Runs the fp32 graph once more on the same inputs with every node output exposed.
     """
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_graph(onnx_path)
     found = first_overflow(model, value_ranges(model, onnx_path.parent, [feeds]), plan)
     if found is None:
         return (
