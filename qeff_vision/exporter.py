@@ -10,8 +10,6 @@ into place at the end, so an interrupted export never leaves a model.onnx that l
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import sys
 import time
 import warnings
@@ -52,7 +50,7 @@ from qeff_vision.export_record import (
 )
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.families.base import ModelDescription
-from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, staged_directory
+from qeff_vision.fsutil import atomic_write_json, is_nonempty_dir, release_memory, staged_directory
 from qeff_vision.graph_file import external_attributes, inline_attributes
 from qeff_vision.transformers_version import require_supported_transformers
 
@@ -380,7 +378,7 @@ def export_model(
             programs[traced.program] = _describe_program(traced, final)
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
-        _release_memory()
+        release_memory()
 
         start = time.perf_counter()
         say("check: onnxruntime loads both graphs")
@@ -409,15 +407,6 @@ def export_model(
 def _cast(example: tuple, dtype: torch.dtype) -> tuple:
     """Floating example inputs in the export dtype (integer ids and indices unchanged)."""
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
-
-
-def _release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _trace(staging: Path, program: str, module, example, input_names, output_names, axes) -> _Traced:

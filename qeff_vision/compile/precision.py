@@ -262,7 +262,8 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
     """Per program, a hash of everything a calibration result depends on."""
     from qeff_vision import __version__
     from qeff_vision.compile import cache
-    from qeff_vision.numerics.plan import MASK_SENTINEL, SAFETY_MARGIN
+    from qeff_vision.numerics.plan import SAFETY_MARGIN
+    from qeff_vision.numerics.recording import MASK_SENTINEL
 
     if not plans:
         return {}
