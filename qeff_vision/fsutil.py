@@ -111,9 +111,14 @@ def is_nonempty_dir(path: str | os.PathLike) -> bool:
     return path.is_dir() and any(path.iterdir())
 
 
-def release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
-    gc.collect()
+def release_memory(collect: bool = True) -> None:
+    """Collect garbage (unless ``collect`` is false) and hand freed heap pages back to the OS.
+
+    glibc keeps freed pages otherwise. A collection costs time in a large heap; a caller that just
+    dropped the last reference to something (refcounting frees it at once) can skip it.
+    """
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

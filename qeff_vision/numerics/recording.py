@@ -306,8 +306,8 @@ class SlicedRecorder:
         names = [o.name for o in session.get_outputs()]
         results = dict(zip(names, session.run(names, inputs)))
         if not self.keep_sessions:
-            del session
-            release_memory()
+            del session  # its weights and arena go now (the session holds no reference cycle)
+            release_memory(collect=False)
         return results
 
     def _record(self, part: GraphSlice, outputs: Mapping[str, np.ndarray]) -> list[str]:
