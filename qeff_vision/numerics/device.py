@@ -150,19 +150,22 @@ def session_for(
     threads: int = 0,
     initializers: Mapping[str, np.ndarray] | None = None,
     in_graph_order: bool = False,
+    arena: bool = True,
 ):
     """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``.
 
     ``initializers`` replace the named initializers' values (MX-rounded weights). ``in_graph_order``
     runs nodes in their graph order wherever it can (onnxruntime's priority-based order): its
     default order may put a value's extra readers (calibration reductions) after every other node
-    and keep each value alive until then.
+    and keep each value alive until then. Without ``arena`` freed buffers go back to the allocator
+    (and large ones to the OS) instead of staying in the session's arena at its peak size.
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     if in_graph_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = arena
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))

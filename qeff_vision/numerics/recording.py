@@ -20,7 +20,9 @@ Vision with 5 of 40 text layers: killed at 24 GiB). Here peak memory does not gr
   ``max(max, -min, 0)`` unless that reaches :data:`~qeff_vision.numerics.plan.MASK_SENTINEL` or the
   sum is NaN: such a value (an attention mask, scores with the mask added) needs the magnitudes
   below the sentinel, so its slice is cut right after its producer and the value, now a slice
-  output, is reduced on the host in fixed-size chunks. The cut is found on the call that first
+  output, is reduced on the host in fixed-size chunks; the next slice ends after its last reader
+  (a slice holds its inputs until it ends). So does every slice input of :data:`LARGE_VALUE` bytes
+  or more, found on the first call that feeds it. The cut is found on the call that first
   sees the sentinel (that slice runs again) and kept for later calls.
 
 The peaks are exactly those of the whole graph with every value exposed (tests/test_recording.py).
@@ -43,6 +45,8 @@ from qeff_vision.numerics.device import session_for
 DEFAULT_SLICE_BYTES = 512 * 2**20
 # Magnitudes from here on are attention-mask sentinels (float32's minimum), not activations.
 MASK_SENTINEL = 1e30
+# Inputs from here on make their slice end after their last reader (attention-sized values).
+LARGE_VALUE = 64 * 2**20
 # Elements per host-side chunk when reducing a masked value (bounded temporaries).
 HOST_CHUNK = 1 << 22
 _MAX, _MIN, _SUM = "__rec_max", "__rec_min", "__rec_sum"
@@ -139,8 +143,30 @@ class SlicedGraph:
         for name in names:
             self.exposed.add(name)
             self.cuts.append(self.producer[name] + 1)
+            self._cut_after_last_reader(name)
         self.cuts = sorted({cut for cut in self.cuts if cut < len(self.nodes)})
         self.slices = self._slices()
+
+    def release_early(self, part: GraphSlice, sizes: Mapping[str, int]) -> bool:
+        """Cut ``part`` after the last reader of each large input; True when the slices changed.
+
+        A slice holds its inputs until it ends; a plain run frees a value after its last reader.
+        """
+        before = len(self.cuts)
+        for name in part.inputs:
+            if sizes[name] >= LARGE_VALUE:
+                self._cut_after_last_reader(name, part.start, part.stop - 1)
+        self.cuts = sorted(set(self.cuts))
+        if len(self.cuts) == before:
+            return False
+        self.slices = self._slices()
+        return True
+
+    def _cut_after_last_reader(self, name: str, start: int = 0, stop: int | None = None) -> None:
+        stop = len(self.nodes) - 1 if stop is None else stop
+        readers = [index for index in range(start, stop) if name in self.reads[index]]
+        if readers:
+            self.cuts.append(max(readers) + 1)
 
     def _slices(self) -> list[GraphSlice]:
         bounds = [*self.cuts, len(self.nodes)]
@@ -182,6 +208,17 @@ class SlicedGraph:
         self.last_reader = last_reader
         return slices
 
+    def _without_copy(self, node: onnx.NodeProto) -> onnx.NodeProto:
+        """``node``, or an ``Identity`` for a Cast to the type it already has.
+
+        Such a Cast (an fp32 softmax cast "to the compute dtype") copies its input; onnxruntime
+        removes it from a plain run, but not while a reduction reads its output. ``Identity``
+        aliases the buffer: the same values without a second attention-sized tensor.
+        """
+        if not _is_same_type_cast(node, self.types):
+            return node
+        return helper.make_node("Identity", list(node.input), list(node.output), name=node.name)
+
     def slice_model(self, part: GraphSlice, inputs: Mapping[str, np.ndarray]) -> onnx.ModelProto:
         """The slice as a model for ``inputs`` (types and shapes).
 
@@ -194,7 +231,7 @@ class SlicedGraph:
         # reduction at the slice's end and keep every value alive until then).
         nodes = [*(self.constants[name] for name in part.constants)]
         for node in self.nodes[part.start : part.stop]:
-            nodes.append(node)
+            nodes.append(self._without_copy(node))
             for name in (o for o in node.output if o in recorded):
                 source = name
                 if self.types.get(name) != TensorProto.FLOAT:  # reductions run in float32
@@ -222,6 +259,13 @@ class SlicedGraph:
         )
         sliced.functions.extend(self.model.functions)
         return sliced
+
+
+def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.input:
+        return False
+    target = next((attribute.i for attribute in node.attribute if attribute.name == "to"), None)
+    return target is not None and types.get(node.input[0]) == target
 
 
 def _tensor_bytes(tensor: onnx.TensorProto) -> int:
@@ -277,6 +321,8 @@ class SlicedRecorder:
         number = 0
         while number < len(self.graph.slices):
             part = self.graph.slices[number]
+            if self.graph.release_early(part, {name: values[name].nbytes for name in part.inputs}):
+                continue
             outputs = self._run_slice(part, values)
             found = self._record(part, outputs)
             if found:  # mask-carrying values: cut after each and run the slice again
@@ -302,7 +348,8 @@ class SlicedRecorder:
         session = self._sessions.get(key)
         if session is None:
             model = self.graph.slice_model(part, inputs)
-            session = session_for(model, self.model_dir, self.threads, in_graph_order=True)
+            # No arena: a kept session would hold its peak activations between calls.
+            session = session_for(model, self.model_dir, self.threads, in_graph_order=True, arena=False)
             if self.keep_sessions:
                 self._sessions[key] = session
         names = [o.name for o in session.get_outputs()]
