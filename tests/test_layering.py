@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"exporter"},  # the export driver: a family's adapter over the export building blocks
     {"runtime"},
     {"spec"},
+    {"real_width"},  # real-width random checkpoints: a family's tiny pieces over a pinned config
     {"checkpoint"},
     {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
