@@ -10,8 +10,6 @@ into place at the end, so an interrupted export never leaves a model.onnx that l
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import sys
 import time
 import warnings
@@ -53,7 +51,14 @@ from qeff_vision.export_record import (
 )
 from qeff_vision.families import Family, describe_checkpoint, family_for
 from qeff_vision.families.base import ModelDescription
-from qeff_vision.fsutil import atomic_write_json, check_output_dir, is_nonempty_dir, staged_directory
+from qeff_vision.fsutil import (
+    atomic_write_json,
+    check_output_dir,
+    is_nonempty_dir,
+    release_memory,
+    staged_directory,
+)
+from qeff_vision.graph_file import external_attributes, inline_attributes
 from qeff_vision.transformers_version import require_supported_transformers
 
 OPSET = 17
@@ -79,7 +84,8 @@ EXAMPLE_SYMBOLS = {
     # KV slots of a continuous-batching example (the call itself has batch 1, as a prefill does).
     symbols.FULL_BATCH_SIZE: 4,
 }
-# Tensors of at least this many bytes go to model.onnx.data; smaller ones stay in the graph.
+# Initializers of at least this many bytes go to model.onnx.data; smaller ones (and every node
+# attribute, a Constant's value included) stay in the graph.
 EXTERNAL_THRESHOLD = 1024
 
 Progress = Callable[[str], None]
@@ -167,18 +173,14 @@ class _Traced:
     params: Mapping[str, torch.Tensor]
 
 
-def _weights(model: onnx.ModelProto):
-    """Initializers and Constant-node tensors of the main graph (where the weights are)."""
-    yield from model.graph.initializer
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
-                yield attribute.t
-
-
 def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
-    """Move every large constant the tracer left in the graph (not a weight) into ``data``."""
-    for tensor in _weights(model):
+    """Move every large initializer the tracer left in the graph (not a weight) into ``data``.
+
+    Node attributes stay in the graph (:mod:`qeff_vision.graph_file`): one the tracer stored
+    externally (a large traced buffer's ``Constant``) is read back in.
+    """
+    inline_attributes(model, source_dir)
+    for tensor in model.graph.initializer:
         if external_data_helper.uses_external_data(tensor):
             info = external_data_helper.ExternalDataInfo(tensor)
             with open(source_dir / info.location, "rb") as source:
@@ -201,6 +203,9 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.Model
     with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
         _stream_constants(model, traced.raw_path.parent, data)
         write_weights(model, traced.params, plan, data)
+    outside = external_attributes(model)
+    if outside:  # every stage reads node attributes from the graph itself
+        raise RuntimeError(f"{final_path}: node attributes stored as external data: {outside[:3]}")
     onnx.save_model(model, str(final_path))
     for leftover in traced.raw_path.parent.iterdir():
         if leftover.name not in (final_path.name, final_path.name + ".data"):
@@ -376,7 +381,7 @@ def export_model(
             programs[traced.program] = _describe_program(traced, final)
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
-        _release_memory()
+        release_memory()
 
         start = time.perf_counter()
         say("check: onnxruntime loads both graphs")
@@ -405,15 +410,6 @@ def export_model(
 def _cast(example: tuple, dtype: torch.dtype) -> tuple:
     """Floating example inputs in the export dtype (integer ids and indices unchanged)."""
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
-
-
-def _release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _trace(staging: Path, program: str, module, example, input_names, output_names, axes) -> _Traced:

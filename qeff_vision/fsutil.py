@@ -1,8 +1,13 @@
-"""Atomic writes (nothing half-written is ever left under a final name) and the JSON readers."""
+"""Atomic writes (nothing half-written is ever left under a final name) and the JSON readers.
+
+Also :func:`release_memory`, which hands freed heap pages back between the stages of a long run.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import json
 import os
 import shutil
@@ -251,3 +256,17 @@ def is_nonempty_dir(path: str | os.PathLike) -> bool:
     """True when ``path`` is a directory with at least one entry."""
     path = Path(path)
     return path.is_dir() and any(path.iterdir())
+
+
+def release_memory(collect: bool = True) -> None:
+    """Collect garbage (unless ``collect`` is false) and hand freed heap pages back to the OS.
+
+    glibc keeps freed pages otherwise. A collection costs time in a large heap; a caller that just
+    dropped the last reference to something (refcounting frees it at once) can skip it.
+    """
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

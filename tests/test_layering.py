@@ -23,12 +23,13 @@ LAYERS: list[set[str]] = [
     {"exporter"},  # the export driver: a family's adapter over the export building blocks
     {"runtime"},
     {"spec"},
+    {"real_width"},  # real-width random checkpoints: a family's tiny pieces over a pinned config
     {"checkpoint"},
     {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version"},
     {"contract"},
-    {"symbols", "fsutil", "qeff_vision"},
+    {"symbols", "fsutil", "graph_file", "qeff_vision"},
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]

@@ -1,6 +1,6 @@
 """Calibration runs for the precision plan: real prompts through the runtime, every node output recorded.
 
-Each program runs in fp32 with every float node output exposed (:class:`RecordingProgram`), inside
+Each program runs in fp32 recording every float node output's peak (:class:`RecordingProgram`), inside
 the ordinary chunk-aware generation loop, on one prompt per (image, prompt) pair: the spec's
 resolutions as synthetic images (or the user's ``compile.calibration.images``) with a default
 prompt (or ``compile.calibration.prompts``), chunked over the compiled buckets and followed by a few
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.runtime.session import OnnxProgram
+from qeff_vision.runtime.session import CompiledProgram, int_specializations
 
 DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
 DECODE_STEPS = 3
@@ -41,29 +41,57 @@ def single_sequence(values: Mapping[str, int]) -> dict[str, int]:
     return {**single, symbols.BATCH_SIZE: 1, symbols.FULL_BATCH_SIZE: 1}
 
 
-class RecordingProgram(OnnxProgram):
-    """An fp32 :class:`OnnxProgram` that records the largest magnitude of every float node output."""
+class RecordingProgram(CompiledProgram):
+    """An fp32 program that records the largest magnitude of every float node output it computes.
 
-    def __init__(self, onnx_path: str | Path, specializations=None):
-        import onnx
+    It runs the graph slice by slice (:class:`~qeff_vision.numerics.recording.SlicedRecorder`):
+    no session holds the whole graph's weights, and each value is reduced to its peak as it is
+    produced, so memory does not grow with depth.
+    """
 
-        from qeff_vision.numerics.device import float_outputs, session_for, value_types
-        from qeff_vision.numerics.plan import PEAK_SUFFIX, probe_model
+    def __init__(self, onnx_path: str | Path, specializations=None, slice_bytes: int | None = None):
+        from onnx.helper import tensor_dtype_to_np_dtype
 
-        super().__init__(onnx_path, specializations)
-        model = onnx.load(str(onnx_path), load_external_data=False)
-        self.recorded = float_outputs(model, value_types(model))
-        self.recording_session = session_for(probe_model(model, self.recorded), Path(onnx_path).parent)
-        self.peaks = [name + PEAK_SUFFIX for name in self.recorded]
-        self.ranges: dict[str, float] = dict.fromkeys(self.recorded, 0.0)
+        from qeff_vision.graph_file import load_graph
+        from qeff_vision.numerics.device import float_outputs, value_types
+        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder
+
+        super().__init__()
+        self.path = Path(onnx_path)
+        model = load_graph(self.path)
+        graph = model.graph
+        self.input_dims = {value.name: _dims(value) for value in graph.input}
+        self.input_dtypes = {
+            value.name: tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type) for value in graph.input
+        }
+        self.output_names = [value.name for value in graph.output]
+        self.output_dims = {value.name: _dims(value) for value in graph.output}
+        self.specializations = int_specializations(specializations)
+        types = value_types(model)
+        self.recorder = SlicedRecorder(
+            model,
+            self.path.parent,
+            float_outputs(model, types),
+            types,
+            self.output_names,
+            slice_bytes=slice_bytes or DEFAULT_SLICE_BYTES,
+        )
+
+    @property
+    def ranges(self) -> dict[str, float]:
+        """Node output -> largest magnitude recorded so far."""
+        return self.recorder.ranges
 
     def _execute(self, feeds, bound):
-        from qeff_vision.numerics.plan import update_ranges
+        return self.recorder.run(feeds)
 
-        names = self.output_names + self.peaks
-        values = self.recording_session.run(names, dict(feeds))
-        update_ranges(self.ranges, dict(zip(names, values)))
-        return dict(zip(self.output_names, values[: len(self.output_names)]))
+
+def _dims(value) -> list:
+    """A graph value's dims as a session reports them: ints, symbol names, None when unknown."""
+    dims = []
+    for dim in value.type.tensor_type.shape.dim:
+        dims.append(dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None))
+    return dims
 
 
 def prompt_ranges(

@@ -20,6 +20,7 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
+from qeff_vision.graph_file import load_graph
 from qeff_vision.numerics.plan import (
     PLAN_FILE,
     Overflow,
@@ -149,9 +150,7 @@ def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] |
 def _auto(
     onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float], image_sizes=None
 ) -> PrecisionPlan:
-    import onnx
-
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_graph(onnx_path)
     feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
     ranges = value_ranges(model, onnx_path.parent, feeds)
     for name, peak in prompt_ranges.items():
@@ -274,7 +273,8 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
     """Per program, a hash of everything a calibration result depends on."""
     from qeff_vision import __version__
     from qeff_vision.compile import cache
-    from qeff_vision.numerics.plan import MASK_SENTINEL, SAFETY_MARGIN
+    from qeff_vision.numerics.plan import SAFETY_MARGIN
+    from qeff_vision.numerics.recording import MASK_SENTINEL
 
     if not plans:
         return {}
@@ -339,3 +339,20 @@ def _reuse(plan, key: str) -> PrecisionPlan | None:
     return PrecisionPlan(
         record["mode"], target if names else None, names, record.get("non_matmul_outputs"), source, overflow
     )
+
+
+def calibrate(spec_path: Path, export_dir: Path, out_dir: Path, say=None) -> dict[str, PrecisionPlan]:
+    """The precision plan of every program of a spec over an export, as ``compile`` resolves it.
+
+    Only the calibration runs (prompts through the runtime, the generated input of every
+    specialization); nothing is compiled or verified. The plans and their records are written
+    under ``out_dir/<program>/`` as ``compile`` writes them (benchmarks/calibration_memory.py).
+    """
+    from qeff_vision.compile.inputs import given_export, plan_inputs
+    from qeff_vision.spec import build_specializations, load_spec
+
+    spec = load_spec(spec_path)
+    export = given_export(spec, Path(export_dir))
+    plans = plan_inputs(build_specializations(spec, layout="flat"), spec, Path(out_dir), export)
+    resolve_plans(plans, spec, export.directory, export.manifest, dry_run=False, say=say or (lambda _: None))
+    return {name: plan.precision for name, plan in plans.items()}

@@ -76,33 +76,22 @@ def vision_symbol(name: str, images_symbol: str = symbols.BATCH_SIZE) -> str:
 
 
 def _load(path: Path):
-    import onnx
+    from qeff_vision.graph_file import load_graph
 
     try:
-        return onnx.load(str(path), load_external_data=False)
+        # Node attributes come into memory (older exports stored large constants externally):
+        # the composed graph's only external tensors are the two graphs' initializers.
+        return load_graph(path)
     except Exception as exc:  # noqa: BLE001 - any parse failure is the same user error
         raise UserError(f"{path}: not a readable ONNX graph ({exc.__class__.__name__})") from None
 
 
-def _relocate(initializer, directory: str) -> None:
-    """Point an external initializer at its file seen from the export's top level."""
-    for entry in initializer.external_data:
-        if entry.key == "location":
-            entry.value = f"{directory}/{entry.value}"
-
-
 def _relocate_graph(graph, directory: str) -> None:
-    """:func:`_relocate` every external tensor of ``graph``: initializers and node attributes.
-
-    The exporter may store a large ``Constant`` node's value externally too (Llama 4's vision
-    graph does), and onnxruntime resolves it from the top-level model's directory as well.
-    """
+    """Point every external initializer of ``graph`` at its file seen from the export's top level."""
     for tensor in graph.initializer:
-        _relocate(tensor, directory)
-    for node in graph.node:
-        for attribute in node.attribute:
-            for tensor in [attribute.t] if attribute.HasField("t") else list(attribute.tensors):
-                _relocate(tensor, directory)
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = f"{directory}/{entry.value}"
 
 
 def _prefix_names(graph, keep: set[str]) -> None:

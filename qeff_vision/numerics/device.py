@@ -34,6 +34,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
+from qeff_vision.graph_file import load_graph
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -148,14 +149,23 @@ def session_for(
     model_dir: Path,
     threads: int = 0,
     initializers: Mapping[str, np.ndarray] | None = None,
+    in_graph_order: bool = False,
+    arena: bool = True,
 ):
     """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``.
 
-    ``initializers`` replace the named initializers' values (MX-rounded weights).
+    ``initializers`` replace the named initializers' values (MX-rounded weights). ``in_graph_order``
+    runs nodes in their graph order wherever it can (onnxruntime's priority-based order): its
+    default order may put a value's extra readers (calibration reductions) after every other node
+    and keep each value alive until then. Without ``arena`` freed buffers go back to the allocator
+    (and large ones to the OS) instead of staying in the session's arena at its peak size.
     """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if in_graph_order:
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    options.enable_cpu_mem_arena = arena
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))
@@ -212,31 +222,13 @@ class MxEmulation:
         return " + ".join(parts)
 
 
-def _load_external_constants(model: onnx.ModelProto, base_dir: Path) -> None:
-    """Read into the graph the values of Constant nodes the exporter stored as external data.
-
-    The exporter moves every tensor of at least its threshold to ``model.onnx.data``, a traced
-    buffer's Constant included (Llama 4's vision RoPE table); the fp16 rewrite reads and rounds
-    constants, and the rewritten graph is serialized without the data file's directory.
-    """
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR and uses_external_data(attribute.t):
-                load_external_data_for_tensor(attribute.t, str(base_dir))
-                attribute.t.data_location = TensorProto.DEFAULT
-                del attribute.t.external_data[:]
-
-
 def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
     """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats)."""
     from qeff_vision.numerics import mx as formats
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    _load_external_constants(model, Path(onnx_path).parent)
+    model = load_graph(onnx_path)
     mx = mx or MxEmulation()
     graph = device_graph(model, fp32_values)
     if mx.kv_mxint8:

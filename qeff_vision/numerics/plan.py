@@ -5,8 +5,8 @@ The compiler reads a plan from ``-node-precision-info=FILE``, a YAML file whose 
 hand for two Gemma 3 sizes, ref: quic/efficient-transformers
 QEfficient/transformers/models/gemma3/configs/fp32_nodes_gemma3_27b.yaml: residual ``Add`` outputs,
 ``CustomRMSNorm`` outputs, attention scalings). Here the plan is computed: run the fp32 graph on
-calibration inputs with every float node output exposed, take each output's largest magnitude,
-and keep in fp32
+calibration inputs recording every float node output's largest magnitude
+(:mod:`qeff_vision.numerics.recording`), and keep in fp32
 
 * every output whose magnitude times :data:`SAFETY_MARGIN` exceeds fp16's largest finite value, and
 * every float output of a node that reads such a value (the norm after an overflowing residual
@@ -22,18 +22,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
 
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_text
-from qeff_vision.numerics.device import FLOAT_TYPES, FP16_MAX, float_outputs, session_for, value_types
+from qeff_vision.graph_file import load_graph
+from qeff_vision.numerics.device import FLOAT_TYPES, FP16_MAX, float_outputs, value_types
+from qeff_vision.numerics.recording import SlicedRecorder, record_ranges
 
 PLAN_KEY = "FP32NodeInstanceNames"
 PLAN_FILE = "node_precision.yaml"
 # A value seen at half of fp16's range on calibration inputs may exceed it on another prompt.
 SAFETY_MARGIN = 2.0
-# Magnitudes from here on are attention-mask sentinels (float32's minimum is -3.4e38), not activations.
-MASK_SENTINEL = 1e30
 # Ops whose outputs the compiler never needs in the plan to avoid overflow: they only move data.
 _MATMULS = ("MatMul", "Gemm", "Conv")
 
@@ -77,74 +76,19 @@ def check_plan_names(model: onnx.ModelProto, names: Iterable[str], source: str) 
         )
 
 
-PEAK_SUFFIX = "__peak"
-
-
-def probe_model(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """A copy of ``model`` with one scalar output ``<name>__peak`` per node output in ``names``.
-
-    Each peak is the largest magnitude of the value, computed in the graph so that a run keeps no
-    intermediate tensor alive (a 7B language program has thousands of them). Mask sentinels are
-    left out: magnitudes from :data:`MASK_SENTINEL` on (float32's minimum, which attention masks
-    add, and infinities) saturate to fp16's largest magnitude on the device, where they still zero
-    a softmax weight, so they say nothing about overflow; NaN is left out too.
-    """
-    probed = onnx.ModelProto()
-    probed.CopyFrom(model)
-    graph = probed.graph
-    # The exporter's value_info may name one symbol for two sizes (a CCL-long gather and ctx_len);
-    # onnxruntime's buffer reuse trusts it, and the probes' extra readers expose that: drop it.
-    del graph.value_info[:]
-    constants = {
-        "sentinel": np.array(MASK_SENTINEL, dtype=np.float32),
-        "zero": np.array(0.0, dtype=np.float32),
-        "zero_1d": np.zeros(1, dtype=np.float32),
-        "flat": np.array([-1], dtype=np.int64),
-    }
-    prefix = "__probe_"
-    for key, value in constants.items():
-        graph.node.append(
-            helper.make_node(
-                "Constant", [], [prefix + key], value=numpy_helper.from_array(value, prefix + key)
-            )
-        )
-    for index, name in enumerate(names):
-        p = f"{prefix}{index}_"
-        graph.node.extend(
-            [
-                helper.make_node("Cast", [name], [p + "float"], to=TensorProto.FLOAT),
-                helper.make_node("Abs", [p + "float"], [p + "abs"]),
-                helper.make_node("Less", [p + "abs", prefix + "sentinel"], [p + "kept"]),
-                helper.make_node("Where", [p + "kept", p + "abs", prefix + "zero"], [p + "masked"]),
-                helper.make_node("Reshape", [p + "masked", prefix + "flat"], [p + "row"]),
-                # A zero on the end: an empty tensor has peak 0 instead of no maximum.
-                helper.make_node("Concat", [p + "row", prefix + "zero_1d"], [p + "padded"], axis=0),
-                helper.make_node("ReduceMax", [p + "padded"], [name + PEAK_SUFFIX], keepdims=0),
-            ]
-        )
-        graph.output.append(helper.make_tensor_value_info(name + PEAK_SUFFIX, TensorProto.FLOAT, []))
-    return probed
-
-
-def update_ranges(ranges: dict[str, float], peaks: Mapping[str, np.ndarray]) -> None:
-    """Raise ``ranges[name]`` to each ``<name>__peak`` output of a :func:`probe_model` run."""
-    for output, peak in peaks.items():
-        name = output[: -len(PEAK_SUFFIX)]
-        if output.endswith(PEAK_SUFFIX) and name in ranges:
-            ranges[name] = max(ranges[name], float(peak))
-
-
 def value_ranges(
     model: onnx.ModelProto, model_dir: Path, feeds: Iterable[Mapping[str, np.ndarray]]
 ) -> dict[str, float]:
-    """Largest magnitude of every float node output over ``feeds`` (fp32 graph; see probe_model)."""
-    names = float_outputs(model)
-    session = session_for(probe_model(model, names), model_dir)
-    outputs = [name + PEAK_SUFFIX for name in names]
-    ranges = dict.fromkeys(names, 0.0)
-    for feed in feeds:
-        update_ranges(ranges, dict(zip(outputs, session.run(outputs, dict(feed)))))
-    return ranges
+    """Largest magnitude of every float node output over ``feeds`` (fp32 graph, run slice by slice).
+
+    Magnitudes from :data:`~qeff_vision.numerics.recording.MASK_SENTINEL` on (float32's minimum,
+    which attention masks add, and infinities) are left out: they saturate to fp16's largest
+    magnitude on the device, where they still zero a softmax weight, so they say nothing about
+    overflow; NaN is left out too. See
+    :mod:`qeff_vision.numerics.recording` for how memory stays independent of depth.
+    """
+    types = value_types(model)
+    return record_ranges(SlicedRecorder(model, model_dir, float_outputs(model, types), types), feeds)
 
 
 def auto_plan(model: onnx.ModelProto, ranges: Mapping[str, float]) -> list[str]:
@@ -206,7 +150,7 @@ def overflow_message(
 
     Runs the fp32 graph once more on the same inputs with every node output exposed.
     """
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_graph(onnx_path)
     found = first_overflow(model, value_ranges(model, onnx_path.parent, [feeds]), plan)
     if found is None:
         return (

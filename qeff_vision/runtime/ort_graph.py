@@ -23,10 +23,12 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from qeff_vision.graph_file import load_graph
+
 
 def prepared_for_onnxruntime(onnx_path: Path) -> onnx.ModelProto:
     """``onnx_path``'s graph, local functions inlined and equal constants shared; weights stay external."""
-    model = onnx.load(str(onnx_path), load_external_data=False)
+    model = load_graph(onnx_path)
     if not model.functions:
         return model
     from onnx import inliner

@@ -132,7 +132,7 @@ class CompiledProgram:
         import copy
 
         view = copy.copy(self)
-        view.specializations = _as_int_specializations(specializations)
+        view.specializations = int_specializations(specializations)
         view.calls, view.seconds, view._shape_memo = 0, 0.0, {}
         return view
 
@@ -152,7 +152,8 @@ class CompiledProgram:
         raise NotImplementedError
 
 
-def _as_int_specializations(specializations) -> list[dict[str, int]] | None:
+def int_specializations(specializations) -> list[dict[str, int]] | None:
+    """Specializations with every symbol value an int (``None`` stays ``None``: any shape)."""
     if specializations is None:
         return None
     return [{k: int(v) for k, v in spec.items()} for spec in specializations]
@@ -204,7 +205,7 @@ class OnnxProgram(CompiledProgram):
         }
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.output_dims = {o.name: list(o.shape) for o in self.session.get_outputs()}
-        self.specializations = _as_int_specializations(specializations)
+        self.specializations = int_specializations(specializations)
         self._aliasable: dict[tuple, set[str]] = {}  # retained pairs -> inputs written in place
         self._runner = None  # the IO binding of run_retained, made on first use
 
@@ -341,7 +342,7 @@ class QaicProgram(CompiledProgram):
         self.retained_inputs = {
             n for n in self.input_dims if f"{n}{symbols.RETAINED_SUFFIX}" in self.output_dims
         }
-        self.specializations = _as_int_specializations(specializations)
+        self.specializations = int_specializations(specializations)
         numpy_types = {
             getattr(aicapi, name): dtype for name, dtype in AIC_NUMPY_TYPES.items() if hasattr(aicapi, name)
         }

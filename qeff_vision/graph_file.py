@@ -1,0 +1,76 @@
+"""Exported graphs on disk: weights in ``model.onnx.data``, every node attribute in the graph itself.
+
+Only initializers are stored as external data. A ``Constant`` node's value stays in the graph
+(QEfficient's graphs do the same: ``onnx.save_model`` keeps attribute tensors inline unless told
+otherwise). Every later stage builds sessions from an in-memory copy of a graph (calibration, the
+fp32 and device-precision runs, the single-program composition): onnxruntime finds external
+initializers through its ``model_external_initializers_file_folder_path`` option, but a node
+attribute stored externally is resolved against the process's working directory and fails ("Data
+of TensorProto ... should be stored in model.onnx.data, but it is not regular file").
+
+:func:`load_graph` is how every stage reads a graph: structure and attributes in memory, weights
+left on disk. It also reads graphs exported before attributes were kept inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+
+def _graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
+    """The main graph and every subgraph (``If`` branches, loop bodies), depth first."""
+    pending = [model.graph]
+    while pending:
+        graph = pending.pop()
+        yield graph
+        for node in graph.node:
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    pending.append(attribute.g)
+                pending.extend(attribute.graphs)
+
+
+def _nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of the main graph, its subgraphs and the model's local functions."""
+    for graph in _graphs(model):
+        yield from graph.node
+    for function in model.functions:
+        yield from function.node
+
+
+def attribute_tensors(model: onnx.ModelProto) -> Iterator[tuple[onnx.NodeProto, onnx.TensorProto]]:
+    """(node, tensor) for every tensor-valued node attribute (a ``Constant``'s ``value`` included)."""
+    for node in _nodes(model):
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield node, attribute.t
+            for tensor in attribute.tensors:
+                yield node, tensor
+
+
+def external_attributes(model: onnx.ModelProto) -> list[str]:
+    """Names (op type when unnamed) of the nodes holding an attribute tensor stored as external data."""
+    return [
+        node.name or node.op_type for node, tensor in attribute_tensors(model) if uses_external_data(tensor)
+    ]
+
+
+def inline_attributes(model: onnx.ModelProto, base_dir: str | Path) -> None:
+    """Read every externally stored attribute tensor of ``model`` from ``base_dir`` into the graph."""
+    for _, tensor in attribute_tensors(model):
+        if uses_external_data(tensor):
+            load_external_data_for_tensor(tensor, str(base_dir))
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
+def load_graph(path: str | Path) -> onnx.ModelProto:
+    """The graph at ``path`` with its node attributes in memory and its initializers' data left on disk."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    inline_attributes(model, path.parent)
+    return model

@@ -1,0 +1,175 @@
+"""Calibration recorded slice by slice (numerics/recording.py): the same peaks, memory bounded by a slice.
+
+The reference is the definition: the whole graph in one session with every float node output
+exposed, each output's largest magnitude below the mask sentinel taken in numpy. The sliced
+recorder must give exactly those peaks, hence the same precision plan, on every family's tiny
+default (the calibration prompt through the runtime, the feeds it made captured), on the scaled
+Gemma 3 whose plan is not empty, and with slices small enough to cut every layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from qeff_vision import symbols
+from qeff_vision.compile.calibration import RecordingProgram, prompt_ranges
+from qeff_vision.families import all_families
+from qeff_vision.families.base import TOKEN_MERGE
+from qeff_vision.graph_file import load_graph
+from qeff_vision.numerics.device import float_outputs, session_for, value_types
+from qeff_vision.numerics.plan import auto_plan
+from qeff_vision.numerics.recording import MASK_SENTINEL, SlicedRecorder, record_ranges
+from tests.test_device_precision import scaled  # noqa: F401 - the fixture, shared
+
+FAMILIES = [family.name for family in all_families() if family.decoder_kind == TOKEN_MERGE]
+SEQ_LEN = 96
+
+
+def exposed_ranges(path, feeds) -> dict[str, float]:
+    """Peaks by definition: one session, every float node output a graph output, numpy reductions."""
+    model = load_graph(path)
+    names = float_outputs(model)
+    del model.graph.value_info[:]
+    model.graph.output.extend(onnx.ValueInfoProto(name=name) for name in names)
+    session = session_for(model, path.parent)
+    ranges = dict.fromkeys(names, 0.0)
+    for feed in feeds:
+        for name, value in zip(names, session.run(names, dict(feed))):
+            magnitudes = np.abs(value.astype(np.float32)).reshape(-1)
+            kept = magnitudes[magnitudes < MASK_SENTINEL]
+            ranges[name] = max(ranges[name], float(kept.max()) if kept.size else 0.0)
+    return ranges
+
+
+def _calibrate(export, monkeypatch, parts=None):
+    """(ranges, feeds) of the calibration prompts per program, as compile runs them.
+
+    ``parts``: slices of 1 / ``parts`` of each graph's initializer bytes instead of the default.
+    """
+    captured: dict[str, list] = {}
+    execute = RecordingProgram._execute
+
+    def recording(self, feeds, bound):
+        captured.setdefault(self.path.parent.name, []).append(dict(feeds))
+        return execute(self, feeds, bound)
+
+    monkeypatch.setattr(RecordingProgram, "_execute", recording)
+    if parts is not None:
+        init = RecordingProgram.__init__
+
+        def sliced(self, path, specs=None):
+            weights = sum(data.stat().st_size for data in path.parent.glob("*.onnx.data"))
+            init(self, path, specs, slice_bytes=weights // parts)
+
+        monkeypatch.setattr(RecordingProgram, "__init__", sliced)
+    bucket = {
+        symbols.BATCH_SIZE: 1,
+        symbols.SEQ_LEN: SEQ_LEN,
+        symbols.VISION_SIZE: SEQ_LEN,
+        symbols.CTX_LEN: 512,
+    }
+    ranges = prompt_ranges(export, None, [bucket, {**bucket, symbols.SEQ_LEN: 1}], [(100, 150)])
+    return ranges, captured
+
+
+def _check(export, ranges, captured):
+    plans = {}
+    for program in ("vision", "lang"):
+        path = export / program / "model.onnx"
+        expected = exposed_ranges(path, captured[program])
+        # The same kernels on the same values; a fusion across a cut may move the last bit.
+        assert ranges[program] == pytest.approx(expected, rel=1e-6, abs=0), program
+        model = onnx.load(str(path), load_external_data=False)
+        plans[program] = auto_plan(model, ranges[program])
+        assert plans[program] == auto_plan(model, expected)
+    return plans
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_records_the_peaks_of_the_whole_graph(family, exported, monkeypatch):
+    export = exported(family)
+    ranges, captured = _calibrate(export, monkeypatch)
+    assert _check(export, ranges, captured) == {"vision": [], "lang": []}  # tiny: nothing near fp16's range
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_small_slices_cut_every_layer_and_record_the_same_peaks(family, exported, monkeypatch):
+    """Slices of an eighth of the weights: every session released after its run (Qwen3.5's Gated
+    DeltaNet Scan included), the same peaks."""
+    export = exported(family)
+    ranges, captured = _calibrate(export, monkeypatch, parts=8)
+    _check(export, ranges, captured)
+    path = export / "lang" / "model.onnx"
+    model = load_graph(path)
+    budget = (path.parent / "model.onnx.data").stat().st_size // 8
+    recorder = SlicedRecorder(
+        model, path.parent, float_outputs(model), value_types(model), slice_bytes=budget
+    )
+    assert len(recorder.slices) >= 8 and not recorder.keep_sessions
+
+
+def test_a_plan_that_keeps_nodes_is_unchanged(scaled, monkeypatch):  # noqa: F811 - the fixture
+    """The scaled Gemma 3 overflows fp16: sliced or whole, the calibration keeps the same nodes."""
+    _, export, _, _ = scaled
+    ranges, captured = _calibrate(export, monkeypatch, parts=8)
+    plans = _check(export, ranges, captured)
+    assert "/text_model/layers.0/post_feedforward_layernorm/CustomRMSNorm_output_0" in plans["lang"]
+
+
+def _layers(depth: int, width: int = 64):
+    """x -> depth x (MatMul by a weight, Add a mask of float32's minimum on one column) -> y."""
+    rng = np.random.default_rng(depth)
+    nodes, weights = [], []
+    mask = np.zeros((1, width), np.float32)
+    mask[0, -1] = np.finfo(np.float32).min
+    weights.append(numpy_helper.from_array(mask, "mask"))
+    value = "x"
+    for layer in range(depth):
+        weights.append(
+            numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32), f"w{layer}")
+        )
+        nodes.append(helper.make_node("MatMul", [value, f"w{layer}"], [f"h{layer}"]))
+        nodes.append(helper.make_node("Add", [f"h{layer}", "mask"], [f"masked{layer}"]))
+        nodes.append(helper.make_node("Softmax", [f"masked{layer}"], [f"p{layer}"], axis=-1))
+        value = f"p{layer}"
+    graph = helper.make_graph(
+        nodes,
+        "layers",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, width])],
+        [helper.make_tensor_value_info(value, TensorProto.FLOAT, [2, width])],
+        initializer=weights,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_slice_weights_do_not_grow_with_depth(tmp_path):
+    """Twice the layers, the same largest slice; masked sums reduced on the host without the sentinel."""
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)}
+    largest = {}
+    for depth in (4, 8):
+        path = tmp_path / f"d{depth}" / "model.onnx"
+        path.parent.mkdir()
+        onnx.save_model(_layers(depth), str(path), save_as_external_data=True, size_threshold=1024)
+        model = load_graph(path)
+        types = value_types(model)
+        recorder = SlicedRecorder(
+            model,
+            path.parent,
+            float_outputs(model, types),
+            types,
+            [f"p{depth - 1}"],
+            slice_bytes=2 * 64 * 64 * 4,
+        )
+        ranges = record_ranges(recorder, [feed, feed])
+        assert ranges == exposed_ranges(path, [feed])
+        assert all(ranges[f"masked{layer}"] < MASK_SENTINEL for layer in range(depth))
+        assert sorted(recorder.graph.exposed) == sorted(f"masked{layer}" for layer in range(depth))
+        sizes = [
+            sum(recorder.graph.weight_bytes[name] for name in part.initializers) for part in recorder.slices
+        ]
+        largest[depth] = max(sizes)
+        assert len(recorder.slices) >= depth and not recorder.keep_sessions
+    assert largest[8] == largest[4] <= 2 * 64 * 64 * 4 + 64 * 4
