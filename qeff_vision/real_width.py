@@ -14,11 +14,13 @@ memory a stage needs. A real-width checkpoint starts from a pinned ``config.json
   id of the config is the tiny checkpoint's);
 * experts: ``top_k + 2`` experts (at least 4), so routing still chooses among experts.
 
-Weights are random (seeded); tokenizer and processor are the tiny checkpoint's, with the pinned
-``preprocessor_config.json`` over the image processor, so images are resized and tokenized as the
-real checkpoint does. The result is saved like a real checkpoint (config, safetensors, tokenizer,
-processor) and loads with ``from_pretrained``. Everything here imports torch and transformers
-lazily; picking a pinned config is torch-free.
+Weights are random (seeded): every all-zero parameter is made random, then the family tiny
+module's ``finish_random_weights`` runs if it has one (mllama's opened gates). Tokenizer and
+processor are the tiny checkpoint's, with the pinned ``preprocessor_config.json`` over the image
+processor, so images are resized and tokenized as the real checkpoint does. The result is saved
+like a real checkpoint (config, safetensors, tokenizer, processor) and loads with
+``from_pretrained``. Everything here imports torch and transformers lazily; picking a pinned
+config is torch-free.
 """
 
 from __future__ import annotations
@@ -161,6 +163,9 @@ def build_real_width_checkpoint(
         torch.manual_seed(seed)
         model = architecture(model_config).eval()
         randomize_zero_parameters(model, std=float(full.get("initializer_range") or 0.02))
+        finish = _family_finish(family_obj)
+        if finish is not None:
+            finish(model)
         model.save_pretrained(out_dir, safe_serialization=True)
         del model
         for item in tiny_dir.iterdir():
@@ -232,6 +237,18 @@ def randomize_zero_parameters(model, *, std: float) -> None:
         for parameter in model.parameters():
             if parameter.is_floating_point() and not parameter.any():
                 parameter.normal_(0.0, 0.5 if parameter.numel() == 1 else std)
+
+
+def _family_finish(family):
+    """The family's ``finish_random_weights(model)``, if its tiny builder's module has one.
+
+    The tiny builder knows what the family's random weights need besides (gates opened, norms at
+    a trained scale); the real-width checkpoint gets the same.
+    """
+    import inspect
+
+    module = inspect.getmodule(family.parts.tiny) if family.parts else None
+    return getattr(module, "finish_random_weights", None)
 
 
 # ---- depth ----
