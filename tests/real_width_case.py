@@ -17,6 +17,7 @@ import gc
 import json
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,12 +61,28 @@ def compare(ours, theirs) -> dict:
     }
 
 
-def _say(message: str) -> None:
-    """A progress line on stderr with the process's resident memory (what a killed run last did)."""
+_PEAK_SINCE_LAST_LINE = [0]
+
+
+def _sample_rss() -> None:
     import psutil
 
-    rss = psutil.Process().memory_info().rss / 2**30
-    print(f"[{rss:5.2f} GB] {message}", file=sys.stderr, flush=True)
+    process = psutil.Process()
+    while True:
+        _PEAK_SINCE_LAST_LINE[0] = max(_PEAK_SINCE_LAST_LINE[0], process.memory_info().rss)
+        time.sleep(0.2)
+
+
+def _say(message: str) -> None:
+    """A progress line on stderr: resident memory now and its peak since the previous line."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    peak = max(_PEAK_SINCE_LAST_LINE[0], rss)
+    _PEAK_SINCE_LAST_LINE[0] = 0
+    print(
+        f"[{rss / 2**30:5.2f} GB, peak {peak / 2**30:5.2f} GB before] {message}", file=sys.stderr, flush=True
+    )
 
 
 def run_case(family: str, work: Path, new_tokens: int) -> dict:
@@ -85,6 +102,7 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     _say(f"built {checkpoint} in {seconds['build']:.0f} s")
     outcome = api.compile(spec, work / "out", backend="onnxruntime", progress=_say, status_stream=None)
     seconds["compile"] = time.perf_counter() - start
+    _say(f"compiled in {seconds['compile']:.0f} s")
     programs = outcome.manifest["programs"]
     plan = {name: (entry.get("node_precision") or {}).get("nodes") for name, entry in programs.items()}
     checked = {
@@ -112,6 +130,7 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     start = time.perf_counter()
     reference = reference_generate(load_reference_model(checkpoint), processed, new_tokens, eos_token_ids=())
     seconds["transformers"] = time.perf_counter() - start
+    _say(f"transformers generated in {seconds['transformers']:.0f} s")
     return {
         "family": family,
         "config": config.parent.name,
@@ -177,6 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export-only", action="store_true", help="no compile: export and fp32 runs only")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
+    threading.Thread(target=_sample_rss, daemon=True).start()
     case = run_export_only if args.export_only else run_case
     print(json.dumps(case(args.family, args.work, args.new_tokens)))
     return 0
