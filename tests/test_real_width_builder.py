@@ -104,6 +104,8 @@ def test_layer_lists_follow_the_kept_layers(cuts):
     text = cut["text_config"]
     assert text["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert text["num_kv_shared_layers"] == 2
+    # Its full layers' 512-wide heads are per-layer overrides keyed by layer index: they follow.
+    assert text["per_layer_config"] == {"1": {"head_dim": 512}, "3": {"head_dim": 512}}
     # Llama 4 Scout: a chunked RoPE layer and a full NoPE layer, both MoE, 4 of 16 experts.
     _, cut = cuts("llama4")
     text = cut["text_config"]
