@@ -6,6 +6,7 @@ specialization verified), runs one image prompt on the artifacts at fp32 and at 
 and transformers' greedy ``generate`` on the same processed inputs. Prints one JSON object: the
 tokens and logits deviations of both runs, each stage's seconds and the process's peak RSS.
 
+The fp32 run decodes freely; the device-precision run is teacher-forced on transformers' tokens.
 A process per family keeps one family's memory from the next and makes its peak RSS its own
 (tests/test_real_width.py runs it; the README quotes its figures).
 """
@@ -85,12 +86,41 @@ def _say(message: str) -> None:
     )
 
 
+def _timed(call):
+    start = time.perf_counter()
+    result = call()
+    return time.perf_counter() - start, result
+
+
+def _ask(out: Path, precision: str, new_tokens: int, forced=None):
+    """One image prompt on the compiled artifacts, all ``new_tokens`` decoded (no end of sequence).
+
+    ``forced`` (transformers' tokens) teacher-forces the decode: each step is fed transformers'
+    token instead of our own, so every step's logits compare with transformers' at the same
+    history, past a near-tie of random weights too. Returns the result and the processed inputs.
+    """
+    from qeff_vision import api
+    from tests import helpers
+
+    chat = api.conversation(out, precision=precision, max_new_tokens=new_tokens)
+    generator = chat.generator
+    generator.eos_token_ids = set()
+    if forced is not None:
+        tokens = iter(forced)
+        feed = generator.feed_token
+        generator.feed_token = lambda token, *args, **kwargs: feed(next(tokens), *args, **kwargs)
+    result = chat.ask([helpers.image(IMAGE_SIDE, IMAGE_SIDE)], PROMPT, keep_logits=True)
+    processed = chat.last_inputs.processed
+    del chat, generator
+    gc.collect()
+    return result, processed
+
+
 def run_case(family: str, work: Path, new_tokens: int) -> dict:
     """Build, compile, run and compare one family; each stage's seconds."""
     from qeff_vision import api
     from qeff_vision.real_width import build_real_width_checkpoint, smallest_pinned_config
     from qeff_vision.runtime.reference import load_reference_model, reference_generate
-    from tests import helpers
 
     seconds = {}
     start = time.perf_counter()
@@ -112,33 +142,25 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
         ]
         for name, entry in programs.items()
     }
-    runs = {}
-    image = helpers.image(IMAGE_SIDE, IMAGE_SIDE)
-    processed = None
-    for precision in ("fp32", "device"):
-        start = time.perf_counter()
-        chat = api.conversation(work / "out", precision=precision, max_new_tokens=new_tokens)
-        eos = chat.generator.eos_token_ids
-        chat.generator.eos_token_ids = set()  # every run decodes all its tokens
-        runs[precision] = chat.ask([image], PROMPT, keep_logits=True)
-        processed = chat.last_inputs.processed
-        chat.generator.eos_token_ids = eos
-        del chat
-        gc.collect()
-        seconds[f"run_{precision}"] = time.perf_counter() - start
-        _say(f"ran at {precision} in {seconds[f'run_{precision}']:.0f} s")
-    start = time.perf_counter()
-    reference = reference_generate(load_reference_model(checkpoint), processed, new_tokens, eos_token_ids=())
-    seconds["transformers"] = time.perf_counter() - start
+    seconds["run_fp32"], (fp32, processed) = _timed(lambda: _ask(work / "out", "fp32", new_tokens))
+    _say(f"ran at fp32 in {seconds['run_fp32']:.0f} s")
+    seconds["transformers"], reference = _timed(
+        lambda: reference_generate(load_reference_model(checkpoint), processed, new_tokens, eos_token_ids=())
+    )
     _say(f"transformers generated in {seconds['transformers']:.0f} s")
+    gc.collect()
+    seconds["run_device"], (device, _) = _timed(
+        lambda: _ask(work / "out", "device", new_tokens, reference[0])
+    )
+    _say(f"ran at device precision (teacher-forced) in {seconds['run_device']:.0f} s")
     return {
         "family": family,
         "config": config.parent.name,
         "prompt_tokens": int(np.asarray(processed["input_ids"]).shape[-1]),
         "plan": plan,
         "verification": checked,
-        "fp32": compare(runs["fp32"], reference),
-        "device": compare(runs["device"], reference),
+        "fp32": compare(fp32, reference),
+        "device": compare(device, reference),
         "seconds": seconds,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }

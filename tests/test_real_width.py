@@ -8,8 +8,11 @@ family, so each family's peak RSS is its own and a family over the memory budget
 instead of starving the machine):
 
 * fp32: tokens identical, logits within 1e-4 of transformers' logit range at every step;
-* device precision (fp16 with the plan's nodes in fp32): no inf/NaN, logits within 1e-2 of the
-  range, tokens identical wherever transformers' top-1/top-2 margin exceeds twice the deviation.
+* device precision (fp16 with the plan's nodes in fp32), teacher-forced on transformers' tokens so
+  every step compares: no inf/NaN, logits within 1e-2 of the range, tokens identical wherever
+  transformers' top-1/top-2 margin exceeds twice the deviation; Qwen3.5 over 128 decode steps;
+* the compile's own device-precision check of every specialization within 5e-2 of each output's
+  range.
 
 Tiny defaults hide what only real widths show (constants stored out of line, head dims, rope
 tables, vocabulary-sized buffers, the memory of each stage); this tier is where they show. It is
@@ -39,8 +42,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # lowers it on a shared machine).
 RSS_BUDGET_GB = float(os.environ.get("QEFF_REAL_WIDTH_RSS_GB", "20"))
 NEW_TOKENS = 32
+# Qwen3.5 decodes long: its recurrent state is carried through every step (issue 36 item 8).
+LONG_DECODE = {"qwen3_5": 128}
 FP32_TOLERANCE = 1e-4
 DEVICE_TOLERANCE = 1e-2
+VERIFICATION_TOLERANCE = 5e-2
 
 # Known failures, each an item of issue 36 being fixed elsewhere; strict, so a fix shows here.
 ITEM_1 = "issue 36 item 1: Constant nodes stored as external data are unreadable by calibration"
@@ -111,20 +117,37 @@ def check_fp32(run: dict) -> None:
 
 
 def check_device(run: dict) -> None:
-    """Logits within DEVICE_TOLERANCE of the range; tokens identical wherever the margin is clear."""
+    """Every teacher-forced step: logits within DEVICE_TOLERANCE of the range, tokens identical
+    wherever transformers' top-1/top-2 margin exceeds twice the deviation (a near-tie of random
+    weights may go either way)."""
+    assert len(run["tokens"]) == len(run["reference"])
     for step, (ours, theirs) in enumerate(zip(run["tokens"], run["reference"])):
         assert np.isfinite(run["deviation"][step]), step
         assert run["relative_deviation"][step] <= DEVICE_TOLERANCE, (step, run["relative_deviation"])
         if run["margin"][step] > 2 * run["deviation"][step]:
             assert ours == theirs, (step, run)
-        if ours != theirs:
-            break  # past a near-tie that went the other way the two continue different texts
-    assert len(run["tokens"]) == len(run["reference"])
+
+
+def check_verification(verification: dict) -> None:
+    """The compile's device-precision check of every specialization (generated inputs): finite,
+    every output within VERIFICATION_TOLERANCE of its fp32 range. (Issue 36 item 8: Qwen3.5's
+    recurrent state came out at 0.53 of its range, from the gated delta rule's former inverse.)"""
+    for program, runs in verification.items():
+        assert runs, program
+        for run in runs:
+            device = run["device_precision"]
+            assert device["finite"], (program, run)
+            assert device["max_relative"] <= VERIFICATION_TOLERANCE, (program, run)
 
 
 @pytest.mark.parametrize("family", _family_params())
 def test_real_width_family_matches_transformers(family, tmp_path):
-    result = run_family(family, tmp_path / family)
-    print(json.dumps({k: result[k] for k in ("family", "config", "prompt_tokens", "plan", "seconds")}))
+    result = run_family(family, tmp_path / family, LONG_DECODE.get(family, NEW_TOKENS))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("family", "config", "prompt_tokens", "plan", "seconds", "peak_rss_gb")}
+        )
+    )
+    check_verification(result["verification"])
     check_fp32(result["fp32"])
     check_device(result["device"])
