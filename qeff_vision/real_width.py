@@ -113,7 +113,7 @@ def build_real_width_checkpoint(
     vocab_size: int | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write a real-width random checkpoint of ``family`` to ``out_dir`` (which must not exist or be empty).
+    """Write a real-width random checkpoint of ``family`` to ``out_dir`` (absent or empty), atomically.
 
     Args:
         family: A registered family name.
@@ -130,11 +130,9 @@ def build_real_width_checkpoint(
     Returns:
         ``out_dir``.
     """
-    import torch
-    import transformers
-
     from qeff_vision.checkpoint import quiet_transformers
     from qeff_vision.families import get_family
+    from qeff_vision.fsutil import is_nonempty_dir, staged_directory
 
     quiet_transformers()
     family_obj = get_family(family)
@@ -142,9 +140,21 @@ def build_real_width_checkpoint(
     if config_path.is_dir():
         config_path = config_path / "config.json"
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if is_nonempty_dir(out_dir):
         raise FileExistsError(f"{out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with staged_directory(out_dir) as staging:
+        _write_checkpoint(
+            family_obj, config_path, staging, text_layers, vision_layers, num_experts, vocab_size, seed
+        )
+    return out_dir
+
+
+def _write_checkpoint(
+    family_obj, config_path, out_dir, text_layers, vision_layers, num_experts, vocab_size, seed
+):
+    """:func:`build_real_width_checkpoint`'s writing, into the staging directory ``out_dir``."""
+    import torch
+    import transformers
 
     with tempfile.TemporaryDirectory(prefix="qeff-real-width-") as scratch:
         tiny_dir = Path(scratch) / "tiny"
@@ -178,7 +188,6 @@ def build_real_width_checkpoint(
         pinned_processor = config_path.parent / _PREPROCESSOR_FILE
         pinned = json.loads(pinned_processor.read_text()) if pinned_processor.exists() else {}
         _write_processor(tiny_dir, out_dir, pinned, cut)
-    return out_dir
 
 
 def cut_config(

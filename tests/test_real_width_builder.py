@@ -111,3 +111,23 @@ def test_layer_lists_follow_the_kept_layers(cuts):
     text = cut["text_config"]
     assert text["no_rope_layers"] == [1, 0] and text["moe_layers"] == [0, 1]
     assert text["num_local_experts"] == 4
+
+
+def test_a_built_checkpoint_loads_like_a_real_one(tmp_path):
+    """Qwen2.5-VL-3B at real widths (2 + 2 layers, ~0.2 B parameters): transformers loads it, its
+    processor resizes as the pinned one does, and its tokens are the tiny tokenizer's."""
+    import transformers
+
+    from qeff_vision.real_width import build_real_width_checkpoint
+
+    out = build_real_width_checkpoint("qwen2_5_vl", tmp_path / "checkpoint")
+    pinned = json.loads((smallest_pinned_config("qwen2_5_vl").parent / "preprocessor_config.json").read_text())
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.text_config.hidden_size == 2048 and config.text_config.num_hidden_layers == 2
+    processor = transformers.AutoProcessor.from_pretrained(out)
+    assert processor.image_processor.patch_size == pinned["patch_size"]
+    assert processor.image_processor.min_pixels == pinned["min_pixels"]
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id
+    with pytest.raises(FileExistsError):
+        build_real_width_checkpoint("qwen2_5_vl", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # nothing staged left behind
