@@ -121,12 +121,16 @@ def test_a_built_checkpoint_loads_like_a_real_one(tmp_path):
     from qeff_vision.real_width import build_real_width_checkpoint
 
     out = build_real_width_checkpoint("qwen2_5_vl", tmp_path / "checkpoint")
-    pinned = json.loads((smallest_pinned_config("qwen2_5_vl").parent / "preprocessor_config.json").read_text())
+    pinned = json.loads(
+        (smallest_pinned_config("qwen2_5_vl").parent / "preprocessor_config.json").read_text()
+    )
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.text_config.hidden_size == 2048 and config.text_config.num_hidden_layers == 2
     processor = transformers.AutoProcessor.from_pretrained(out)
     assert processor.image_processor.patch_size == pinned["patch_size"]
-    assert processor.image_processor.min_pixels == pinned["min_pixels"]
+    # The pinned min/max pixels override the tiny processor's size bounds when it loads.
+    size = processor.image_processor.size
+    assert (size["shortest_edge"], size["longest_edge"]) == (pinned["min_pixels"], pinned["max_pixels"])
     assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id
     with pytest.raises(FileExistsError):
         build_real_width_checkpoint("qwen2_5_vl", out)
