@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test test-all test-vllm test-vllm-evs vllm-qaic-src lint golden clean
+.PHONY: install demo test test-all test-realwidth test-vllm test-vllm-evs vllm-qaic-src lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ test: install
 	$(BIN)/qeff-vision specialize --check specs/
 
 test-all: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "slow or not slow" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not realwidth" tests
+
+# Real-width tier (tests/test_real_width.py): every family's pinned config with every width kept and
+# only depth, vocabulary and experts cut, compiled with --backend onnxruntime and the default
+# precision plan and run against transformers, one process per family (cost in README).
+test-realwidth: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py
 
 lint: install
 	$(BIN)/ruff check qeff_vision tests benchmarks

@@ -51,6 +51,8 @@ _LAYER_LISTS = (
 # size times one plus the intermediate layers; Qwen3-VL's deepstack count is the number of
 # deepstack feature rows): their every entry is kept, on consecutive layers.
 _COUNTED_LAYER_LISTS = ("intermediate_layers_indices", "deepstack_visual_indexes")
+# Per-layer overrides keyed by layer index (transformers' heterogeneous configs).
+_LAYER_MAPS = ("per_layer_config",)
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "num_experts_per_token")
 # Config keys naming token ids or the vocabulary: taken from the tiny checkpoint.
@@ -111,7 +113,7 @@ def build_real_width_checkpoint(
     vocab_size: int | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write a real-width random checkpoint of ``family`` to ``out_dir`` (which must not exist or be empty).
+    """Write a real-width random checkpoint of ``family`` to ``out_dir`` (absent or empty), atomically.
 
     Args:
         family: A registered family name.
@@ -128,11 +130,9 @@ def build_real_width_checkpoint(
     Returns:
         ``out_dir``.
     """
-    import torch
-    import transformers
-
     from qeff_vision.checkpoint import quiet_transformers
     from qeff_vision.families import get_family
+    from qeff_vision.fsutil import is_nonempty_dir, staged_directory
 
     quiet_transformers()
     family_obj = get_family(family)
@@ -140,9 +140,21 @@ def build_real_width_checkpoint(
     if config_path.is_dir():
         config_path = config_path / "config.json"
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if is_nonempty_dir(out_dir):
         raise FileExistsError(f"{out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with staged_directory(out_dir) as staging:
+        _write_checkpoint(
+            family_obj, config_path, staging, text_layers, vision_layers, num_experts, vocab_size, seed
+        )
+    return out_dir
+
+
+def _write_checkpoint(
+    family_obj, config_path, out_dir, text_layers, vision_layers, num_experts, vocab_size, seed
+):
+    """:func:`build_real_width_checkpoint`'s writing, into the staging directory ``out_dir``."""
+    import torch
+    import transformers
 
     with tempfile.TemporaryDirectory(prefix="qeff-real-width-") as scratch:
         tiny_dir = Path(scratch) / "tiny"
@@ -176,7 +188,6 @@ def build_real_width_checkpoint(
         pinned_processor = config_path.parent / _PREPROCESSOR_FILE
         pinned = json.loads(pinned_processor.read_text()) if pinned_processor.exists() else {}
         _write_processor(tiny_dir, out_dir, pinned, cut)
-    return out_dir
 
 
 def cut_config(
@@ -259,10 +270,18 @@ def _layer_count(section: dict[str, Any]) -> tuple[str, int]:
     return key, int(section[key])
 
 
+def _layer_maps(section: dict[str, Any]) -> list[str]:
+    """Keys of per-layer maps present: dicts keyed by layer index (Gemma 4's keys are "04")."""
+    return [name for name in _LAYER_MAPS if isinstance(section.get(name), dict)]
+
+
 def _reindex(section: dict[str, Any], keep: Sequence[int], total: int) -> None:
     """Keep layers ``keep`` (original indices, ascending) of a tower of ``total`` layers."""
     key, _ = _layer_count(section)
     section[key] = len(keep)
+    for name in _layer_maps(section):
+        by_index = {int(k): v for k, v in section[name].items()}
+        section[name] = {str(position): by_index[i] for position, i in enumerate(keep) if i in by_index}
     for name, value in list(section.items()):
         if isinstance(value, list) and len(value) == total and name not in _LAYER_LISTS:
             section[name] = [value[i] for i in keep]  # a per-layer list (layer_types, no_rope_layers)
@@ -281,8 +300,14 @@ def _layer_signature(section: dict[str, Any], index: int, total: int) -> tuple:
     lists = tuple(
         name for name in _LAYER_LISTS if isinstance(section.get(name), list) and index in section[name]
     )
+    maps = tuple(
+        (name, json.dumps(v, sort_keys=True))
+        for name in _layer_maps(section)
+        for k, v in section[name].items()
+        if int(k) == index
+    )
     shared = int(section.get("num_kv_shared_layers") or 0)
-    return per_layer, lists, index >= total - shared
+    return per_layer, lists, maps, index >= total - shared
 
 
 def _cut_text(text: dict[str, Any], layers: int | None) -> None:
@@ -322,6 +347,7 @@ def _cut_tower(section: dict[str, Any], layers: int | None, default: int) -> Non
             section[name] = [wanted - 1]
         else:
             section[name] = [index for index in value if index < wanted]
+    _reindex_maps_prefix(section, wanted)
     key, _ = _layer_count(section)
     section[key] = wanted
     for name, value in list(section.items()):
@@ -330,6 +356,11 @@ def _cut_tower(section: dict[str, Any], layers: int | None, default: int) -> Non
     # mllama's tower has a second stack of global layers.
     if isinstance(section.get("num_global_layers"), int):
         section["num_global_layers"] = min(section["num_global_layers"], 1)
+
+
+def _reindex_maps_prefix(section: dict[str, Any], layers: int) -> None:
+    for name in _layer_maps(section):
+        section[name] = {k: v for k, v in section[name].items() if int(k) < layers}
 
 
 def _cut_feature_layers(config: dict[str, Any]) -> None:

@@ -141,3 +141,34 @@ def test_padding_leaves_the_state_unchanged(session, valid, padded):
     )
     np.testing.assert_allclose(final, expected_state.numpy(), **TOL)
     np.testing.assert_allclose(output[:, :, :valid], expected.transpose(1, 2).numpy(), **TOL)
+
+
+@pytest.mark.parametrize("seq_len", [64, 160])
+def test_repeated_tokens_without_decay_stay_exact(session, seq_len):
+    """One key repeated through a chunk with no decay (a run of equal tokens, as the generated
+    calibration inputs' zero token ids give): the inverse's intermediates must stay bounded.
+
+    The former power product (I + M)(I + M^2)...(I + M^32) had entries near 1e8 here (binomial
+    coefficients times beta^k) whose cancellation left the fp32 state wrong by hundreds.
+    """
+    query, key, value, decay, beta, state = _inputs(seq_len, 11)
+    key = key[:, :1].expand_as(key).contiguous()
+    decay = torch.zeros_like(decay)
+    beta = torch.full_like(beta, 0.5)
+    expected, expected_state = torch_recurrent_gated_delta_rule(
+        query.double(),
+        key.double(),
+        value.double(),
+        g=decay.double(),
+        beta=beta.double(),
+        initial_state=state.double(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    ours = tuple(_ours(query, key, value, decay, beta))
+    output, final = _run(session, *ours, state)
+    np.testing.assert_allclose(output, expected.transpose(1, 2).float().numpy(), **TOL)
+    np.testing.assert_allclose(final, expected_state.float().numpy(), **TOL)
+    eager, eager_state = gated_delta_rule(*ours, state)
+    np.testing.assert_allclose(eager.numpy(), output, **TOL)
+    np.testing.assert_allclose(eager_state.numpy(), final, **TOL)

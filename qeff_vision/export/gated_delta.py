@@ -9,10 +9,16 @@ a 128-token bucket. Here the chunk count is data:
 * the chunk length is ``c = min(seq_len, 64)`` and the sequence is padded to ``n = ceil(seq_len / c)``
   chunks inside the graph, so a one-token decode step is a single 1x1 chunk, which is algebraically
   the one-token recurrence of ``torch_recurrent_gated_delta_rule`` (no padding to 64);
-* the triangular inverse is a fixed product instead of a solve: with ``M`` strictly lower
-  triangular of order c <= 64, ``M ** 64 == 0`` and
-  ``(I - M) ** -1 = (I + M)(I + M ** 2)(I + M ** 4)...(I + M ** 32)`` exactly (6 factors, 5
-  squarings, whatever c is);
+* the unit lower-triangular inverse ``(I - M) ** -1`` (``M`` strictly lower, order c <= 64) is
+  built by doubling blocks instead of a solve: ``X`` starts as the inverse of the 1x1 diagonal
+  blocks (the identity) and each of 6 levels turns the inverse of the aligned s x s diagonal
+  blocks into that of the 2s x 2s ones, ``X <- X + X (M * cross_s) X``, where ``cross_s`` selects
+  the entries joining the two s-blocks of one 2s-block (exact: the block inverse
+  [[A, 0], [C, B]] ** -1 = [[A ** -1, 0], [-B ** -1 C A ** -1, B ** -1]]). Every intermediate is
+  the inverse of a principal block, bounded as the inverse itself is. (The power product
+  ``(I + M)(I + M ** 2)...(I + M ** 32)`` is the same matrix algebraically, but its powers grow
+  like binomial coefficients when keys repeat and decay is slow, e.g. 64 equal tokens: entries
+  near 1e8 cancel and fp32 keeps no correct digit of the state);
 * the scan over chunks is an ONNX ``Scan`` whose iteration count is the chunk count of the call:
   nothing depends on the trace length, and the work is linear in ``seq_len`` (each chunk costs
   c ** 2 (d_k + d_v) + c d_k d_v multiply-adds per head).
@@ -38,9 +44,22 @@ DOMAIN = "com.qeff_vision"
 DOMAIN_VERSION = 1
 NAME = "GatedDeltaRule"
 CHUNK = 64
-# (I - M)^-1 = prod_{j < DOUBLINGS} (I + M^(2^j)) is exact for a strictly lower M of order <= 2^DOUBLINGS.
+# Block doubling from 1x1 to 2^DOUBLINGS x 2^DOUBLINGS blocks inverts a chunk of order <= 2^DOUBLINGS.
 DOUBLINGS = 6
 assert 2**DOUBLINGS >= CHUNK
+
+
+def unit_lower_inverse(strict: torch.Tensor) -> torch.Tensor:
+    """``(I - strict) ** -1`` for a strictly lower ``strict`` [..., c, c], c <= 64, by block doubling."""
+    chunk = strict.shape[-1]
+    index = torch.arange(chunk)
+    rows, cols = index.unsqueeze(-1), index.unsqueeze(0)
+    inverse = torch.eye(chunk)
+    for level in range(DOUBLINGS):
+        size = 2**level
+        cross = (rows // (2 * size) == cols // (2 * size)) & (rows // size != cols // size)
+        inverse = inverse + inverse @ (strict * cross) @ inverse
+    return inverse
 
 
 def gated_delta_rule(query, key, value, decay, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +77,7 @@ def gated_delta_rule(query, key, value, decay, beta, state) -> tuple[torch.Tenso
     lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
     pairwise = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
     strict = -((key_beta @ key.transpose(-1, -2)) * pairwise).tril(-1)
-    inverse, power = torch.eye(chunk) + strict, strict
-    for _ in range(DOUBLINGS - 1):
-        power = power @ power
-        inverse = inverse + inverse @ power
+    inverse = unit_lower_inverse(strict)
     new_values = inverse @ value_beta
     state_read = inverse @ (key_beta * cum.exp().unsqueeze(-1))
     intra = (query @ key.transpose(-1, -2)) * pairwise
@@ -107,6 +123,35 @@ def _scalar(name: str, value: float) -> onnx.NodeProto:
     return helper.make_node(
         "Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value])
     )
+
+
+def _int_scalar(name: str, value: int) -> onnx.NodeProto:
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value])
+    )
+
+
+def _doubling_level(level: int) -> list[onnx.NodeProto]:
+    """``inverse{level + 1} = X + X (M * cross) X``, ``X = inverse{level}``: blocks of 2**level doubled."""
+    size, at = 2**level, f"_l{level}"
+    nodes = []
+    for span, name in ((2 * size, "pair"), (size, "block")):
+        nodes += [
+            _int_scalar(f"{name}_span{at}", span),
+            helper.make_node("Div", ["index_rows", f"{name}_span{at}"], [f"{name}_row{at}"]),
+            helper.make_node("Div", ["index_cols", f"{name}_span{at}"], [f"{name}_col{at}"]),
+            helper.make_node("Equal", [f"{name}_row{at}", f"{name}_col{at}"], [f"same_{name}{at}"]),
+        ]
+    x, nxt = f"inverse{level}", f"inverse{level + 1}"
+    return nodes + [
+        helper.make_node("Not", [f"same_block{at}"], [f"other_block{at}"]),
+        helper.make_node("And", [f"same_pair{at}", f"other_block{at}"], [f"cross{at}"]),
+        helper.make_node("Cast", [f"cross{at}"], [f"cross_f{at}"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["strict_m", f"cross_f{at}"], [f"joining{at}"]),
+        helper.make_node("MatMul", [x, f"joining{at}"], [f"left{at}"]),
+        helper.make_node("MatMul", [f"left{at}", x], [f"term{at}"]),
+        helper.make_node("Add", [x, f"term{at}"], [nxt]),
+    ]
 
 
 def _scan_body() -> onnx.GraphProto:
@@ -204,17 +249,18 @@ def gated_delta_function(opset: int) -> onnx.FunctionProto:
         helper.make_node("MatMul", ["key_beta", "key_t"], ["kk"]),
         helper.make_node("Mul", ["kk", "pairwise"], ["kk_decayed"]),
         helper.make_node("Mul", ["kk_decayed", "strict"], ["kk_strict"]),
-        helper.make_node("Neg", ["kk_strict"], ["power0"]),
-        helper.make_node("EyeLike", ["ones"], ["eye"]),
-        helper.make_node("Add", ["eye", "power0"], ["inverse0"]),
+        helper.make_node("Neg", ["kk_strict"], ["strict_m"]),
+        helper.make_node("EyeLike", ["ones"], ["inverse0"]),
+        helper.make_node("Squeeze", ["chunk"], ["chunk_scalar"]),
+        _int_scalar("index_start", 0),
+        _int_scalar("index_step", 1),
+        helper.make_node("Range", ["index_start", "chunk_scalar", "index_step"], ["index"]),
+        helper.make_node("Unsqueeze", ["index", "last_axis"], ["index_rows"]),
+        helper.make_node("Unsqueeze", ["index", "zero"], ["index_cols"]),
     ]
-    for step in range(1, DOUBLINGS):
-        nodes += [
-            helper.make_node("MatMul", [f"power{step - 1}", f"power{step - 1}"], [f"power{step}"]),
-            helper.make_node("MatMul", [f"inverse{step - 1}", f"power{step}"], [f"inverse_term{step}"]),
-            helper.make_node("Add", [f"inverse{step - 1}", f"inverse_term{step}"], [f"inverse{step}"]),
-        ]
-    inverse = f"inverse{DOUBLINGS - 1}"
+    for level in range(DOUBLINGS):
+        nodes += _doubling_level(level)
+    inverse = f"inverse{DOUBLINGS}"
     nodes += [
         helper.make_node("MatMul", [inverse, "value_beta"], ["new_values"]),
         helper.make_node("Exp", ["cum"], ["cum_exp"]),

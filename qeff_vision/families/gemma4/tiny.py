@@ -187,6 +187,24 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "e")
     )
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(config).eval()
+    finish_random_weights(model)
+    model.generation_config.bos_token_id = ids[BOS]
+    model.generation_config.eos_token_id = stop_ids
+    model.generation_config.pad_token_id = ids[PAD]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def finish_random_weights(model) -> None:
+    """What random Gemma 4 weights need to behave like trained ones (tiny and real-width checkpoints).
+
+    Norm weights, position table and the tower's standardization get random values near their
+    trained scale (left at 0 or 1 a wrong row would not show), and q_norm / k_norm carry the
+    1 / sqrt(head_dim) that Gemma 4's attention (scaling 1.0) relies on.
+    """
+    import torch
+
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() <= 1 or not parameter.any() or name.endswith("position_embedding_table"):
@@ -205,9 +223,3 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = "e")
                 for norm in (module.q_norm, getattr(module, "k_norm", None)):
                     if norm is not None:
                         norm.weight.mul_(module.head_dim**-0.25)
-    model.generation_config.bos_token_id = ids[BOS]
-    model.generation_config.eos_token_id = stop_ids
-    model.generation_config.pad_token_id = ids[PAD]
-    model.save_pretrained(out_dir, safe_serialization=True)
-    processor.save_pretrained(out_dir)
-    return out_dir

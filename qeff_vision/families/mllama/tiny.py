@@ -78,16 +78,7 @@ def write_tiny_checkpoint(out_dir, seed=0):
     )
     torch.manual_seed(seed)
     model = MllamaForConditionalGeneration(config).eval()
-    # Every gate starts at zero (tanh(0) = 0 hides what it guards): open them so the cross layers
-    # and the tower's gated tile/position embeddings and global layers reach the logits.
-    with torch.no_grad():
-        for index in TEXT["cross_attention_layers"]:
-            layer = model.model.language_model.layers[index]
-            layer.cross_attn_attn_gate.fill_(1.0)
-            layer.cross_attn_mlp_gate.fill_(1.0)
-        for name, parameter in model.model.vision_model.named_parameters():
-            if name.endswith("gate") or name.endswith("gate_attn") or name.endswith("gate_ffn"):
-                parameter.fill_(0.7)
+    finish_random_weights(model)
     model.generation_config.eos_token_id = ids[EOT]
     model.generation_config.pad_token_id = ids[PAD]
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -98,3 +89,21 @@ def write_tiny_checkpoint(out_dir, seed=0):
     )
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def finish_random_weights(model) -> None:
+    """Open every gate of a random mllama (tiny and real-width checkpoints).
+
+    Every gate starts at zero (tanh(0) = 0 hides what it guards): open them so the cross layers
+    and the tower's gated tile/position embeddings and global layers reach the logits.
+    """
+    import torch
+
+    with torch.no_grad():
+        for index in model.config.text_config.cross_attention_layers:
+            layer = model.model.language_model.layers[index]
+            layer.cross_attn_attn_gate.fill_(1.0)
+            layer.cross_attn_mlp_gate.fill_(1.0)
+        for name, parameter in model.model.vision_model.named_parameters():
+            if name.endswith("gate") or name.endswith("gate_attn") or name.endswith("gate_ffn"):
+                parameter.fill_(0.7)

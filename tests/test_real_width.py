@@ -1,0 +1,161 @@
+"""The real-width tier (``make test-realwidth``, marker ``realwidth``): every family at its real widths.
+
+Each registered family's smallest pinned config (specs/configs) with every width kept and only
+depth, vocabulary and experts cut (:mod:`qeff_vision.real_width`) is built as a random checkpoint,
+compiled with ``--backend onnxruntime`` and the default precision plan, and run on one image
+prompt against transformers' greedy ``generate`` (tests/real_width_case.py, one process per
+family, so each family's peak RSS is its own and a family over the memory budget is stopped
+instead of starving the machine):
+
+* fp32: tokens identical, logits within 1e-4 of transformers' logit range at every step;
+* device precision (fp16 with the plan's nodes in fp32), teacher-forced on transformers' tokens so
+  every step compares: no inf/NaN, logits within 1e-2 of the range, tokens identical wherever
+  transformers' top-1/top-2 margin exceeds twice the deviation; Qwen3.5 over 128 decode steps;
+* the compile's own device-precision check of every specialization within 5e-2 of each output's
+  range.
+
+Tiny defaults hide what only real widths show (constants stored out of line, head dims, rope
+tables, vocabulary-sized buffers, the memory of each stage); this tier is where they show. It is
+not in the default ``make test``: it costs about a minute or more per family (README, "Test
+tiers").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qeff_vision.families import all_families
+
+pytestmark = pytest.mark.realwidth
+
+ROOT = Path(__file__).resolve().parent.parent
+# A family is stopped past this resident size (the CI host has 24 GiB; QEFF_REAL_WIDTH_RSS_GB
+# lowers it on a shared machine).
+RSS_BUDGET_GB = float(os.environ.get("QEFF_REAL_WIDTH_RSS_GB", "20"))
+NEW_TOKENS = 32
+# Qwen3.5 decodes long: its recurrent state is carried through every step (issue 36 item 8).
+LONG_DECODE = {"qwen3_5": 128}
+FP32_TOLERANCE = 1e-4
+DEVICE_TOLERANCE = 1e-2
+VERIFICATION_TOLERANCE = 5e-2
+# KV outputs of a 512-token prefill deviate more: the rotary angles (position x inv_freq) are
+# computed in fp16 under -convert-to-fp16 (0.25 rad apart at positions 256-511); measured on
+# Qwen3.5's real-width language graph, past_key at 0.056 of its range with positions 0..511
+# against 0.0012 with every position 0. Reported, not fixed here (a plan keeping the angle chain
+# in fp32, or QEfficient's cos/sin tables, would be the fix).
+KV_VERIFICATION_TOLERANCE = 0.15
+
+# Known failures, each an item of issue 36 being fixed elsewhere; strict, so a fix shows here.
+ITEM_1 = "issue 36 item 1: Constant nodes stored as external data are unreadable by calibration"
+ITEM_2 = "issue 36 item 2: calibration records every node output and runs out of memory"
+EXPECTED_FAILURES = {"gemma3": ITEM_1, "gemma4": ITEM_1, "mllama": ITEM_2}
+
+
+def _family_params():
+    return [
+        pytest.param(f.name, marks=pytest.mark.xfail(strict=True, reason=EXPECTED_FAILURES[f.name]))
+        if f.name in EXPECTED_FAILURES
+        else f.name
+        for f in all_families()
+    ]
+
+
+def _watch_rss(process: subprocess.Popen, budget_bytes: float, peak: list[float]) -> None:
+    """Stop ``process`` when its resident size passes ``budget_bytes``; keep the largest seen."""
+    import psutil
+
+    try:
+        watched = psutil.Process(process.pid)
+        while process.poll() is None:
+            rss = watched.memory_info().rss
+            peak[0] = max(peak[0], rss)
+            if rss > budget_bytes:
+                process.kill()
+                return
+            time.sleep(0.5)
+    except psutil.NoSuchProcess:
+        return
+
+
+def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS) -> dict:
+    """tests/real_width_case.py for ``family`` in its own process, under the RSS budget."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = [
+        sys.executable,
+        "-m",
+        "tests.real_width_case",
+        family,
+        str(work),
+        "--new-tokens",
+        str(new_tokens),
+    ]
+    log = work.parent / f"{family}.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+        peak = [0.0]
+        watcher = threading.Thread(target=_watch_rss, args=(process, RSS_BUDGET_GB * 2**30, peak))
+        watcher.start()
+        output, _ = process.communicate()
+        watcher.join()
+    tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+    assert peak[0] <= RSS_BUDGET_GB * 2**30, (
+        f"{family} passed {RSS_BUDGET_GB} GB resident; last lines:\n{tail}"
+    )
+    assert process.returncode == 0, f"{family} failed (exit {process.returncode}):\n{tail}"
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def check_fp32(run: dict) -> None:
+    """Tokens identical and logits close at every step."""
+    assert run["tokens"] == run["reference"]
+    assert max(run["relative_deviation"]) <= FP32_TOLERANCE, run["relative_deviation"]
+
+
+def check_device(run: dict) -> None:
+    """Every teacher-forced step: logits within DEVICE_TOLERANCE of the range, tokens identical
+    wherever transformers' top-1/top-2 margin exceeds twice the deviation (a near-tie of random
+    weights may go either way)."""
+    assert len(run["tokens"]) == len(run["reference"])
+    for step, (ours, theirs) in enumerate(zip(run["tokens"], run["reference"])):
+        assert np.isfinite(run["deviation"][step]), step
+        assert run["relative_deviation"][step] <= DEVICE_TOLERANCE, (step, run["relative_deviation"])
+        if run["margin"][step] > 2 * run["deviation"][step]:
+            assert ours == theirs, (step, run)
+
+
+def check_verification(verification: dict) -> None:
+    """The compile's device-precision check of every specialization (generated inputs): finite,
+    every output within VERIFICATION_TOLERANCE of its fp32 range. (Issue 36 item 8: Qwen3.5's
+    recurrent state came out at 0.53 of its range, from the gated delta rule's former inverse.)"""
+    for program, runs in verification.items():
+        assert runs, program
+        for run in runs:
+            device = run["device_precision"]
+            assert device["finite"], (program, run)
+            kv = device["worst_output"].startswith(("past_key.", "past_value."))
+            bound = KV_VERIFICATION_TOLERANCE if kv else VERIFICATION_TOLERANCE
+            assert device["max_relative"] <= bound, (program, run)
+
+
+@pytest.mark.parametrize("family", _family_params())
+def test_real_width_family_matches_transformers(family, tmp_path):
+    result = run_family(family, tmp_path / family, LONG_DECODE.get(family, NEW_TOKENS))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("family", "config", "prompt_tokens", "plan", "seconds", "peak_rss_gb")}
+        )
+    )
+    check_verification(result["verification"])
+    check_fp32(result["fp32"])
+    check_device(result["device"])
