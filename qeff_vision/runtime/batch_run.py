@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.disaggregated import PhaseRouter
+from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
@@ -24,12 +24,10 @@ from qeff_vision.runtime.requests import Request, read_requests
 def handoff_counts(language: Any) -> tuple[int, int] | None:
     """(prefill KV hand-offs into decode slots, their bytes) of a disaggregated pair, else None.
 
-    A disaggregated artifact's language program is a :class:`PhaseRouter`; any other program
-    (dual, single) hands nothing over, whatever attributes it has.
+    The deployment object answers (:meth:`~qeff_vision.runtime.deployment.Deployment.handoffs`);
+    any program other than a disaggregated pair hands nothing over, whatever attributes it has.
     """
-    if isinstance(language, PhaseRouter):
-        return language.handoffs, language.handoff_bytes
-    return None
+    return deployment_of(language).handoffs(language)
 
 
 @dataclass
@@ -89,7 +87,7 @@ def run_requests(
         for image in request.images:
             load_image(image)  # a bad image fails before anything heavy loads
     chat = open_conversation(artifacts_dir, protocol=protocol, precision=precision)
-    if getattr(chat.generator, "single_program", False):
+    if not chat.generator.deployment.batching:
         raise UserError(
             f"{artifacts_dir}: deployment single serves one sequence at a time (batch 1, its image "
             "rows retained in the program); serve --requests from a dual or disaggregated compile, "
@@ -110,7 +108,7 @@ def run_requests(
         on_finish=finished,
     )
     run = BatchRun(requests, report, [p.notes for p in prepared])
-    run.handoffs = handoff_counts(chat.generator.language)
+    run.handoffs = chat.generator.deployment.handoffs(chat.generator.language)
     if compare_hf:
         from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
 

@@ -27,7 +27,7 @@ from typing import Any
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
-from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
@@ -211,7 +211,7 @@ class Conversation:
             raise UserError(
                 f"{clip.source}: {family.title} does not take video ({family.features.video.note})"
             )
-        if getattr(generator, "single_program", False):  # its spec refuses vision.videos too
+        if not generator.deployment.video:  # deployment single: its spec refuses vision.videos too
             raise UserError(
                 f"{clip.source}: deployment single encodes images only; serve clips with deployment dual"
             )

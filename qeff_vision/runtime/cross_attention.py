@@ -31,7 +31,7 @@ from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
-from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, unpositioned_caches

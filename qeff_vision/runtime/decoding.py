@@ -1,4 +1,4 @@
-"""The decode half of a :class:`~qeff_vision.runtime.generate.Generator`: one token per call.
+"""The decode half of a :class:`~qeff_vision.runtime.generator.Generator`: one token per call.
 
 After the prompt's prefill chunks, each call feeds one token at its position and takes no image
 row (a seq_len-1 call merges none), so a placeholder id the model generates keeps its token
@@ -18,7 +18,7 @@ from qeff_vision.runtime.continuation import Continuation
 
 
 class TokenDecoding:
-    """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the decode side (a mixin).
+    """Methods of :class:`~qeff_vision.runtime.generator.Generator` on the decode side (a mixin).
 
     They read the generator's ``host`` (decode positions), ``shape`` (``decode_vision_size``),
     ``language`` (whether it keeps vision rows resident), ``io`` (the language IO table),

@@ -4,7 +4,7 @@ The host step of docs/design.md "Continuous batching protocol", scheduled by
 :class:`~qeff_vision.runtime.scheduler.Scheduler`: each step admits arrived requests into free
 slots, runs one prefilling request's next chunk (batch 1, into its slot) and one decode call for
 every running request. Each request is planned, encoded and fed exactly as
-:class:`~qeff_vision.runtime.generate.Generator` does it alone (same chunk plan, same positions,
+:class:`~qeff_vision.runtime.generator.Generator` does it alone (same chunk plan, same positions,
 same chunk-local vision rows), so its tokens are the single-sequence ones; images come from one
 :class:`~qeff_vision.runtime.embedding_cache.EmbeddingCache` shared by all requests (an image two
 requests show is encoded once).
@@ -30,11 +30,11 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
-from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots, SlotProvider
 
 
 @dataclass(frozen=True)
@@ -209,17 +209,12 @@ class BatchedEngine:
         self.generator = generator
         self.protocol = protocol
         batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
-        language = generator.language
-        provider = isinstance(language, SlotProvider)  # declared, never guessed from attributes
         if full_batch_size is None:
             full_batch_size = compiled_full_batch_size(_decode_specializations(generator)) if batched else 1
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
-        # Programs that bring their own slots (qeff_vision.runtime.disaggregated) build them.
-        if provider:
-            self.slots = language.engine_slots(generator, full_batch_size)
-        else:
-            self.slots = (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
+        # Where the requests' state lives is the deployment's answer (qeff_vision.runtime.deployment).
+        self.slots = deployment_of(generator.language).engine_slots(generator, full_batch_size)
 
     @property
     def full_batch_size(self) -> int:
@@ -435,10 +430,7 @@ def compiled_slots(generator: SequenceRunner) -> int:
 
 def _decode_specializations(generator: SequenceRunner) -> Sequence[Mapping[str, Any]] | None:
     """The specializations of the program that decodes (a disaggregated pair's decode program)."""
-    language = generator.language
-    if isinstance(language, SlotProvider):  # its prefill program binds full_batch_size 1
-        return language.decode_specializations
-    return language.specializations
+    return deployment_of(generator.language).decode_specializations(generator.language)
 
 
 def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:

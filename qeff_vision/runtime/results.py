@@ -1,6 +1,6 @@
 """What a generation reports: its tokens and what each prefill call carried and cost.
 
-Filled by :meth:`~qeff_vision.runtime.generate.Generator.generate`, by the cross-attention host
+Filled by :meth:`~qeff_vision.runtime.generator.Generator.generate`, by the cross-attention host
 and, per request, by the batched engine (:mod:`qeff_vision.runtime.engine`); read by ``qeff-vision
 run``, conversations and the benchmarks.
 """

@@ -36,6 +36,7 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
+from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import (
@@ -46,7 +47,8 @@ from qeff_vision.runtime.retained_prefix import (
     resume_point,
     served_notes,
 )
-from qeff_vision.runtime.single import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+from qeff_vision.runtime.single_io import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
@@ -64,9 +66,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         **kwargs: :class:`CrossAttentionGenerator`'s keyword arguments.
     """
 
-    #: The batched engine and ``run --requests`` refuse it (one sequence's K/V live in the program).
-    single_program = True
-
     def __init__(
         self,
         checkpoint: Any,
@@ -77,6 +76,7 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         **kwargs: Any,
     ):
         self.encoder = EncoderCount()
+        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
         super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
         if image_slots is not None:
             self.image_slots = image_slots
