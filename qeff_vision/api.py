@@ -216,6 +216,7 @@ def conversation(
     max_new_tokens: int = 32,
     precision: str | None = None,
     video_pruning_rate: float | None = None,
+    sampling=None,
 ):
     """A multi-turn conversation over a compile output directory (``qeff-vision compile -o OUT``).
 
@@ -231,6 +232,8 @@ def conversation(
             (fp16, the precision plan's nodes in fp32).
         video_pruning_rate: Prune clips at this rate (EVS, [0, 1), 0 = off); None: the compiled
             spec's ``vision.video_pruning_rate``.
+        sampling: Default :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn
+            (greedy when None).
 
     Returns:
         :class:`qeff_vision.runtime.conversation.Conversation`.
@@ -244,6 +247,7 @@ def conversation(
         max_new_tokens=max_new_tokens,
         precision=precision,
         video_pruning_rate=video_pruning_rate,
+        sampling=sampling,
     )
 
 
@@ -264,6 +268,7 @@ def run(
     video_pruning_rate: float | None = None,
     turn_images=None,
     turn_videos=None,
+    sampling=None,
 ):
     """Generate on compiled artifacts: one turn per prompt, each showing its images and clips.
 
@@ -288,6 +293,8 @@ def run(
         turn_videos: Turn number -> clips that turn shows (in turn 1, after ``videos``).
         fps: Frame rate of the clips' frames (a directory) or to sample a file at.
         video_pruning_rate: Prune the clips at this rate (see :func:`conversation`).
+        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn (greedy
+            when None; ``compare_hf`` needs greedy).
 
     Returns:
         One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
@@ -296,9 +303,15 @@ def run(
         UserError: No manifest, a missing or unreadable image, a turn number beyond the prompts,
             a prompt that does not fit ``ctx_len``, or a ``qaic`` artifact without the SDK runtime.
     """
+    from qeff_vision.errors import UserError
     from qeff_vision.runtime.conversation import load_image, load_video, media_by_turn, run_turns
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if compare_hf and sampling is not None and not sampling.greedy:
+        raise UserError(
+            "--compare-hf compares greedy tokens with transformers; drop the sampling options "
+            "(temperature, top_k) or --compare-hf"
+        )
     # Fail on a bad turn number, image or clip before loading anything heavy.
     media_by_turn(images, turn_images, len(prompts), "image")
     media_by_turn(videos, turn_videos, len(prompts), "video")
@@ -312,6 +325,7 @@ def run(
         max_new_tokens=max_new_tokens,
         precision=precision,
         video_pruning_rate=video_pruning_rate,
+        sampling=sampling,
     )
     return run_turns(
         chat,
@@ -336,6 +350,7 @@ def run_requests(
     compare_hf: bool = False,
     precision: str | None = None,
     on_finish=None,
+    sampling=None,
 ):
     """Serve a JSON-lines request file through the batched engine (``run --requests``).
 
@@ -348,6 +363,8 @@ def run_requests(
         compare_hf: Also run transformers generate alone on each request and compare tokens.
         precision: ``fp32`` or ``device``.
         on_finish: Called with (request, result) as each request completes.
+        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of requests whose line
+            sets no sampling key (each key a line sets overrides it).
 
     Returns:
         :class:`qeff_vision.runtime.batch_run.BatchRun`.
@@ -365,4 +382,5 @@ def run_requests(
         compare_hf=compare_hf,
         precision=precision,
         on_finish=on_finish,
+        **({"sampling": sampling} if sampling is not None else {}),
     )

@@ -35,6 +35,7 @@ from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, unpositioned_caches
+from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 
@@ -234,33 +235,34 @@ class CrossAttentionGenerator(Generator):
         keep_logits: bool = False,
         history: Continuation | None = None,
         keep_prefix: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
+        """Generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
 
         A continued turn (``history``) keeps the first turn's cross states and extends its mask
         with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
         ``cross_attention_mask`` for mllama; it cannot add images. ``keep_prefix``: as
         :meth:`Generator.generate`, while the prompt's images are the held ones.
         """
-        args = (max_new_tokens, protocol, on_token, keep_logits, history)
+        args = (max_new_tokens, protocol, on_token, keep_logits, sampling, history)
         return self.run_generation(processed, keep_prefix, *args)
 
     def _generate(
-        self, processed, max_new_tokens, protocol, on_token, keep_logits, history
+        self, processed, max_new_tokens, protocol, on_token, keep_logits, sampling, history
     ) -> GenerationResult:
         """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
         calls_before = self.vision.calls
         prefill = self.prefill(processed, max_new_tokens, protocol, history)
         past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row
         kept = [prefill.logits] if keep_logits else None
-        token = int(prefill.logits.argmax())
+        sampler = TokenSampler(sampling, np.asarray(processed["input_ids"]).reshape(-1))
+        token = sampler.next_token(prefill.logits)
         ttft = time.perf_counter() - prefill.started
         if on_token:
             on_token(token)
         decode_start = time.perf_counter()
-        tokens = self._decode(
-            token, positions, past, max_new_tokens, on_token, kept, {Role.CROSS_MASK: last_row}
-        )
+        extra = {Role.CROSS_MASK: last_row}
+        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept, extra, sampler)
         return GenerationResult(
             prompt_tokens=prefill.length,
             tokens=tokens,

@@ -32,6 +32,7 @@ from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.retained_prefix import segments_after, unpositioned_caches
+from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 from qeff_vision.runtime.session import OnnxProgram
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -253,8 +254,9 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         keep_logits: bool = False,
         history: Continuation | None = None,
         keep_prefix: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy generation for one processed prompt (batch 1).
+        """Generation for one processed prompt (batch 1), greedy unless ``sampling`` says otherwise.
 
         Args:
             processed: Processor outputs as numpy arrays (input_ids, pixel_values, ...).
@@ -268,13 +270,15 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             keep_prefix: ``processed`` is the whole conversation: prefill only what follows the
                 prefix the program holds from the last such call (:mod:`~qeff_vision.runtime.kept_prefix`),
                 and record what it holds after this one.
+            sampling: How tokens are chosen (:class:`~qeff_vision.runtime.sampling.SamplingParams`;
+                greedy when None).
 
         Raises:
             UserError: The prompt and the new tokens do not fit ``ctx_len``, no plan fits the
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
-        args = (max_new_tokens, protocol, on_token, keep_logits, history)
+        args = (max_new_tokens, protocol, on_token, keep_logits, sampling, history)
         return self.run_generation(processed, keep_prefix, *args)
 
     def _generate(
@@ -284,6 +288,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         protocol: str,
         on_token: Callable[[int], None] | None,
         keep_logits: bool,
+        sampling: SamplingParams | None,
         history: Continuation | None,
     ) -> GenerationResult:
         """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
@@ -307,12 +312,13 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         plan = self.plan(input_ids, processed, protocol)
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
         kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
-        token = int(outputs[self.logits_name][0, -1].argmax())
+        sampler = TokenSampler(sampling, input_ids)
+        token = sampler.next_token(outputs[self.logits_name][0, -1])
         ttft = time.perf_counter() - started
         if on_token:
             on_token(token)
         decode_start = time.perf_counter()
-        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept)
+        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept, sampler=sampler)
         decode_seconds = time.perf_counter() - decode_start
         stats_after = self.cache.stats
         # The images of a kept prefix are the prompt's too (held, so not in the plan).
