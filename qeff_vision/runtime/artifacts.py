@@ -1,5 +1,10 @@
 """A compile output directory as the runtime sees it: programs, their specializations, the checkpoint.
 
+:func:`load_artifacts` opens a directory once: the manifest, the export record, the family, the
+deployment object and the specializations are read there into one :class:`Artifacts`, and the
+checkpoint (config, processor, chat template) is opened once on first use; what runs below
+receives that object and reads none of them again.
+
 ``qeff-vision compile SPEC -o OUT`` writes ``OUT/manifest.json`` last (see
 :mod:`qeff_vision.compile_record`). From it the runtime takes the backend, both programs and the
 specializations they were compiled for, the export directory and, through the export's
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,7 @@ from qeff_vision.compile_record import ONNXRUNTIME, QAIC, program_path, read_man
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
-from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment, deployment_named
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
@@ -59,6 +64,7 @@ class Artifacts:
         phase_specializations: Disaggregated: (prefill, decode) specializations; else empty.
         mode: The deployment object of ``deployment`` (:mod:`qeff_vision.runtime.deployment`):
             how the programs open and what the mode supports.
+        export_record: The export's ``export.json`` (empty when it cannot be read).
     """
 
     out_dir: Path
@@ -78,14 +84,19 @@ class Artifacts:
     deployment: str = "dual"
     phase_specializations: tuple[tuple[dict[str, int], ...], ...] = ()
     mode: Deployment = DEPLOYMENTS[DUAL]
+    export_record: Mapping[str, Any] = field(default_factory=dict)
+    #: The checkpoint, opened on first use and kept (the runtime files are read once).
+    _opened: dict[str, Checkpoint] = field(default_factory=dict, compare=False, repr=False)
 
     def description(self) -> ModelDescription:
-        """The checkpoint's config and image-processor config (no torch)."""
-        return describe_checkpoint(self.model_dir)
+        """The checkpoint's config and image-processor config (no torch), read once."""
+        return self.checkpoint().description
 
     def checkpoint(self) -> Checkpoint:
-        """The checkpoint the programs were exported from."""
-        return Checkpoint.open(self.model_dir, self.family)
+        """The checkpoint the programs were exported from, opened once."""
+        if "checkpoint" not in self._opened:
+            self._opened["checkpoint"] = Checkpoint.open(self.model_dir, self.family)
+        return self._opened["checkpoint"]
 
 
 def _refuse_former_symbols(manifest: Mapping[str, Any], where: str) -> None:
@@ -110,21 +121,27 @@ def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
     return directory if directory.is_absolute() else out_dir / directory
 
 
-def _checkpoint_dir(export_dir: Path, manifest: Mapping[str, Any]) -> str | None:
-    """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
+def _export_record(export_dir: Path) -> Mapping[str, Any]:
+    """``export.json``, or empty when it cannot be read (OUT moved without its export)."""
     try:
-        model = read_export(export_dir).get("model")
+        return read_export(export_dir)
     except UserError:
-        model = None
-    return model or manifest.get("model_dir")
+        return {}
 
 
-def _model_dir(out_dir: Path, export_dir: Path, manifest: Mapping[str, Any]) -> Path:
+def _checkpoint_dir(record: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+    """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
+    return record.get("model") or manifest.get("model_dir")
+
+
+def _model_dir(
+    out_dir: Path, export_dir: Path, record: Mapping[str, Any], manifest: Mapping[str, Any]
+) -> Path:
     """OUT's copy of the runtime files (``manifest["runtime_model"]``), else the checkpoint."""
     copied = manifest.get("runtime_model")
     if copied and (out_dir / copied / "config.json").is_file():
         return out_dir / copied
-    model = _checkpoint_dir(export_dir, manifest)
+    model = _checkpoint_dir(record, manifest)
     if not model or not (Path(model) / "config.json").is_file():
         raise UserError(
             f"{export_dir}: the checkpoint the programs were exported from ({model or 'not recorded'}) "
@@ -160,6 +177,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     if not vision or not language:
         raise UserError(f"{where}: a program has no specializations")
     export_dir = _export_dir(out_dir, manifest)
+    record = _export_record(export_dir)
     images = (manifest.get("shapes") or {}).get("images") or []
     buckets = (manifest.get("shapes") or {}).get("patch_buckets") or []
     return Artifacts(
@@ -167,9 +185,9 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         manifest=manifest,
         backend=backend,
         family=family,
-        model_dir=_model_dir(out_dir, export_dir, manifest),
+        model_dir=_model_dir(out_dir, export_dir, record, manifest),
         export_dir=export_dir,
-        checkpoint_dir=_weights_dir(_checkpoint_dir(export_dir, manifest)),
+        checkpoint_dir=_weights_dir(_checkpoint_dir(record, manifest)),
         vision_path=program_path(manifest, out_dir, mode.vision_program),
         language_path=program_path(manifest, out_dir, mode.language_program),
         vision_specializations=vision,
@@ -180,6 +198,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         deployment=mode.name,
         phase_specializations=phases,
         mode=mode,
+        export_record=record,
     )
 
 

@@ -98,7 +98,8 @@ class Deployment:
         """
         if artifacts.backend == QAIC:
             require_qaic_runtime(artifacts.language_path)
-            io = read_export(artifacts.export_dir)["programs"]
+            # The record load_artifacts read (read here only to say why it is missing).
+            io = (artifacts.export_record or read_export(artifacts.export_dir))["programs"]
             return (
                 QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
                 QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
