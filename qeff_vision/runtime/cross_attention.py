@@ -85,8 +85,6 @@ class CrossAttentionGenerator(Generator):
         self.cross_names = list(self.family.vision_outputs(description))
         self.cross_mask_width = int(cross_mask_shape[-1]) if cross_mask_shape else 0
         self.states_per_image = self.family.kv_cache_lengths(description, self.shape.ctx_len)
-        #: States computed by the vision program, per image content key (one request's images).
-        self.encoded: dict[str, dict[str, np.ndarray]] = {}
         # A compiled language program has a fixed image-slot count: fewer images are padded with
         # zero states that the mask never selects. None (a bare export): exactly the request's.
         slots = {s.get(symbols.MAX_NUM_IMAGES) for s in self.language.specializations or ()} - {None}
@@ -113,7 +111,7 @@ class CrossAttentionGenerator(Generator):
         """A prefix kept only while the prompt's images are the held ones (a text-less token reads all).
 
         The dual programs hold no image slots of their own: a changed image set starts over (the
-        vision program's states come from :attr:`encoded`, not encoded again).
+        vision program's states come from the embedding cache while it holds them).
         """
         resume = image_set_resume(resume, held, keys)
         return resume if resume.start else Resume()
@@ -133,16 +131,26 @@ class CrossAttentionGenerator(Generator):
         return past
 
     def _cross_states(self, processed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
-        """Every cross layer's K/V for the request's images (each encoded once) and images encoded."""
+        """Every cross layer's K/V for the request's images and the images encoded for them.
+
+        Each image's states live in the bounded, shared embedding cache under its content key (an
+        image shown again is not encoded while the cache holds it; the least recently used are
+        evicted past the bound, so a server's memory stays flat however many images it sees).
+        The request's own copy is the concatenation below, held only while it runs.
+        """
         per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
         states, encoded = [], 0
         for inputs in per_image:
             arrays = list(inputs.values())
             key = content_key(arrays[0], tuple(int(d) for a in arrays for d in a.shape))
-            if key not in self.encoded:
-                self.encoded[key] = self.vision.run(inputs)
+            found = self.cache.get(key)
+            if found is None:
+                outputs = self.vision.run(inputs)
+                found = {name: outputs[name] for name in self.cross_names}
+                self.cache.put(key, found)
+                self.cache.record_encoder_call(1)
                 encoded += 1
-            states.append(self.encoded[key])
+            states.append(found)
         slots = self.image_slots if self.image_slots is not None else max(len(states), 1)
         if len(states) > slots:
             raise UserError(
