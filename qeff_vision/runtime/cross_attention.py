@@ -302,6 +302,7 @@ class CrossAttentionGenerator(Generator):
         images_encoded: int,
         encode_seconds: float = 0.0,
         start: int = 0,
+        new_images: Any = None,
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
         """Run a prompt's prefill chunks in order: the last call's outputs and a record per chunk.
 
@@ -313,11 +314,13 @@ class CrossAttentionGenerator(Generator):
             images_encoded: Images encoded for the prompt (recorded on its first chunk).
             encode_seconds: Time that encoding took (recorded on the first chunk).
             start: Prompt position of ``request``'s first token (a kept prefix before it).
+            new_images: This prompt's images a chunk sends to the program (:meth:`chunk_vision`;
+                request state, passed along rather than kept on the runner).
         """
         records, outputs = [], {}
         for chunk in chunks:
             began = time.perf_counter()
-            vision_feeds, sent = self.chunk_vision(chunk, past)
+            vision_feeds, sent = self.chunk_vision(chunk, past, new_images)
             outputs = self._run({**self.chunk_feeds(chunk, *request), **vision_feeds}, past)
             first = chunk.index == 0
             records.append(
@@ -351,10 +354,13 @@ class CrossAttentionGenerator(Generator):
             }
         )
 
-    def chunk_vision(self, chunk: Chunk, past: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+    def chunk_vision(
+        self, chunk: Chunk, past: Mapping[str, np.ndarray], new_images: Any = None
+    ) -> tuple[dict[str, np.ndarray], int]:
         """Vision inputs a prefill chunk sends besides the caches, and the vision bytes it sends.
 
-        Here none: the first chunk carries the request's cross states in ``past`` (their bytes).
+        Here none (``new_images`` unused): the first chunk carries the request's cross states in
+        ``past`` (their bytes).
         """
         sent = sum(past[n].nbytes for n in self.cross_names if n in past) if chunk.index == 0 else 0
         return {}, sent
