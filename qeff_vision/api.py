@@ -226,6 +226,7 @@ def conversation(
     max_new_tokens: int = 32,
     precision: str | None = None,
     video_pruning_rate: float | None = None,
+    sampling=None,
 ):
     """A multi-turn conversation over a compile output directory (``qeff-vision compile -o OUT``).
 
@@ -241,6 +242,8 @@ def conversation(
             (fp16, the precision plan's nodes in fp32).
         video_pruning_rate: Prune clips at this rate (EVS, [0, 1), 0 = off); None: the compiled
             spec's ``vision.video_pruning_rate``.
+        sampling: Default :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn
+            (greedy when None).
 
     Returns:
         :class:`qeff_vision.runtime.conversation.Conversation`.
@@ -254,6 +257,7 @@ def conversation(
         max_new_tokens=max_new_tokens,
         precision=precision,
         video_pruning_rate=video_pruning_rate,
+        sampling=sampling,
     )
 
 
@@ -274,6 +278,7 @@ def run(
     video_pruning_rate: float | None = None,
     turn_images=None,
     turn_videos=None,
+    sampling=None,
 ):
     """Generate on compiled artifacts: one turn per prompt, each showing its images and clips.
 
@@ -298,6 +303,8 @@ def run(
         turn_videos: Turn number -> clips that turn shows (in turn 1, after ``videos``).
         fps: Frame rate of the clips' frames (a directory) or to sample a file at.
         video_pruning_rate: Prune the clips at this rate (see :func:`conversation`).
+        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn (greedy
+            when None; ``compare_hf`` needs greedy).
 
     Returns:
         One :class:`qeff_vision.runtime.conversation.Turn` per prompt.
@@ -308,9 +315,15 @@ def run(
             a checkpoint without tokenizer, or a ``qaic`` artifact without the SDK runtime.
     """
     from qeff_vision.bad_input import check_prompt
+    from qeff_vision.errors import UserError
     from qeff_vision.runtime.conversation import load_image, load_video, media_by_turn, run_turns
 
     prompts = [check_prompt(prompt) for prompt in ([prompts] if isinstance(prompts, str) else prompts)]
+    if compare_hf and sampling is not None and not sampling.greedy:
+        raise UserError(
+            "--compare-hf compares greedy tokens with transformers; drop the sampling options "
+            "(temperature, top_k) or --compare-hf"
+        )
     # Fail on a bad turn number, image or clip before loading anything heavy.
     media_by_turn(images, turn_images, len(prompts), "image")
     media_by_turn(videos, turn_videos, len(prompts), "video")
@@ -324,6 +337,7 @@ def run(
         max_new_tokens=max_new_tokens,
         precision=precision,
         video_pruning_rate=video_pruning_rate,
+        sampling=sampling,
     )
     return run_turns(
         chat,
@@ -348,6 +362,7 @@ def run_requests(
     compare_hf: bool = False,
     precision: str | None = None,
     on_finish=None,
+    sampling=None,
 ):
     """Serve a JSON-lines request file through the batched engine (``run --requests``).
 
@@ -360,6 +375,8 @@ def run_requests(
         compare_hf: Also run transformers generate alone on each request and compare tokens.
         precision: ``fp32`` or ``device``.
         on_finish: Called with (request, result) as each request completes.
+        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of requests whose line
+            sets no sampling key (each key a line sets overrides it).
 
     Returns:
         :class:`qeff_vision.runtime.batch_run.BatchRun`.
@@ -377,4 +394,5 @@ def run_requests(
         compare_hf=compare_hf,
         precision=precision,
         on_finish=on_finish,
+        **({"sampling": sampling} if sampling is not None else {}),
     )

@@ -160,3 +160,38 @@ def test_five_staggered_requests_through_a_full_batch_size_4_artifact(
     table = {int(line.split()[0]): line.split() for line in err.splitlines() if re.match(r"^\s+\d\s", line)}
     slot, admitted = table[4][1], int(table[4][3])
     assert any(row[1] == slot and int(row[5]) < admitted for n, row in table.items() if n < 4), "slot reuse"
+
+
+def test_requests_json_with_sampling_keys_and_seeds(artifacts_dir, request_dir, capsys):
+    """``--json``: one document on stdout; a line's sampling keys override the command's; seeds repeat."""
+    entries = [
+        {"prompt": "Describe it.", "images": ["images/square.png"], "max_new_tokens": 4, "seed": 3},
+        {"prompt": "Tell me a story.", "max_new_tokens": 4, "temperature": 0},
+    ]
+    path = write_requests(request_dir, entries, "sampled.jsonl")
+    options = ("--json", "--temperature", 1.2, "--top-k", 8)
+    documents = []
+    for _ in range(2):
+        code, out, err = run(capsys, artifacts_dir, "--requests", path, *options)
+        assert code == 0, err
+        documents.append(json.loads(out))
+    first = documents[0]
+    assert [r["request"] for r in first["requests"]] == [0, 1]
+    assert all(len(r["token_ids"]) == 4 and isinstance(r["text"], str) for r in first["requests"])
+    assert first["engine"]["full_batch_size"] == 1 and first["requests"][0]["images"] == 1
+    assert documents[1]["requests"][0]["token_ids"] == first["requests"][0]["token_ids"], "seeded"
+    # The second line's temperature 0 is greedy: the tokens --compare-hf checks without sampling.
+    code, out, err = run(capsys, artifacts_dir, "--requests", path, "--json", "--compare-hf")
+    assert code == 0, err
+    assert json.loads(out)["requests"][1]["token_ids"] == first["requests"][1]["token_ids"]
+
+
+def test_sampling_with_compare_hf_and_bad_sampling_values_are_refused(artifacts_dir, request_dir, capsys):
+    path = write_requests(request_dir, [{"prompt": "Hi", "temperature": 0.8}], "warm.jsonl")
+    code, _, err = run(capsys, artifacts_dir, "--requests", path, "--compare-hf")
+    assert code == 2 and "--compare-hf compares greedy tokens" in err and "Traceback" not in err
+    bad = write_requests(request_dir, [{"prompt": "Hi", "top_p": 1.5}], "bad.jsonl")
+    code, _, err = run(capsys, artifacts_dir, "--requests", bad)
+    assert code == 2 and "bad.jsonl:1: top_p must be in (0, 1]" in err
+    code, _, err = run(capsys, artifacts_dir, "--requests", path, "--top-k", -3)
+    assert code == 2 and "top_k must be an integer >= -1" in err

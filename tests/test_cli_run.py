@@ -246,3 +246,26 @@ def test_media_by_turn_keeps_command_line_order_and_refuses_a_turn_beyond_the_pr
     assert media_by_turn(["a"], None, 2, "image") == [["a"], []]  # the Python API's old meaning
     with pytest.raises(UserError, match="image for turn 3, but the conversation has 2 turn"):
         media_by_turn([], {3: ["b"]}, 2, "image")
+
+
+def test_run_json_prints_one_document_and_seeded_sampling_repeats(artifacts_dir, image_files, capsys):
+    """``--json``: the turns' text, token ids and counts as one JSON document (no streamed reply)."""
+    args = (artifacts_dir, "--image", image_files["square"], "--prompt", "Describe it.", "--prompt", "More?")
+    code, out, err = run(capsys, *args, "--max-new-tokens", 4, "--json", "--compare-hf")
+    assert code == 0, err
+    turns = json.loads(out)["turns"]
+    assert [turn["turn"] for turn in turns] == [1, 2] and turns[1]["prompt"] == "More?"
+    assert all(turn["compare_hf"]["identical"] for turn in turns)
+    first = turns[0]
+    assert first["images"] == 1 and len(first["token_ids"]) <= 4 and first["encoder_calls"] == 1
+    assert len(first["chunks"]) >= 1 and first["prefilled_tokens"] == first["prompt_tokens"]
+    assert turns[1]["prefilled_tokens"] < turns[1]["prompt_tokens"], "the second turn keeps the prefix"
+    sampled = ("--temperature", 1.5, "--top-k", 20, "--seed", 5, "--max-new-tokens", 6, "--json")
+    replies = []
+    for _ in range(2):
+        code, out, err = run(capsys, artifacts_dir, "--prompt", "Tell me a story.", *sampled)
+        assert code == 0, err
+        replies.append(json.loads(out)["turns"][0]["token_ids"])
+    assert replies[0] == replies[1], "the same seed gives the same tokens"
+    code, _, err = run(capsys, artifacts_dir, "--prompt", "Hi", "--temperature", 0.5, "--compare-hf")
+    assert code == 2 and "--compare-hf compares greedy tokens" in err

@@ -101,3 +101,47 @@ def test_imports_only_point_down():
 def test_no_cycle_between_any_pair_of_units():
     edges = set(import_edges())
     assert {(a, b) for a, b in edges if (b, a) in edges} == set()
+
+
+def _runtime_module_edges() -> dict[str, set[str]]:
+    """runtime module -> the runtime modules it imports (function-level imports included)."""
+    runtime = PACKAGE / "runtime"
+    edges: dict[str, set[str]] = {}
+    for path in sorted(runtime.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_nodes(tree)
+        found: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if parts[:2] == ["qeff_vision", "runtime"] and len(parts) > 2:
+                    if (runtime / f"{parts[2]}.py").is_file():
+                        found.add(parts[2])
+        edges[path.stem] = found - {path.stem}
+    return edges
+
+
+def test_no_import_circle_between_runtime_modules():
+    # A circle hidden by a function-level import is still a circle (issue 38 item 7): every
+    # module of runtime/ must be reachable from the ones it imports without coming back.
+    edges = _runtime_module_edges()
+    circles = []
+    for start in edges:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            module, path = stack.pop()
+            for target in edges.get(module, ()):
+                if target == start:
+                    circles.append(" -> ".join((*path, start)))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*path, target)))
+    assert circles == []

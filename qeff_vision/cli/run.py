@@ -9,6 +9,7 @@ The reply streams to stdout as it is decoded; notes, the per-chunk table, timing
 
 from __future__ import annotations
 
+import json
 import sys
 
 import click
@@ -36,9 +37,22 @@ HELP = {
     "compiled with (-mxfp6-matmul weights as FP6 E2M3, an MXINT8 KV cache).",
     "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
     "tokens; exit code 1 when they differ. With --requests, each request alone.",
+    "temperature": "Sampling temperature (vLLM's name): 0 (default) is greedy; above, logits are divided "
+    "by it and the token drawn.",
+    "top_k": "Draw among the K most likely tokens (0: all; 1 is greedy).",
+    "top_p": "Draw among the smallest set of most likely tokens whose probability reaches P (1: all).",
+    "min_p": "Drop tokens less likely than P x the most likely one (0: none).",
+    "repetition_penalty": "Above 1 discourages tokens of the prompt and the reply (vLLM's rule).",
+    "presence_penalty": "Subtracted from the logit of every token already generated.",
+    "seed": "Seed of each turn's (each request's) own random generator: the same tokens every run, "
+    "whichever requests share its steps.",
+    "json": "Print one JSON document on stdout instead of the streamed reply: per turn (per request) "
+    "the text, the token ids and the counts the report shows.",
     "requests": "Serve a JSON-lines request file through the batched engine instead of --prompt: one object "
     "a line with keys prompt, images (paths relative to the file, may be empty), max_new_tokens and "
-    "arrival_step (the engine step it arrives at). Requests share the program's full_batch_size KV slots.",
+    "arrival_step (the engine step it arrives at), and any sampling option by its name (temperature, top_k, "
+    "top_p, min_p, repetition_penalty, presence_penalty, seed), overriding the command's for that request. "
+    "Requests share the program's full_batch_size KV slots.",
 }
 
 
@@ -90,6 +104,14 @@ HELP = {
     "--precision", type=click.Choice(["fp32", "device", "device-mx"]), default=None, help=HELP["precision"]
 )
 @click.option("--compare-hf", is_flag=True, help=HELP["compare_hf"])
+@click.option("--temperature", type=float, default=None, metavar="T", help=HELP["temperature"])
+@click.option("--top-k", type=int, default=None, metavar="K", help=HELP["top_k"])
+@click.option("--top-p", type=float, default=None, metavar="P", help=HELP["top_p"])
+@click.option("--min-p", type=float, default=None, metavar="P", help=HELP["min_p"])
+@click.option("--repetition-penalty", type=float, default=None, metavar="R", help=HELP["repetition_penalty"])
+@click.option("--presence-penalty", type=float, default=None, metavar="R", help=HELP["presence_penalty"])
+@click.option("--seed", type=int, default=None, metavar="N", help=HELP["seed"])
+@click.option("--json", "as_json", is_flag=True, help=HELP["json"])
 def run(
     artifacts,
     images,
@@ -104,6 +126,14 @@ def run(
     vision_protocol,
     precision,
     compare_hf,
+    temperature,
+    top_k,
+    top_p,
+    min_p,
+    repetition_penalty,
+    presence_penalty,
+    seed,
+    as_json,
 ) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
@@ -114,14 +144,34 @@ def run(
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
     from qeff_vision import api
+    from qeff_vision.runtime.sampling import SamplingParams
 
+    given = {
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "repetition_penalty": repetition_penalty,
+        "presence_penalty": presence_penalty,
+        "seed": seed,
+    }
+    sampling = SamplingParams(**{name: value for name, value in given.items() if value is not None})
     if requests_file is not None:
         if prompts or images or videos or turn_images or turn_videos or video_pruning_rate is not None:
             raise click.UsageError(
                 "--requests takes prompts and images from the file; "
                 "drop --prompt/--image/--video/--turn-image/--turn-video/--video-pruning-rate"
             )
-        _run_requests(artifacts, requests_file, max_new_tokens, vision_protocol, precision, compare_hf)
+        _run_requests(
+            artifacts,
+            requests_file,
+            max_new_tokens,
+            vision_protocol,
+            precision,
+            compare_hf,
+            sampling,
+            as_json,
+        )
         return
     if not prompts:
         raise click.UsageError("give --prompt TEXT (or --requests FILE.jsonl)")
@@ -139,11 +189,13 @@ def run(
             click.echo(f"{'' if index == 0 else chr(10)}[turn {index + 1}] {prompt}", err=True)
 
     def on_text(piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+        if not as_json:  # the reply is in the document
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
     def on_done(index: int, turn) -> None:
-        click.echo()
+        if not as_json:
+            click.echo()
         for line in report_lines(turn.result):
             click.echo(line, err=True)
         if turn.comparison is not None:
@@ -165,10 +217,21 @@ def run(
         video_pruning_rate=video_pruning_rate,
         turn_images=by_turn(turn_images),
         turn_videos=by_turn(turn_videos),
+        sampling=sampling,
     )
+    if as_json:
+        click.echo(json.dumps({"turns": [turn_json(index, turn) for index, turn in enumerate(turns)]}))
     if compare_hf and not all(turn.comparison.identical for turn in turns):
         # Exit code 1 (not 2): the inputs were fine, the runtime disagrees with transformers.
         click.get_current_context().exit(1)
+
+
+def turn_json(index: int, turn) -> dict:
+    """One turn of ``run --json``: its number, prompt, reply, token ids and counts."""
+    entry = {"turn": index + 1, "prompt": turn.prompt, **turn.result.summary()}
+    if turn.comparison is not None:
+        entry["compare_hf"] = {"identical": turn.comparison.identical, "verdict": turn.comparison.describe()}
+    return entry
 
 
 def by_turn(pairs) -> dict[int, list[str]]:
@@ -218,13 +281,16 @@ def report_lines(result) -> list[str]:
     return lines
 
 
-def _run_requests(artifacts, requests_file, max_new_tokens, protocol, precision, compare_hf) -> None:
-    """``run --requests``: each reply on stdout as its request finishes, the table on stderr."""
+def _run_requests(
+    artifacts, requests_file, max_new_tokens, protocol, precision, compare_hf, sampling, as_json
+) -> None:
+    """``run --requests``: replies on stdout as requests finish (or one JSON document), table on stderr."""
     from qeff_vision import api
-    from qeff_vision.runtime.batch_run import report_table
+    from qeff_vision.runtime.batch_run import report_json, report_table
 
     def on_finish(request, done) -> None:
-        click.echo(f"[request {request.index}] {done.result.text}")
+        if not as_json:
+            click.echo(f"[request {request.index}] {done.result.text}")
         for note in done.result.notes:
             click.echo(f"note: request {request.index}: {note}", err=True)
 
@@ -236,7 +302,10 @@ def _run_requests(artifacts, requests_file, max_new_tokens, protocol, precision,
         compare_hf=compare_hf,
         precision=precision,
         on_finish=on_finish,
+        sampling=sampling,
     )
+    if as_json:
+        click.echo(json.dumps(report_json(batch)))
     for line in report_table(batch):
         click.echo(line, err=True)
     for request, comparison in zip(batch.requests, batch.comparisons):

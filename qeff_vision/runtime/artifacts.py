@@ -1,5 +1,10 @@
 """A compile output directory as the runtime sees it: programs, their specializations, the checkpoint.
 
+:func:`load_artifacts` opens a directory once: the manifest, the export record, the family, the
+deployment object and the specializations are read there into one :class:`Artifacts`, and the
+checkpoint (config, processor, chat template) is opened once on first use; what runs below
+receives that object and reads none of them again.
+
 ``qeff-vision compile SPEC -o OUT`` writes ``OUT/manifest.json`` last (see
 :mod:`qeff_vision.compile_record`). From it the runtime takes the backend, both programs and the
 specializations they were compiled for, the export directory and, through the export's
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +29,12 @@ from qeff_vision.compile_record import ONNXRUNTIME, QAIC, program_path, read_man
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
-from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
+from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment, deployment_named
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
 from qeff_vision.runtime.language_shape import LanguageShape
-from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL, SINGLE
+from qeff_vision.spec.deployment import DUAL
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class Artifacts:
             ``language_path`` is the decode program and ``language_specializations`` both
             programs' specializations).
         phase_specializations: Disaggregated: (prefill, decode) specializations; else empty.
+        mode: The deployment object of ``deployment`` (:mod:`qeff_vision.runtime.deployment`):
+            how the programs open and what the mode supports.
+        export_record: The export's ``export.json`` (empty when it cannot be read).
     """
 
     out_dir: Path
@@ -74,21 +83,20 @@ class Artifacts:
     patch_buckets: tuple[int, ...] = ()
     deployment: str = "dual"
     phase_specializations: tuple[tuple[dict[str, int], ...], ...] = ()
+    mode: Deployment = DEPLOYMENTS[DUAL]
+    export_record: Mapping[str, Any] = field(default_factory=dict)
+    #: The checkpoint, opened on first use and kept (the runtime files are read once).
+    _opened: dict[str, Checkpoint] = field(default_factory=dict, compare=False, repr=False)
 
     def description(self) -> ModelDescription:
-        """The checkpoint's config and image-processor config (no torch)."""
-        return describe_checkpoint(self.model_dir)
+        """The checkpoint's config and image-processor config (no torch), read once."""
+        return self.checkpoint().description
 
     def checkpoint(self) -> Checkpoint:
-        """The checkpoint the programs were exported from."""
-        return Checkpoint.open(self.model_dir, self.family)
-
-
-def _symbols(entries: Any, where: str) -> tuple[dict[str, int], ...]:
-    try:
-        return tuple({k: int(v) for k, v in entry["symbols"].items()} for entry in entries)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UserError(f"{where}: specializations are not [{{'name', 'symbols'}}] entries ({exc})") from exc
+        """The checkpoint the programs were exported from, opened once."""
+        if "checkpoint" not in self._opened:
+            self._opened["checkpoint"] = Checkpoint.open(self.model_dir, self.family)
+        return self._opened["checkpoint"]
 
 
 def _refuse_former_symbols(manifest: Mapping[str, Any], where: str) -> None:
@@ -113,21 +121,27 @@ def _export_dir(out_dir: Path, manifest: Mapping[str, Any]) -> Path:
     return directory if directory.is_absolute() else out_dir / directory
 
 
-def _checkpoint_dir(export_dir: Path, manifest: Mapping[str, Any]) -> str | None:
-    """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
+def _export_record(export_dir: Path) -> Mapping[str, Any]:
+    """``export.json``, or empty when it cannot be read (OUT moved without its export)."""
     try:
-        model = read_export(export_dir).get("model")
+        return read_export(export_dir)
     except UserError:
-        model = None
-    return model or manifest.get("model_dir")
+        return {}
 
 
-def _model_dir(out_dir: Path, export_dir: Path, manifest: Mapping[str, Any]) -> Path:
+def _checkpoint_dir(record: Mapping[str, Any], manifest: Mapping[str, Any]) -> str | None:
+    """The checkpoint recorded by the export (``export.json`` "model"), else the manifest's."""
+    return record.get("model") or manifest.get("model_dir")
+
+
+def _model_dir(
+    out_dir: Path, export_dir: Path, record: Mapping[str, Any], manifest: Mapping[str, Any]
+) -> Path:
     """OUT's copy of the runtime files (``manifest["runtime_model"]``), else the checkpoint."""
     copied = manifest.get("runtime_model")
     if copied and (out_dir / copied / "config.json").is_file():
         return out_dir / copied
-    model = _checkpoint_dir(export_dir, manifest)
+    model = _checkpoint_dir(record, manifest)
     if not model or not (Path(model) / "config.json").is_file():
         raise UserError(
             f"{export_dir}: the checkpoint the programs were exported from ({model or 'not recorded'}) "
@@ -157,50 +171,34 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
     where = str(out_dir / "manifest.json")
     _refuse_former_symbols(manifest, where)
-    deployment = manifest.get("deployment", DUAL)
-    language_program, phases = "lang", ()
-    if deployment == SINGLE:  # one program: its encode entries stand for the vision program's
-        from qeff_vision.runtime.single import image_specializations
-
-        language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
-        vision = image_specializations(language, get_family(manifest["family"]))
-    else:
-        vision = _symbols(manifest["programs"]["vision"].get("specializations") or [], where)
-    if deployment == DISAGGREGATED:
-        language_program = LANG_DECODE
-        phases = tuple(
-            _symbols(manifest["programs"][name].get("specializations") or [], where)
-            for name in (LANG_PREFILL, LANG_DECODE)
-        )
-        language = phases[0] + phases[1]
-        if not all(phases):
-            raise UserError(f"{where}: a program has no specializations")
-    elif deployment not in (DUAL, SINGLE):
-        raise UserError(f"{where}: the runtime does not run deployment {deployment!r} yet")
-    elif deployment == DUAL:
-        language = _symbols(manifest["programs"]["lang"].get("specializations") or [], where)
+    mode = deployment_named(manifest.get("deployment", DUAL), where)
+    family = get_family(manifest["family"])
+    vision, language, phases = mode.specializations(manifest, where, family)
     if not vision or not language:
         raise UserError(f"{where}: a program has no specializations")
     export_dir = _export_dir(out_dir, manifest)
+    record = _export_record(export_dir)
     images = (manifest.get("shapes") or {}).get("images") or []
     buckets = (manifest.get("shapes") or {}).get("patch_buckets") or []
     return Artifacts(
         out_dir=out_dir,
         manifest=manifest,
         backend=backend,
-        family=get_family(manifest["family"]),
-        model_dir=_model_dir(out_dir, export_dir, manifest),
+        family=family,
+        model_dir=_model_dir(out_dir, export_dir, record, manifest),
         export_dir=export_dir,
-        checkpoint_dir=_weights_dir(_checkpoint_dir(export_dir, manifest)),
-        vision_path=program_path(manifest, out_dir, "lang" if deployment == SINGLE else "vision"),
-        language_path=program_path(manifest, out_dir, language_program),
+        checkpoint_dir=_weights_dir(_checkpoint_dir(record, manifest)),
+        vision_path=program_path(manifest, out_dir, mode.vision_program),
+        language_path=program_path(manifest, out_dir, mode.language_program),
         vision_specializations=vision,
         language_specializations=language,
         shape=LanguageShape.from_specializations(language),
         resolutions=tuple(ImageSize(int(i["height"]), int(i["width"])) for i in images),
         patch_buckets=tuple(int(count) for count in buckets),
-        deployment=deployment,
+        deployment=mode.name,
         phase_specializations=phases,
+        mode=mode,
+        export_record=record,
     )
 
 
@@ -241,8 +239,6 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
     Raises:
         UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
     """
-    from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
-
     if precision is None:
         precision = "device" if artifacts.backend == QAIC else "fp32"
     if precision not in PRECISIONS:
@@ -252,89 +248,20 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
             f"{artifacts.out_dir}: qaic programs run at device precision; --precision fp32 needs "
             "the onnxruntime backend"
         )
-    if artifacts.backend == QAIC and artifacts.deployment == DISAGGREGATED:
-        raise UserError(
-            f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
-            "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
-        )
-    if artifacts.backend == QAIC and artifacts.deployment == SINGLE:
-        # One program; its encoder is counted by the single runner, never called as a vision program.
-        require_qaic_runtime(artifacts.language_path)
-        language = QaicProgram(
-            artifacts.language_path, single_program_io(artifacts), artifacts.language_specializations
-        )
-        return language, language
-    if artifacts.backend == QAIC:
-        require_qaic_runtime(artifacts.language_path)
-        io = read_export(artifacts.export_dir)["programs"]
-        return (
-            QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
-            QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
-        )
-    device = precision != "fp32"
-    mx = _mx_of(artifacts) if precision == "device-mx" else None
-    language_program = LANG_DECODE if artifacts.deployment == DISAGGREGATED else "lang"
-    language = OnnxProgram(
-        artifacts.language_path,
-        artifacts.language_specializations,
-        fp32_values=device_plan(artifacts, language_program) if device else None,
-        mx=mx,
-    )
-    if artifacts.deployment == SINGLE:
-        return language, language  # one session: the encoder runs inside it (as on qaic above)
-    if artifacts.deployment == DISAGGREGATED:
-        from qeff_vision.runtime.disaggregated import phase_programs
-
-        language = phase_programs(language, *artifacts.phase_specializations)
-    return (
-        OnnxProgram(
-            artifacts.vision_path,
-            artifacts.vision_specializations,
-            fp32_values=device_plan(artifacts, "vision") if device else None,
-        ),
-        language,
-    )
-
-
-def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any]]]:
-    """The composed single program's ``inputs`` / ``outputs`` (dtype, shape), read from its ONNX.
-
-    export.json describes the vision and language graphs, not their composition
-    (:mod:`qeff_vision.compile.single_program`), so the graph itself is read (no weights loaded).
-
-    Raises:
-        UserError: The manifest names no ONNX for ``lang`` or it cannot be read.
-    """
-    import onnx
-
-    recorded = artifacts.manifest["programs"]["lang"].get("onnx")
-    if not recorded:
-        raise UserError(f"{artifacts.out_dir / 'manifest.json'}: the lang program records no ONNX")
-    path = Path(recorded)
-    path = path if path.is_absolute() else artifacts.out_dir / path
-    try:
-        graph = onnx.load(str(path), load_external_data=False).graph
-    except Exception as exc:  # onnx raises DecodeError, OSError, ...
-        raise UserError(f"{path}: cannot read the single program's graph ({exc})") from None
-
-    def described(values) -> dict[str, dict[str, Any]]:
-        return {
-            value.name: {
-                "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
-                "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
-            }
-            for value in values
-        }
-
-    return {"inputs": described(graph.input), "outputs": described(graph.output)}
+    device = precision != "fp32" and artifacts.backend != QAIC
+    plans = {
+        program: device_plan(artifacts, program) if device else None
+        for program in {artifacts.mode.vision_program, artifacts.mode.language_program}
+    }
+    plans["mx"] = _mx_of(artifacts) if precision == "device-mx" and device else None
+    return artifacts.mode.open_programs(artifacts, precision, plans)
 
 
 def _mx_of(artifacts: Artifacts):
     """The microscaling formats of the compiled language program's options."""
     from qeff_vision.numerics.device import MxEmulation
 
-    language = LANG_DECODE if artifacts.deployment == DISAGGREGATED else "lang"
-    options = artifacts.manifest["programs"][language].get("options") or {}
+    options = artifacts.manifest["programs"][artifacts.mode.language_program].get("options") or {}
     return MxEmulation.from_options(
         bool(options.get("mxfp6_matmul")),
         options.get("kv_cache_dtype", ""),
@@ -352,19 +279,21 @@ def generator_for_artifacts(
     if not isinstance(artifacts, Artifacts):
         artifacts = load_artifacts(artifacts)
     vision, language = open_programs(artifacts, precision)
-    if artifacts.deployment == SINGLE:
-        from qeff_vision.runtime.single import make_single_generator
-
-        generator = make_single_generator(artifacts.checkpoint(), language, artifacts.shape, cache)
-        generator.compiled_vision = list(artifacts.vision_specializations)
-        return generator
     buckets = artifacts.vision_specializations if artifacts.patch_buckets else None
     generator = make_generator(
-        artifacts.checkpoint(), vision, language, artifacts.shape, cache, patch_buckets=buckets
+        artifacts.checkpoint(),
+        vision,
+        language,
+        artifacts.shape,
+        cache,
+        deployment=artifacts.mode,
+        **({"patch_buckets": buckets} if buckets else {}),
     )
     generator.compiled_vision = list(artifacts.vision_specializations)
-    # The spec's vision.video_pruning_rate (written only when not 0): the language program is sized for it.
-    generator.set_video_pruning_rate(artifacts.manifest["shapes"].get("video_pruning_rate", 0.0))
+    if artifacts.mode.video:
+        # The spec's vision.video_pruning_rate (written only when not 0): the language program is
+        # sized for it.
+        generator.set_video_pruning_rate(artifacts.manifest["shapes"].get("video_pruning_rate", 0.0))
     return generator
 
 

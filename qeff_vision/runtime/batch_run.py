@@ -15,21 +15,20 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.disaggregated import PhaseRouter
+from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
+from qeff_vision.runtime.sampling import GREEDY, SamplingParams
 
 
 def handoff_counts(language: Any) -> tuple[int, int] | None:
     """(prefill KV hand-offs into decode slots, their bytes) of a disaggregated pair, else None.
 
-    A disaggregated artifact's language program is a :class:`PhaseRouter`; any other program
-    (dual, single) hands nothing over, whatever attributes it has.
+    The deployment object answers (:meth:`~qeff_vision.runtime.deployment.Deployment.handoffs`);
+    any program other than a disaggregated pair hands nothing over, whatever attributes it has.
     """
-    if isinstance(language, PhaseRouter):
-        return language.handoffs, language.handoff_bytes
-    return None
+    return deployment_of(language).handoffs(language)
 
 
 @dataclass
@@ -65,6 +64,7 @@ def run_requests(
     compare_hf: bool = False,
     precision: str | None = None,
     on_finish: Callable[[Request, RequestResult], None] | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> BatchRun:
     """Serve a request file on compiled artifacts.
 
@@ -77,6 +77,8 @@ def run_requests(
         precision: ``fp32`` or ``device`` (see :func:`~qeff_vision.runtime.artifacts.open_programs`).
         on_finish: Called with (request, result) as each request frees its slot; ``result.result.text``
             holds the reply.
+        sampling: The sampling parameters of requests whose line sets none (a line's keys
+            override them one by one).
 
     Raises:
         UserError: A bad request file or image (checked before the programs are loaded), a
@@ -84,12 +86,18 @@ def run_requests(
     """
     from qeff_vision.runtime.conversation import load_image, open_conversation
 
-    requests = read_requests(requests_file, max_new_tokens)
+    requests = read_requests(requests_file, max_new_tokens, sampling)
+    sampled = [request.index for request in requests if not request.sampling.greedy]
+    if compare_hf and sampled:
+        raise UserError(
+            f"--compare-hf compares greedy tokens with transformers; request {sampled[0]} samples "
+            "(drop its temperature / top_k or --compare-hf)"
+        )
     for request in requests:
         for image in request.images:
             load_image(image)  # a bad image fails before anything heavy loads
     chat = open_conversation(artifacts_dir, protocol=protocol, precision=precision)
-    if getattr(chat.generator, "single_program", False):
+    if not chat.generator.deployment.batching:
         raise UserError(
             f"{artifacts_dir}: deployment single serves one sequence at a time (batch 1, its image "
             "rows retained in the program); serve --requests from a dual or disaggregated compile, "
@@ -106,11 +114,14 @@ def run_requests(
 
     engine = BatchedEngine(chat.generator, protocol=protocol)
     report = engine.run(
-        [EngineRequest(p.processed, r.max_new_tokens, r.arrival_step) for p, r in zip(prepared, requests)],
+        [
+            EngineRequest(p.processed, r.max_new_tokens, r.arrival_step, sampling=r.sampling)
+            for p, r in zip(prepared, requests)
+        ],
         on_finish=finished,
     )
     run = BatchRun(requests, report, [p.notes for p in prepared])
-    run.handoffs = handoff_counts(chat.generator.language)
+    run.handoffs = chat.generator.deployment.handoffs(chat.generator.language)
     if compare_hf:
         from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
 
@@ -120,6 +131,41 @@ def run_requests(
             theirs, _ = reference_generate(reference, inputs.processed, request.max_new_tokens, eos)
             run.comparisons.append(TokenComparison(tuple(done.result.tokens), tuple(theirs)))
     return run
+
+
+def report_json(run: BatchRun) -> dict:
+    """Per request its reply, token ids, schedule and counts, and the engine's totals (``--json``)."""
+    report = run.report
+    requests = []
+    for request, done in zip(run.requests, report.requests):
+        entry = {
+            "request": request.index,
+            "slot": done.slot,
+            "arrival_step": done.arrival_step,
+            "admitted_step": done.admitted_step,
+            "first_token_step": done.first_token_step,
+            "finished_step": done.finished_step,
+            "mean_occupancy": done.mean_occupancy,
+            **done.result.summary(),
+        }
+        if done.number < len(run.comparisons):
+            comparison = run.comparisons[done.number]
+            entry["compare_hf"] = {"identical": comparison.identical, "verdict": comparison.describe()}
+        requests.append(entry)
+    engine = {
+        "full_batch_size": report.full_batch_size,
+        "batched": report.batched,
+        "steps": report.steps,
+        "prefill_calls": report.prefill_calls,
+        "decode_calls": len(report.decode_batches),
+        "mean_occupancy": report.mean_occupancy,
+        "decode_tokens_per_second": report.decode_tokens_per_second,
+        "vision_bytes": report.vision_bytes,
+        "encoder_calls": report.encoder_calls,
+    }
+    if run.handoffs is not None:
+        engine["handoffs"], engine["handoff_bytes"] = run.handoffs
+    return {"requests": requests, "engine": engine}
 
 
 def report_table(run: BatchRun) -> list[str]:

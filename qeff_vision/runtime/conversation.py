@@ -28,10 +28,11 @@ from qeff_vision.bad_input import check_prompt, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
-from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
+from qeff_vision.runtime.sampling import SamplingParams
 
 ImageFitter = Callable[[Any], "tuple[Any, str | None]"]
 
@@ -129,6 +130,7 @@ class Conversation:
         keep_prefix: Each turn prefills only what follows the prefix the language program holds
             from the previous one (False: the whole conversation every turn, e.g. calibration,
             which records every prompt token's activations).
+        sampling: Default sampling parameters of :meth:`ask` (greedy when None).
     """
 
     def __init__(
@@ -141,8 +143,10 @@ class Conversation:
         max_new_tokens: int = 32,
         model_dir: str | Path | None = None,
         keep_prefix: bool = True,
+        sampling: SamplingParams | None = None,
     ):
         self.generator = generator
+        self.sampling = sampling
         self.keep_prefix = keep_prefix
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.processor = processor
@@ -213,7 +217,7 @@ class Conversation:
             raise UserError(
                 f"{clip.source}: {family.title} does not take video ({family.features.video.note})"
             )
-        if getattr(generator, "single_program", False):  # its spec refuses vision.videos too
+        if not generator.deployment.video:  # deployment single: its spec refuses vision.videos too
             raise UserError(
                 f"{clip.source}: deployment single encodes images only; serve clips with deployment dual"
             )
@@ -258,6 +262,7 @@ class Conversation:
         protocol: str | None = None,
         on_text: Callable[[str], None] | None = None,
         keep_logits: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
         """One turn: the user shows ``images`` (possibly none) and says ``text``; the model replies.
 
@@ -272,6 +277,7 @@ class Conversation:
             protocol: ``chunk`` or ``full`` (the conversation's default if None).
             on_text: Called with each piece of reply text as soon as it is complete (streaming).
             keep_logits: Keep each step's logits row in the result.
+            sampling: How tokens are chosen (the conversation's default if None).
 
         Returns:
             The generation result; ``text`` holds the reply, ``notes`` anything worth telling.
@@ -285,11 +291,14 @@ class Conversation:
                 on_text(piece)
 
         budget, protocol = max_new_tokens or self.max_new_tokens, protocol or self.protocol
+        sampling = sampling or self.sampling
         if compiled_slots(self.generator) > 1:
             # One request in slot 0 of a continuous-batching program (see the module docstring).
             if self._engine is None:
                 self._engine = BatchedEngine(self.generator, protocol=protocol)
-            result = self._engine.generate(inputs.processed, budget, protocol, on_token, keep_logits)
+            result = self._engine.generate(
+                inputs.processed, budget, protocol, on_token, keep_logits, sampling
+            )
             if self.messages:
                 result.notes.append(
                     f"continuous batching: the whole conversation ({result.prompt_tokens} tokens) "
@@ -303,6 +312,7 @@ class Conversation:
                 on_token=on_token,
                 keep_logits=keep_logits,
                 keep_prefix=self.keep_prefix,
+                sampling=sampling,
             )
         rest = stream.finish()
         if rest and on_text:
@@ -332,6 +342,7 @@ def open_conversation(
     max_new_tokens: int = 32,
     precision: str | None = None,
     video_pruning_rate: float | None = None,
+    sampling: SamplingParams | None = None,
 ) -> Conversation:
     """A :class:`Conversation` over a compile output directory, with the checkpoint's own processor.
 
@@ -342,6 +353,7 @@ def open_conversation(
         max_new_tokens: Default upper bound of generated tokens per turn.
         precision: ``fp32`` (the exported graphs) or ``device`` (fp16 as compiled, with the plan).
         video_pruning_rate: Prune clips at this rate (EVS; 0 = off) instead of the compiled spec's.
+        sampling: Default sampling parameters of every turn (greedy when None).
 
     Raises:
         UserError: No manifest, a missing checkpoint, or a ``qaic`` artifact without the SDK runtime.
@@ -361,6 +373,7 @@ def open_conversation(
         protocol=protocol,
         max_new_tokens=max_new_tokens,
         model_dir=artifacts.checkpoint_dir,
+        sampling=sampling,
     )
 
 

@@ -31,10 +31,11 @@ from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
-from qeff_vision.runtime.generate import Generator
+from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, unpositioned_caches
+from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
 
@@ -84,8 +85,6 @@ class CrossAttentionGenerator(Generator):
         self.cross_names = list(self.family.vision_outputs(description))
         self.cross_mask_width = int(cross_mask_shape[-1]) if cross_mask_shape else 0
         self.states_per_image = self.family.kv_cache_lengths(description, self.shape.ctx_len)
-        #: States computed by the vision program, per image content key (one request's images).
-        self.encoded: dict[str, dict[str, np.ndarray]] = {}
         # A compiled language program has a fixed image-slot count: fewer images are padded with
         # zero states that the mask never selects. None (a bare export): exactly the request's.
         slots = {s.get(symbols.MAX_NUM_IMAGES) for s in self.language.specializations or ()} - {None}
@@ -112,7 +111,7 @@ class CrossAttentionGenerator(Generator):
         """A prefix kept only while the prompt's images are the held ones (a text-less token reads all).
 
         The dual programs hold no image slots of their own: a changed image set starts over (the
-        vision program's states come from :attr:`encoded`, not encoded again).
+        vision program's states come from the embedding cache while it holds them).
         """
         resume = image_set_resume(resume, held, keys)
         return resume if resume.start else Resume()
@@ -132,16 +131,26 @@ class CrossAttentionGenerator(Generator):
         return past
 
     def _cross_states(self, processed: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int]:
-        """Every cross layer's K/V for the request's images (each encoded once) and images encoded."""
+        """Every cross layer's K/V for the request's images and the images encoded for them.
+
+        Each image's states live in the bounded, shared embedding cache under its content key (an
+        image shown again is not encoded while the cache holds it; the least recently used are
+        evicted past the bound, so a server's memory stays flat however many images it sees).
+        The request's own copy is the concatenation below, held only while it runs.
+        """
         per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
         states, encoded = [], 0
         for inputs in per_image:
             arrays = list(inputs.values())
             key = content_key(arrays[0], tuple(int(d) for a in arrays for d in a.shape))
-            if key not in self.encoded:
-                self.encoded[key] = self.vision.run(inputs)
+            found = self.cache.get(key)
+            if found is None:
+                outputs = self.vision.run(inputs)
+                found = {name: outputs[name] for name in self.cross_names}
+                self.cache.put(key, found)
+                self.cache.record_encoder_call(1)
                 encoded += 1
-            states.append(self.encoded[key])
+            states.append(found)
         slots = self.image_slots if self.image_slots is not None else max(len(states), 1)
         if len(states) > slots:
             raise UserError(
@@ -234,33 +243,34 @@ class CrossAttentionGenerator(Generator):
         keep_logits: bool = False,
         history: Continuation | None = None,
         keep_prefix: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Greedy generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
+        """Generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
 
         A continued turn (``history``) keeps the first turn's cross states and extends its mask
         with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
         ``cross_attention_mask`` for mllama; it cannot add images. ``keep_prefix``: as
         :meth:`Generator.generate`, while the prompt's images are the held ones.
         """
-        args = (max_new_tokens, protocol, on_token, keep_logits, history)
+        args = (max_new_tokens, protocol, on_token, keep_logits, sampling, history)
         return self.run_generation(processed, keep_prefix, *args)
 
     def _generate(
-        self, processed, max_new_tokens, protocol, on_token, keep_logits, history
+        self, processed, max_new_tokens, protocol, on_token, keep_logits, sampling, history
     ) -> GenerationResult:
         """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
         calls_before = self.vision.calls
         prefill = self.prefill(processed, max_new_tokens, protocol, history)
         past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row
         kept = [prefill.logits] if keep_logits else None
-        token = int(prefill.logits.argmax())
+        sampler = TokenSampler(sampling, np.asarray(processed["input_ids"]).reshape(-1))
+        token = sampler.next_token(prefill.logits)
         ttft = time.perf_counter() - prefill.started
         if on_token:
             on_token(token)
         decode_start = time.perf_counter()
-        tokens = self._decode(
-            token, positions, past, max_new_tokens, on_token, kept, {Role.CROSS_MASK: last_row}
-        )
+        extra = {Role.CROSS_MASK: last_row}
+        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept, extra, sampler)
         return GenerationResult(
             prompt_tokens=prefill.length,
             tokens=tokens,
@@ -292,6 +302,7 @@ class CrossAttentionGenerator(Generator):
         images_encoded: int,
         encode_seconds: float = 0.0,
         start: int = 0,
+        new_images: Any = None,
     ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
         """Run a prompt's prefill chunks in order: the last call's outputs and a record per chunk.
 
@@ -303,11 +314,13 @@ class CrossAttentionGenerator(Generator):
             images_encoded: Images encoded for the prompt (recorded on its first chunk).
             encode_seconds: Time that encoding took (recorded on the first chunk).
             start: Prompt position of ``request``'s first token (a kept prefix before it).
+            new_images: This prompt's images a chunk sends to the program (:meth:`chunk_vision`;
+                request state, passed along rather than kept on the runner).
         """
         records, outputs = [], {}
         for chunk in chunks:
             began = time.perf_counter()
-            vision_feeds, sent = self.chunk_vision(chunk, past)
+            vision_feeds, sent = self.chunk_vision(chunk, past, new_images)
             outputs = self._run({**self.chunk_feeds(chunk, *request), **vision_feeds}, past)
             first = chunk.index == 0
             records.append(
@@ -341,10 +354,13 @@ class CrossAttentionGenerator(Generator):
             }
         )
 
-    def chunk_vision(self, chunk: Chunk, past: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+    def chunk_vision(
+        self, chunk: Chunk, past: Mapping[str, np.ndarray], new_images: Any = None
+    ) -> tuple[dict[str, np.ndarray], int]:
         """Vision inputs a prefill chunk sends besides the caches, and the vision bytes it sends.
 
-        Here none: the first chunk carries the request's cross states in ``past`` (their bytes).
+        Here none (``new_images`` unused): the first chunk carries the request's cross states in
+        ``past`` (their bytes).
         """
         sent = sum(past[n].nbytes for n in self.cross_names if n in past) if chunk.index == 0 else 0
         return {}, sent

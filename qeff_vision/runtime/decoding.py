@@ -1,4 +1,4 @@
-"""The decode half of a :class:`~qeff_vision.runtime.generate.Generator`: one token per call.
+"""The decode half of a :class:`~qeff_vision.runtime.generator.Generator`: one token per call.
 
 After the prompt's prefill chunks, each call feeds one token at its position and takes no image
 row (a seq_len-1 call merges none), so a placeholder id the model generates keeps its token
@@ -15,10 +15,11 @@ import numpy as np
 
 from qeff_vision.contract.language_io import Role
 from qeff_vision.runtime.continuation import Continuation
+from qeff_vision.runtime.sampling import TokenSampler
 
 
 class TokenDecoding:
-    """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the decode side (a mixin).
+    """Methods of :class:`~qeff_vision.runtime.generator.Generator` on the decode side (a mixin).
 
     They read the generator's ``host`` (decode positions), ``shape`` (``decode_vision_size``),
     ``language`` (whether it keeps vision rows resident), ``io`` (the language IO table),
@@ -92,11 +93,14 @@ class TokenDecoding:
         on_token: Callable[[int], None] | None,
         kept: list[np.ndarray] | None,
         extra: Mapping[Role, np.ndarray] | None = None,
+        sampler: TokenSampler | None = None,
     ) -> list[int]:
-        """Greedy decode after the prefill's first token; appends each logits row to ``kept`` if given.
+        """Decode after the prefill's first token; appends each logits row to ``kept`` if given.
 
-        ``extra``: further inputs of every decode step by role (:meth:`feed_token`).
+        ``extra``: further inputs of every decode step by role (:meth:`feed_token`). ``sampler``:
+        the request's token choice (greedy when None).
         """
+        sampler = sampler if sampler is not None else TokenSampler()
         tokens = [token]
         for step in range(max_new_tokens - 1):
             if token in self.eos_token_ids:
@@ -104,7 +108,7 @@ class TokenDecoding:
             outputs = self.feed_token(token, self.host.decode_positions(positions, step), past, extra)
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
-            token = int(outputs[self.logits_name][0, -1].argmax())
+            token = sampler.next_token(outputs[self.logits_name][0, -1])
             tokens.append(token)
             if on_token:
                 on_token(token)

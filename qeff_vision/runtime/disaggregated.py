@@ -8,7 +8,7 @@ device pool; the KV a finished prefill wrote is copied into the request's decode
 prefill/decode hand-off; QEfficient's disaggregated example feeds the prefill session's
 ``_RetainedState`` outputs to the decode session as inputs).
 
-:class:`PhaseRouter` presents both programs to the :class:`~qeff_vision.runtime.generate.Generator`
+:class:`PhaseRouter` presents both programs to the :class:`~qeff_vision.runtime.generator.Generator`
 as one language program: a call with ``seq_len`` > 1 goes to the prefill program, a one-token
 call to the decode program, each accepting only its own specializations, so a decode-shaped call
 on the prefill program (or the reverse) is refused as a device would refuse it. For one sequence
@@ -23,16 +23,18 @@ program's cache.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.session import ShapeMismatch
 from qeff_vision.runtime.slots import BatchedSlots, DecodeRow, SequentialSlots, SlotProvider
+
+if TYPE_CHECKING:
+    from qeff_vision.runtime.generator import Generator
 
 
 class PhaseRouter(SlotProvider):

@@ -12,6 +12,9 @@ rows a later chunk needs cannot disappear. Pinned entries are never evicted, so 
 pins more than ``max_bytes`` the cache is over budget; it returns under the bound as soon as they
 are unpinned.
 
+An entry is one image's rows (token merge) or, for the cross-attention kind, its states by name
+(every cross layer's K/V); both count their bytes against the same bound.
+
 Pure: numpy and hashlib only.
 """
 
@@ -19,12 +22,30 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, assemble_vision_embeds
+
+#: One cache entry: an image's embedding rows, or its named states (cross-attention K/V).
+Entry = np.ndarray | Mapping[str, np.ndarray]
+
+
+def entry_bytes(entry: Entry) -> int:
+    """Bytes an entry holds."""
+    if isinstance(entry, np.ndarray):
+        return entry.nbytes
+    return sum(array.nbytes for array in entry.values())
+
+
+def _read_only(entry: Entry) -> Entry:
+    if isinstance(entry, Mapping):
+        return {name: _read_only(np.asarray(array)) for name, array in entry.items()}
+    view = np.asarray(entry).view()
+    view.flags.writeable = False
+    return view
 
 
 def content_key(pixels: np.ndarray, resolution: Sequence[int]) -> str:
@@ -100,7 +121,7 @@ class EmbeddingCache:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
         self._pins: dict[str, int] = {}
         self._stats = CacheStats()
 
@@ -124,8 +145,8 @@ class EmbeddingCache:
         """Keys from least to most recently used."""
         return list(self._entries)
 
-    def get(self, key: str) -> np.ndarray | None:
-        """The rows under ``key`` (now most recently used), or None; counts a hit or a miss."""
+    def get(self, key: str) -> Entry | None:
+        """The entry under ``key`` (now most recently used), or None; counts a hit or a miss."""
         rows = self._entries.get(key)
         if rows is None:
             self._count(misses=1)
@@ -134,20 +155,19 @@ class EmbeddingCache:
         self._count(hits=1)
         return rows
 
-    def put(self, key: str, rows: np.ndarray, *, pin: bool = False) -> None:
+    def put(self, key: str, rows: Entry, *, pin: bool = False) -> None:
         """Store ``rows`` under ``key`` as most recently used, then evict down to the bound.
 
         Args:
             key: The image's content key.
-            rows: Its embedding [rows, hidden]; stored as a read-only view.
+            rows: Its embedding [rows, hidden], or its states by name; stored as read-only views.
             pin: Pin the entry in the same step, so the eviction this put triggers cannot drop it.
         """
         if key in self._entries:
-            self._count(bytes=-self._entries.pop(key).nbytes)
-        view = np.asarray(rows).view()
-        view.flags.writeable = False
+            self._count(bytes=-entry_bytes(self._entries.pop(key)))
+        view = _read_only(rows)
         self._entries[key] = view
-        self._count(bytes=view.nbytes)
+        self._count(bytes=entry_bytes(view))
         if pin:
             self.pin(key)
         self._evict()
@@ -182,7 +202,7 @@ class EmbeddingCache:
         for key in [k for k in self._entries if k not in self._pins]:
             if self._stats.bytes <= self.max_bytes:
                 break
-            self._count(bytes=-self._entries.pop(key).nbytes, evictions=1)
+            self._count(bytes=-entry_bytes(self._entries.pop(key)), evictions=1)
         self._stats = replace(self._stats, peak_bytes=max(self._stats.peak_bytes, self._stats.bytes))
 
     def _count(self, **deltas: int) -> None:

@@ -4,7 +4,7 @@ The host step of docs/design.md "Continuous batching protocol", scheduled by
 :class:`~qeff_vision.runtime.scheduler.Scheduler`: each step admits arrived requests into free
 slots, runs one prefilling request's next chunk (batch 1, into its slot) and one decode call for
 every running request. Each request is planned, encoded and fed exactly as
-:class:`~qeff_vision.runtime.generate.Generator` does it alone (same chunk plan, same positions,
+:class:`~qeff_vision.runtime.generator.Generator` does it alone (same chunk plan, same positions,
 same chunk-local vision rows), so its tokens are the single-sequence ones; images come from one
 :class:`~qeff_vision.runtime.embedding_cache.EmbeddingCache` shared by all requests (an image two
 requests show is encoded once).
@@ -30,11 +30,12 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
-from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots, SlotProvider
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class EngineRequest:
         arrival_step: The engine step at which the request arrives.
         on_token: Called with each token id as soon as it is known (streaming).
         protocol: Its vision protocol (``chunk`` or ``full``); the engine's when None.
+        sampling: How its tokens are chosen (greedy when None); its own random generator, so its
+            tokens do not depend on the requests it shares steps with.
     """
 
     processed: Mapping[str, Any]
@@ -54,6 +57,7 @@ class EngineRequest:
     arrival_step: int = 0
     on_token: Callable[[int], None] | None = None
     protocol: str | None = None
+    sampling: SamplingParams | None = None
 
 
 @dataclass
@@ -98,7 +102,7 @@ class EngineReport:
         steps: Engine steps that ran a call.
         decode_batches: Requests served by each decode call, in order.
         decode_seconds: Wall time of the decode steps: the host's work for the step (positions,
-            feeds, argmax per request) and the call(s); prefill chunks are not counted.
+            feeds, the token choice per request) and the call(s); prefill chunks are not counted.
         decode_step_seconds: Wall time of each decode step (``decode_batches`` gives its requests).
         prefill_calls: Prefill chunks run.
         vision_bytes: ``vision_embeds`` bytes sent by every call (prefill chunks and decode steps).
@@ -146,6 +150,7 @@ class _Sequence:
         self.positions = generator.host.prompt_positions(request.processed)
         self.chunks: Iterator[tuple[Chunk, dict[str, np.ndarray], int]] | None = None
         self.decode_extra = generator.decode_extra(request.processed)
+        self.sampler = TokenSampler(request.sampling, self.input_ids)
         self.encode_timer = [0.0]
         self.slot = -1
         self.admitted_step = self.first_token_step = -1
@@ -175,14 +180,15 @@ class _Sequence:
             self.affine = np.array_equal(host.decode_positions(self.positions, 1), self.decode_base + 1)
         return self.decode_base + step if self.affine else host.decode_positions(self.positions, step)
 
-    def emit(self, token: int, logits: np.ndarray | None, eos: set[int]) -> bool:
-        """Record a generated token; True when the request is complete."""
+    def emit(self, logits: np.ndarray, keep_logits: bool, eos: set[int]) -> bool:
+        """Choose and record the next token from its logits row; True when the request is complete."""
+        token = self.sampler.next_token(logits)
         now = time.perf_counter()
         if not self.tokens:
             self.first_token_at = now
         self.last_token_at = now
         self.tokens.append(token)
-        if logits is not None:
+        if keep_logits:
             self.logits.append(logits.copy())
         if self.request.on_token is not None:
             self.request.on_token(token)
@@ -209,17 +215,12 @@ class BatchedEngine:
         self.generator = generator
         self.protocol = protocol
         batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
-        language = generator.language
-        provider = isinstance(language, SlotProvider)  # declared, never guessed from attributes
         if full_batch_size is None:
             full_batch_size = compiled_full_batch_size(_decode_specializations(generator)) if batched else 1
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
-        # Programs that bring their own slots (qeff_vision.runtime.disaggregated) build them.
-        if provider:
-            self.slots = language.engine_slots(generator, full_batch_size)
-        else:
-            self.slots = (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
+        # Where the requests' state lives is the deployment's answer (qeff_vision.runtime.deployment).
+        self.slots = deployment_of(generator.language).engine_slots(generator, full_batch_size)
 
     @property
     def full_batch_size(self) -> int:
@@ -253,6 +254,7 @@ class BatchedEngine:
         protocol: str | None = None,
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> GenerationResult:
         """One request alone: a batch of one, in slot 0 (the lowest free slot).
 
@@ -265,11 +267,12 @@ class BatchedEngine:
             protocol: ``chunk`` or ``full`` (the engine's when None).
             on_token: Called with each token id as soon as it is known (streaming).
             keep_logits: Keep each step's logits row in the result.
+            sampling: How tokens are chosen (greedy when None).
 
         Raises:
             UserError: The prompt does not fit ``ctx_len`` or the buckets, or a shape was not compiled.
         """
-        request = EngineRequest(processed, max_new_tokens, 0, on_token, protocol)
+        request = EngineRequest(processed, max_new_tokens, 0, on_token, protocol, sampling)
         (done,) = self._serve([request], keep_logits, None, labelled=False).requests
         return done.result
 
@@ -362,9 +365,7 @@ class BatchedEngine:
         self.slots.finish_prefill(sequence.slot)
         sequence.first_token_step = step.step
         logits = outputs[symbols.LOGITS][0, -1]
-        return sequence.emit(
-            int(logits.argmax()), logits if keep_logits else None, self.generator.eos_token_ids
-        )
+        return sequence.emit(logits, keep_logits, self.generator.eos_token_ids)
 
     def _decode(
         self, running: list[_Sequence], step: StepPlan, report: EngineReport, keep_logits: bool
@@ -383,7 +384,7 @@ class BatchedEngine:
         for sequence in running:
             sequence.decode_batches.append(len(running))
             row = logits[sequence.slot]
-            if sequence.emit(int(row.argmax()), row if keep_logits else None, self.generator.eos_token_ids):
+            if sequence.emit(row, keep_logits, self.generator.eos_token_ids):
                 finished.append(sequence.number)
         elapsed = time.perf_counter() - started
         report.decode_seconds += elapsed
@@ -435,10 +436,7 @@ def compiled_slots(generator: SequenceRunner) -> int:
 
 def _decode_specializations(generator: SequenceRunner) -> Sequence[Mapping[str, Any]] | None:
     """The specializations of the program that decodes (a disaggregated pair's decode program)."""
-    language = generator.language
-    if isinstance(language, SlotProvider):  # its prefill program binds full_batch_size 1
-        return language.decode_specializations
-    return language.specializations
+    return deployment_of(generator.language).decode_specializations(generator.language)
 
 
 def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:

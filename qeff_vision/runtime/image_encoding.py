@@ -1,4 +1,4 @@
-"""The vision half of a :class:`~qeff_vision.runtime.generate.Generator`: images in, wide rows out.
+"""The vision half of a :class:`~qeff_vision.runtime.generator.Generator`: images in, wide rows out.
 
 A prompt's images are prepared (content keys for the embedding cache), encoded by the vision
 program (one call per resolution and accepted batch, or packed into patch buckets by
@@ -26,7 +26,7 @@ from qeff_vision.runtime.video_pruning import prune_prompt, prune_rows, pruned_k
 
 
 class ImageEncoding:
-    """Methods of :class:`~qeff_vision.runtime.generate.Generator` on the vision side (a mixin).
+    """Methods of :class:`~qeff_vision.runtime.generator.Generator` on the vision side (a mixin).
 
     They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
     ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``, ``_images``,

@@ -1,6 +1,6 @@
 """A conversation turn prefills only what follows the prefix the program holds.
 
-A :class:`~qeff_vision.runtime.generate.Generator` asked to keep the prefix
+A :class:`~qeff_vision.runtime.generator.Generator` asked to keep the prefix
 (``generate(..., keep_prefix=True)``, what a :class:`~qeff_vision.runtime.conversation.Conversation`
 asks, and what a single program's :class:`~qeff_vision.runtime.single.SingleGenerator` always
 does) records what its language program holds after each generation: the prompt's tokens and
@@ -36,14 +36,13 @@ import numpy as np
 
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, held_after, kept_note, resume_point
-from qeff_vision.runtime.session import CompiledProgram
 
 
 class PrefixKeeping:
-    """Methods of :class:`~qeff_vision.runtime.generate.Generator` that keep a held prefix (a mixin).
+    """Methods of :class:`~qeff_vision.runtime.generator.Generator` that keep a held prefix (a mixin).
 
-    They read the generator's ``language`` and ``host`` and call its ``_generate`` (which calls
-    :meth:`resume_prompt` with the prompt as it runs), and set ``held``
+    They read the generator's ``language``, ``deployment`` and ``host`` and call its
+    ``_generate`` (which calls :meth:`resume_prompt` with the prompt as it runs), and set ``held``
     (what the program holds after the last kept generation, or None), ``_resume`` (where the
     running prompt's prefill starts; :class:`Resume` ``()`` outside a kept generation) and
     ``_at_prompt_end`` (the caches not indexed by position at the end of the last prefill, which
@@ -73,11 +72,8 @@ class PrefixKeeping:
         return resume
 
     def _keeps_held(self) -> bool:
-        """Whether what :attr:`held` describes is still in the program's caches."""
-        language = self.language
-        if not isinstance(language, CompiledProgram):  # a disaggregated pair: the prefill side
-            return False  # never holds the reply
-        return not language.retains_state or language.calls == self._held_calls
+        """Whether what :attr:`held` describes is still in the program's caches (the mode's answer)."""
+        return self.deployment.holds_turn(self.language, self._held_calls)
 
     def record_prompt_end(self, past: Mapping[str, np.ndarray]) -> None:
         """Keep the caches not indexed by position as the prompt's prefill left them.

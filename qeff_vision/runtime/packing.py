@@ -68,7 +68,7 @@ def plan_packed_calls(
 
 
 def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[float]):
-    """A :class:`~qeff_vision.runtime.generate.Generator`'s cache encoder in patch-bucket mode.
+    """A :class:`~qeff_vision.runtime.generator.Generator`'s cache encoder in patch-bucket mode.
 
     Calls follow :func:`plan_packed_calls`. An image's rows are the call's rows from the end of
     the previous image's (the program's packing contract); ``generator.served`` records, per image

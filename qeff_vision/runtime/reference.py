@@ -70,7 +70,7 @@ def reference_generate_pruned(
         model: The transformers model (:func:`load_reference_model`).
         family: The checkpoint's family (its adapter knows the model's encoder outputs).
         original: The processor outputs before pruning (pixels and grids).
-        pruned: :meth:`~qeff_vision.runtime.generate.Generator.prepare_prompt`'s result for them.
+        pruned: :meth:`~qeff_vision.runtime.generator.Generator.prepare_prompt`'s result for them.
         max_new_tokens: Tokens to generate.
         eos_token_ids: Replaces the config's end ids when given.
 

@@ -1,6 +1,6 @@
 """The protocol a decoder kind's runner offers the batched engine (declared, not reached into).
 
-:class:`~qeff_vision.runtime.generate.Generator` (token-merge) and
+:class:`~qeff_vision.runtime.generator.Generator` (token-merge) and
 :class:`~qeff_vision.runtime.cross_attention.CrossAttentionGenerator` implement it; the engine
 (:mod:`qeff_vision.runtime.engine`) uses nothing else of a runner. A new decoder kind's runner
 (registered in :data:`qeff_vision.runtime.generate.RUNNERS`) implements the same members.

@@ -36,6 +36,7 @@ from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
+from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import (
@@ -46,7 +47,8 @@ from qeff_vision.runtime.retained_prefix import (
     resume_point,
     served_notes,
 )
-from qeff_vision.runtime.single import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+from qeff_vision.runtime.single_io import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
@@ -64,9 +66,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         **kwargs: :class:`CrossAttentionGenerator`'s keyword arguments.
     """
 
-    #: The batched engine and ``run --requests`` refuse it (one sequence's K/V live in the program).
-    single_program = True
-
     def __init__(
         self,
         checkpoint: Any,
@@ -77,6 +76,7 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         **kwargs: Any,
     ):
         self.encoder = EncoderCount()
+        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
         super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
         if image_slots is not None:
             self.image_slots = image_slots
@@ -85,9 +85,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
-        self._pending: dict[str, np.ndarray] | None = None
-        self._pending_images = 0
-        self._first_slot = 0
 
     def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
         """:meth:`CrossAttentionGenerator.generate` after the prefix the program holds.
@@ -153,15 +150,15 @@ class SingleCrossGenerator(CrossAttentionGenerator):
                 f"{len(per_image)} images in the conversation; the program was compiled for at most {slots}"
             )
         new = per_image[kept:]
-        self._pending = batched_images(self.language, self.image_inputs, new) if new else None
-        self._pending_images, self._first_slot = len(new), kept
+        # What the first chunk sends: the new images' inputs, how many, and the slot they start at.
+        pending = (batched_images(self.language, self.image_inputs, new), len(new), kept) if new else None
         positions = self.host.prompt_positions(processed)
         mask = self._cross_mask(processed, length)
         past = {**self.empty_cache(), **self._retained_feeds(), **self._resume.restore}
         rest = (mask[:, start:], input_ids[start:], positions[..., start:])
         chunks = plan_chunks(length - start, [], self.shape.buckets, protocol=protocol).chunks
         # The encoder runs inside the first chunk's program call: no separate encode time.
-        outputs, records = self.run_chunks(chunks, rest, past, len(new), start=start)
+        outputs, records = self.run_chunks(chunks, rest, past, len(new), start=start, new_images=pending)
         return CrossPrefill(
             length=length,
             logits=outputs[self.logits_name][0, -1].copy(),
@@ -192,13 +189,18 @@ class SingleCrossGenerator(CrossAttentionGenerator):
                 past.pop(name, None)
         return past
 
-    def chunk_vision(self, chunk: Chunk, past: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-        """The first chunk of a prompt with new images sends their pixels (counted); others a placeholder."""
-        if chunk.index == 0 and self._pending is not None:
-            pixels, self._pending = self._pending, None
+    def chunk_vision(
+        self, chunk: Chunk, past: Mapping[str, np.ndarray], new_images: Any = None
+    ) -> tuple[dict[str, np.ndarray], int]:
+        """The first chunk of a prompt with new images sends their pixels (counted); others a placeholder.
+
+        ``new_images``: (batched inputs, image count, first slot) of the prompt's new images, or None.
+        """
+        if chunk.index == 0 and new_images is not None:
+            pixels, count, first_slot = new_images
             self.encoder.calls += 1
-            self.encoder.images += self._pending_images
-            slot = np.array([self._first_slot], np.int64)
+            self.encoder.images += count
+            slot = np.array([first_slot], np.int64)
             return {**pixels, SLOT: slot}, sum(array.nbytes for array in pixels.values())
         return self._placeholder(), 0
 

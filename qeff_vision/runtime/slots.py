@@ -11,7 +11,7 @@ Two ways to hold the slots:
   tokens, none of the batching speed-up; a device keeps one resident cache, so a ``qaic`` program
   without continuous batching has one slot.
 
-Both drive the program through :meth:`Generator.step <qeff_vision.runtime.generate.Generator.step>`.
+Both drive the program through :meth:`Generator.step <qeff_vision.runtime.generator.Generator.step>`.
 A language program that holds its slots another way declares it by subclassing
 :class:`SlotProvider` (the disaggregated pair: :mod:`qeff_vision.runtime.disaggregated`).
 """
@@ -20,14 +20,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.generate import Generator
+
+if TYPE_CHECKING:
+    from qeff_vision.runtime.generator import Generator
 
 # slot -> (last token, its position ids, the request's extra decode inputs by role, one row each)
 DecodeRow = tuple[int, np.ndarray, Mapping[Role, np.ndarray]]

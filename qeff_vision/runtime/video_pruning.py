@@ -27,7 +27,7 @@ from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS, RETE
 from qeff_vision.runtime.embedding_cache import PreparedImage
 
 if TYPE_CHECKING:
-    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.generator import Generator
 
 
 def retention_mask(rows: np.ndarray, grid: Sequence[int], rate: float) -> np.ndarray:

@@ -1,0 +1,298 @@
+"""Deployment modes as objects: one per mode, registered once, asked instead of type checks.
+
+A mode (spec key ``deployment``, :mod:`qeff_vision.spec.deployment`) decides which programs a
+compile output holds and how the runtime opens them, where a language call goes (one program, or
+prefill and decode programs of one graph), where per-sequence state lives while the batched
+engine serves requests (its slots), and what the mode supports::
+
+    mode            programs opened                  batching  kept prefix  video  encoder
+    dual            vision + lang                    yes       yes          yes    vision program
+    disaggregated   vision + lang_prefill/decode     yes       no           yes    vision program
+    single          lang (encoder composed inside)   no        yes          no     inside lang
+
+The rest of the runtime asks a generator's :attr:`~qeff_vision.runtime.generator.Generator.deployment`
+(capabilities, slots, the decoding program's specializations, KV hand-offs); the one place that
+recognises a program's kind is :func:`deployment_of`, here. A new mode is a new subclass and one
+entry of :data:`DEPLOYMENTS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qeff_vision.compile_record import QAIC
+from qeff_vision.contract.language_io import Role
+from qeff_vision.errors import UserError
+from qeff_vision.export_record import read_export
+from qeff_vision.runtime.disaggregated import PhaseRouter, phase_programs
+from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
+from qeff_vision.runtime.single_io import image_specializations
+from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
+from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL, SINGLE
+
+if TYPE_CHECKING:
+    from qeff_vision.runtime.artifacts import Artifacts
+    from qeff_vision.runtime.generator import Generator
+
+Specializations = tuple[dict[str, int], ...]
+
+
+def read_symbols(entries: Any, where: str) -> Specializations:
+    """Symbol values of a manifest program's ``specializations`` entries.
+
+    Raises:
+        UserError: The entries are not ``[{"name", "symbols"}]``.
+    """
+    try:
+        return tuple({k: int(v) for k, v in entry["symbols"].items()} for entry in entries)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UserError(f"{where}: specializations are not [{{'name', 'symbols'}}] entries ({exc})") from exc
+
+
+def _program_symbols(manifest: Mapping[str, Any], program: str, where: str) -> Specializations:
+    return read_symbols(manifest["programs"][program].get("specializations") or [], where)
+
+
+class Deployment:
+    """One deployment mode (see the module docstring). Subclasses set the class attributes.
+
+    Attributes:
+        name: The spec's ``deployment`` value.
+        language_program: The manifest program whose compile options (precision plan, MX
+            formats) apply to the language session the runtime opens.
+        vision_program: The manifest program the vision specializations are read from.
+        encoder_inside: The vision encoder is composed into the language program (one program:
+            runners of the single form, :data:`qeff_vision.runtime.generate.RUNNERS`).
+        batching: Serves several requests through the batched engine (``run --requests``).
+        keeps_prefix: A conversation's turn may keep the prefix the language program holds.
+        video: Takes clips.
+    """
+
+    name = ""
+    language_program = "lang"
+    vision_program = "vision"
+    encoder_inside = False
+    batching = True
+    keeps_prefix = True
+    video = True
+
+    def specializations(
+        self, manifest: Mapping[str, Any], where: str, family: Any
+    ) -> tuple[Specializations, Specializations, tuple[Specializations, ...]]:
+        """(vision, language, per-phase language) specializations the manifest records."""
+        vision = _program_symbols(manifest, self.vision_program, where)
+        return vision, _program_symbols(manifest, self.language_program, where), ()
+
+    def open_programs(
+        self, artifacts: Artifacts, precision: str, plans: Mapping[str, Any]
+    ) -> tuple[Any, Any]:
+        """(vision, language) sessions over the artifacts, at ``precision``.
+
+        Args:
+            artifacts: The compile output.
+            precision: ``fp32``, ``device`` or ``device-mx`` (checked by the caller).
+            plans: Program -> its fp32 node list at device precision (None: fp32 graph), and
+                ``"mx"``: the language program's microscaling emulation or None.
+        """
+        if artifacts.backend == QAIC:
+            require_qaic_runtime(artifacts.language_path)
+            # The record load_artifacts read (read here only to say why it is missing).
+            io = (artifacts.export_record or read_export(artifacts.export_dir))["programs"]
+            return (
+                QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
+                QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
+            )
+        vision = OnnxProgram(
+            artifacts.vision_path,
+            artifacts.vision_specializations,
+            fp32_values=plans.get(self.vision_program),
+        )
+        return vision, self._language_session(artifacts, plans)
+
+    def _language_session(self, artifacts: Artifacts, plans: Mapping[str, Any]) -> OnnxProgram:
+        return OnnxProgram(
+            artifacts.language_path,
+            artifacts.language_specializations,
+            fp32_values=plans.get(self.language_program),
+            mx=plans.get("mx"),
+        )
+
+    def engine_slots(self, generator: Generator, full_batch_size: int) -> Any:
+        """The batched engine's slots: one batched cache (``batch_index``), else a cache per slot."""
+        batched = generator.io.has(Role.KV_SLOT)
+        return (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
+
+    def decode_specializations(self, language: Any) -> Sequence[Mapping[str, Any]] | None:
+        """The specializations of the program that decodes (the engine's slot count is read there)."""
+        return language.specializations
+
+    def handoffs(self, language: Any) -> tuple[int, int] | None:
+        """(prefill KV hand-offs into decode slots, their bytes); None for a mode without them."""
+        return None
+
+    def holds_turn(self, language: Any, held_calls: int) -> bool:
+        """Whether the language program still holds what a kept turn left (``held_calls``: its calls then).
+
+        A device keeps the caches resident: they are the held ones only if nothing ran since.
+        """
+        return self.keeps_prefix and (not language.retains_state or language.calls == held_calls)
+
+
+class Dual(Deployment):
+    """A vision program and a language program (prefill and decode specializations)."""
+
+    name = DUAL
+
+
+class Disaggregated(Deployment):
+    """Vision, ``lang_prefill`` and ``lang_decode`` (:mod:`qeff_vision.runtime.disaggregated`).
+
+    The language program is a :class:`~qeff_vision.runtime.disaggregated.PhaseRouter`: seq_len > 1
+    calls go to the prefill program, one-token calls to the decode program; the engine's slots
+    prefill into a batch-1 cache and hand the KV over to a decode slot. The prefill program never
+    holds the reply, so no prefix is kept.
+    """
+
+    name = DISAGGREGATED
+    language_program = LANG_DECODE
+    keeps_prefix = False
+
+    def specializations(self, manifest, where, family):
+        """Both language programs' specializations (prefill first), and per phase."""
+        vision = _program_symbols(manifest, self.vision_program, where)
+        phases = tuple(_program_symbols(manifest, name, where) for name in (LANG_PREFILL, LANG_DECODE))
+        if not all(phases):
+            raise UserError(f"{where}: a program has no specializations")
+        return vision, phases[0] + phases[1], phases
+
+    def open_programs(self, artifacts, precision, plans):
+        """The vision session and a :class:`PhaseRouter` over one language session (onnxruntime only).
+
+        Raises:
+            UserError: A ``qaic`` artifact: the KV transfer between device programs is the
+                serving stack's.
+        """
+        if artifacts.backend == QAIC:
+            raise UserError(
+                f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
+                "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
+            )
+        vision = OnnxProgram(
+            artifacts.vision_path,
+            artifacts.vision_specializations,
+            fp32_values=plans.get(self.vision_program),
+        )
+        language = phase_programs(self._language_session(artifacts, plans), *artifacts.phase_specializations)
+        return vision, language
+
+    def engine_slots(self, generator, full_batch_size):
+        """The router's slots: prefill into a batch-1 cache, handed over to the decode slot."""
+        return generator.language.engine_slots(generator, full_batch_size)
+
+    def decode_specializations(self, language):
+        """The decode program's (its prefill program binds ``full_batch_size`` 1)."""
+        return language.decode_specializations
+
+    def handoffs(self, language):
+        """The router's hand-off count and bytes."""
+        return language.handoffs, language.handoff_bytes
+
+
+class Single(Deployment):
+    """One program ``lang``: the encoder composed into the decoder (:mod:`qeff_vision.runtime.single`).
+
+    Its encode entries stand for the vision program's specializations; both places hold the same
+    session. One sequence's image rows live in the program: no batching, no clips.
+    """
+
+    name = SINGLE
+    vision_program = "lang"
+    encoder_inside = True
+    batching = False
+    video = False
+
+    def specializations(self, manifest, where, family):
+        """The program's entries; the vision specializations are its encode entries' image symbols."""
+        language = _program_symbols(manifest, self.language_program, where)
+        return image_specializations(language, family), language, ()
+
+    def open_programs(self, artifacts, precision, plans):
+        """One session, in both places (its encoder is counted by the single runner)."""
+        if artifacts.backend == QAIC:
+            require_qaic_runtime(artifacts.language_path)
+            language = QaicProgram(
+                artifacts.language_path, single_program_io(artifacts), artifacts.language_specializations
+            )
+        else:
+            language = self._language_session(artifacts, plans)
+        return language, language
+
+    def engine_slots(self, generator, full_batch_size):
+        """None: the batched engine does not serve a single program.
+
+        Raises:
+            UserError: Always.
+        """
+        raise UserError(
+            "deployment single serves one sequence at a time (batch 1, its image rows retained in "
+            "the program); serve batches from a dual or disaggregated compile"
+        )
+
+
+def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any]]]:
+    """The composed single program's ``inputs`` / ``outputs`` (dtype, shape), read from its ONNX.
+
+    export.json describes the vision and language graphs, not their composition
+    (:mod:`qeff_vision.compile.single_program`), so the graph itself is read (no weights loaded).
+
+    Raises:
+        UserError: The manifest names no ONNX for ``lang`` or it cannot be read.
+    """
+    import onnx
+
+    recorded = artifacts.manifest["programs"]["lang"].get("onnx")
+    if not recorded:
+        raise UserError(f"{artifacts.out_dir / 'manifest.json'}: the lang program records no ONNX")
+    path = Path(recorded)
+    path = path if path.is_absolute() else artifacts.out_dir / path
+    try:
+        graph = onnx.load(str(path), load_external_data=False).graph
+    except Exception as exc:  # onnx raises DecodeError, OSError, ...
+        raise UserError(f"{path}: cannot read the single program's graph ({exc})") from None
+
+    def described(values) -> dict[str, dict[str, Any]]:
+        return {
+            value.name: {
+                "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
+                "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
+            }
+            for value in values
+        }
+
+    return {"inputs": described(graph.input), "outputs": described(graph.output)}
+
+
+#: Every deployment mode the runtime runs, by its spec name. A new mode registers here.
+DEPLOYMENTS: dict[str, Deployment] = {mode.name: mode for mode in (Dual(), Disaggregated(), Single())}
+
+
+def deployment_named(name: str, where: str) -> Deployment:
+    """The registered mode called ``name``.
+
+    Raises:
+        UserError: The runtime does not run that mode.
+    """
+    if name not in DEPLOYMENTS:
+        raise UserError(f"{where}: the runtime does not run deployment {name!r} yet")
+    return DEPLOYMENTS[name]
+
+
+def deployment_of(language: Any) -> Deployment:
+    """The mode of a language program opened without its artifacts (tests, calibration, a bare export).
+
+    A :class:`~qeff_vision.runtime.disaggregated.PhaseRouter` is the disaggregated pair; any other
+    program the dual language program. (A single program's runner states its own mode.)
+    """
+    return DEPLOYMENTS[DISAGGREGATED if isinstance(language, PhaseRouter) else DUAL]

@@ -1,0 +1,171 @@
+"""The composed single program's image inputs, as the host sends them (no runner state).
+
+What both single-program runners (:mod:`qeff_vision.runtime.single`,
+:mod:`qeff_vision.runtime.single_cross`) and the artifacts reader share: the encode entries'
+image symbols, the image inputs and their keep placeholder, one batch per encode call, and the
+count of encoder runs inside the program. See :mod:`qeff_vision.runtime.single` for the protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from qeff_vision import symbols
+from qeff_vision.contract.deployment_programs import KEEP_SIDE
+from qeff_vision.errors import UserError
+from qeff_vision.runtime.session import CompiledProgram
+from qeff_vision.spec.table import LANGUAGE_SYMBOLS
+from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
+
+
+def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:
+    """The image symbols of a single program's encode entries, named as the vision program's.
+
+    ``num_images`` is the vision graph's image count (``family.vision_images_symbol``); keep
+    entries (every image symbol 1) and duplicates are dropped. With ``family``, only symbols of
+    its vision inputs count (mllama's entries also bind the mask's ``max_num_images`` and the
+    K/V's ``cross_states``, both language symbols there). What the image fitter checks a
+    resolution against.
+    """
+    count = family.vision_images_symbol if family is not None else symbols.BATCH_SIZE
+    wanted = None
+    if family is not None:
+        on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
+        wanted = (on_inputs - {count}) | {NUM_IMAGES, PIXEL_SIDE}
+    found: list[dict[str, int]] = []
+    for entry in specializations:
+        images = {
+            name: value
+            for name, value in entry.items()
+            if name not in LANGUAGE_SYMBOLS and (wanted is None or name in wanted)
+        }
+        if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
+            continue
+        vision = {
+            (count if name == NUM_IMAGES else name): value
+            for name, value in images.items()
+            if name != PIXEL_SIDE
+        }
+        if vision not in found:
+            found.append(vision)
+    return tuple(found)
+
+
+def single_image_inputs(program: CompiledProgram, language_inputs: Any) -> dict[str, list]:
+    """The composed program's image inputs (the vision graph's), with their axes.
+
+    Raises:
+        UserError: The program has none (it is not a single-deployment program).
+    """
+    names = set(language_inputs)
+    found = {name: axes for name, axes in program.input_dims.items() if name not in names}
+    if not found:
+        raise UserError(f"{program.path}: not a single-deployment program (no image input)")
+    return found
+
+
+def _dtype(program: CompiledProgram, name: str) -> np.dtype:
+    return np.dtype(program.input_dtypes.get(name, np.float32))
+
+
+def placeholder_feeds(program: CompiledProgram, image_inputs: Mapping[str, list]) -> dict[str, np.ndarray]:
+    """The keep specializations' image inputs: every symbolic axis 1, fixed axes kept.
+
+    Each in its input's dtype (mllama's ``aspect_ratio_ids`` and ``aspect_ratio_mask`` are int64).
+    """
+    return {
+        name: np.zeros([axis if isinstance(axis, int) else KEEP_SIDE for axis in axes], _dtype(program, name))
+        for name, axes in image_inputs.items()
+    }
+
+
+def batched_images(
+    program: CompiledProgram, image_inputs: Mapping[str, list], per_image: list[Mapping[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """Every image of a prompt in one batch per input, joined on its ``num_images`` axis.
+
+    The axis named ``num_images`` in the composed graph (the vision graph's image count: axis 0
+    for LLaVA, axis 1 of mllama's [batch, images, tiles, C, S, S]); axis 0 where none is (a
+    tiled graph's tile axis).
+
+    Raises:
+        UserError: The images' inputs differ in shape besides that axis.
+    """
+    out = {}
+    for name, axes in image_inputs.items():
+        axis = list(axes).index(NUM_IMAGES) if NUM_IMAGES in axes else 0
+        shapes = {tuple(np.delete(np.array(inputs[name].shape), axis)) for inputs in per_image}
+        if len(shapes) > 1:
+            raise UserError(
+                f"deployment single encodes a prompt's images in one call, so their {name} must share "
+                f"a shape (got {', '.join(str(list(shape)) for shape in sorted(shapes))})"
+            )
+        joined = np.concatenate([inputs[name] for inputs in per_image], axis=axis)
+        out[name] = joined.astype(_dtype(program, name))
+    return out
+
+
+def image_groups(
+    program: CompiledProgram,
+    image_inputs: Mapping[str, list],
+    per_image: list[Mapping[str, np.ndarray]],
+    rows: list[int],
+    alone: bool = False,
+) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """A prompt's images as encode calls: (first buffer row, batched inputs) per call.
+
+    One call when every image's inputs share their shapes besides the ``num_images`` axis (or
+    the tile axis of a tiled graph): :func:`batched_images`. Otherwise (images of different
+    sizes where one call takes images of one size: LLaVA-NeXT's tile and feature grids, Pixtral's
+    pixel grid) one call per run of consecutive images of one shape, each written from the row
+    its first image's rows start at (the composed graph writes at ``image_idx``), so the rows
+    stay in prompt order.
+
+    Args:
+        program: The composed program (its input dtypes).
+        image_inputs: Its image inputs with their axes (:func:`single_image_inputs`).
+        per_image: Each image's vision inputs, in prompt order.
+        rows: Each image's embedding rows, in prompt order.
+        alone: One call per image (a vision output padded past the image's own rows: a batch
+            would put the second image's rows after the first one's padding).
+    """
+
+    def shape_key(inputs: Mapping[str, np.ndarray]) -> tuple:
+        return tuple(
+            tuple(np.delete(np.array(inputs[name].shape), list(axes).index(NUM_IMAGES)))
+            for name, axes in image_inputs.items()
+            if NUM_IMAGES in axes
+        )
+
+    groups: list[tuple[int, list]] = []
+    first = 0
+    for index, inputs in enumerate(per_image):
+        if alone or not groups or shape_key(per_image[groups[-1][1][0]]) != shape_key(inputs):
+            groups.append((first, []))
+        groups[-1][1].append(index)
+        first += rows[index]
+    return [
+        (row, batched_images(program, image_inputs, [per_image[i] for i in members]))
+        for row, members in groups
+    ]
+
+
+class EncoderCount:
+    """The encoder inside the single program, as a generator sees a vision program: runs counted.
+
+    Attributes:
+        calls: Program calls that ran the encoder (encode specializations).
+        images: Images those calls encoded.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.images = 0
+        self.seconds = 0.0
+
+    def accepts(self, feeds: Mapping[str, np.ndarray]) -> bool:
+        """The single program is never called as a vision program."""
+        return False
