@@ -68,10 +68,18 @@ def _cases() -> list[tuple[str, str]]:
     return commands + bare
 
 
+MARKDOWN_RULE = re.compile(r"^\|(\s*:?-{3,}:?\s*\|){3,}$")
+
+
 def has_table(output: str) -> bool:
-    """Two consecutive lines of three or more cells (split on runs of spaces or on ``|``)."""
-    counts = [len([c for c in re.split(r"\s{2,}|\s\|\s", line.strip()) if c]) for line in output.splitlines()]
-    return any(a >= 3 and b >= 3 for a, b in zip(counts, counts[1:]))
+    """A table of three or more columns: two consecutive lines of three or more cells (split on runs of
+    spaces or on ``|``), or a Markdown header followed by its ``|---|`` rule (a one-row table).
+    """
+    lines = [line.strip() for line in output.splitlines()]
+    counts = [len([c for c in re.split(r"\s{2,}|\s\|\s", line) if c]) for line in lines]
+    rows = any(a >= 3 and b >= 3 for a, b in zip(counts, counts[1:]))
+    ruled = any(a >= 3 and MARKDOWN_RULE.match(b) for a, b in zip(counts, lines[1:]))
+    return rows or ruled
 
 
 def test_every_benchmark_is_named_in_the_readme():
