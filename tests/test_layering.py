@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qeff_vision"
@@ -64,22 +65,29 @@ def import_edges() -> dict[tuple[str, str], list[str]]:
         relative = path.relative_to(PACKAGE.parent).with_suffix("")
         module = ".".join(relative.parts).removesuffix(".__init__")
         source = _unit(module) if "." in module else "qeff_vision"
-        tree = ast.parse(path.read_text())
-        skipped = _type_checking_nodes(tree)
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            for target in targets:
-                unit = _unit(target)
-                if unit is not None and unit != source:
-                    edges[source, unit].append(f"{relative}.py:{node.lineno}")
+        for target, line in imported_names(path):
+            unit = _unit(target)
+            if unit is not None and unit != source:
+                edges[source, unit].append(f"{relative}.py:{line}")
     return edges
+
+
+def imported_names(path: Path) -> Iterator[tuple[str, int]]:
+    """(module or module.name, line) for every absolute import in ``path``, function-level ones
+    included, ``if TYPE_CHECKING:`` blocks excluded."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            yield target, node.lineno
 
 
 def test_every_unit_has_a_layer():
@@ -108,23 +116,12 @@ def _runtime_module_edges() -> dict[str, set[str]]:
     runtime = PACKAGE / "runtime"
     edges: dict[str, set[str]] = {}
     for path in sorted(runtime.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        skipped = _type_checking_nodes(tree)
         found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in skipped:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-            else:
-                continue
-            for target in targets:
-                parts = target.split(".")
-                if parts[:2] == ["qeff_vision", "runtime"] and len(parts) > 2:
-                    if (runtime / f"{parts[2]}.py").is_file():
-                        found.add(parts[2])
+        for target, _ in imported_names(path):
+            parts = target.split(".")
+            if parts[:2] == ["qeff_vision", "runtime"] and len(parts) > 2:
+                if (runtime / f"{parts[2]}.py").is_file():
+                    found.add(parts[2])
         edges[path.stem] = found - {path.stem}
     return edges
 
