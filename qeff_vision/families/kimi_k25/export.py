@@ -1,0 +1,244 @@
+"""Kimi-K2.5 export: a MoonViT tower on a symbolic patch grid, absorbed latent attention, routed experts.
+
+Vision (ref: transformers v5.23 models/kimi_k25/modeling_kimi_k25.py, ``Kimi_K25VisionModel``):
+transformers derives the position table, the rotary positions, the per-image attention segments
+and the 2x2 merge from ``grid_thw.tolist()``, which tracing freezes into the example image. Here
+the grid is the lengths of ``h_shape`` and ``w_shape`` and every index is tensor arithmetic on it:
+
+* the learned position grid is resampled bicubically (align_corners False) with the 4x4 taps and
+  weights of transformers' own helper (ref: vision_utils.py ``_interpolation_axis_taps_weights``),
+  a weighted gather instead of ``embedding_bag``;
+* attention runs per image: a block mask over the call's images instead of ``cu_seqlens`` splits;
+* the merge is a reshape of the raster patches into 2x2 blocks (one frame: the temporal mean is
+  the identity).
+
+Language (ref: models/deepseek_v3/modeling_deepseek_v3.py, ``DeepseekV3Attention``): transformers
+caches the latents (normed compressed KV and the rotated key part) and expands them into per-head
+keys and values with ``kv_b_proj`` on every call, which reads ``ctx_len x heads x (nope + v)``
+expanded elements. The exported attention absorbs ``kv_b_proj`` instead (DeepSeek-V2's absorbed
+form, QEfficient's ``mla_absorption``): the query's no-rope part is multiplied by W_UK into the
+latent space, scores are taken against the cached latents and rotary keys, and the weighted latent
+sum goes through W_UV, so a call reads only ``ctx_len x (kv_lora_rank + qk_rope_head_dim)``.
+Experts read min(tokens x top_k, experts) slices (:mod:`qeff_vision.export.experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qeff_vision import symbols
+from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.decoder import DecoderParts
+from qeff_vision.families.kimi_k25 import H_SHAPE, W_SHAPE
+from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
+
+BICUBIC = "bicubic"
+BIAS = "e_score_correction_bias"  # DeepseekV3TopkRouter's routing-correction buffer
+
+
+class VisionEncoder(nn.Module):
+    """pixel_values [N, 3, P, P], h_shape [h], w_shape [w] -> vision_embeds [N / (h w), h w / 4, hidden]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.tower = model.model.vision_tower
+        self.projector = model.model.mm_projector
+        config = self.tower.config
+        self.side = config.pos_emb_height  # transformers resamples the grid as a square of this side
+        self.merge = tuple(config.merge_kernel_size)
+
+    def _positions(self, row: torch.Tensor, column: torch.Tensor, rows, columns) -> torch.Tensor:
+        """The learned position grid resampled to (rows, columns), read at each patch's (row, column)."""
+        from transformers.vision_utils import _interpolation_axis_taps_weights
+
+        side = self.side
+        ones = torch.ones_like(row)
+        row_taps, row_weights = _interpolation_axis_taps_weights(row, ones * rows, side, BICUBIC, False)
+        column_taps, column_weights = _interpolation_axis_taps_weights(
+            column, ones * columns, side, BICUBIC, False
+        )
+        taps = row_taps.shape[1]
+        indices = (row_taps.unsqueeze(-1) * side + column_taps.unsqueeze(-2)).reshape(-1, taps * taps)
+        weights = (row_weights.unsqueeze(-1) * column_weights.unsqueeze(-2)).reshape(-1, taps * taps)
+        embedding = self.tower.patch_embed.pos_emb
+        table = embedding.position_embeddings.flatten(0, 1)
+        resampled = (table[indices] * weights.unsqueeze(-1).to(table.dtype)).sum(dim=1)
+        # Row 0 of the time table is the zero row every still image (one frame) adds.
+        return resampled + embedding.time_position_embeddings[0].to(table.dtype)
+
+    def forward(self, pixel_values: torch.Tensor, h_shape: torch.Tensor, w_shape: torch.Tensor):
+        """Encode a call's images, all of the grid (len(h_shape), len(w_shape))."""
+        tower = self.tower
+        rows, columns = h_shape.shape[0], w_shape.shape[0]
+        patches = pixel_values.shape[0]
+        index = torch.arange(patches)
+        within = index % (rows * columns)
+        image, row, column = index // (rows * columns), within // columns, within % columns
+        proj = tower.patch_embed.proj
+        hidden = proj(pixel_values.to(proj.weight.dtype)).reshape(patches, -1)
+        hidden = hidden + self._positions(row, column, rows, columns).to(hidden.dtype)
+        cos, sin = tower.rotary_emb(hidden, torch.stack([row, column], dim=-1))
+        same = image.unsqueeze(0) == image.unsqueeze(1)
+        mask = torch.where(same, 0.0, torch.finfo(hidden.dtype).min).to(hidden.dtype)
+        for layer in tower.layers:
+            hidden = hidden + self._attention(layer.attn, layer.norm1(hidden), cos, sin, mask)
+            hidden = hidden + layer.mlp(layer.norm2(hidden))
+        hidden = tower.final_layernorm(hidden)
+        merge_rows, merge_columns = self.merge
+        width = hidden.shape[-1]
+        blocks = hidden.reshape(
+            -1, rows // merge_rows, merge_rows, columns // merge_columns, merge_columns, width
+        )
+        blocks = blocks.permute(0, 1, 3, 2, 4, 5).reshape(-1, merge_rows * merge_columns, width)
+        embeds = self.projector(blocks)
+        return embeds.reshape(patches // (rows * columns), -1, embeds.shape[-1])
+
+    @staticmethod
+    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+        from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
+
+        length = hidden.shape[0]
+        query = attn.q_proj(hidden).reshape(length, attn.num_heads, attn.head_dim)
+        key = attn.k_proj(hidden).reshape(length, attn.num_heads, attn.head_dim)
+        value = attn.v_proj(hidden).reshape(length, attn.num_heads, attn.head_dim).transpose(0, 1)
+        query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
+        query, key = query.transpose(0, 1), key.transpose(0, 1)  # [heads, N, head_dim]
+        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
+        return attn.proj(output)
+
+
+def read_latents(cache, compressed: torch.Tensor, rotary: torch.Tensor, layer: int):
+    """FAMILY-LOCAL stand-in for the MLA state kind's cache: write this call's latents, read the layer's.
+
+    ``compressed`` [batch, 1, seq, kv_lora_rank] and ``rotary`` [batch, 1, seq, rope] are stored as
+    one latent row split in two equal halves, the ``past_key`` / ``past_value`` of a one-head full
+    cache (:meth:`~qeff_vision.families.kimi_k25.KimiK25.layer_caches`); returns the cached
+    (compressed, rotary) over the slots attention reads.
+    """
+    latent = torch.cat([compressed, rotary.to(compressed.dtype)], dim=-1)
+    half = latent.shape[-1] // 2
+    first, second = cache.update(latent[..., :half], latent[..., half:], layer)
+    stored = torch.cat([first, second], dim=-1)
+    rank = compressed.shape[-1]
+    return stored[..., :rank], stored[..., rank:]
+
+
+def absorbed_attention(attention: nn.Module):
+    """A forward for ``attention`` (``DeepseekV3Attention``) that reads only the latent cache.
+
+    Same call and result as transformers' forward; with transformers' own cache (its ``generate``
+    on a model shared with a test) it runs transformers' forward unchanged.
+    """
+    from transformers.cache_utils import Cache
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    original = attention.forward
+    config = attention.config
+
+    def forward(hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        if past_key_values is None or isinstance(past_key_values, Cache):
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        batch, length = hidden_states.shape[:-1]
+        heads, nope, value = attention.num_heads, attention.qk_nope_head_dim, attention.v_head_dim
+        if attention.q_lora_rank is None:
+            query = attention.q_proj(hidden_states)
+        else:
+            query = attention.q_b_proj(attention.q_a_layernorm(attention.q_a_proj(hidden_states)))
+        query = query.reshape(batch, length, heads, attention.qk_head_dim).transpose(1, 2)
+        query_nope, query_rope = torch.split(query, [nope, attention.qk_rope_head_dim], dim=-1)
+        compressed, rotary = torch.split(
+            attention.kv_a_proj_with_mqa(hidden_states),
+            [attention.kv_lora_rank, attention.qk_rope_head_dim],
+            dim=-1,
+        )
+        compressed = attention.kv_a_layernorm(compressed).reshape(batch, 1, length, -1)
+        rotary = rotary.reshape(batch, 1, length, -1)
+        cos, sin = position_embeddings
+        rotate = (
+            deepseek.apply_rotary_pos_emb_interleave
+            if config.rope_interleave
+            else deepseek.apply_rotary_pos_emb
+        )
+        query_rope, rotary = rotate(query_rope, rotary, cos, sin)
+        compressed, rotary = read_latents(past_key_values, compressed, rotary, attention.layer_idx)
+        # kv_b_proj [heads x (nope + v), rank]: W_UK, the keys' no-rope part, and W_UV, the values.
+        up = attention.kv_b_proj.weight.reshape(heads, nope + value, -1)
+        keys_up, values_up = up[:, :nope], up[:, nope:]
+        query_latent = torch.matmul(query_nope, keys_up.to(query_nope.dtype))  # [batch, heads, seq, rank]
+        scores = torch.matmul(query_latent, compressed.transpose(2, 3).to(query_latent.dtype))
+        scores = scores + torch.matmul(query_rope, rotary.transpose(2, 3).to(query_rope.dtype))
+        scores = scores * attention.scaling + attention_mask
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_latent.dtype)
+        context = torch.matmul(weights, compressed.to(weights.dtype))  # [batch, heads, seq, rank]
+        output = torch.matmul(context, values_up.transpose(1, 2).to(context.dtype))
+        output = output.transpose(1, 2).reshape(batch, length, heads * value)
+        return attention.o_proj(output), None
+
+    return forward
+
+
+class Adapter(ExportAdapter):
+    """Torch side of the Kimi-K2.5 family."""
+
+    # DeepseekV3Model passes a 4-D mask through ``create_causal_mask`` unchanged.
+    single_mask = True
+    test_image_sizes = ((100, 150), (224, 224), (300, 120))
+
+    def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
+        """The exporter's placeholder model with every MoE layer's experts in the routed form."""
+        model = super().empty_model(model_dir, dtype)
+        route_sparse_blocks(model.model.language_model.layers)
+        return model
+
+    def vision_encoder(self, model: nn.Module) -> nn.Module:
+        """The symbolic-grid MoonViT tower and the patch-merging projector."""
+        return VisionEncoder(model).eval()
+
+    def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """One 4x6-patch image: not square, smaller than the position grid on both axes."""
+        patch = model.config.vision_config.patch_size
+        rows, columns = (
+            2 * model.config.vision_config.merge_kernel_size[0],
+            3 * model.config.vision_config.merge_kernel_size[1],
+        )
+        generator = torch.Generator().manual_seed(0)
+        return {
+            symbols.PIXEL_VALUES: torch.randn(rows * columns, 3, patch, patch, generator=generator),
+            H_SHAPE: torch.ones(rows, dtype=torch.int64),
+            W_SHAPE: torch.ones(columns, dtype=torch.int64),
+        }
+
+    def hf_image_features(self, model, processed):
+        """Transformers' image features on the processor outputs, one [tokens, hidden] per image."""
+        with torch.no_grad():
+            output = model.model.get_image_features(
+                torch.as_tensor(processed["pixel_values"]), torch.as_tensor(processed["image_grid_thw"])
+            )
+        return list(output.pooler_output)
+
+    def decoder_parts(self, model: nn.Module) -> DecoderParts:
+        """The shared layout, every attention layer in the absorbed form over our retained latents."""
+        parts = super().decoder_parts(model)
+        for layer in parts.text_model.layers:
+            if not getattr(layer.self_attn, "absorbed", False):
+                layer.self_attn.forward = absorbed_attention(layer.self_attn)
+                layer.self_attn.absorbed = True
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                _trace_as_constant(gate, BIAS)
+        return parts
+
+
+def _trace_as_constant(module: nn.Module, name: str) -> None:
+    """Re-register a loaded persistent buffer as non-persistent, so the trace keeps it as a constant.
+
+    The exporter makes every state-dict tensor a graph input and feeds only parameters; the router's
+    ``e_score_correction_bias`` (a persistent buffer, loaded from the checkpoint) would be an input
+    nobody feeds.
+    """
+    value = getattr(module, name)
+    delattr(module, name)
+    module.register_buffer(name, value, persistent=False)
