@@ -180,6 +180,27 @@ def absorbed_attention(attention: nn.Module):
     return forward
 
 
+class PlaceholdersAsTokenZero(nn.Module):
+    """Token embedding that embeds image and video placeholder ids as token 0, as transformers does.
+
+    ``Kimi_K25Model.forward`` zeroes every placeholder id before the embedding lookup; a prompt's
+    placeholders are replaced by vision rows anyway, but a placeholder id the model generates is
+    fed back as an ordinary token, and must then embed as token 0 too.
+    """
+
+    def __init__(self, embed: nn.Module, placeholder_ids: tuple[int, ...]):
+        super().__init__()
+        self.embed = embed
+        self.placeholder_ids = placeholder_ids
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [batch, seq, hidden] of ``input_ids``, placeholders read as token 0."""
+        is_placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+        for placeholder in self.placeholder_ids:
+            is_placeholder = is_placeholder | (input_ids == placeholder)
+        return self.embed(torch.where(is_placeholder, torch.zeros_like(input_ids), input_ids))
+
+
 class Adapter(ExportAdapter):
     """Torch side of the Kimi-K2.5 family."""
 
@@ -222,6 +243,10 @@ class Adapter(ExportAdapter):
     def decoder_parts(self, model: nn.Module) -> DecoderParts:
         """The shared layout, every attention layer in the absorbed form over our retained latents."""
         parts = super().decoder_parts(model)
+        config = model.config
+        parts.embed_tokens = PlaceholdersAsTokenZero(
+            parts.embed_tokens, (config.image_token_id, config.video_token_id)
+        )
         for layer in parts.text_model.layers:
             if not getattr(layer.self_attn, "absorbed", False):
                 layer.self_attn.forward = absorbed_attention(layer.self_attn)
