@@ -22,6 +22,7 @@ REQUIRED = {
     "gemma3": "vision_config.image_size",
     "gemma4": "text_config.hidden_size",
     "internvl": "image_token_id",
+    "kimi_k25": "text_config.kv_lora_rank",
     "llama4": "vision_config.image_size",
     "llava": "image_token_index",
     "llava_next": "image_token_index",

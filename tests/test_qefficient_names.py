@@ -36,6 +36,9 @@ QEFFICIENT_VISION = {
         "aspect_ratio_mask": {0: B, 1: "max_num_images"},
     },
     "llama4": {"pixel_values": {0: "max_num_tiles", 2: "img_size", 3: "img_size"}},
+    # QEffKimiK25ForConditionalGeneration.get_onnx_dynamic_axes (its language input is image_embeds
+    # [num_image_tokens, hidden]; ours keeps vision_embeds [vision_batch_size, vision_size, hidden]).
+    "kimi_k25": {"pixel_values": {0: "num_patches"}, "h_shape": {0: "h"}, "w_shape": {0: "w"}},
     "mistral3": {"pixel_values": {0: B, 2: "image_size", 3: "image_size"}},
     **{name: QWEN_VISION for name in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")},
 }

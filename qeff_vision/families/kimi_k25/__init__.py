@@ -154,7 +154,9 @@ class KimiK25(Family):
     def config_view(self, model: ModelDescription) -> ConfigView:
         """The typed view, with what the checkpoint needs to compile (parameters, MXFP6, devices)."""
         view = super().config_view(model)
-        return replace(view, notes=(*view.notes, sizing_note(model.config, self.latent_dims(model).width)))
+        return replace(
+            view, notes=(*view.notes, sizing_note(model.config, self.latent_dims(model).width, model.source))
+        )
 
     # ---- per-layer state ----
 

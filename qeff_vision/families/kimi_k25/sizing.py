@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from qeff_vision.families.config_view import ConfigReader
+
 #: Bits per matmul weight under MXFP6 (6-bit elements, an 8-bit scale per block of 32).
 MXFP6_BITS = 6 + 8 / 32
 FP16_BYTES = 2
@@ -25,6 +27,8 @@ LONG_CONTEXT = 128 * 1024
 
 # Kimi_K25VisionConfig's defaults (the published tower's values: its config.json spells them
 # ``vt_*``, which transformers' native config does not read).
+VISION_SOURCE = "Kimi_K25VisionConfig default"
+DEEPSEEK_DEFAULTS = "DeepseekV3Config default"
 VISION_DEFAULTS = dict(
     hidden_size=1152,
     intermediate_size=4304,
@@ -60,56 +64,47 @@ class Sizing:
         return math.ceil(self.matmul * MXFP6_BITS / 8) + self.other * FP16_BYTES
 
 
-def count_parameters(config: Mapping[str, Any]) -> Sizing:
+def count_parameters(config: Mapping[str, Any], source: str = "<memory>") -> Sizing:
     """Parameters of a Kimi-K2.5 ``config.json`` (DeepSeek-V3 text model, MoonViT, projector)."""
-    text = config["text_config"]
-    hidden, vocab, heads = text["hidden_size"], text["vocab_size"], text["num_attention_heads"]
-    q_rank, kv_rank = text.get("q_lora_rank"), text["kv_lora_rank"]
-    nope, rope, value = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"]
+    reader = ConfigReader(source)
+    text = reader.section(config).sub("text_config")
+    hidden, vocab, heads = (
+        text.required(key) for key in ("hidden_size", "vocab_size", "num_attention_heads")
+    )
+    q_rank, kv_rank = text.optional("q_lora_rank", int), text.required("kv_lora_rank")
+    nope, rope, value = (text.required(key) for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     query = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
     attention = query + hidden * (kv_rank + rope) + kv_rank * heads * (nope + value) + heads * value * hidden
     norms = 2 * hidden + kv_rank + (q_rank or 0)
-    layers, dense_layers = text["num_hidden_layers"], text.get("first_k_dense_replace", 0)
-    experts, expert = text["n_routed_experts"], 3 * hidden * text["moe_intermediate_size"]
-    shared = text.get("n_shared_experts", 0) * expert
-    sparse = layers - dense_layers
-    dense_mlp = 3 * hidden * text["intermediate_size"]
-    matmul = (
-        layers * attention
-        + dense_layers * dense_mlp
-        + sparse * (experts * expert + shared + experts * hidden)
-    )
+    layers = text.required("num_hidden_layers")
+    dense_layers = text.default("first_k_dense_replace", 0, int, DEEPSEEK_DEFAULTS)
+    experts, expert = text.required("n_routed_experts"), 3 * hidden * text.required("moe_intermediate_size")
+    shared = text.default("n_shared_experts", 0, int, DEEPSEEK_DEFAULTS) * expert
+    sparse, dense_mlp = layers - dense_layers, 3 * hidden * text.required("intermediate_size")
+    routed = sparse * (experts * expert + shared + experts * hidden)  # experts, shared, router
+    matmul = layers * attention + dense_layers * dense_mlp + routed + vocab * hidden  # + lm_head (untied)
     other = (
         layers * norms + sparse * experts + hidden + vocab * hidden
     )  # router biases, final norm, embeddings
-    matmul += vocab * hidden  # lm_head (untied in the published checkpoint)
-    active = (
-        layers * attention
-        + dense_layers * dense_mlp
-        + sparse * (text["num_experts_per_tok"] * expert + shared)
-    )
-    vision = {
-        **VISION_DEFAULTS,
-        **{k: v for k, v in (config.get("vision_config") or {}).items() if k in VISION_DEFAULTS},
-    }
-    width, inner = vision["hidden_size"], vision["intermediate_size"]
-    block = 4 * width * width + 2 * width * inner
+    active = layers * attention + dense_layers * dense_mlp + vocab * hidden
+    active += sparse * (text.required("num_experts_per_tok") * expert + shared)
+    vision = reader.section(config).sub("vision_config")
+    tower = {key: vision.default(key, value, int, VISION_SOURCE) for key, value in VISION_DEFAULTS.items()}
+    width, inner = tower["hidden_size"], tower["intermediate_size"]
     merged = 4 * width  # a 2x2 merge kernel: the projector's input width
-    matmul += vision["num_hidden_layers"] * block + 3 * vision["patch_size"] ** 2 * width
-    matmul += merged * merged + merged * hidden
-    other += (
-        vision["num_hidden_layers"] * (9 * width + inner)
-        + vision["pos_emb_height"] * vision["pos_emb_width"] * width
-    )
+    matmul += tower["num_hidden_layers"] * (4 * width * width + 2 * width * inner)
+    matmul += 3 * tower["patch_size"] ** 2 * width + merged * merged + merged * hidden
+    other += tower["num_hidden_layers"] * (9 * width + inner)  # biases and layer norms
+    other += tower["pos_emb_height"] * tower["pos_emb_width"] * width
     return Sizing(matmul, other, active)
 
 
-def sizing_note(config: Mapping[str, Any], latent_width: int) -> str:
+def sizing_note(config: Mapping[str, Any], latent_width: int, source: str = "<memory>") -> str:
     """One line: parameters, MXFP6 bytes, the fewest devices, latent KV bytes per position and at 128k."""
-    sizing = count_parameters(config)
+    sizing = count_parameters(config, source)
     weights = sizing.device_bytes
     devices = math.ceil(weights / DEVICE_BYTES)
-    layers = config["text_config"]["num_hidden_layers"]
+    layers = ConfigReader(source).section(config).sub("text_config").required("num_hidden_layers")
     per_position = layers * latent_width * FP16_BYTES
     return (
         f"compile sizing: {sizing.total / 1e12:.2f}T parameters ({sizing.active / 1e9:.1f}B active per "
