@@ -109,7 +109,7 @@ class KimiK25(Family):
     image_token_default = DEFAULT_IMAGE_TOKEN
     features = Features(
         export=yes(
-            "multi-head latent attention in the absorbed form (decode reads compressed_kv and k_pe "
+            "multi-head latent attention in the absorbed form (every call reads the latent cache "
             "only); experts routed: min(tokens x top_k, experts) slices per call"
         ),
         dynamic_vision_size=yes(),

@@ -96,6 +96,8 @@ def count_parameters(config: Mapping[str, Any], source: str = "<memory>") -> Siz
     matmul += 3 * tower["patch_size"] ** 2 * width + merged * merged + merged * hidden
     other += tower["num_hidden_layers"] * (9 * width + inner)  # biases and layer norms
     other += tower["pos_emb_height"] * tower["pos_emb_width"] * width
+    # patch-embedding bias, final and projector layer norms, projector biases
+    other += width + 2 * width + 2 * width + merged + hidden
     return Sizing(matmul, other, active)
 
 
