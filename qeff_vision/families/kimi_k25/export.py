@@ -5,9 +5,9 @@ transformers derives the position table, the rotary positions, the per-image att
 and the 2x2 merge from ``grid_thw.tolist()``, which tracing freezes into the example image. Here
 the grid is the lengths of ``h_shape`` and ``w_shape`` and every index is tensor arithmetic on it:
 
-* the learned position grid is resampled bicubically (align_corners False) with the 4x4 taps and
-  weights of transformers' own helper (ref: vision_utils.py ``_interpolation_axis_taps_weights``),
-  a weighted gather instead of ``embedding_bag``;
+* the learned position grid is resampled bicubically (align_corners False) with the 4-tap weights
+  of transformers' own helper per axis (ref: vision_utils.py ``_interpolation_axis_taps_weights``),
+  as two matmuls over the grid instead of ``embedding_bag`` over 16 taps per patch;
 * attention runs per image: a block mask over the call's images instead of ``cu_seqlens`` splits;
 * the merge is a reshape of the raster patches into 2x2 blocks (one frame: the temporal mean is
   the identity).
@@ -48,24 +48,35 @@ class VisionEncoder(nn.Module):
         self.side = config.pos_emb_height  # transformers resamples the grid as a square of this side
         self.merge = tuple(config.merge_kernel_size)
 
-    def _positions(self, row: torch.Tensor, column: torch.Tensor, rows, columns) -> torch.Tensor:
-        """The learned position grid resampled to (rows, columns), read at each patch's (row, column)."""
+    def _axis_weights(self, size) -> torch.Tensor:
+        """[size, side]: how much each row of the learned grid adds to each of ``size`` output rows."""
         from transformers.vision_utils import _interpolation_axis_taps_weights
 
-        side = self.side
-        ones = torch.ones_like(row)
-        row_taps, row_weights = _interpolation_axis_taps_weights(row, ones * rows, side, BICUBIC, False)
-        column_taps, column_weights = _interpolation_axis_taps_weights(
-            column, ones * columns, side, BICUBIC, False
+        index = torch.arange(size)
+        taps, weights = _interpolation_axis_taps_weights(
+            index, torch.ones_like(index) * size, self.side, BICUBIC, False
         )
-        taps = row_taps.shape[1]
-        indices = (row_taps.unsqueeze(-1) * side + column_taps.unsqueeze(-2)).reshape(-1, taps * taps)
-        weights = (row_weights.unsqueeze(-1) * column_weights.unsqueeze(-2)).reshape(-1, taps * taps)
+        # Taps clamped to the border repeat an index: their weights add up, as in the gather form.
+        onehot = taps.unsqueeze(-1) == torch.arange(self.side).view(1, 1, -1)
+        return (onehot.to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _positions(self, within: torch.Tensor, rows, columns) -> torch.Tensor:
+        """The learned position grid resampled to (rows, columns), read at each patch's raster index.
+
+        Separable: the grid is resampled along rows, then columns (two matmuls, [rows, columns,
+        width] at most), instead of 16 gathered taps per patch ([patches, 16, width]).
+        """
         embedding = self.tower.patch_embed.pos_emb
-        table = embedding.position_embeddings.flatten(0, 1)
-        resampled = (table[indices] * weights.unsqueeze(-1).to(table.dtype)).sum(dim=1)
+        table = embedding.position_embeddings  # [side, side, width]
+        side, width = table.shape[0], table.shape[-1]
+        by_rows = torch.matmul(self._axis_weights(rows).to(table.dtype), table.reshape(side, -1))
+        by_rows = by_rows.reshape(-1, side, width).transpose(0, 1).reshape(side, -1)  # [side, rows x width]
+        grid = torch.matmul(self._axis_weights(columns).to(table.dtype), by_rows)  # [columns, rows x width]
+        grid = (
+            grid.reshape(-1, rows, width).transpose(0, 1).reshape(-1, width)
+        )  # raster [rows x columns, width]
         # Row 0 of the time table is the zero row every still image (one frame) adds.
-        return resampled + embedding.time_position_embeddings[0].to(table.dtype)
+        return grid[within] + embedding.time_position_embeddings[0].to(table.dtype)
 
     def forward(self, pixel_values: torch.Tensor, h_shape: torch.Tensor, w_shape: torch.Tensor):
         """Encode a call's images, all of the grid (len(h_shape), len(w_shape))."""
@@ -77,7 +88,7 @@ class VisionEncoder(nn.Module):
         image, row, column = index // (rows * columns), within // columns, within % columns
         proj = tower.patch_embed.proj
         hidden = proj(pixel_values.to(proj.weight.dtype)).reshape(patches, -1)
-        hidden = hidden + self._positions(row, column, rows, columns).to(hidden.dtype)
+        hidden = hidden + self._positions(within, rows, columns).to(hidden.dtype)
         cos, sin = tower.rotary_emb(hidden, torch.stack([row, column], dim=-1))
         same = image.unsqueeze(0) == image.unsqueeze(1)
         mask = torch.where(same, 0.0, torch.finfo(hidden.dtype).min).to(hidden.dtype)
