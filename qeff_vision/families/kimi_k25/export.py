@@ -72,9 +72,8 @@ class VisionEncoder(nn.Module):
         by_rows = torch.matmul(self._axis_weights(rows).to(table.dtype), table.reshape(side, -1))
         by_rows = by_rows.reshape(-1, side, width).transpose(0, 1).reshape(side, -1)  # [side, rows x width]
         grid = torch.matmul(self._axis_weights(columns).to(table.dtype), by_rows)  # [columns, rows x width]
-        grid = (
-            grid.reshape(-1, rows, width).transpose(0, 1).reshape(-1, width)
-        )  # raster [rows x columns, width]
+        # Back to raster order: [rows x columns, width].
+        grid = grid.reshape(-1, rows, width).transpose(0, 1).reshape(-1, width)
         # Row 0 of the time table is the zero row every still image (one frame) adds.
         return grid[within] + embedding.time_position_embeddings[0].to(table.dtype)
 
