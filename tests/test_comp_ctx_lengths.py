@@ -156,7 +156,7 @@ def test_runtime_picks_each_calls_ccl_from_the_compiled_lists_and_refuses_what_n
         Generator.check_fits(host, 4065, 16)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_k25"])
 def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoint, tmp_path, capsys):
     # QEfficient's lists for these at ctx 2048: prefill [992, 2016], decode [1024, 2048].
     ctx_len, prefill, decode = 2048, (992, 2016), (1024, 2048)
@@ -212,7 +212,7 @@ def _generator(export_dir, ccl: bool):
     return generator_for_export(export_dir, shape)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_k25"])
 def test_ccl_generation_matches_the_run_without_ccl(family, tiny_checkpoint, exported, hf_model, tmp_path):
     from qeff_vision.exporter import export_model
 
