@@ -274,3 +274,7 @@ class RetainedKVCache:
     def retained(self) -> list[torch.Tensor]:
         """Updated K/V caches in IO order: key, value of each layer with a KV pair, by layer."""
         return [t for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])]
+
+
+# Kinds whose export-time objects live in their own modules register themselves on import.
+from qeff_vision.export import latent_cache  # noqa: E402, F401 - registers LatentKV

@@ -26,6 +26,7 @@ from qeff_vision.contract.states.attention import (
     SlidingRing,
 )
 from qeff_vision.contract.states.base import KeptPrefix, LayerState
+from qeff_vision.contract.states.latent import LatentAttention
 from qeff_vision.contract.states.recurrent import LINEAR_ATTENTION, RECURRENT, RecurrentState
 
 #: Every registered kind. A new kind is added here (and its export-time object in
@@ -37,6 +38,7 @@ KINDS: tuple[type[LayerState], ...] = (
     SharedKV,
     RecurrentState,
     CrossAttention,
+    LatentAttention,
 )
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "CrossAttention",
     "FullAttention",
     "KeptPrefix",
+    "LatentAttention",
     "LayerState",
     "RecurrentState",
     "RingState",
