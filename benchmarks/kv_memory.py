@@ -3,9 +3,9 @@
 Usage: python benchmarks/kv_memory.py [--config specs/configs/gemma-3-4b-it/config.json ...]
                                       [--ctx 4096 8192 32768] [--kv-bytes 2] [--batch 1]
 
-Ours is the language IO table's KV rows (``Family.layer_caches``: per layer its slot symbol, KV
-heads and head dim, or no rows for a layer that reads another layer's cache), the same rows the
-exporter, the specializations and the runtime size caches from. QEfficient's layout is computed
+Ours is the language IO table's state rows (``Family.layer_caches``: one state per layer, whose
+class owns its rows and bytes; no rows for a layer that reads another layer's cache), the same
+rows the exporter, the specializations and the runtime size caches from. QEfficient's layout is computed
 from its rule (ref: QEfficient transformers/models/gemma3/modeling_gemma3.py and
 gemma4/modeling_gemma4.py, ``get_onnx_dynamic_axes``, ``get_specializations`` and
 ``get_dummy_pkv_cache``: sliding layers' cache axis is the symbol ``sliding_window``, bound to
@@ -26,7 +26,8 @@ import argparse
 from pathlib import Path
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import KV_ROLES
+from qeff_vision.contract.language_io import DType
+from qeff_vision.contract.states import ChunkedRing, CrossAttention, SlidingRing
 from qeff_vision.families import describe_checkpoint, family_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,35 +55,28 @@ def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int
 
 
 def layout_bytes(
-    family, description, ctx_len: int, kv_bytes: int, batch: int, images: int = 1
+    family, description, ctx_len: int, kv_bytes: int, batch: int, images: int = 1, state_bytes: int = 4
 ) -> dict[str, int]:
-    """KV bytes per layout from each layer's own cache shape (keys and values)."""
+    """Bytes per layout, each layer's state counting its own rows (``LayerState.state_bytes``).
+
+    Ours: the language table's states (a shared layer has no rows). QEfficient: every layer keeps
+    its own copy of the state it reads, a ``sliding_window`` ring bound to the config's window even
+    past ``ctx_len``. Full ctx: every ring made ``ctx_len`` (``LayerState.full_length``). KV rows at
+    ``kv_bytes`` per element, recurrent state rows at ``state_bytes``.
+    """
     lengths = {**family.kv_cache_lengths(description, ctx_len), **family.request_symbols(description, images)}
     values = {symbols.BATCH_SIZE: batch, **family.language_dims(description), **lengths}
-    window = int(family.text_config(description).get("sliding_window") or 0)
-
-    def elements(shape) -> int:
-        count = 1
-        for dim in shape:
-            count *= dim
-        return count
-
-    ours = sum(
-        elements(row.concrete_shape(values)) for row in family.language_table(description).rows(*KV_ROLES)
-    )
-    qefficient = full = 0
-    for cache in family.layer_caches(description):  # every layer its own cache, shared or not
-        per_slot = 2 * batch * int(values[cache.kv_heads]) * int(values[cache.head_dim])
-        own = lengths[cache.length]
-        if cache.length == symbols.SLIDING_WINDOW:
-            qefficient, full = qefficient + per_slot * window, full + per_slot * ctx_len
-        elif cache.length == symbols.CTX_LEN:
-            qefficient, full = qefficient + per_slot * ctx_len, full + per_slot * ctx_len
-        elif cache.length == symbols.CHUNK_CTX_LEN:  # QEfficient binds the same ring length
-            qefficient, full = qefficient + per_slot * own, full + per_slot * ctx_len
-        else:
-            qefficient, full = qefficient + per_slot * own, full + per_slot * own
-    return {"ours": ours * kv_bytes, "QEfficient": qefficient * kv_bytes, "full ctx": full * kv_bytes}
+    window = family.text_config(description).get("sliding_window")
+    qefficient_values = {**values, symbols.SLIDING_WINDOW: int(window)} if window else values
+    element = {DType.KV: kv_bytes, DType.STATE: state_bytes}
+    table = family.language_table(description)
+    sizes = {"ours": 0, "QEfficient": 0, "full ctx": 0}
+    for layer, state in enumerate(table.layers):
+        source = table.source_state(layer)  # QEfficient: every layer its own cache, shared or not
+        sizes["ours"] += state.state_bytes(layer, values, element, symbols.BATCH_SIZE)
+        sizes["QEfficient"] += source.state_bytes(layer, qefficient_values, element, symbols.BATCH_SIZE)
+        sizes["full ctx"] += source.full_length().state_bytes(layer, values, element, symbols.BATCH_SIZE)
+    return sizes
 
 
 def report(config: Path, args) -> None:
@@ -90,10 +84,10 @@ def report(config: Path, args) -> None:
     description = describe_checkpoint(config.parent, config)
     family = family_for(description)
     dims = family.text_dims(description)
-    caches = family.layer_caches(description)
-    windowed = sum(cache.length == symbols.SLIDING_WINDOW for cache in caches)
-    chunked = sum(cache.length == symbols.CHUNK_CTX_LEN for cache in caches)
-    shared = sum(cache.shared for cache in caches)
+    states = family.layer_caches(description)
+    windowed = sum(isinstance(state, SlidingRing) for state in states)
+    chunked = sum(isinstance(state, ChunkedRing) for state in states)
+    shared = sum(state.reads is not None for state in states)
     text = family.text_geometry(description)
     rings = f"sliding_window {text.sliding_window}"
     if chunked:
@@ -102,8 +96,7 @@ def report(config: Path, args) -> None:
         f"{config.parent.name}: {dims.num_layers} layers ({windowed} window layers, {shared} read another "
         f"layer's cache, {rings}), {args.kv_bytes}-byte KV, batch {args.batch}"
     )
-    rows_of_self = (symbols.CTX_LEN, symbols.SLIDING_WINDOW, symbols.CHUNK_CTX_LEN)
-    cross = [c.length for c in caches if c.length not in rows_of_self]
+    cross = [state.length for state in states if isinstance(state, CrossAttention)]
     if cross:
         rows = family.request_symbols(description, args.images)[cross[0]]
         print(f"{len(cross)} cross-attention layers: {rows:,} K/V rows each for {args.images} image slot(s)")

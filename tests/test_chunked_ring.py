@@ -23,6 +23,7 @@ from qeff_vision.export.decoder import (
 )
 from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.export.ring_plan import RingPlan, ring_mask
+from qeff_vision.export.state_caches import ChunkWrites, RingKV
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llava import Llava
 
@@ -74,9 +75,8 @@ def test_ring_chunks_equal_one_pass_with_the_block_mask(chunk, ctx_len, windows,
         writes = write_plan(positions, batch_index, rows)
         ring_writes = None if slots is None else writes.ring_slots(ring_len)
         plan = RingPlan.for_chunk(positions, ring_len, ring_writes)
-        cache = RetainedKVCache(
-            {0: ring}, positions, positions, [True], plan, writes.batch_index, writes.fresh
-        )
+        call = ChunkWrites(positions, positions, positions, writes.batch_index, writes.fresh, plan)
+        cache = RetainedKVCache({0: RingKV(*ring, call)})
         step = slice(start, start + size)
         new_k = torch.cat([keys[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)
         new_v = torch.cat([values[:, :, step], torch.zeros(1, HEADS, pad, DIM)], dim=2)

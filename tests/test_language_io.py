@@ -10,6 +10,7 @@ import pytest
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType, Role, language_io
+from qeff_vision.contract.states import FullAttention
 from qeff_vision.families import get_family
 from qeff_vision.families.qwen2_5_vl import Qwen2_5_VL
 from qeff_vision.spec import load_spec, specializations
@@ -68,8 +69,8 @@ class RowsDeclaringFamily(Qwen2_5_VL):
     def language_symbols(self, model):
         return {"region_depth": 2}
 
-    def kv_cache_symbols(self, model):
-        return ["short_ctx", *super().kv_cache_symbols(model)[1:]]
+    def layer_caches(self, model):
+        return [FullAttention("short_ctx"), *super().layer_caches(model)[1:]]
 
     def kv_cache_lengths(self, model, ctx_len):
         return {**super().kv_cache_lengths(model, ctx_len), "short_ctx": ctx_len // 2}

@@ -22,11 +22,13 @@ from qeff_vision import symbols
 from qeff_vision.families import all_families
 
 PACKAGE = Path(qeff_vision.__file__).parent
-# The table, the name constants, and the per-slot naming scheme (kv_cache_prefix) beside the table.
+# The table, the name constants, the per-slot naming scheme (kv_cache_prefix) beside the table,
+# and the state kinds, each of which declares its own per-layer rows.
 DECLARATIONS = {
     PACKAGE / "contract" / "language_io.py",
     PACKAGE / "contract" / "slot_names.py",
     PACKAGE / "symbols.py",
+    *(PACKAGE / "contract" / "states").glob("*.py"),
 }
 # Helpers that spell per-layer and retained names.
 NAME_HELPERS = {"past_key", "past_value", "retained"}

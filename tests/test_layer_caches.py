@@ -20,6 +20,7 @@ from qeff_vision.contract.language_io import (
     language_io,
 )
 from qeff_vision.export.decoder import RetainedKVCache
+from qeff_vision.export.state_caches import ChunkWrites, FullKV
 
 GLOBAL_HEADS, GLOBAL_DIM = Fixed("num_global_kv_heads"), Fixed("global_head_dim")
 # Gemma 4's shape in miniature: sliding, full (wider, fewer heads), then one shared layer of each type.
@@ -120,11 +121,8 @@ def test_plain_symbols_still_declare_one_cache_per_layer():
 
 def test_retained_cache_skips_layers_without_rows():
     keys = {layer: torch.zeros(1, 1, 4, 2) for layer in (0, 2)}
-    cache = RetainedKVCache(
-        {layer: (k, k.clone()) for layer, k in keys.items()},
-        write_slots=torch.tensor([[1]]),
-        read_slots=torch.arange(4).view(1, -1),
-    )
+    chunk = ChunkWrites(write_slots=torch.tensor([[1]]), read_slots=torch.arange(4).view(1, -1))
+    cache = RetainedKVCache({layer: FullKV(k, k.clone(), chunk) for layer, k in keys.items()})
     new = torch.ones(1, 1, 1, 2)
     read_keys, _ = cache.update(new, new * 2, 2)
     assert read_keys[0, 0, 1].tolist() == [1.0, 1.0]

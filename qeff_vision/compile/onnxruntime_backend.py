@@ -17,7 +17,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
-from qeff_vision.contract.slot_names import is_slot_name
+from qeff_vision.contract.slot_names import kind_of_name
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message
@@ -125,10 +125,12 @@ def generated_input(
 
 
 def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
-    """Continuous batching: KV and recurrent-state slots no row of the call names come back unchanged.
+    """Continuous batching: per-slot state no row of the call names comes back unchanged.
 
-    Each retained cache whose input has ``full_batch_size`` rows is compared with its input on
-    the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here).
+    Each retained state whose input has ``full_batch_size`` rows is compared with its input on
+    the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here), by
+    the rule of its kind (:meth:`LayerState.idle_slots_unchanged
+    <qeff_vision.contract.states.LayerState.idle_slots_unchanged>`).
     """
     import numpy as np
 
@@ -138,10 +140,11 @@ def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]
     problems = []
     for name, value in feeds.items():
         retained = outputs.get(symbols.retained(name))
-        if retained is None or not is_slot_name(name):
+        kind = kind_of_name(name)
+        if retained is None or kind is None:
             continue
-        others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
-        if not np.array_equal(retained[others], value[others]):
+        if not kind.idle_slots_unchanged(value, retained, batch_index):
+            others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
             problems.append(
                 f"{symbols.retained(name)} changed KV slots {others.tolist()} that batch_index does not name"
             )

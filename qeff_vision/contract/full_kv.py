@@ -19,22 +19,20 @@ ref: QEfficient ``retain_full_kv`` (pinned quic/efficient-transformers ebf55e8,
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import KV_ROLES, RING_CACHE, LanguageIO, LayerCache
+from qeff_vision.contract.language_io import LanguageIO
+from qeff_vision.contract.states import LayerState
 
 
-def full_length_caches(caches: Sequence[LayerCache]) -> tuple[LayerCache, ...]:
-    """``caches`` with every ring layer's slot axis made ``ctx_len`` (heads, head dim, reads kept)."""
-    return tuple(
-        replace(cache, length=symbols.CTX_LEN) if cache.kind == RING_CACHE else cache for cache in caches
-    )
+def full_length_caches(caches: Sequence[LayerState]) -> tuple[LayerState, ...]:
+    """``caches`` with every ring made a ``ctx_len`` cache (heads and head dim kept; each state decides)."""
+    return tuple(cache.full_length() for cache in caches)
 
 
-def has_rings(caches: Iterable[LayerCache]) -> bool:
+def has_rings(caches: Iterable[LayerState]) -> bool:
     """Whether any layer keeps a ring (what ``retain_full_kv`` changes)."""
-    return any(cache.kind == RING_CACHE for cache in caches)
+    return any(cache.ring for cache in caches)
 
 
 def keeps_full_kv(ring_table: LanguageIO, input_dims: Mapping[str, Sequence]) -> bool:
@@ -48,8 +46,9 @@ def keeps_full_kv(ring_table: LanguageIO, input_dims: Mapping[str, Sequence]) ->
         True when a ring layer's KV input has ``ctx_len`` on its slot axis instead of the ring's
         symbol.
     """
-    for row in ring_table.rows(*KV_ROLES):
-        if ring_table.layers and ring_table.layers[row.layer].kind == RING_CACHE and row.name in input_dims:
-            dims = list(input_dims[row.name])
-            return len(dims) > 2 and dims[2] == symbols.CTX_LEN
+    for layer, state in enumerate(ring_table.layers):
+        for row in ring_table.layer_rows(layer) if state.ring else ():
+            if row.name in input_dims:
+                dims = list(input_dims[row.name])
+                return len(dims) > state.slot_axis and dims[state.slot_axis] == symbols.CTX_LEN
     return False

@@ -1,7 +1,9 @@
 """Names of per-slot retained state (KV caches, recurrent states) and the ``kv_cache_prefix`` scheme.
 
 Torch-free. A KV input is ``past_key.{i}`` / ``past_value.{i}``, a recurrent layer's state
-``conv_state.{i}`` / ``recurrent_state.{i}``; each returns as ``<name>_RetainedState``. A
+``conv_state.{i}`` / ``recurrent_state.{i}``, any other kind's the stems its class declares
+(:attr:`LayerState.stems <qeff_vision.contract.states.LayerState>`); each returns as
+``<name>_RetainedState``. A
 disaggregated compile with ``kv_cache_prefix`` renames all of them ``<name>_<prefix>`` (and
 ``<name>_<prefix>_RetainedState``), QEfficient's scheme that vLLM's prefill/decode hand-off selects
 by pattern.
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import SLOT_ROLES, IORow, LanguageIO
+from qeff_vision.contract.states import LayerState, kind_of_stem, slot_stems
 
 
 def _layer_stem(name: str) -> tuple[str, int] | None:
@@ -51,8 +54,15 @@ def is_state_name(name: str) -> bool:
 
 
 def is_slot_name(name: str) -> bool:
-    """Whether ``name`` is per-slot retained state (KV cache or recurrent state) or its output."""
-    return is_kv_name(name) or is_state_name(name)
+    """Whether ``name`` is per-slot retained state of any registered kind (its stems) or its output."""
+    stem = _layer_stem(name)
+    return stem is not None and stem[0] in slot_stems()
+
+
+def kind_of_name(name: str) -> type[LayerState] | None:
+    """The state kind whose row (or retained output) ``name`` is, any ``kv_cache_prefix`` dropped."""
+    stem = _layer_stem(name)
+    return None if stem is None else kind_of_stem(stem[0])
 
 
 def with_kv_prefix_name(name: str, prefix: str) -> str:

@@ -32,22 +32,14 @@ from torch import nn
 from qeff_vision.contract.language_io import (
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
-    KV_ROLES,
-    RING_CACHE,
     SLIDING_ATTENTION,
-    STATE_ROLES,
+    SLOT_ROLES,
     LanguageIO,
     Role,
 )
-from qeff_vision.export.kv_ops import (
-    CtxGatherCBFunction,
-    CtxGatherFunction,
-    CtxScatterCBFunction,
-    CtxScatterFunction,
-)
 from qeff_vision.export.kv_writes import write_plan
-from qeff_vision.export.recurrent_state import RecurrentStates
 from qeff_vision.export.ring_plan import RingPlan, ring_mask
+from qeff_vision.export.state_caches import ChunkWrites, RetainedKVCache, layer_objects
 
 __all__ = [
     "CHUNKED_ATTENTION",
@@ -55,6 +47,7 @@ __all__ = [
     "SLIDING_ATTENTION",
     "DecoderParts",
     "LanguageDecoder",
+    "RetainedKVCache",
     "RingPlan",
 ]
 
@@ -130,107 +123,12 @@ class DecoderParts:
         )
 
 
-class RetainedKVCache:
-    """Duck-typed HF cache over the retained tensors.
-
-    Full-context layers scatter the chunk into their ``ctx_len`` slots and read them all back
-    (masked by position); window layers (``ring`` set) keep a ring of ``sliding_window`` slots
-    updated by the :class:`RingPlan`. With ``batch_index`` (continuous batching) every read and
-    write goes to row ``batch_index[r]`` of the cache for row ``r`` of the call. With ``fresh``
-    [batch, seq] (:class:`~qeff_vision.export.kv_writes.WritePlan`) the other tokens write back the
-    value already at their full-context slot, so padding changes nothing.
-    The caches are keyed by decoder layer: a layer that keeps none has no entry (a shared layer,
-    which reads an earlier layer's cache, or a recurrent layer, whose states are ``recurrent``, a
-    :class:`~qeff_vision.export.recurrent_state.RecurrentStates`).
-    """
-
-    def __init__(
-        self,
-        past: Sequence[torch.Tensor] | Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-        write_slots: torch.Tensor,
-        read_slots: torch.Tensor,
-        ring_layers: Sequence[bool] = (),
-        ring: RingPlan | None = None,
-        batch_index: torch.Tensor | None = None,
-        fresh: torch.Tensor | None = None,
-        recurrent: RecurrentStates | None = None,
-    ):
-        # Keyed by decoder layer: a layer that reads another layer's cache (Gemma 4's shared KV
-        # layers) or keeps recurrent state instead (Qwen3.5) has no entry and never calls update.
-        if not isinstance(past, Mapping):
-            past = {layer: pair for layer, pair in enumerate(zip(past[0::2], past[1::2]))}
-        self.keys = {layer: pair[0] for layer, pair in past.items()}
-        self.values = {layer: pair[1] for layer, pair in past.items()}
-        self.write_slots = write_slots
-        self.read_slots = read_slots
-        self.ring_layers = list(ring_layers) or [False] * (max(self.keys, default=-1) + 1)
-        self.ring = ring
-        self.batch_index = batch_index
-        self.fresh = fresh
-        self.recurrent = recurrent
-
-    def _write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        if self.batch_index is None:
-            return CtxScatterFunction.apply(cache, slots, states)
-        return CtxScatterCBFunction.apply(cache, self.batch_index, slots, states)
-
-    def _read(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if self.batch_index is None:
-            return CtxGatherFunction.apply(cache, slots)
-        return CtxGatherCBFunction.apply(cache, self.batch_index, slots)
-
-    def _ring_update(self, ring: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batch_index is None:
-            return self.ring.update(ring, new)
-        # The call's rows of the slot-indexed ring are read whole; without a plan's write slots
-        # every ring slot of a row is written back (unchanged ones with their old value).
-        slots = torch.arange(ring.shape[2]).view(1, -1).expand(new.shape[0], -1)
-        if self.ring.write_slots is None:
-            attend, rewritten = self.ring.update(self._read(ring, slots), new)
-            return attend, self._write(ring, slots, rewritten)
-        # Only the plan's slots are written back (the changed ones among them), so a padding row
-        # sharing this slot writes other ring slots, with their own values (kv_writes).
-        rows = self._read(ring, slots)
-        attend = torch.cat([rows, new.to(rows.dtype)], dim=2)
-        index = self.ring.write_index.expand(-1, rows.shape[1], -1, rows.shape[3])
-        return attend, self._write(ring, self.ring.write_slots, torch.gather(attend, 2, index))
-
-    def _write_full(self, cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        if self.fresh is not None:  # padding writes back what its slot holds (kv_writes)
-            kept = self._read(cache, self.write_slots).to(states.dtype)
-            states = torch.where(self.fresh.unsqueeze(1).unsqueeze(-1), states, kept)
-        return self._write(cache, self.write_slots, states)
-
-    def update(self, key_states, value_states, layer_idx, *_, **__):
-        """Write this chunk's keys/values and return what attention reads for this layer.
-
-        What else the attention layer passes (``cache_kwargs`` up to transformers 5.23, ``kwargs``
-        from 5.24) only serves HF's own cache layers; positions here come from the write slots.
-        """
-        if self.ring_layers[layer_idx]:
-            keys, self.keys[layer_idx] = self._ring_update(self.keys[layer_idx], key_states)
-            values, self.values[layer_idx] = self._ring_update(self.values[layer_idx], value_states)
-            return keys, values
-        self.keys[layer_idx] = self._write_full(self.keys[layer_idx], key_states)
-        self.values[layer_idx] = self._write_full(self.values[layer_idx], value_states)
-        return self._read(self.keys[layer_idx], self.read_slots), self._read(
-            self.values[layer_idx], self.read_slots
-        )
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Unused by our calls (positions are always given); present for HF's interface."""
-        return 0
-
-    def retained(self) -> list[torch.Tensor]:
-        """Updated caches in IO order: key, value of each layer with a cache, by layer."""
-        return [t for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])]
-
-
-def layer_past(io: LanguageIO, named: Mapping[str, torch.Tensor]) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Layer -> (key cache, value cache) of every layer with rows of its own, in layer order."""
-    keys = {row.layer: named[row.name] for row in io.rows(Role.KV_KEY)}
-    values = {row.layer: named[row.name] for row in io.rows(Role.KV_VALUE)}
-    return {layer: (keys[layer], values[layer]) for layer in sorted(keys)}
+def layer_inputs(io: LanguageIO, named: Mapping[str, torch.Tensor]) -> dict[int, dict]:
+    """Layer -> {role: input tensor} of every layer with state rows of its own, in layer order."""
+    layers: dict[int, dict] = {}
+    for row in io.rows(*SLOT_ROLES):
+        layers.setdefault(row.layer, {})[row.role] = named[row.name]
+    return layers
 
 
 def ring_layers(parts: DecoderParts, io: LanguageIO | None = None) -> list[bool]:
@@ -243,11 +141,7 @@ def ring_layers(parts: DecoderParts, io: LanguageIO | None = None) -> list[bool]
     rings = [bool(parts.ring_span(t)) for t in parts.layer_types]
     if io is None or not io.layers:
         return rings
-    caches = io.layers
-    return [
-        ring and caches[cache.reads if cache.shared else layer].kind == RING_CACHE
-        for layer, (ring, cache) in enumerate(zip(rings, caches))
-    ]
+    return [ring and io.source_state(layer).ring for layer, ring in enumerate(rings)]
 
 
 def ring_type(parts: DecoderParts, io: LanguageIO | None = None) -> str | None:
@@ -355,6 +249,15 @@ def gather_stacked_rows(
     return rows[:, row_index]
 
 
+def _slot_count(io: LanguageIO, named: Mapping[str, torch.Tensor], layers: Sequence[int]) -> int | None:
+    """Slots on the position axis of the first of ``layers`` (its state says which axis), or None."""
+    for layer in layers:
+        state, row = io.layers[layer], io.layer_rows(layer)[0]
+        if state.slot_axis is not None:
+            return named[row.name].shape[state.slot_axis]
+    return None
+
+
 def _only_mask(masks: dict[str, torch.Tensor]) -> torch.Tensor:
     if len(masks) != 1:
         raise ValueError(f"one 4-D mask needs a single layer type, got {sorted(masks)}")
@@ -382,8 +285,7 @@ class LanguageDecoder(nn.Module):
         input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
         vision_row, *stacked_rows = io.rows(Role.VISION_ROWS)  # vision_embeds first, then stacked
         vision_embeds, image_idx = named[vision_row.name], named[io.name(Role.VISION_CURSOR)]
-        past = layer_past(io, named)  # only layers with rows: shared and recurrent layers have none
-        state_rows = io.rows(*STATE_ROLES)  # recurrent layers keep conv and recurrent states instead
+        past = layer_inputs(io, named)  # only layers with rows: a shared layer has none
         # With CCL, full-context layers read only as many leading slots as ``comp_ctx_lengths`` has
         # elements (QEfficient's mechanism; the host picks a length that covers every position
         # written so far).
@@ -396,10 +298,10 @@ class LanguageDecoder(nn.Module):
         )
         rings = ring_layers(parts, io)  # per decoder layer; the cache is keyed by layer
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
-        full = [layer for layer in past if not rings[layer]]
-        ctx_len = past[full[0]][0].shape[2] if full else 1
+        ctx_len = _slot_count(io, named, [layer for layer in past if not rings[layer]]) or 1
         # Padding (position -1) writes back what its slot holds, where no other token writes.
-        writes = write_plan(text_positions, batch_index, next(iter(past.values()))[0].shape[0])
+        slots = next(iter(next(iter(past.values())).values())).shape[0]
+        writes = write_plan(text_positions, batch_index, slots)
         write_slots = writes.full_slots(text_positions, ctx_len)
         read_len = ctx_len if read_len is None else read_len
         read_slots = torch.arange(read_len).view(1, -1).expand(input_ids.shape[0], -1)
@@ -421,7 +323,7 @@ class LanguageDecoder(nn.Module):
         plan = None
         ringed = ring_type(parts, io)
         if ringed is not None:
-            ring_len = past[next(layer for layer in past if rings[layer])][0].shape[2]
+            ring_len = _slot_count(io, named, [layer for layer in past if rings[layer]])
             ring_writes = None if batch_index is None else writes.ring_slots(ring_len)
             plan = RingPlan.for_chunk(text_positions, ring_len, ring_writes)
             ring_links = same_image if parts.links_images(ringed) else None
@@ -433,18 +335,9 @@ class LanguageDecoder(nn.Module):
                 dtype,
                 chunked=ringed == CHUNKED_ATTENTION,
             )
-        recurrent = None
-        if state_rows:
-            by_role = {
-                role: {row.layer: named[row.name] for row in state_rows if row.role is role}
-                for role in STATE_ROLES
-            }
-            recurrent = RecurrentStates(
-                by_role[Role.CONV_STATE], by_role[Role.RECURRENT_STATE], text_positions, batch_index
-            )
-        cache = RetainedKVCache(
-            past, write_slots, read_slots, rings, plan, writes.batch_index, writes.fresh, recurrent
-        )
+        chunk = ChunkWrites(write_slots, read_slots, text_positions, writes.batch_index, writes.fresh, plan)
+        objects = layer_objects({layer: io.layers[layer] for layer in past}, past, chunk)
+        cache = RetainedKVCache(objects)
         extra = {}
         if parts.token_kwargs is not None:
             extra.update(parts.token_kwargs(input_ids))
@@ -471,8 +364,6 @@ class LanguageDecoder(nn.Module):
         results[io.name(Role.VISION_CURSOR, output=True)] = image_idx_output
         for row in (vision_row, *stacked_rows):  # returned unchanged: the device keeps them resident
             results[io.output_of(row)] = named[row.name]
-        for row, tensor in zip(io.rows(*KV_ROLES), cache.retained(), strict=True):
-            results[io.output_of(row)] = tensor
-        for row in state_rows:
-            results[io.output_of(row)] = recurrent.retained(row.layer, conv=row.role is Role.CONV_STATE)
+        for row in io.rows(*SLOT_ROLES):  # each layer's object returns its own rows
+            results[io.output_of(row)] = objects[row.layer].retained(row)
         return tuple(results[name] for name in io.output_names)

@@ -37,7 +37,7 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - layer types re-ex
     VOCAB_SIZE,
     IORow,
     LanguageIO,
-    LayerCache,
+    LayerState,
     Role,
     language_io,
 )

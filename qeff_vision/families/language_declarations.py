@@ -1,8 +1,9 @@
 """What a family declares about its language program: per-layer caches and the IO table.
 
 The IO half of :class:`~qeff_vision.families.base.Family` (one of its base classes). Every layer's
-cache follows from the text geometry's layer types (a full ``ctx_len`` cache, a sliding or chunked
-ring, recurrent state), and the language program's inputs and outputs from one table
+state (:mod:`qeff_vision.contract.states`) follows from the text geometry's layer types by
+default (a full ``ctx_len`` cache, a sliding or chunked ring, recurrent state), and the language
+program's inputs and outputs from one table
 (:mod:`qeff_vision.contract.language_io`) that a family reshapes by data: position rows, stacked
 vision rows, extra inputs, its decoder kind. The exporter, the specializations and the runtime all
 read names, shapes and symbol values from here.
@@ -16,20 +17,16 @@ from qeff_vision import symbols
 from qeff_vision.contract.decoder_kinds import TOKEN_MERGE, DecoderKind
 from qeff_vision.contract.full_kv import full_length_caches
 from qeff_vision.contract.language_io import (
-    CHUNKED_ATTENTION,
     HEAD_DIM,
     HIDDEN_SIZE,
-    LINEAR_ATTENTION,
     NUM_KV_HEADS,
-    RECURRENT,
-    SLIDING_ATTENTION,
     VOCAB_SIZE,
     IORow,
     LanguageIO,
-    LayerCache,
     Role,
     language_io,
 )
+from qeff_vision.contract.states import LayerState, state_for_layer_type
 from qeff_vision.families.description import ModelDescription
 
 
@@ -80,58 +77,42 @@ class FamilyLanguageIO:
         """
         return {}
 
-    # ---- KV cache per layer (generic: read from the text config's layer types) ----
+    # ---- the state of each layer (generic: read from the text config's layer types) ----
 
     def layer_types(self, model: ModelDescription) -> list[str]:
-        """Attention type per decoder layer (``full_attention`` / ``sliding_attention``)."""
+        """Attention type per decoder layer, as the text geometry reads it (``full_attention``, ...)."""
         return list(self.text_geometry(model).layer_types)
 
-    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
-        """Symbol of each layer's KV slot axis: ``ctx_len``, or a ring's symbol for ring layers.
+    def layer_caches(self, model: ModelDescription) -> list[LayerState]:
+        """What each decoder layer keeps: one state per layer, the family's one declaration of it.
 
-        A window layer (``sliding_attention`` with a ``sliding_window``) keeps a ring of that many
-        slots (``sliding_window``); a chunked layer (``chunked_attention`` with an
-        ``attention_chunk_size``) a ring of ``min(ctx_len, attention_chunk_size)`` slots
-        (``chunk_ctx_len``): a query sees only keys of its own block, all of which that ring holds.
-        The exporter, the specializations and the runtime all size caches from this list.
+        The default gives each layer the default state of its ``layer_types`` entry
+        (:func:`~qeff_vision.contract.states.state_for_layer_type`: a ``sliding_window`` ring, a
+        ``chunk_ctx_len`` ring, a recurrent state, else a full ``ctx_len`` cache of the model's
+        ``num_kv_heads`` x ``head_dim``). A family whose layers differ (per-layer head dims,
+        layers that read an earlier layer's cache, cross-attention layers, another kind) overrides
+        it; the IO table and so the export, zero caches, custom IO and specializations follow.
         """
         text = self.text_geometry(model)
-        rings = {
-            SLIDING_ATTENTION: symbols.SLIDING_WINDOW if text.sliding_window else None,
-            CHUNKED_ATTENTION: symbols.CHUNK_CTX_LEN if text.attention_chunk_size else None,
-        }
-        return [rings.get(kind) or symbols.CTX_LEN for kind in self.layer_types(model)]
+        return [state_for_layer_type(layer_type, text) for layer_type in text.layer_types]
 
-    def recurrent_layers(self, model: ModelDescription) -> tuple[int, ...]:
-        """Layers of the recurrent kind (``linear_attention``): conv and recurrent state rows, no KV."""
-        return tuple(i for i, kind in enumerate(self.layer_types(model)) if kind == LINEAR_ATTENTION)
+    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
+        """Each layer's slot-axis symbol, read from :meth:`layer_caches` (a view, not a declaration).
 
-    def layer_caches(self, model: ModelDescription) -> list[LayerCache]:
-        """What each decoder layer keeps: full cache, sliding ring, a layer it reads, or recurrent state.
-
-        The default gives every layer a cache of the model's ``num_kv_heads`` x ``head_dim`` on
-        its :meth:`kv_cache_symbols` axis, and each of :meth:`recurrent_layers` the recurrent kind.
-        A family whose layers differ (per-layer head dims, layers that read an earlier layer's
-        cache and keep none) overrides it; the IO table and so the export, zero caches, custom IO
-        and specializations follow.
+        A shared layer shows its producer's; a layer without a slot axis (recurrent) ``ctx_len``.
         """
-        recurrent = set(self.recurrent_layers(model))
-        return [
-            RECURRENT if layer in recurrent else LayerCache(symbol)
-            for layer, symbol in enumerate(self.kv_cache_symbols(model))
-        ]
+        states = self.layer_caches(model)
+        sources = (state if state.reads is None else states[state.reads] for state in states)
+        return [getattr(state, "length", symbols.CTX_LEN) for state in sources]
 
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
-        """Values of the KV slot symbols for ``ctx_len`` (a ring never exceeds the context)."""
+        """Values of the slot symbols for ``ctx_len``, each state binding its own.
+
+        A ring never exceeds the context; a family binds its own symbols by overriding this.
+        """
         values = {symbols.CTX_LEN: ctx_len}
-        used = self.kv_cache_symbols(model)
-        text = self.text_geometry(model)
-        for symbol, span in (
-            (symbols.SLIDING_WINDOW, text.sliding_window),
-            (symbols.CHUNK_CTX_LEN, text.attention_chunk_size),
-        ):
-            if symbol in used:
-                values[symbol] = min(int(span), ctx_len)
+        for state in self.layer_caches(model):
+            values.update(state.symbol_values(ctx_len))
         return values
 
     # ---- language IO (one table: qeff_vision/contract/language_io.py) ----
@@ -139,20 +120,17 @@ class FamilyLanguageIO:
     def language_io(
         self,
         num_layers: int,
-        cache_symbols: Sequence[str | LayerCache] | None = None,
+        cache_symbols: Sequence[str | LayerState] | None = None,
         comp_ctx_lengths: bool = False,
         continuous_batching: bool = False,
-        recurrent_layers: Sequence[int] = (),
     ) -> LanguageIO:
         """The language program's IO table, from which every consumer derives its names and shapes.
 
         ``cache_symbols`` (from :meth:`layer_caches`, or bare slot symbols) declares each layer's
-        cache; all ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
-        ``continuous_batching`` gives the caches ``full_batch_size`` slots and adds ``batch_index``;
-        ``recurrent_layers`` (from :meth:`recurrent_layers`) get conv and recurrent state rows
-        (as a :data:`~qeff_vision.contract.language_io.RECURRENT` entry of ``cache_symbols`` does).
+        state; all ``ctx_len`` when omitted. ``comp_ctx_lengths`` adds that input last (CCL exports);
+        ``continuous_batching`` gives the states ``full_batch_size`` slots and adds ``batch_index``.
         A family reshapes the table by data: :attr:`position_id_rows`, :attr:`stacked_vision_rows`,
-        :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`kv_cache_symbols`.
+        :attr:`extra_language_inputs`, :attr:`decoder_kind` and :meth:`layer_caches`.
         """
         return language_io(
             num_layers,
@@ -163,7 +141,6 @@ class FamilyLanguageIO:
             merges_vision_rows=self.decoder_kind.merges_vision_rows,
             extra_inputs=self.extra_language_inputs,
             continuous_batching=continuous_batching,
-            recurrent_layers=recurrent_layers,
         )
 
     def language_table(

@@ -149,9 +149,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         }
         # Recurrent layers' conv and recurrent states start at zero too (a chunk at text position 0
         # also resets them in the graph, so a reused slot never sees its previous occupant's).
-        return {
-            row.name: np.zeros(row.concrete_shape(values), np.float32) for row in self.io.rows(*SLOT_ROLES)
-        }
+        return {row.name: self.io.layers[row.layer].initial(row, values) for row in self.io.rows(*SLOT_ROLES)}
 
     def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
         window = positions[..., start:stop]

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from qeff_vision import symbols
 from qeff_vision.contract.language_io import SLOT_ROLES
 from qeff_vision.contract.segments import Segment
+from qeff_vision.contract.states import KeptPrefix
 
 
 @dataclass
@@ -79,14 +79,15 @@ class Resume:
 def unpositioned_caches(io, exclude: Sequence[str] = ()) -> list[str]:
     """Cache inputs of ``io`` not indexed by position (window rings, recurrent states).
 
-    A KV cache whose slot axis is ``ctx_len`` holds position p at slot p; any other slot axis
-    (``sliding_window``, an attention chunk, a recurrent state) cannot be rolled back. ``exclude``:
-    caches managed otherwise (the cross-attention kind's image K/V).
+    Each layer's state says what a kept prefix may restore of it
+    (:class:`~qeff_vision.contract.states.KeptPrefix`): a ``ctx_len`` KV cache holds position p at
+    slot p (any prefix); a ring or a recurrent state cannot be rolled back (these); image states
+    go with their images. ``exclude``: caches managed otherwise.
     """
     return [
         row.name
         for row in io.rows(*SLOT_ROLES)
-        if row.name not in exclude and symbols.CTX_LEN not in row.axes.values()
+        if row.name not in exclude and io.layers[row.layer].kept_prefix is KeptPrefix.AT_END
     ]
 
 

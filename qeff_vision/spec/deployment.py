@@ -202,10 +202,8 @@ def full_kv_note(spec: Any) -> str | None:
     ``full_batch_size`` slots or ``batch_size`` rows) at the spec's ``kv_cache_dtype``; None when
     the spec does not set the option.
     """
-    from math import prod
-
     from qeff_vision import symbols
-    from qeff_vision.contract.language_io import KV_ROLES, RING_CACHE
+    from qeff_vision.contract.language_io import DType
     from qeff_vision.families import get_family
 
     if not spec.deployment.retain_full_kv:
@@ -222,13 +220,19 @@ def full_kv_note(spec: Any) -> str | None:
     kv_dtype = spec.compile.language.kv_cache_dtype
     per_element = KV_ELEMENT_BYTES[kv_dtype]
 
-    def mib(full: bool) -> float:
-        table = family.language_table(
-            model, continuous_batching=spec.full_batch_size is not None, retain_full_kv=full
-        )
-        return sum(prod(row.concrete_shape(values)) for row in table.rows(*KV_ROLES)) * per_element / 2**20
+    cb = spec.full_batch_size is not None
+    dim0 = symbols.FULL_BATCH_SIZE if cb else symbols.BATCH_SIZE
 
-    rings = sum(cache.kind == RING_CACHE for cache in family.layer_caches(model))
+    def mib(full: bool) -> float:
+        # Each layer's state counts its own rows (a shared layer none); only KV rows change here.
+        table = family.language_table(model, continuous_batching=cb, retain_full_kv=full)
+        kv_bytes = {DType.KV: per_element, DType.STATE: 0}
+        return (
+            sum(state.state_bytes(layer, values, kv_bytes, dim0) for layer, state in enumerate(table.layers))
+            / 2**20
+        )
+
+    rings = sum(state.ring for state in family.layer_caches(model))
     ring, full = mib(False), mib(True)
     return (
         f"retain_full_kv: {rings} ring layer(s) keep ctx_len {spec.ctx_len} slots; lang_decode's KV "

@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import Fixed, LayerCache
+from qeff_vision.contract.language_io import Fixed
+from qeff_vision.contract.states import FullAttention, LayerState, SharedKV, SlidingRing
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
 from qeff_vision.families.base import (
@@ -36,7 +37,6 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SLIDING_ATTENTION,
     Family,
     Features,
     ImageSize,
@@ -156,31 +156,23 @@ class Gemma4(Family):
         """``layer_types``, or every sixth layer full; the last is always full."""
         return list(self.config(model).layer_types)
 
-    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
-        """Sliding layers keep a ring of ``sliding_window`` slots, full layers the whole context."""
-        return [
-            symbols.SLIDING_WINDOW if kind == SLIDING_ATTENTION else symbols.CTX_LEN
-            for kind in self.layer_types(model)
-        ]
+    def layer_caches(self, model: ModelDescription) -> list[LayerState]:
+        """Sliding layers keep a ``sliding_window`` ring, full layers a ``ctx_len`` cache of their own.
 
-    def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
-        """``ctx_len`` and the window (never longer than the context)."""
-        window = min(self.config(model).sliding_window, ctx_len)
-        return {symbols.CTX_LEN: ctx_len, symbols.SLIDING_WINDOW: window}
-
-    def layer_caches(self, model: ModelDescription) -> list[LayerCache]:
-        """Sliding layers: ``num_kv_heads`` x ``head_dim``; full layers: their own heads and width.
-
-        A shared layer (the last ``num_kv_shared_layers``) reads its producer's cache: no rows.
+        A ring is ``num_kv_heads`` x ``head_dim``; a full layer's cache has its own heads and width
+        (``num_global_key_value_heads`` x ``global_head_dim``). A shared layer (the last
+        ``num_kv_shared_layers``) reads its producer's cache: no rows.
         """
         view = self.config(model)
-        caches = []
-        for layer, symbol in enumerate(self.kv_cache_symbols(model)):
-            if view.layer_types[layer] == FULL_ATTENTION:
-                caches.append(LayerCache(symbol, GLOBAL_KV_HEADS, GLOBAL_HEAD_DIM, view.reads(layer)))
+        states: list[LayerState] = []
+        for layer, layer_type in enumerate(view.layer_types):
+            if view.reads(layer) is not None:
+                states.append(SharedKV(view.reads(layer)))
+            elif layer_type == FULL_ATTENTION:
+                states.append(FullAttention(symbols.CTX_LEN, GLOBAL_KV_HEADS, GLOBAL_HEAD_DIM))
             else:
-                caches.append(LayerCache(symbol, reads=view.reads(layer)))
-        return caches
+                states.append(SlidingRing(span=view.sliding_window))
+        return states
 
     def language_symbols(self, model: ModelDescription) -> dict[str, int]:
         """The full layers' KV heads and head dim (model dimensions of their cache rows)."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import KV_ROLES, DType, Fixed, IORow, Role
+from qeff_vision.contract.states import CrossAttention, FullAttention, LayerState
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     CROSS_ATTENTION,
@@ -206,10 +207,13 @@ class Mllama(Family):
         """Images only."""
         return [] if image.frames == 1 else ["frames must be 1: Llama 3.2 Vision takes images only"]
 
-    def kv_cache_symbols(self, model: ModelDescription) -> list[str]:
-        """``cross_states`` on cross-attention layers (the vision K/V), ``ctx_len`` elsewhere."""
+    def layer_caches(self, model: ModelDescription) -> list[LayerState]:
+        """Cross-attention layers keep the vision K/V (``cross_states`` rows), the others ``ctx_len``."""
         cross = set(self.vision(model).cross_layers)
-        return [CROSS_STATES if i in cross else symbols.CTX_LEN for i in range(len(self.layer_types(model)))]
+        return [
+            CrossAttention(CROSS_STATES) if i in cross else FullAttention()
+            for i in range(len(self.layer_types(model)))
+        ]
 
     def kv_cache_lengths(self, model: ModelDescription, ctx_len: int) -> dict[str, int]:
         """ctx_len, and one image's cross states (the host concatenates one block per image)."""

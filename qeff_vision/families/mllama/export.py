@@ -20,17 +20,18 @@ masked out as transformers does (``full_text_row_masked_out_mask`` zeroes the cr
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from qeff_vision import symbols
-from qeff_vision.contract.language_io import KV_ROLES, LanguageIO, Role
+from qeff_vision.contract.language_io import SLOT_ROLES, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, RetainedKVCache, attention_masks
+from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, attention_masks, layer_inputs
 from qeff_vision.export.kv_writes import write_plan
+from qeff_vision.export.state_caches import ChunkWrites, CrossKV, RetainedKVCache, layer_objects
 from qeff_vision.families.mllama import ASPECT_RATIO_IDS, ASPECT_RATIO_MASK, CROSS_ATTENTION_MASK
 
 
@@ -75,21 +76,9 @@ class CrossCache(RetainedKVCache):
     what transformers' skipping of the cross layers amounts to (see ``CrossAttentionDecoder``).
     """
 
-    def __init__(
-        self, past, write_slots, read_slots, cross: set[int], batch_index=None, sees_images=None, fresh=None
-    ):
-        super().__init__(past, write_slots, read_slots, batch_index=batch_index, fresh=fresh)
-        self.layers = [
-            SimpleNamespace(keys=self._slot(self.keys[i]), values=self._slot(self.values[i], sees_images))
-            if i in cross
-            else None
-            for i in range(len(self.keys))
-        ]
-
-    def _slot(self, states: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        if self.batch_index is not None:  # [full_batch_size, ...] -> each row's own slot
-            states = states[self.batch_index.view(-1)]
-        return states if scale is None else states * scale.to(states.dtype).view(-1, 1, 1, 1)
+    def __init__(self, objects: Mapping[int, object], cross: set[int]):
+        super().__init__(objects)
+        self.layers = [objects[i] if i in cross else None for i in range(max(objects) + 1)]
 
 
 class CrossAttentionDecoder(nn.Module):
@@ -119,13 +108,13 @@ class CrossAttentionDecoder(nn.Module):
         named = dict(zip(io.input_names, inputs, strict=True))
         input_ids, position_ids = named[io.name(Role.TOKEN_IDS)], named[io.name(Role.POSITIONS)]
         cross_attention_mask = named[io.name(Role.CROSS_MASK)]
-        past = [named[row.name] for row in io.rows(*KV_ROLES)]
+        past = layer_inputs(io, named)
         batch_index = named[io.name(Role.KV_SLOT)] if io.has(Role.KV_SLOT) else None
         text = self.text
         hidden = text.embed_tokens(input_ids)
-        ctx_len = past[2 * self.first_self].shape[2]
+        ctx_len = past[self.first_self][Role.KV_KEY].shape[2]
         # Padding (position -1) writes back what its slot holds, as in the generic decoder.
-        writes = write_plan(position_ids, batch_index, past[0].shape[0])
+        writes = write_plan(position_ids, batch_index, past[self.first_self][Role.KV_KEY].shape[0])
         read = torch.arange(ctx_len).view(1, -1).expand(input_ids.shape[0], -1)
         # A row whose request uses no image slot (every slot of its valid tokens padded, -1) must
         # not read cross values: under continuous batching its KV slot may still hold a previous
@@ -133,7 +122,11 @@ class CrossAttentionDecoder(nn.Module):
         in_use = (cross_attention_mask >= 0).flatten(2).any(dim=2) & (position_ids >= 0)
         sees_images = in_use.any(dim=1)
         write = writes.full_slots(position_ids, ctx_len)
-        cache = CrossCache(past, write, read, self.cross, writes.batch_index, sees_images, writes.fresh)
+        chunk = ChunkWrites(write, read, position_ids, writes.batch_index, writes.fresh)
+        objects = layer_objects({layer: io.layers[layer] for layer in past}, past, chunk)
+        for layer in self.cross:  # what a row that sees no image reads: zeros (sees_images)
+            objects[layer] = CrossKV(past[layer][Role.KV_KEY], past[layer][Role.KV_VALUE], chunk, sees_images)
+        cache = CrossCache(objects, self.cross)
         mask = attention_masks(position_ids, ctx_len, [FULL_ATTENTION], None, None, hidden.dtype)[
             FULL_ATTENTION
         ]
@@ -162,8 +155,8 @@ class CrossAttentionDecoder(nn.Module):
         last = position_ids.argmax(dim=1, keepdim=True)
         logits = self.lm_head(hidden[torch.arange(hidden.shape[0]).view(-1, 1), last])
         results = {io.name(Role.LOGITS, output=True): logits}
-        for row, tensor in zip(io.rows(*KV_ROLES), cache.retained(), strict=True):
-            results[io.output_of(row)] = tensor
+        for row in io.rows(*SLOT_ROLES):
+            results[io.output_of(row)] = objects[row.layer].retained(row)
         return tuple(results[name] for name in io.output_names)
 
 

@@ -89,10 +89,12 @@ def _on_retained_state(layer: nn.Module):
     def forward(hidden_states, attention_mask=None, **kwargs):
         # The decoder layer passes the cache as ``cache_params`` (transformers 5.23) or ``cache`` (5.24).
         cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("cache_params")
-        states = getattr(cache, "recurrent", None)
-        if states is None:
+        # Our retained cache hands each recurrent layer a view of the call's RecurrentStates.
+        lookup = getattr(cache, "layer_state", None)
+        view = lookup(layer.layer_idx) if lookup is not None else None
+        if view is None:
             return original(hidden_states, attention_mask=attention_mask, **kwargs)
-        return linear_attention_forward(layer, hidden_states, states)
+        return linear_attention_forward(layer, hidden_states, view.states)
 
     return forward
 
