@@ -17,6 +17,7 @@ import pytest
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
+from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.errors import UserError
 from qeff_vision.spec import build_specializations, load_spec
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
@@ -181,11 +182,13 @@ def test_onnxruntime_backend_verifies_every_bucket_and_ccl(family, tiny_checkpoi
     }
     # Every cache keeps its declared length whatever the CCL (a window layer its ring, others ctx_len).
     inputs = export["programs"]["lang"]["inputs"]
+    caches = [name for name in inputs if is_slot_name(name)]  # per-slot rows of every state kind
+    assert len(caches) == 2 * export["num_layers"]
     for run in lang["verification"]["runs"]:
-        for index in range(export["num_layers"]):
-            declared = inputs[symbols.past_key(index)]["shape"][2]
+        for name in caches:
+            declared = inputs[name]["shape"][2]
             expected = int(run["symbols"][declared])  # ctx_len, or the window ring's bound length
-            assert run["output_shapes"][f"{symbols.past_key(index)}_RetainedState"][2] == expected
+            assert run["output_shapes"][symbols.retained(name)][2] == expected
     assert load_spec(path).compile.comp_ctx_lengths.prefill == (1024,)  # the spec as written
 
 

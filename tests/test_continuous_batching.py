@@ -23,6 +23,7 @@ from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
 from qeff_vision.cli import main
 from qeff_vision.compile.onnxruntime_backend import untouched_slot_problems
+from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.export_record import read_export
 from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import TOKEN_MERGE, no
@@ -65,12 +66,9 @@ def test_language_io_is_qefficients_continuous_batching_io(family, cb_exported):
     }
     graph = onnx.load(str(cb_exported(family) / "lang" / "model.onnx"), load_external_data=False).graph
     names = [value.name for value in graph.input if value.name in inputs]  # graph order, no weights
-    # Every per-slot row: KV caches, and a recurrent layer's conv and recurrent states (Qwen3.5).
-    caches = [
-        name
-        for name in names
-        if name.startswith(("past_key.", "past_value.", "conv_state.", "recurrent_state."))
-    ]
+    # Every per-slot row of a registered state kind: KV caches, a recurrent layer's conv and
+    # recurrent states (Qwen3.5), an MLA layer's compressed_kv and k_pe (Kimi-K2.5).
+    caches = [name for name in names if is_slot_name(name)]
     assert caches and names.index(symbols.BATCH_INDEX) == names.index(caches[-1]) + 1  # QEfficient's order
     for name in caches:
         assert inputs[name]["axes"]["0"] == symbols.FULL_BATCH_SIZE

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from qeff_vision import symbols
+from qeff_vision.contract.states.latent import KV_LORA_RANK, QK_ROPE_HEAD_DIM, Absorption, LatentAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -36,7 +37,6 @@ from qeff_vision.families.base import (
     Family,
     Features,
     ImageSize,
-    LayerCache,
     ModelDescription,
     no,
     yes,
@@ -160,20 +160,19 @@ class KimiK25(Family):
 
     # ---- per-layer state ----
 
-    def layer_caches(self, model: ModelDescription) -> list[LayerCache]:
-        """FAMILY-LOCAL stand-in for the MLA state kind (issue 41 item 2), until it is merged.
+    def layer_caches(self, model: ModelDescription) -> list[LatentAttention]:
+        """Every layer keeps the MLA latent cache, ``compressed_kv.{i}`` and ``k_pe.{i}``.
 
-        Each layer keeps its latent row (compressed KV then rotary key, ``kv_lora_rank +
-        qk_rope_head_dim`` elements per position) split into two equal halves stored as the full
-        kind's ``past_key`` / ``past_value`` with one head: the same bytes as QEfficient's
-        ``compressed_kv`` / ``k_pe`` layout, under the full kind's names.
+        Read in the absorbed form computed per call (QEfficient's ``mla_absorption`` with
+        ``cache_compressed``, ``absorption`` and ``online``): the export never expands the cache
+        into per-head keys and values.
         """
-        width = self.latent_dims(model).width
-        if width % 2:
-            raise ValueError(
-                f"{self.title}: latent width {width} is odd; the stand-in cache splits it in halves"
-            )
-        return [LayerCache(symbols.CTX_LEN, 1, width // 2)] * self.text_dims(model).num_layers
+        return [LatentAttention(absorption=Absorption.ONLINE)] * self.text_dims(model).num_layers
+
+    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
+        """The latent rows' widths: ``kv_lora_rank`` and ``qk_rope_head_dim``."""
+        latent = self.latent_dims(model)
+        return {KV_LORA_RANK: latent.kv_lora_rank, QK_ROPE_HEAD_DIM: latent.rope_dim}
 
     # ---- token math ----
 

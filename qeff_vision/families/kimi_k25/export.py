@@ -120,22 +120,6 @@ class VisionEncoder(nn.Module):
         return attn.proj(output)
 
 
-def read_latents(cache, compressed: torch.Tensor, rotary: torch.Tensor, layer: int):
-    """FAMILY-LOCAL stand-in for the MLA state kind's cache: write this call's latents, read the layer's.
-
-    ``compressed`` [batch, 1, seq, kv_lora_rank] and ``rotary`` [batch, 1, seq, rope] are stored as
-    one latent row split in two equal halves, the ``past_key`` / ``past_value`` of a one-head full
-    cache (:meth:`~qeff_vision.families.kimi_k25.KimiK25.layer_caches`); returns the cached
-    (compressed, rotary) over the slots attention reads.
-    """
-    latent = torch.cat([compressed, rotary.to(compressed.dtype)], dim=-1)
-    half = latent.shape[-1] // 2
-    first, second = cache.update(latent[..., :half], latent[..., half:], layer)
-    stored = torch.cat([first, second], dim=-1)
-    rank = compressed.shape[-1]
-    return stored[..., :rank], stored[..., rank:]
-
-
 def absorbed_attention(attention: nn.Module):
     """A forward for ``attention`` (``DeepseekV3Attention``) that reads only the latent cache.
 
@@ -173,7 +157,9 @@ def absorbed_attention(attention: nn.Module):
             else deepseek.apply_rotary_pos_emb
         )
         query_rope, rotary = rotate(query_rope, rotary, cos, sin)
-        compressed, rotary = read_latents(past_key_values, compressed, rotary, attention.layer_idx)
+        # The layer's LatentKV (qeff_vision/export/latent_cache.py): writes the call's latents and
+        # returns both caches at the slots attention reads.
+        compressed, rotary = past_key_values.layer_state(attention.layer_idx).update(compressed, rotary)
         # kv_b_proj [heads x (nope + v), rank]: W_UK, the keys' no-rope part, and W_UV, the values.
         up = attention.kv_b_proj.weight.reshape(heads, nope + value, -1)
         keys_up, values_up = up[:, :nope], up[:, nope:]
