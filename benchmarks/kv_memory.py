@@ -18,6 +18,13 @@ for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
 
 A cross-attention family's cross layers hold the vision K/V of ``--images`` image slots
 (``Family.request_symbols``), the same rows in every layout (QEfficient pins them at export too).
+
+A family with multi-head latent attention layers (Kimi-K2.5) also gets bytes per position and at
+128k positions of three layouts: ours (``compressed_kv`` + ``k_pe``, ``LayerState.bytes_per_position``),
+QEfficient's ``mla_absorption`` ``cache_compressed`` layout (the same rows), and per-head K/V as
+transformers expands it and QEfficient caches it without ``cache_compressed`` (ref:
+QEfficient transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py ``get_dummy_pkv_cache``:
+keys [heads, qk_nope_head_dim + qk_rope_head_dim], values [heads, v_head_dim] per position).
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ from pathlib import Path
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType
 from qeff_vision.contract.states import ChunkedRing, CrossAttention, SlidingRing
+from qeff_vision.contract.states.latent import LatentAttention
 from qeff_vision.families import describe_checkpoint, family_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "specs" / "configs" / "gemma-3-4b-it" / "config.json"
+LONG_CONTEXT = 128 * 1024
 
 
 def layouts(family, description, ctx_len: int, images: int = 1) -> dict[str, int]:
@@ -112,6 +121,30 @@ def report(config: Path, args) -> None:
         )
 
 
+def latent_layouts(family, description, kv_bytes: int) -> dict[str, int] | None:
+    """Bytes per position over the latent layers per layout; None for a family without any."""
+    latent = [state for state in family.layer_caches(description) if isinstance(state, LatentAttention)]
+    if not latent:
+        return None
+    text = family.text_config(description)
+    element = {DType.KV: kv_bytes, DType.STATE: 4}
+    ours = sum(state.bytes_per_position(family.language_dims(description), element) for state in latent)
+    head = text["qk_nope_head_dim"] + text["qk_rope_head_dim"] + text["v_head_dim"]
+    per_head = len(latent) * text["num_attention_heads"] * head * kv_bytes
+    return {"ours": ours, "QEfficient cache_compressed": ours, "per-head K/V": per_head}
+
+
+def latent_report(family, description, args) -> None:
+    """The latent layers' bytes per position and per 128k-position sequence, per layout."""
+    layouts = latent_layouts(family, description, args.kv_bytes)
+    if layouts is None:
+        return
+    print(f"{'latent layers':<28} {'B/position':>11} {'GiB at 128k':>12} {'x ours':>7}")
+    for name, per_position in layouts.items():
+        at_long = per_position * LONG_CONTEXT * args.batch / 2**30
+        print(f"{name:<28} {per_position:>11,} {at_long:>12.2f} {per_position / layouts['ours']:>7.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG])
@@ -127,6 +160,8 @@ def main() -> None:
         if index:
             print()
         report(config, args)
+        description = describe_checkpoint(config.parent, config)
+        latent_report(family_for(description), description, args)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,21 @@ def test_exported_attention_never_expands_the_cache(hf_model):
             hook.remove()
     assert expanded == []
     assert np.abs(logits[0, -1].numpy() - reference).max() <= 1e-3
+
+
+def test_kv_memory_benchmark_compares_the_latent_cache_with_per_head_kv():
+    """benchmarks/kv_memory.py on the pinned Kimi-K2.5: 61 x 576 x 2 B per position against per-head K/V."""
+    kv_memory = helpers.load_benchmark("kv_memory")
+    model = describe_checkpoint(PINNED)
+    layouts = kv_memory.latent_layouts(get_family(FAMILY), model, kv_bytes=2)
+    assert layouts["ours"] == layouts["QEfficient cache_compressed"] == 61 * (512 + 64) * 2 == 70272
+    assert layouts["per-head K/V"] == 61 * 64 * (128 + 64 + 128) * 2  # 35.6x ours
+    # The table's rows are the same bytes: a 128k-position sequence holds 8.58 GiB of latents.
+    sizes = kv_memory.layout_bytes(get_family(FAMILY), model, 131072, kv_bytes=2, batch=1)
+    assert sizes["ours"] == 70272 * 131072
+    assert (
+        kv_memory.latent_layouts(
+            get_family("llava"), describe_checkpoint(PINNED.parent / "llava-1.5-7b-hf"), 2
+        )
+        is None
+    )
