@@ -122,8 +122,8 @@ class KimiK25(Family):
         comp_ctx_lengths=QEFFICIENT_CCL,
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=no(
-            "not built: the tower's grid comes from the lengths of h_shape / w_shape, which the "
-            "composed program's patch-count gate does not carry"
+            "not built: an encode entry of n images sums every symbol of the pixel input's axis, "
+            "but the grid is the lengths of h_shape / w_shape, which stay one image's"
         ),
     )
     vision_input_axes = {
