@@ -122,8 +122,8 @@ class KimiK25(Family):
         comp_ctx_lengths=QEFFICIENT_CCL,
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=no(
-            "not built: an encode entry of n images sums every symbol of the pixel input's axis, "
-            "but the grid is the lengths of h_shape / w_shape, which stay one image's"
+            "not built: an encode entry of n images binds h and w to their sums (2 images of 8x12 "
+            "patches gave 16x24), but h_shape / w_shape must carry one image's grid"
         ),
     )
     vision_input_axes = {
