@@ -181,6 +181,9 @@ class Molmo2(Family):
         symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES},
         IMAGE_TOKEN_POOLING: {0: symbols.VISION_SIZE},
     }
+    # The crop axis of pixel_values [crops, patches, patch_dim]: every image has 2+ crops (the
+    # low-res view and at least one window), so a keep specialization's 1 is never an image's.
+    single_encode_axis = 0
     image_token_key = "image_patch_id"
     # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
     tokens_between_images = 1
