@@ -60,6 +60,8 @@ class Host(BaseHost):
 
         The span's start, column and end tokens attend to its placeholders both ways, so the
         segment covers them too (its tokens then differ from its rows: the planner keeps it whole).
+        Every image token of the prompt attends to every other one, so the images after the first
+        are ``joined``: the planner keeps the prompt's images, and the text between them, in one chunk.
         """
         if not self.has_images(processed):
             return []
@@ -80,5 +82,6 @@ class Host(BaseHost):
             found = int((ids[start:stop] == patch_id).sum())
             if found != rows:
                 raise PlanError(f"image {index} has {found} placeholder tokens in its span, expected {rows}")
-            segments.append(Segment(start, rows, ((start, stop - start),), IMAGE, patch_id))
+            # Each image after the first shares the first one's chunk: they attend to each other.
+            segments.append(Segment(start, rows, ((start, stop - start),), IMAGE, patch_id, joined=index > 0))
         return segments
