@@ -168,3 +168,20 @@ def test_an_image_longer_than_every_bucket_is_one_clear_error(runtime):
     generator = runtime.generator([16])
     with pytest.raises(PlanError, match="cannot split an image across chunks"):
         generator.plan(processed["input_ids"].reshape(-1), processed, "chunk")
+
+
+def test_staggered_requests_with_compute_context_lengths(cb_exported, hf_model):
+    """Continuous batching and CCL: five staggered requests (a freed slot reused), decode at batch 4;
+    every request's tokens equal transformers generate alone (the image block's mask reads CCL slots)."""
+    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+    from tests.test_batched_engine import SEQ_LENS, check_against_transformers, run_five
+
+    runtime = FamilyRuntime(FAMILY, cb_exported(FAMILY, ccl=True), *hf_model(FAMILY))
+    buckets = tuple(PrefillBucket(s, s) for s in SEQ_LENS)
+    shape = LanguageShape(buckets, max(SEQ_LENS), 512, (64, 128, 512), (96, 112, 128, 512))
+    generator = Generator(runtime.checkpoint, runtime.vision, runtime.language, shape)
+    requests, report = run_five(runtime, generator)
+    assert report.batched and max(report.decode_batches) >= 2
+    check_against_transformers(runtime, requests, report)
