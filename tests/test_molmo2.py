@@ -26,12 +26,14 @@ from qeff_vision.export.weights import Checkpoint as WeightFiles
 from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
-from qeff_vision.families.molmo2 import BATCHED_NUM_PATCHES
+from qeff_vision.families.molmo2 import BATCHED_NUM_PATCHES, POOLING_WINDOW
+from qeff_vision.runtime.conversation import Clip, Conversation
+from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.planner import ChunkEnd, plan_chunks
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
-from tests.family_runtime import FamilyRuntime, chunks_of_image
+from tests.family_runtime import NEW_TOKENS, FamilyRuntime, chunks_of_image
 
 FAMILY = "molmo2"
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -56,7 +58,8 @@ _REFERENCE = _processor(MOLMO2_4B)
 def test_crops_and_tokens_equal_transformers_for_any_size(height, width):
     (low_h, low_w, high_h, high_w), crops = _REFERENCE.get_image_grid_and_crops(height, width)
     values = get_family(FAMILY).vision_symbols(MOLMO2_4B, ImageSize(height, width))
-    assert values == {BATCHED_NUM_PATCHES: crops, symbols.VISION_SIZE: low_h * low_w + high_h * high_w}
+    tokens = low_h * low_w + high_h * high_w
+    assert values == {BATCHED_NUM_PATCHES: crops, symbols.VISION_SIZE: tokens, POOLING_WINDOW: 4}
     assert values[symbols.VISION_SIZE] == _REFERENCE.get_number_of_image_patches(height, width)
 
 
@@ -185,3 +188,68 @@ def test_staggered_requests_with_compute_context_lengths(cb_exported, hf_model):
     requests, report = run_five(runtime, generator)
     assert report.batched and max(report.decode_batches) >= 2
     check_against_transformers(runtime, requests, report)
+
+
+# ---- video: frames through the same vision graph ----
+
+FPS = 2.0
+
+
+def _clip(frames: int, height: int, width: int, seed: int = 0) -> Clip:
+    return Clip([helpers.image(height, width, seed + i) for i in range(frames)], FPS, f"{frames}-frame clip")
+
+
+def _clip_inputs(processor, clip: Clip, text: str = "What happens?") -> dict:
+    """What Conversation sends for one clip: its frames as sampled, timed at its rate."""
+    from transformers.video_utils import VideoMetadata
+
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": text}]}]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
+    frames = len(clip.frames)
+    metadata = VideoMetadata(total_num_frames=frames, fps=clip.fps, frames_indices=list(range(frames)))
+    processed = processor(
+        text=[rendered],
+        videos=[clip.frames],
+        video_metadata=[metadata],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
+    return helpers.as_numpy(processed)
+
+
+def test_clip_symbols_equal_the_video_processors_grid(hf_model):
+    model, processor = hf_model(FAMILY)
+    description = ModelDescription(
+        model.config.to_dict(),
+        processor.image_processor.to_dict(),
+        video_processor=processor.video_processor.to_dict(),
+    )
+    family, host = get_family(FAMILY), helpers.host(model, FAMILY)
+    for frames, height, width in ((1, 60, 80), (4, 100, 150), (7, 300, 120)):
+        processed = _clip_inputs(processor, _clip(frames, height, width))
+        size = ImageSize(height, width, frames, video=True)
+        values = family.vision_symbols(description, size)
+        assert values[BATCHED_NUM_PATCHES] == frames and values[POOLING_WINDOW] == 9
+        assert [values[symbols.VISION_SIZE]] == host.placeholder_counts(processed)
+        (segment,) = host.segments(processed)
+        assert segment.modality == "video" and segment.stop - segment.start <= family.image_extent(
+            description, size
+        )
+
+
+@pytest.mark.parametrize("protocol", ["chunk", "full"])
+def test_a_clip_stays_in_one_chunk_and_matches_transformers(runtime, protocol):
+    processed = _clip_inputs(runtime.processor, _clip(4, 100, 150, seed=3))
+    plan, result = runtime.run(processed, [16, 64], protocol)
+    (chunk,) = chunks_of_image(plan, 0)
+    assert plan.chunks[chunk].start <= plan.segments[0].start and result.encoder_calls == 1
+
+
+def test_a_clip_in_a_conversation_then_a_text_turn(runtime):
+    cache = EmbeddingCache(16 * 2**20)
+    chat = Conversation(
+        runtime.generator([16, 64], "chunk", cache), runtime.processor, max_new_tokens=NEW_TOKENS
+    )
+    for videos, text in (([_clip(3, 60, 80, seed=5)], "What happens?"), ([], "And then?")):
+        result = chat.ask([], text, videos=videos, keep_logits=True)
+        runtime.check(result, chat.last_inputs.processed, f"clip turn {text}")

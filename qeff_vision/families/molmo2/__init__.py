@@ -46,7 +46,6 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     bidirectional,
-    no,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -56,6 +55,11 @@ from qeff_vision.families.molmo2.tiny import write_tiny_checkpoint  # torch-free
 BATCHED_NUM_PATCHES = "batched_num_patches"
 #: The adapter's pooled-token index input (the processor's name).
 IMAGE_TOKEN_POOLING = "image_token_pooling"
+#: Patches one token pools: 2x2 for images, 3x3 for video frames on the published processors.
+POOLING_WINDOW = "pooling_window"
+#: Tokens between two frames of a clip (the " 0.5 " timestamp), at most: one per character of an
+#: ASCII timestamp up to " 9999.5 " (the processor's ``{t:.1f}``; a byte-level BPE never makes more).
+TIMESTAMP_TOKENS = 8
 
 # ref: transformers v5.23 Molmo2ImageProcessor class defaults and Molmo2VisionConfig defaults.
 PROCESSOR_DEFAULTS: dict[str, Any] = {
@@ -65,6 +69,9 @@ PROCESSOR_DEFAULTS: dict[str, Any] = {
     "pooling_size": [2, 2],
 }
 VISION_DEFAULTS: dict[str, Any] = {"patch_size": 14, "image_size": [378, 378]}
+# ref: transformers v5.23 Molmo2VideoProcessor class defaults.
+VIDEO_DEFAULTS: dict[str, Any] = {"size": 378, "pooling_size": [3, 3]}
+VIDEO_SOURCE = "transformers' Molmo2VideoProcessor default"
 PROCESSOR_SOURCE = "transformers' Molmo2ImageProcessor default"
 VISION_SOURCE = "transformers' Molmo2VisionConfig default"
 #: The image/frame token ids of the config (``mm_token_type_ids`` 1, one bidirectional block).
@@ -91,6 +98,8 @@ class Molmo2Vision:
         margins: Overlap margins (left, right) in patches.
         pooling: Pooled window (rows, columns) in patches.
         image_token_ids: Every image/frame token id the config names (one attention block).
+        frame_size: Side a video frame is resized to (the video processor's ``size``).
+        frame_pooling: Pooled window of a frame (rows, columns) in patches.
     """
 
     crop_size: int
@@ -99,6 +108,8 @@ class Molmo2Vision:
     margins: tuple[int, int]
     pooling: tuple[int, int]
     image_token_ids: tuple[int, ...]
+    frame_size: int
+    frame_pooling: tuple[int, int]
 
     @property
     def crop_patches(self) -> int:
@@ -170,7 +181,10 @@ class Molmo2(Family):
             "every image token (patches, columns, starts, ends) attends to every other one both "
             "ways (mm_token_type_ids block), so a prefill chunk holds an image's whole token span"
         ),
-        video=no("video frames are not exported yet; images only"),
+        video=yes(
+            "frames through the image graph (one low-res view each, pooled 3x3); a clip's frames and "
+            "timestamps stay in one chunk; images and a video are not mixed in one prompt"
+        ),
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=SINGLE_PROGRAM_NOT_BUILT,
         deepstack=NO_DEEPSTACK,
@@ -179,12 +193,14 @@ class Molmo2(Family):
     )
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES},
-        IMAGE_TOKEN_POOLING: {0: symbols.VISION_SIZE},
+        IMAGE_TOKEN_POOLING: {0: symbols.VISION_SIZE, 1: POOLING_WINDOW},
     }
     # The crop axis of pixel_values [crops, patches, patch_dim]: every image has 2+ crops (the
     # low-res view and at least one window), so a keep specialization's 1 is never an image's.
     single_encode_axis = 0
     image_token_key = "image_patch_id"
+    # Frames take rows at the same <im_patch> token (Molmo2Config maps video_token_id onto it).
+    video_token_key = "image_patch_id"
     # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
     tokens_between_images = 1
 
@@ -199,6 +215,7 @@ class Molmo2(Family):
         top = reader.section(model.config)
         vision: Section = top.sub("vision_config") if top.has("vision_config") else top.sub("vit_config")
         processor = reader.section(model.processor, "preprocessor_config")
+        video = reader.section(model.video_processor, "video_preprocessor_config")
         patch = vision.first(
             [(vision, "patch_size"), (vision, "image_patch_size")],
             VISION_DEFAULTS["patch_size"],
@@ -220,6 +237,8 @@ class Molmo2(Family):
                 "pooling_size", PROCESSOR_DEFAULTS["pooling_size"], _pair, PROCESSOR_SOURCE
             ),
             image_token_ids=ids,
+            frame_size=video.default("size", VIDEO_DEFAULTS["size"], _square, VIDEO_SOURCE),
+            frame_pooling=video.default("pooling_size", VIDEO_DEFAULTS["pooling_size"], _pair, VIDEO_SOURCE),
         )
 
     # ---- token math ----
@@ -239,16 +258,29 @@ class Molmo2(Family):
         high_w = math.ceil(canvas_w // vision.patch_size / pool_w)
         return low_h, low_w, high_h, high_w, rows * columns + 1
 
+    def frame_grid(self, model: ModelDescription) -> tuple[int, int]:
+        """(rows, columns) of one video frame's pooled tokens (every frame at the frame size)."""
+        vision = self.vision(model)
+        side = vision.frame_size // vision.patch_size
+        return math.ceil(side / vision.frame_pooling[0]), math.ceil(side / vision.frame_pooling[1])
+
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
-        """Tokens of an image's span: each view's rows (a column token after each) between start and end."""
+        """Tokens of an image's span: each view's rows (a column token after each) between start and end.
+
+        A clip's span is its frames (start, rows without column tokens, end) and, between two frames,
+        the next one's timestamp (at most :data:`TIMESTAMP_TOKENS`).
+        """
+        if image.video:
+            rows, columns = self.frame_grid(model)
+            return image.frames * (2 + rows * columns) + (image.frames - 1) * TIMESTAMP_TOKENS
         low_h, low_w, high_h, high_w, _ = self.pooled_grids(model, image)
         return (2 + low_h * (low_w + 1)) + (2 + high_h * (high_w + 1))
 
     def validate_image(self, model: ModelDescription, image: ImageSize) -> list[str]:
         """Images only; crops must leave a window between their overlap margins."""
         problems = []
-        if image.frames != 1:
-            problems.append("frames must be 1: Molmo2 video export is not supported yet")
+        if image.frames != 1 and not image.video:
+            problems.append("frames must be 1 for an image (a clip is a vision.videos entry)")
         vision = self.vision(model)
         if vision.window_size <= 0:
             problems.append(
@@ -258,9 +290,26 @@ class Molmo2(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """batched_num_patches (low-res view + crops) and vision_size (pooled tokens of both views)."""
+        """batched_num_patches (crops, or frames), vision_size (pooled tokens) and pooling_window.
+
+        An image is its low-res view and crops, pooled 2x2 on the published processor; a clip is its
+        frames, each resized whole to the frame size and pooled 3x3 (Molmo2VideoProcessor).
+        """
+        vision = self.vision(model)
+        if image.video:
+            rows, columns = self.frame_grid(model)
+            window = vision.frame_pooling[0] * vision.frame_pooling[1]
+            return {
+                BATCHED_NUM_PATCHES: image.frames,
+                symbols.VISION_SIZE: image.frames * rows * columns,
+                POOLING_WINDOW: window,
+            }
         low_h, low_w, high_h, high_w, crops = self.pooled_grids(model, image)
-        return {BATCHED_NUM_PATCHES: crops, symbols.VISION_SIZE: low_h * low_w + high_h * high_w}
+        return {
+            BATCHED_NUM_PATCHES: crops,
+            symbols.VISION_SIZE: low_h * low_w + high_h * high_w,
+            POOLING_WINDOW: vision.pooling[0] * vision.pooling[1],
+        }
 
 
 def _host():

@@ -29,14 +29,16 @@ IMAGE_SPECIALS = (
 )
 
 # Molmo2's layout written for a byte tokenizer: images first (numbered when there are several),
-# then the turns; a user turn after the first closes the assistant's with <|im_end|>.
+# then the video, then the turns; a user turn after the first closes the assistant's with <|im_end|>.
 CHAT_TEMPLATE = (
-    "{% set count = namespace(images=0) %}"
+    "{% set count = namespace(images=0, videos=0) %}"
     "{% for message in messages %}{% if message['content'] is not string %}"
     "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-    "{% set count.images = count.images + 1 %}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% set count.images = count.images + 1 %}{% elif part['type'] == 'video' %}"
+    "{% set count.videos = count.videos + 1 %}{% endif %}{% endfor %}{% endif %}{% endfor %}"
     "{% if count.images == 1 %}<|image|>{% elif count.images > 1 %}"
     "{% for i in range(count.images) %}Image {{ i + 1 }}<|image|>{% endfor %}{% endif %}"
+    "{% for i in range(count.videos) %}<|video|>{% endfor %}"
     "{% for message in messages %}"
     "{% if message['content'] is string %}{% set text = message['content'] %}"
     "{% else %}{% set joined = namespace(text='') %}{% for part in message['content'] %}"
@@ -151,7 +153,16 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
         image_processor=Molmo2ImageProcessor(
             size=size, max_crops=MAX_CROPS, overlap_margins=[1, 1], patch_size=14, pooling_size=[2, 2]
         ),
-        video_processor=Molmo2VideoProcessor(),
+        # Frames at the crop size, pooled 3x3 as the published video processor (4x4 patches -> 2x2 tokens).
+        video_processor=Molmo2VideoProcessor(
+            size=size,
+            patch_size=14,
+            pooling_size=[3, 3],
+            do_rescale=True,
+            do_normalize=True,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+        ),
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
