@@ -16,6 +16,11 @@ patchified crops; QEfficient's tile-axis name ``batched_num_patches``) and ``ima
 [vision_size, pool_h * pool_w] (the patches each token pools, -1 for padding); it returns
 ``vision_embeds`` [1, vision_size, hidden].
 
+A video clip goes through the same program (ref: video_processing_molmo2.py): each frame is
+resized whole to the video processor's size and pooled ``pooling_size`` (3x3 on the published
+checkpoints), so the pooling window is a symbol (``pooling_window``); a clip's span is its frames
+(``<frame_start>`` rows ``<frame_end>``) with each next frame's timestamp text between them.
+
 Molmo2 *adds* an image's features to the ``<im_patch>`` embeddings (``Molmo2Model.forward``); the
 vision program adds that embedding row, so the IO contract's row replacement gives the same sum.
 Every image and frame token (patches, columns, starts and ends; ``mm_token_type_ids``) attends to
