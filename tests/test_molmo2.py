@@ -253,3 +253,12 @@ def test_a_clip_in_a_conversation_then_a_text_turn(runtime):
     for videos, text in (([_clip(3, 60, 80, seed=5)], "What happens?"), ([], "And then?")):
         result = chat.ask([], text, videos=videos, keep_logits=True)
         runtime.check(result, chat.last_inputs.processed, f"clip turn {text}")
+
+
+def test_images_and_a_clip_in_one_prompt_are_refused_in_one_line(runtime):
+    from qeff_vision.errors import UserError
+
+    cache = EmbeddingCache(16 * 2**20)
+    chat = Conversation(runtime.generator([64], "chunk", cache), runtime.processor, max_new_tokens=2)
+    with pytest.raises(UserError, match="images or one video per prompt, not both"):
+        chat.ask([helpers.image(60, 60)], "Both?", videos=[_clip(2, 60, 80)])

@@ -82,6 +82,9 @@ class Host(BaseHost):
         ``pixel_values`` [crops or frames, patches, patch_dim] and ``image_token_pooling``: one vision
         program serves both.
         """
+        if symbols.PIXEL_VALUES in processed and VIDEO_PIXELS in processed:
+            # ref: transformers v5.23 Molmo2Model.forward raises on both; its mask and rows assume one kind.
+            raise UserError("Molmo2 takes images or one video per prompt, not both")
         items = []
         if symbols.PIXEL_VALUES in processed:
             crops = [int(n) for n in np.asarray(processed[IMAGE_NUM_CROPS]).reshape(-1)]
