@@ -46,6 +46,7 @@ _LAYER_LISTS = (
     "fullatt_block_indexes",
     "deepstack_visual_indexes",
     "intermediate_layers_indices",
+    "rope_scaling_layers",  # Molmo2: the layers whose RoPE is scaled
 )
 # Layer lists whose length is a width or an IO count (mllama's vision_output_dim is the hidden
 # size times one plus the intermediate layers; Qwen3-VL's deepstack count is the number of
@@ -55,8 +56,14 @@ _COUNTED_LAYER_LISTS = ("intermediate_layers_indices", "deepstack_visual_indexes
 _LAYER_MAPS = ("per_layer_config",)
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "num_experts_per_token")
-# Config keys naming token ids or the vocabulary: taken from the tiny checkpoint.
-_TOKEN_KEY = re.compile(r"(token_ids?|token_index|token_indices)$|^vocab_size")
+# Config keys naming token ids or the vocabulary: taken from the tiny checkpoint (Molmo2 names its
+# image tokens ``image_patch_id`` / ``image_col_id`` / ``image_low_res_id`` and sizes its input-only
+# image vocabulary with ``additional_vocab_size``).
+_TOKEN_KEY = re.compile(
+    r"(token_ids?|token_index|token_indices|^image_\w+_id)$|^vocab_size|^additional_vocab_size$"
+)
+# Sections that hold ``vision_feature_layer`` besides the top level (Molmo2's adapter).
+_FEATURE_LAYER_SECTIONS = ("adapter_config",)
 # Files of the tiny checkpoint that are its weights or configs, not its tokenizer/processor.
 _MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|model.*\.safetensors(\.index\.json)?)$")
 _PROCESSOR_FILE = "processor_config.json"
@@ -213,7 +220,9 @@ def cut_config(
             continue
         wanted = vision_layers if key == "vision_config" else None
         default = _VISION_LAYERS if key == "vision_config" else _OTHER_TOWER_LAYERS
-        feature_layers = cut.get("vision_feature_layer") if key == "vision_config" else None
+        feature_layers = (
+            _feature_layer_holder(cut).get("vision_feature_layer") if key == "vision_config" else None
+        )
         if isinstance(feature_layers, list):
             # Each listed hidden state is a slice of the projector's input: keep them all distinct.
             default = max(default, len(feature_layers) - 1)
@@ -369,7 +378,7 @@ def _cut_feature_layers(config: dict[str, Any]) -> None:
     Negative indices count from the tower's last hidden state; a list keeps its length (the
     projector's input width is the tower width times that length), on the last states.
     """
-    vision = config.get("vision_config")
+    vision, config = config.get("vision_config"), _feature_layer_holder(config)
     if not isinstance(vision, dict) or "vision_feature_layer" not in config:
         return
     _, layers = _layer_count(vision)
@@ -384,6 +393,19 @@ def _cut_feature_layers(config: dict[str, Any]) -> None:
             config["vision_feature_layer"] = list(range(-len(value), 0))
     elif isinstance(value, int) and not -states <= value < states:
         config["vision_feature_layer"] = -1
+
+
+def _feature_layer_holder(config: dict[str, Any]) -> dict[str, Any]:
+    """The section naming ``vision_feature_layer``: the top level, or a sub-config that holds it."""
+    for name in _FEATURE_LAYER_SECTIONS:
+        section = config.get(name)
+        if (
+            "vision_feature_layer" not in config
+            and isinstance(section, dict)
+            and "vision_feature_layer" in section
+        ):
+            return section
+    return config
 
 
 # ---- experts and vocabulary ----

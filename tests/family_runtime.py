@@ -80,9 +80,11 @@ class FamilyRuntime:
             ([second], "Compare them."),
         ]
         results = []
+        self.turn_inputs = []  # each turn's processor outputs (the whole history, as rendered)
         for images, text in turns:
             result = chat.ask(images, text, keep_logits=True)
             self.check(result, chat.last_inputs.processed, f"{label} turn {len(results) + 1}")
+            self.turn_inputs.append(chat.last_inputs.processed)
             results.append(result)
         return results
 

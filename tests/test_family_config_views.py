@@ -28,6 +28,7 @@ REQUIRED = {
     "llava_next": "image_token_index",
     "mistral3": "image_token_index",
     "mllama": "text_config.cross_attention_layers",
+    "molmo2": "image_col_id",
     "qwen2_5_vl": "video_token_id",
     "qwen3_5": "video_token_id",
     "qwen3_5_moe": "video_token_id",

@@ -25,7 +25,8 @@ def test_every_feature_defaults_to_not_declared():
 def test_gemma3_two_way_image_attention_is_one_declaration():
     gemma = get_family("gemma3")
     assert not gemma.features.chunk_split.supported and gemma.bidirectional_images
-    assert not any(f.bidirectional_images for f in all_families() if f.name != "gemma3")
+    # Molmo2 declares it too (its image tokens attend both ways, across images as well).
+    assert {f.name for f in all_families() if f.bidirectional_images} == {"gemma3", "molmo2"}
     assert all(f.features.chunk_split.supported for f in all_families() if not f.bidirectional_images)
 
 

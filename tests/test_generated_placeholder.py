@@ -41,9 +41,11 @@ def _biased_checkpoint(family: str, source, directory):
     model, processor = helpers.load_hf(source)
     placeholder = families.get_family(family).image_token_id(families.describe_checkpoint(source))
     inputs = _prompt(processor)
+    head = model.get_output_embeddings().weight
+    if placeholder >= head.shape[0]:  # Molmo2: image tokens sit in an input-only additional vocabulary
+        pytest.skip(f"placeholder {placeholder} is outside the {head.shape[0]}-token output vocabulary")
     with torch.no_grad():
         first = int(model(**inputs).logits[0, -1].argmax())
-        head = model.get_output_embeddings().weight
         head[placeholder] = 1.5 * head[first]
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

@@ -240,4 +240,7 @@ def test_families_table_shows_video_and_deepstack_per_family_with_reasons():
     }
     assert supported["qwen2_5_vl"] == (True, False)
     assert supported["qwen3_vl"] == supported["qwen3_vl_moe"] == (True, True)
-    assert not any(video for name, (video, _) in supported.items() if not name.startswith("qwen"))
+    assert supported["molmo2"] == (True, False)  # frames through its image program (tests/test_molmo2.py)
+    assert not any(
+        video for name, (video, _) in supported.items() if not name.startswith("qwen") and name != "molmo2"
+    )

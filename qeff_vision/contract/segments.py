@@ -45,6 +45,8 @@ class Segment:
             ``[IMG_BREAK]``, an ordinary token; a Qwen3-VL clip has timestamps between frames).
         modality: ``image`` or ``video``.
         placeholder_id: The placeholder token id of its runs (None when not known).
+        joined: It shares a chunk with the previous segment, with every token between them (Molmo2:
+            every image token of a prompt attends to every other one both ways, across images).
     """
 
     start: int
@@ -52,6 +54,7 @@ class Segment:
     runs: tuple[tuple[int, int], ...] = ()
     modality: str = IMAGE
     placeholder_id: int | None = None
+    joined: bool = False
 
     @property
     def token_runs(self) -> tuple[tuple[int, int], ...]:

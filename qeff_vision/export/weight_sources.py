@@ -5,8 +5,12 @@ base-model-prefix handling (ref: transformers v5 core_model_loading.py
 ``convert_and_load_state_dict_in_model``). Two value conversions are done: an axis swap (a
 ``WeightConverter`` whose only operation is ``Transpose``, Qwen3-VL-MoE's experts) and a stack of
 per-module tensors (``MergeModulelist``, optionally then ``Concatenate``: Qwen3.5-MoE's
-per-expert tensors, ref: transformers conversion_mapping.py ``qwen2_moe``). Any other conversion is
-refused with one clear line.
+per-expert tensors, ref: transformers conversion_mapping.py ``qwen2_moe``). Fused tensors are cut
+and split tensors joined as transformers does (a ``WeightConverter`` whose only operation is
+``Split`` / ``Chunk``: one checkpoint tensor into several parameters, Molmo2's ``att_proj`` into
+q/k/v and ``ff_proj`` into up/gate; or ``Concatenate`` of several keys into one parameter, Molmo2's
+base and additional vocabulary ``wte`` tables; ref: conversion_mapping.py ``Molmo2TextModel``):
+each parameter reads only its slice. Any other conversion is refused with one clear line.
 """
 
 from __future__ import annotations
@@ -75,6 +79,69 @@ class MergedSource:
         return stacks[0] if self.concat_dim is None else torch.cat(stacks, dim=self.concat_dim)
 
 
+@dataclass(frozen=True)
+class SlicedSource:
+    """A parameter cut from a fused checkpoint tensor (``Split`` / ``Chunk``): ``length`` rows from ``start``.
+
+    Attributes:
+        key: The checkpoint key of the fused tensor.
+        dim: The axis it is cut along.
+        start: The first index of this parameter's slice.
+        length: The slice's extent (the parameter's size on ``dim``).
+    """
+
+    key: str
+    dim: int
+    start: int
+    length: int
+
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The parameter's slice of the fused tensor."""
+        return read(self.key).narrow(self.dim, self.start, self.length)
+
+
+@dataclass(frozen=True)
+class JoinedSource:
+    """A parameter concatenated from several checkpoint tensors (``Concatenate`` of its source patterns).
+
+    Attributes:
+        keys: The checkpoint keys in source-pattern order (transformers' order).
+        dim: The axis they are concatenated on.
+    """
+
+    keys: tuple[str, ...]
+    dim: int
+
+    @property
+    def key(self) -> str:
+        """The first checkpoint key (for messages)."""
+        return self.keys[0]
+
+    def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+        """The tensors joined in order."""
+        return torch.cat([read(key) for key in self.keys], dim=self.dim)
+
+
+def _cut_of(converters, pattern: str):
+    """(converter, dim) when the converter for ``pattern`` only cuts one tensor or joins several keys."""
+    from transformers.core_model_loading import Chunk, Concatenate, Split
+
+    for converter in converters:
+        if pattern in converter.source_patterns:
+            operations = list(converter.operations)
+            if len(operations) != 1:
+                return None
+            operation = operations[0]
+            cuts = isinstance(operation, (Split, Chunk)) and len(converter.source_patterns) == 1
+            joins = (
+                isinstance(operation, Concatenate)
+                and len(converter.target_patterns) == 1
+                and not getattr(operation, "num_shards_attribute", None)
+            )
+            return (converter, operation.dim) if cuts or joins else None
+    return None
+
+
 def _merge_of(converters, pattern: str) -> tuple[list[str], int, int | None] | None:
     """(source patterns, merge dim, concat dim) of the converter for ``pattern`` when it stacks modules."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
@@ -125,8 +192,9 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     wanted = model.state_dict()
     prefix = getattr(model, "base_model_prefix", None)
-    found: dict[str, Source | MergedSource] = {}
+    found: dict[str, Source | MergedSource | SlicedSource | JoinedSource] = {}
     merged: dict[str, tuple[list[str], int, int | None, dict[tuple[int, int], str]]] = {}
+    joined: dict[str, tuple[list[str], int, dict[str, str]]] = {}
     for key in checkpoint.location:
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, wanted)
         if renamed not in wanted and key in wanted:
@@ -135,6 +203,14 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
             continue
         if pattern is None:
             found[renamed] = Source(key)
+            continue
+        cut = _cut_of(converters, pattern)
+        if cut is not None:
+            converter, dim = cut
+            if len(converter.source_patterns) > 1:  # several keys joined into one parameter
+                joined.setdefault(renamed, (list(converter.source_patterns), dim, {}))[2][pattern] = key
+                continue
+            found.update(_slices(key, renamed, converter.target_patterns, dim, wanted))
             continue
         swap = _swap_of(converters, pattern)
         merge = _merge_of(converters, pattern) if swap is None else None
@@ -156,4 +232,24 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
         except KeyError:
             raise UserError(f"{checkpoint.model_dir}: {renamed}: a module of {patterns} is missing") from None
         found[renamed] = MergedSource(parts, merge_dim, concat_dim)
+    for renamed, (patterns, dim, keys) in joined.items():
+        if set(keys) != set(patterns):
+            raise UserError(f"{checkpoint.model_dir}: {renamed}: a part of {patterns} is missing")
+        found[renamed] = JoinedSource(tuple(keys[p] for p in patterns), dim)
     return found
+
+
+def _slices(key: str, renamed: str, targets, dim: int, wanted) -> dict[str, SlicedSource]:
+    """Each target parameter's slice of the fused tensor ``key``, sized like the parameter (``Split``).
+
+    ``renamed`` is the first target's parameter name (transformers renames a one-to-many source
+    to its first target); the others replace that target pattern in it. ``Chunk``'s equal pieces
+    are the same slices, its targets being equally sized.
+    """
+    names = [renamed.replace(targets[0], target, 1) for target in targets]
+    slices, start = {}, 0
+    for name in names:
+        length = wanted[name].shape[dim]
+        slices[name] = SlicedSource(key, dim, start, length)
+        start += length
+    return slices

@@ -235,6 +235,20 @@ class _Placeholders:
         self.offsets = [0]
         for segment in segments:
             self.offsets.append(self.offsets[-1] + segment.rows)
+        # [start, stop) and rows of each run of two or more segments joined to their predecessor.
+        runs: list[list[Segment]] = []
+        for segment in segments:
+            if segment.joined and runs:
+                runs[-1].append(segment)
+            else:
+                runs.append([segment])
+        self.groups = [
+            (run[0].start, run[-1].stop, sum(segment.rows for segment in run)) for run in runs if len(run) > 1
+        ]
+
+    def group_containing(self, position: int) -> tuple[int, int] | None:
+        """[start, stop) of the joined segments a cut at ``position`` would separate, if any."""
+        return next(((a, b) for a, b, _ in self.groups if a < position < b), None)
 
     def before(self, position: int) -> int:
         """P[position]: placeholder tokens in [0, position)."""
@@ -276,6 +290,9 @@ def _reach(
     image = placeholders.image_containing(stop)
     if image is not None and not (allow_split and image.divisible):
         stop, end = image.start, ChunkEnd.IMAGE_BOUNDARY
+    group = placeholders.group_containing(stop)
+    if group is not None:
+        stop, end = group[0], ChunkEnd.IMAGE_BOUNDARY
     if stop == placeholders.prompt_len:
         end = ChunkEnd.PROMPT_END
     return stop, end
@@ -306,6 +323,24 @@ def _check_images_fit(
             raise PlanError(
                 f"{segment.modality} {number} has {tokens} tokens ({segment.rows} rows), more than any "
                 f"prefill bucket holds (seq_len/vision_size: {compiled}); {why}: compile a bucket with {need}"
+            )
+
+
+def _check_groups_fit(
+    placeholders: _Placeholders, buckets: Sequence[PrefillBucket], per_chunk_rows: bool
+) -> None:
+    """Joined segments (one chunk for several images) need one bucket for all their tokens (and rows)."""
+    for start, stop, rows in placeholders.groups:
+        if not any(
+            bucket.seq_len >= stop - start and (not per_chunk_rows or bucket.vision_size >= rows)
+            for bucket in buckets
+        ):
+            need = f"seq_len >= {stop - start}" + (f" and vision_size >= {rows}" if per_chunk_rows else "")
+            compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+            raise PlanError(
+                f"the images at tokens [{start}, {stop}) attend to each other and share one chunk, "
+                f"more than any prefill bucket holds (seq_len/vision_size: {compiled}): compile a "
+                f"bucket with {need}"
             )
 
 
@@ -352,6 +387,7 @@ def plan_chunks(
             f"compiled vision_size is {largest}; use the chunk protocol or compile vision_size 'max'"
         )
     _check_images_fit(segments, usable, per_chunk_rows, allow_image_split)
+    _check_groups_fit(placeholders, usable, per_chunk_rows)
 
     chunks: list[Chunk] = []
     start = 0
