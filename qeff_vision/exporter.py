@@ -275,6 +275,7 @@ def export_model(
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
     progress: Progress | None = stderr_progress,
+    hub: Mapping[str, str | None] | None = None,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -295,7 +296,9 @@ def export_model(
             ``batch_index`` [batch_size, 1] naming each row's slot.
         retain_full_kv: Ring layers (sliding window, attention chunk) keep ``ctx_len`` KV slots
             masked to their window or block instead of a ring (:mod:`qeff_vision.contract.full_kv`).
-        progress: Called with one line per stage; ``None`` silences progress.
+        progress: Called with one line per stage; ``None`` silences progress (and the weight bar).
+        hub: The Hugging Face id, revision and commit ``model_dir`` is the snapshot of
+            (:meth:`qeff_vision.hub.HubCheckpoint.record`), kept in export.json as ``hub``.
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -392,6 +395,7 @@ def export_model(
             "family": family.name,
             "model": str(model_dir.resolve()),
             "config_hash": config_hash(model_dir),
+            **({"hub": dict(hub)} if hub else {}),
             "opset": OPSET,
             "dtype": dtype,
             "comp_ctx_lengths": comp_ctx_lengths,
