@@ -59,6 +59,7 @@ from qeff_vision.fsutil import (
     staged_directory,
 )
 from qeff_vision.graph_file import external_attributes, inline_attributes
+from qeff_vision.progress import bar as progress_bar
 from qeff_vision.transformers_version import require_supported_transformers
 
 OPSET = 17
@@ -193,16 +194,26 @@ def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
         append_tensor(data, tensor, payload, Path(data.name).name)
 
 
-def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.ModelProto:
-    """Attach functions, pin static dims, write the weights tensor by tensor, and check the result."""
+def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -> onnx.ModelProto:
+    """Attach functions, pin static dims, write the weights tensor by tensor, and check the result.
+
+    ``bars``: show the weight streaming as a byte bar (rate, ETA) when stderr is a terminal.
+    """
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
     attach_rms_norm(model)
     attach_gated_delta(model)
     _pin_static_dims(model, traced.output_shapes, traced.axes)
-    with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
+    inputs = {value.name for value in model.graph.input}
+    total = (
+        sum(param.numel() for name, param in traced.params.items() if name in inputs) * plan.dtype.itemsize
+    )
+    with (
+        open(final_path.with_name(final_path.name + ".data"), "wb") as data,
+        progress_bar(f"{traced.program} weights", total=total, unit="B", enabled=bars) as shown,
+    ):
         _stream_constants(model, traced.raw_path.parent, data)
-        write_weights(model, traced.params, plan, data)
+        write_weights(model, traced.params, plan, data, on_written=shown.update)
     outside = external_attributes(model)
     if outside:  # every stage reads node attributes from the graph itself
         raise RuntimeError(f"{final_path}: node attributes stored as external data: {outside[:3]}")
@@ -380,7 +391,7 @@ def export_model(
         for traced in (vision, lang):
             start = time.perf_counter()
             say(f"write {traced.program} weights")
-            final = _finalize(traced, plan, staging / traced.program / "model.onnx")
+            final = _finalize(traced, plan, staging / traced.program / "model.onnx", progress is not None)
             programs[traced.program] = _describe_program(traced, final)
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
