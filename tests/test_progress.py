@@ -8,6 +8,7 @@ import fcntl
 import io
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -131,3 +132,46 @@ def test_a_bar_is_drawn_only_on_a_terminal_and_when_enabled():
     os.close(master)
     assert progress.bar("x", total=1, stream=io.StringIO()).disable
     assert not progress.on_terminal(None)
+
+
+def test_compile_shows_a_bar_per_program_on_a_terminal(tmp_path):
+    from qeff_vision.compile.driver import compile_spec
+    from tests.compile_fixtures import stand_in, synthetic_export, write_spec
+
+    spec, export = write_spec(tmp_path / "spec.yaml"), synthetic_export(tmp_path / "export")
+    compiler, _ = stand_in(tmp_path, mode="slow", sleep=1)
+    master, slave = _pty_pair()
+    chunks: list[bytes] = []
+    reader = _drain(master, chunks)
+    with open(slave, "w", closefd=True) as terminal:
+        compile_spec(
+            spec,
+            tmp_path / "out",
+            compiler=compiler,
+            export_dir=export,
+            progress=None,
+            status_stream=terminal,
+        )
+    reader.join(timeout=30)
+    os.close(master)
+    shown = b"".join(chunks).decode("utf-8", "replace")
+    # Each program's bar: its name, the elapsed time, and the compiler's own last line.
+    for program in ("vision", "lang"):
+        assert f"{program}: 00:0" in shown, shown
+    assert re.search(r"running, \d+ lines \| stand-in: graph checks passed", shown), shown
+    assert "[qeff-vision] vision: ok in" in shown  # the finish events stay below the cleared bars
+
+
+def test_compile_status_without_a_terminal_is_event_lines_only(tmp_path):
+    from qeff_vision.compile.driver import compile_spec
+    from tests.compile_fixtures import stand_in, synthetic_export, write_spec
+
+    spec, export = write_spec(tmp_path / "spec.yaml"), synthetic_export(tmp_path / "export")
+    compiler, _ = stand_in(tmp_path)
+    status = io.StringIO()
+    compile_spec(
+        spec, tmp_path / "out", compiler=compiler, export_dir=export, progress=None, status_stream=status
+    )
+    lines = status.getvalue().splitlines()
+    assert lines and all(line.startswith("[qeff-vision] ") for line in lines), lines
+    assert "\r" not in status.getvalue()
