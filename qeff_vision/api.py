@@ -104,8 +104,10 @@ def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on th
         ``out_dir/manifest.json`` holds.
     """
     from qeff_vision.compile.driver import compile_spec
+    from qeff_vision.progress import silenced
 
-    return compile_spec(spec, out_dir, **options)
+    with silenced("progress" in options and options["progress"] is None):  # quiet: no bars either
+        return compile_spec(spec, out_dir, **options)
 
 
 def specialize(spec_path, out_dir=None, *, layout: str | None = None):

@@ -2,15 +2,31 @@
 
 They are ``tqdm`` bars (what transformers and huggingface_hub show) on stderr, and only when that
 stream is a terminal: a log file or a pipe gets the one-line stage messages and no bar, and stdout,
-where output is parsed, never gets one. ``-q`` turns them off with the stage lines (callers pass
-``enabled=False``). A disabled bar has the same methods and prints nothing, so the stage code does
-not branch on it.
+where output is parsed, never gets one. ``-q`` turns them off with the stage lines: a caller passes
+``enabled=False``, or runs a whole command under :func:`silenced` (a stage deep inside it, such as
+calibration, needs no flag passed down). A disabled bar has the same methods and prints nothing, so
+the stage code does not branch on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
+
+_SILENCED = contextvars.ContextVar("qeff_vision_progress_silenced", default=False)
+
+
+@contextlib.contextmanager
+def silenced(quiet: bool = True) -> Iterator[None]:
+    """No bar inside the block when ``quiet`` (a command run with ``-q``)."""
+    token = _SILENCED.set(_SILENCED.get() or quiet)
+    try:
+        yield
+    finally:
+        _SILENCED.reset(token)
 
 
 def on_terminal(stream: TextIO | None) -> bool:
@@ -36,7 +52,7 @@ def bar(
         desc: What is progressing (``"lang weights"``).
         total: The amount at the end (bytes, runs); ``None`` shows the count and elapsed time only.
         unit: ``"B"`` scales to kB/MB/GB and shows a byte rate.
-        enabled: False under ``-q``.
+        enabled: False under ``-q`` (as is every bar inside :func:`silenced`).
         stream: Where the bar is drawn (``sys.stderr`` as the call sees it by default).
         options: More tqdm options (``bar_format``, ``position``, ``leave``).
     """
@@ -50,7 +66,7 @@ def bar(
         unit_scale=unit == "B",
         unit_divisor=1024 if unit == "B" else 1000,
         file=stream,
-        disable=not (enabled and on_terminal(stream)),
+        disable=not (enabled and not _SILENCED.get() and on_terminal(stream)),
         dynamic_ncols=True,
         **options,
     )

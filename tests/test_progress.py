@@ -129,9 +129,27 @@ def test_a_bar_is_drawn_only_on_a_terminal_and_when_enabled():
         assert progress.on_terminal(terminal)
         assert not progress.bar("x", total=1, stream=terminal).disable
         assert progress.bar("x", total=1, stream=terminal, enabled=False).disable
+        with progress.silenced():  # -q for a whole command: no bar deep inside it either
+            assert progress.bar("x", total=1, stream=terminal).disable
+        assert not progress.bar("x", total=1, stream=terminal).disable
     os.close(master)
     assert progress.bar("x", total=1, stream=io.StringIO()).disable
     assert not progress.on_terminal(None)
+
+
+def test_compile_on_a_terminal_shows_weight_and_calibration_bars(tiny_checkpoint, tmp_path, capsys):
+    from tests.compile_fixtures import write_spec
+
+    spec = write_spec(tmp_path / "tiny.yaml", model=str(tiny_checkpoint(FAMILY)), config=None, ctx_len=512)
+    args = ["compile", str(spec), "-o", str(tmp_path / "out"), "--backend", "onnxruntime"]
+    code, stdout, stderr = _in_process_stderr(args, terminal=True, capsys=capsys)
+    assert code == 0, stderr
+    assert "lang weights: 100%|" in stderr and re.search(r"calibration runs: 100%\|.*\d+/\d+", stderr), stderr
+    assert "manifest:" in stdout and not any(mark in stdout for mark in BAR_MARKS)
+
+    code, stdout, stderr = _in_process_stderr([*args, "--force", "-q"], terminal=True, capsys=capsys)
+    assert code == 0 and "%|" not in stderr and "runs:" not in stderr, stderr
+    assert "[qeff-vision]" not in stderr  # -q keeps only the notes worth reading
 
 
 def test_compile_shows_a_bar_per_program_on_a_terminal(tmp_path):
