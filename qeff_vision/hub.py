@@ -90,6 +90,22 @@ class HubCheckpoint:
         return self
 
 
+@dataclass(frozen=True)
+class HubReference:
+    """Weights an export recorded by id and commit, whose snapshot directory is not here.
+
+    The cache was cleared, or OUT moved to another machine: the commit is resolved, and its
+    weights downloaded if needed, on first use (``run --compare-hf``).
+    """
+
+    repo_id: str
+    commit: str
+
+    def directory(self, *, quiet: bool = False) -> Path:
+        """The snapshot of the commit, with its weights (see :func:`resolve`)."""
+        return resolve(self.repo_id, self.commit, quiet=quiet).directory
+
+
 def is_hub_id(text: str | Path) -> bool:
     """``text`` could be a Hub id and is not an existing directory (a directory always wins)."""
     text = str(text)

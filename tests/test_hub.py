@@ -202,3 +202,26 @@ def test_a_directory_takes_no_revision(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", str(tiny_checkpoint(FAMILY)), "-o", str(out), "--revision", "v1", "-q"]) == 2
     assert "--revision applies to a Hugging Face id only" in _one_error_line(capsys)
+
+
+def test_run_compare_hf_reaches_the_weights_by_id_and_commit(cache, tmp_path, capsys, monkeypatch):
+    from tests import helpers
+
+    spec = write_spec(tmp_path / "hub.yaml", model=REPO_ID, config=None, ctx_len=512)
+    out = tmp_path / "out"
+    assert main(["compile", str(spec), "-o", str(out), "--backend", "onnxruntime", "-q"]) == 0
+    capsys.readouterr()
+    # The cache moves (another HF_HUB_CACHE, or OUT on another machine): the recorded snapshot
+    # path is gone, the id and commit the export recorded still name the weights.
+    moved = tmp_path / "moved-cache"
+    cache.rename(moved)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(moved))
+    from qeff_vision.hub import HubReference
+    from qeff_vision.runtime.artifacts import load_artifacts
+
+    assert load_artifacts(out).checkpoint_dir == HubReference(REPO_ID, FIRST)
+    picture = tmp_path / "picture.png"
+    helpers.image(224, 224).save(picture)
+    args = ["run", str(out), "--image", str(picture), "--prompt", "Describe.", "--max-new-tokens", "4"]
+    assert main([*args, "--compare-hf"]) == 0
+    assert "compare-hf: tokens identical to transformers generate" in capsys.readouterr().err
