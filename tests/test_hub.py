@@ -225,3 +225,22 @@ def test_run_compare_hf_reaches_the_weights_by_id_and_commit(cache, tmp_path, ca
     args = ["run", str(out), "--image", str(picture), "--prompt", "Describe.", "--max-new-tokens", "4"]
     assert main([*args, "--compare-hf"]) == 0
     assert "compare-hf: tokens identical to transformers generate" in capsys.readouterr().err
+
+
+def test_download_bars_are_huggingface_hubs_and_quiet_under_q(cache, tmp_path, monkeypatch, capsys):
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    seen = []
+
+    def record(repo_id, **kwargs):
+        seen.append(are_progress_bars_disabled())
+        raise hub_errors.RepositoryNotFoundError("404 not found", response=_response(404))
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", record)
+    assert main(["export", "some-org/model", "-o", str(tmp_path / "a"), "-q"]) == 2
+    assert main(["export", "some-org/model", "-o", str(tmp_path / "b")]) == 2
+    capsys.readouterr()
+    # -q: off while downloading; otherwise huggingface_hub decides (its bars show on a terminal).
+    assert seen == [True, False]
+    assert not are_progress_bars_disabled()  # switched back on after the quiet command
