@@ -244,3 +244,20 @@ def test_download_bars_are_huggingface_hubs_and_quiet_under_q(cache, tmp_path, m
     # -q: off while downloading; otherwise huggingface_hub decides (its bars show on a terminal).
     assert seen == [True, False]
     assert not are_progress_bars_disabled()  # switched back on after the quiet command
+
+
+def test_the_real_environment_variables_reach_huggingface_hub(tiny_checkpoint, tmp_path):
+    # HF_HOME (the cache is HF_HOME/hub) and HF_HUB_OFFLINE as a user sets them, in a fresh process.
+    home = tmp_path / "hf-home"
+    add_snapshot(home / "hub", REPO_ID, tiny_checkpoint(FAMILY), FIRST)
+    spec = write_spec(tmp_path / "hub.yaml", model=REPO_ID, config=None, ctx_len=512)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    env.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "qeff_vision"]
+    done = subprocess.run([*command, "validate", str(spec)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr  # the config came from HF_HOME/hub
+    other = write_spec(tmp_path / "other.yaml", model="other-org/absent", config=None, ctx_len=512)
+    compile_other = [*command, "compile", str(other), "-o", str(tmp_path / "out")]
+    done = subprocess.run(compile_other, env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"not in the Hugging Face cache ({home / 'hub'}) and HF_HUB_OFFLINE is set" in done.stderr
