@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,21 +192,31 @@ def _snapshot(
 
 @contextlib.contextmanager
 def _download_bars(quiet: bool) -> Iterator[None]:
-    """huggingface_hub's own bars (on a terminal only: it asks tqdm to detect one), none when quiet."""
-    if not quiet:
-        yield
-        return
-    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    """huggingface_hub's own bars during the block: none when quiet, else on (it shows them on a terminal).
 
-    try:
-        disable_progress_bars()
-    except Exception:  # noqa: BLE001 - HF_HUB_DISABLE_PROGRESS_BARS=0 wins over us; bars stay on
+    Switched for the block and restored after: transformers turns them off process-wide when our
+    stages quiet it (:func:`qeff_vision.hf_logging.quiet_transformers`), which must not silence a
+    later download. ``HF_HUB_DISABLE_PROGRESS_BARS`` still wins (huggingface_hub warns; we do not).
+    """
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if are_progress_bars_disabled() == quiet:
         yield
         return
+    switch, restore = (
+        (disable_progress_bars, enable_progress_bars)
+        if quiet
+        else (enable_progress_bars, disable_progress_bars)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        switch()
     try:
         yield
     finally:
-        enable_progress_bars()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            restore()
 
 
 @contextlib.contextmanager

@@ -228,9 +228,10 @@ def test_run_compare_hf_reaches_the_weights_by_id_and_commit(cache, tmp_path, ca
 
 
 def test_download_bars_are_huggingface_hubs_and_quiet_under_q(cache, tmp_path, monkeypatch, capsys):
-    from huggingface_hub.utils import are_progress_bars_disabled
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     seen = []
+    disable_progress_bars()  # as transformers leaves them once a stage has quieted it
 
     def record(repo_id, **kwargs):
         seen.append(are_progress_bars_disabled())
@@ -241,9 +242,10 @@ def test_download_bars_are_huggingface_hubs_and_quiet_under_q(cache, tmp_path, m
     assert main(["export", "some-org/model", "-o", str(tmp_path / "a"), "-q"]) == 2
     assert main(["export", "some-org/model", "-o", str(tmp_path / "b")]) == 2
     capsys.readouterr()
-    # -q: off while downloading; otherwise huggingface_hub decides (its bars show on a terminal).
+    # -q: off while downloading; otherwise on, and huggingface_hub shows them on a terminal.
     assert seen == [True, False]
-    assert not are_progress_bars_disabled()  # switched back on after the quiet command
+    assert are_progress_bars_disabled()  # the state before each command is restored after it
+    enable_progress_bars()
 
 
 def test_the_real_environment_variables_reach_huggingface_hub(tiny_checkpoint, tmp_path):
