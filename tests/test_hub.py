@@ -263,3 +263,19 @@ def test_the_real_environment_variables_reach_huggingface_hub(tiny_checkpoint, t
     done = subprocess.run(compile_other, env=env, capture_output=True, text=True)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"not in the Hugging Face cache ({home / 'hub'}) and HF_HUB_OFFLINE is set" in done.stderr
+
+
+def test_a_revision_on_a_directory_model_is_a_spec_problem(tiny_checkpoint, tmp_path, capsys):
+    spec = write_spec(tmp_path / "dir.yaml", model=str(tiny_checkpoint(FAMILY)), config=None, ctx_len=512)
+    spec.write_text(spec.read_text() + "revision: v1\n")
+    assert main(["validate", str(spec)]) == 2
+    assert "applies to a Hugging Face id only" in capsys.readouterr().err
+
+
+def test_validate_reads_the_config_of_the_spec_revision_from_the_cache(cache, tmp_path, capsys):
+    spec = write_spec(tmp_path / "hub.yaml", model=REPO_ID, config=None, ctx_len=512)
+    spec.write_text(spec.read_text() + f"revision: {FIRST}\n")
+    assert main(["validate", str(spec)]) == 0, capsys.readouterr().err
+    spec.write_text(spec.read_text().replace(FIRST, SECOND))  # not cached: validate never downloads
+    assert main(["validate", str(spec)]) == 2
+    assert "no local copy; add `config:`" in capsys.readouterr().err
