@@ -279,3 +279,44 @@ def test_validate_reads_the_config_of_the_spec_revision_from_the_cache(cache, tm
     spec.write_text(spec.read_text().replace(FIRST, SECOND))  # not cached: validate never downloads
     assert main(["validate", str(spec)]) == 2
     assert "no local copy; add `config:`" in capsys.readouterr().err
+
+
+def _export_recording(directory: Path, repo_id: str, commit: str) -> Path:
+    from tests.compile_fixtures import synthetic_export
+
+    export = synthetic_export(directory)
+    record = json.loads((export / "export.json").read_text())
+    record["hub"] = {"id": repo_id, "revision": None, "commit": commit}
+    (export / "export.json").write_text(json.dumps(record))
+    return export
+
+
+def test_export_dir_of_another_commit_is_refused(cache, tmp_path, capsys):
+    export = _export_recording(tmp_path / "export", REPO_ID, SECOND)  # the cache's main is FIRST
+    spec = write_spec(tmp_path / "hub.yaml", model=REPO_ID)  # the pinned 3B config, as the synthetic graphs
+    compiler, record = stand_in(tmp_path)
+    out = tmp_path / "out"
+    assert (
+        main(["compile", str(spec), "-o", str(out), "--export", str(export), "--compiler", str(compiler)])
+        == 2
+    )
+    line = _one_error_line(capsys)
+    assert (
+        f"exported from {REPO_ID} commit {SECOND[:12]}" in line and f"resolves to commit {FIRST[:12]}" in line
+    )
+    assert not out.exists() and not calls(record)
+
+
+def test_a_reused_export_names_its_commit_in_the_manifest_without_any_download(cache, tmp_path, capsys):
+    absent = "elsewhere-org/not-cached-here"  # exported on another machine; this cache lacks it
+    export = _export_recording(tmp_path / "export", absent, SECOND)
+    spec = write_spec(tmp_path / "hub.yaml", model=absent)
+    compiler, _ = stand_in(tmp_path)
+    out = tmp_path / "out"
+    args = ["compile", str(spec), "-o", str(out), "--export", str(export), "--compiler", str(compiler), "-q"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert json.loads((out / "manifest.json").read_text())["hub"] == {
+        "id": absent,
+        "revision": None,
+        "commit": SECOND,
+    }
