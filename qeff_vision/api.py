@@ -74,6 +74,8 @@ def export(
 
     source = None
     if hub.is_hub_id(model_dir):
+        if not quiet:
+            stderr_progress(f"resolving {model_dir} in the Hugging Face cache (downloading what is missing)")
         checkpoint = hub.resolve(str(model_dir), revision, quiet=quiet)
         model_dir, source = checkpoint.directory, checkpoint.record()
     elif revision is not None:

@@ -96,8 +96,10 @@ def _run_export(
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
 
-    if hub is not None:
-        hub.with_weights(quiet=say is None)  # the weights come down only when an export needs them
+    if hub is not None:  # the weights come down only when an export needs them
+        if say is not None:  # a log shows why nothing else moves for minutes
+            say(f"weights: {hub.repo_id} commit {hub.commit[:12]}, downloading what the cache lacks")
+        hub.with_weights(quiet=say is None)
     return export_model(
         model_dir,
         directory,
