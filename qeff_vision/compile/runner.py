@@ -3,8 +3,8 @@
 Each compiler's stdout and stderr go, interleaved as printed, into ``<program>/compile.log``; the
 last lines are kept in memory for the failure message. Each program has a progress bar while it
 runs (elapsed time and the compiler's last line, on a terminal), one line per event otherwise. A
-program that runs past its timeout is killed with its whole process group; when one program fails the other is
-stopped too, since the compile as a whole has failed.
+program that runs past its timeout is killed with its whole process group; when one program fails
+the other is stopped too, since the compile as a whole has failed.
 """
 
 from __future__ import annotations
