@@ -50,8 +50,13 @@ def export(
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
     quiet: bool = False,
+    revision: str | None = None,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
+
+    ``model_dir`` is a checkpoint directory or a Hugging Face id (``Qwen/Qwen2.5-VL-3B-Instruct``,
+    at ``revision``), resolved through the Hugging Face cache (:mod:`qeff_vision.hub`), which
+    downloads what is missing; export.json then records the id and the commit.
 
     ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights;
     ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths);
@@ -63,8 +68,18 @@ def export(
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
     """
+    from qeff_vision import hub
+    from qeff_vision.errors import UserError
     from qeff_vision.exporter import export_model, stderr_progress
 
+    source = None
+    if hub.is_hub_id(model_dir):
+        if not quiet:
+            stderr_progress(f"resolving {model_dir} in the Hugging Face cache (downloading what is missing)")
+        checkpoint = hub.resolve(str(model_dir), revision, quiet=quiet)
+        model_dir, source = checkpoint.directory, checkpoint.record()
+    elif revision is not None:
+        raise UserError(f"{model_dir}: a directory; --revision applies to a Hugging Face id only")
     return export_model(
         model_dir,
         out_dir,
@@ -75,6 +90,7 @@ def export(
         continuous_batching=continuous_batching,
         retain_full_kv=retain_full_kv,
         progress=None if quiet else stderr_progress,
+        hub=source,
     )
 
 
@@ -90,8 +106,10 @@ def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on th
         ``out_dir/manifest.json`` holds.
     """
     from qeff_vision.compile.driver import compile_spec
+    from qeff_vision.progress import silenced
 
-    return compile_spec(spec, out_dir, **options)
+    with silenced("progress" in options and options["progress"] is None):  # quiet: no bars either
+        return compile_spec(spec, out_dir, **options)
 
 
 def specialize(spec_path, out_dir=None, *, layout: str | None = None):

@@ -59,6 +59,7 @@ from qeff_vision.fsutil import (
     staged_directory,
 )
 from qeff_vision.graph_file import external_attributes, inline_attributes
+from qeff_vision.progress import bar as progress_bar
 from qeff_vision.transformers_version import require_supported_transformers
 
 OPSET = 17
@@ -193,16 +194,26 @@ def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
         append_tensor(data, tensor, payload, Path(data.name).name)
 
 
-def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path) -> onnx.ModelProto:
-    """Attach functions, pin static dims, write the weights tensor by tensor, and check the result."""
+def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -> onnx.ModelProto:
+    """Attach functions, pin static dims, write the weights tensor by tensor, and check the result.
+
+    ``bars``: show the weight streaming as a byte bar (rate, ETA) when stderr is a terminal.
+    """
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
     attach_rms_norm(model)
     attach_gated_delta(model)
     _pin_static_dims(model, traced.output_shapes, traced.axes)
-    with open(final_path.with_name(final_path.name + ".data"), "wb") as data:
+    inputs = {value.name for value in model.graph.input}
+    total = (
+        sum(param.numel() for name, param in traced.params.items() if name in inputs) * plan.dtype.itemsize
+    )
+    with (
+        open(final_path.with_name(final_path.name + ".data"), "wb") as data,
+        progress_bar(f"{traced.program} weights", total=total, unit="B", enabled=bars) as shown,
+    ):
         _stream_constants(model, traced.raw_path.parent, data)
-        write_weights(model, traced.params, plan, data)
+        write_weights(model, traced.params, plan, data, on_written=shown.update)
     outside = external_attributes(model)
     if outside:  # every stage reads node attributes from the graph itself
         raise RuntimeError(f"{final_path}: node attributes stored as external data: {outside[:3]}")
@@ -275,6 +286,7 @@ def export_model(
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
     progress: Progress | None = stderr_progress,
+    hub: Mapping[str, str | None] | None = None,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -295,7 +307,9 @@ def export_model(
             ``batch_index`` [batch_size, 1] naming each row's slot.
         retain_full_kv: Ring layers (sliding window, attention chunk) keep ``ctx_len`` KV slots
             masked to their window or block instead of a ring (:mod:`qeff_vision.contract.full_kv`).
-        progress: Called with one line per stage; ``None`` silences progress.
+        progress: Called with one line per stage; ``None`` silences progress (and the weight bar).
+        hub: The Hugging Face id, revision and commit ``model_dir`` is the snapshot of
+            (:meth:`qeff_vision.hub.HubCheckpoint.record`), kept in export.json as ``hub``.
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -377,7 +391,7 @@ def export_model(
         for traced in (vision, lang):
             start = time.perf_counter()
             say(f"write {traced.program} weights")
-            final = _finalize(traced, plan, staging / traced.program / "model.onnx")
+            final = _finalize(traced, plan, staging / traced.program / "model.onnx", progress is not None)
             programs[traced.program] = _describe_program(traced, final)
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
@@ -392,6 +406,7 @@ def export_model(
             "family": family.name,
             "model": str(model_dir.resolve()),
             "config_hash": config_hash(model_dir),
+            **({"hub": dict(hub)} if hub else {}),
             "opset": OPSET,
             "dtype": dtype,
             "comp_ctx_lengths": comp_ctx_lengths,

@@ -28,9 +28,9 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
-    {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version"},
+    {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version", "hub"},
     {"contract"},
-    {"symbols", "fsutil", "graph_file", "qeff_vision"},
+    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress"},
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]

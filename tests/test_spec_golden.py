@@ -197,7 +197,7 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
     assert out == f"{good}: ok\n"
     lines = err.strip().splitlines()
     assert [line for line in lines if line.startswith(f"{bad}: ")] == [
-        f"{bad}: colour: unknown key; allowed: name, model, family, config, dtype, batch_size, "
+        f"{bad}: colour: unknown key; allowed: name, model, revision, family, config, dtype, batch_size, "
         "full_batch_size, ctx_len, prefill, vision, specialization_layout, compile, deployment, "
         "kv_cache_prefix, retain_full_kv",
         f"{bad}: batch_size: must be a positive integer (got -1)",

@@ -14,7 +14,8 @@ HELP = {
     "dry_run": "Write the compiler inputs and print both command lines; compile nothing.",
     "force": "Recompile both programs even when the cache holds them.",
     "timeout": "Seconds each compiler may run before it is killed (overrides compile.*.timeout).",
-    "quiet": "No progress lines; a failure is its one error line (naming the compiler's log).",
+    "quiet": "No progress lines or bars; a failure is its one error line (naming the compiler's log).",
+    "revision": "Branch, tag or commit of the spec's Hugging Face id (overrides its revision:).",
     "print_serve": (
         "Print how vLLM serves the compiled programs: vLLM 0.23 + vllm-qaic (offline, vllm serve) "
         "and the guide's 0.8.5 forms (two LLMs, E-PD in docker)."
@@ -32,11 +33,16 @@ HELP = {
 @click.option("--force", is_flag=True, help=HELP["force"])
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), help=HELP["timeout"])
 @click.option("--print-serve", is_flag=True, help=HELP["print_serve"])
+@click.option("--revision", metavar="REV", help=HELP["revision"])
 @click.option("-q", "--quiet", is_flag=True, help=HELP["quiet"])
 def compile_command(
-    spec, out_dir, backend, compiler, export_dir, dry_run, force, timeout, print_serve, quiet
+    spec, out_dir, backend, compiler, export_dir, dry_run, force, timeout, print_serve, revision, quiet
 ) -> None:
     """Compile both programs (vision encoder and language decoder) of SPEC into OUT.
+
+    The spec's model is a checkpoint directory or a Hugging Face id, read from the Hugging Face
+    cache (HF_HOME, HF_HUB_CACHE) and downloaded into it when an export needs it (HF_TOKEN for
+    gated models; HF_HUB_OFFLINE=1 never downloads).
 
     Exports the checkpoint if OUT has no export, writes specializations and custom IO, then runs
     both compilers at once with logs in OUT/<program>/compile.log. Programs whose inputs did not
@@ -61,6 +67,7 @@ def compile_command(
             dry_run=dry_run,
             force=force,
             timeout=timeout,
+            revision=revision,
             **({"progress": None, "status_stream": None} if quiet else {}),
         )
     except CompileFailed as failure:

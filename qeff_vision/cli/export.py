@@ -1,4 +1,4 @@
-"""``qeff-vision export MODEL_DIR -o OUT``: both programs to ONNX."""
+"""``qeff-vision export MODEL -o OUT``: both programs to ONNX (MODEL: a directory or a Hugging Face id)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from qeff_vision import api
 
 
 @click.command()
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", metavar="MODEL", type=click.Path(file_okay=False))
 @click.option(
     "-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory."
 )
@@ -45,7 +45,12 @@ from qeff_vision import api
     help="Ring layers (sliding window, attention chunk) keep ctx_len KV slots instead of a ring "
     "(specs with retain_full_kv need it).",
 )
-@click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
+@click.option(
+    "--revision",
+    metavar="REV",
+    help="Branch, tag or commit of a Hugging Face id (default: main); the commit is recorded.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines or bars on stderr.")
 def export(
     model_dir: str,
     out_dir: str,
@@ -55,9 +60,15 @@ def export(
     patch_buckets: bool,
     cb: bool,
     full_kv: bool,
+    revision: str | None,
     quiet: bool,
 ) -> None:
-    """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
+    """Export MODEL's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json).
+
+    MODEL is a checkpoint directory or a Hugging Face id (Qwen/Qwen2.5-VL-3B-Instruct), read from
+    the Hugging Face cache (HF_HOME, HF_HUB_CACHE) and downloaded into it when missing (HF_TOKEN for
+    gated models; HF_HUB_OFFLINE=1 never downloads). A directory of that name wins over the id.
+    """
     result = api.export(
         model_dir,
         out_dir,
@@ -68,6 +79,7 @@ def export(
         continuous_batching=cb,
         retain_full_kv=full_kv,
         quiet=quiet,
+        revision=revision,
     )
     for program in ("vision", "lang"):
         inputs = result.manifest["programs"][program]["inputs"]

@@ -122,6 +122,7 @@ def prompt_ranges(
 
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
+    from qeff_vision.progress import bar as progress_bar
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import make_generator
     from qeff_vision.runtime.language_shape import LanguageShape
@@ -147,6 +148,8 @@ def prompt_ranges(
             for height, width in resolutions
         ]
     fitting = _Fitting(shape.ctx_len)
+    total = len(prompts or [DEFAULT_PROMPT]) * (len(pictures) + 1)
+    runs = progress_bar("calibration runs", total=total, unit="run")  # on a terminal, unless -q
     for text in prompts or [DEFAULT_PROMPT]:
         for picture in [*pictures, None]:  # each image with the prompt, then the prompt alone
             # Every prompt token's activations are recorded: no prefix kept from the last run.
@@ -155,6 +158,8 @@ def prompt_ranges(
             fitted = fitting.fit(chat, shown, text)
             if fitted is not None:
                 chat.ask(shown, fitted[0], max_new_tokens=fitted[1])
+            runs.update()
+    runs.close()
     if fitting.note() and say is not None:
         say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}

@@ -66,6 +66,8 @@ from qeff_vision.compile_record import (
 )
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_json, check_output_dir, staged_directory
+from qeff_vision.hub import HubCheckpoint, hub_record
+from qeff_vision.hub import cached as hub_cached
 from qeff_vision.spec import build_specializations, load_spec, resolve_layout
 from qeff_vision.spec.compile_options import ProgramOptions
 from qeff_vision.spec.deployment import DUAL
@@ -145,13 +147,22 @@ def _copy_runtime_files(spec: Any, export: Export, out_dir: Path, outcome: Compi
     return copied
 
 
-def _common_manifest(spec: Any, out_dir: Path, export: Export, backend: str, sdk: SdkInfo | None) -> dict:
+def _recorded_hub(export: Export) -> dict[str, Any]:
+    recorded = hub_record(export.manifest)
+    return {"hub": recorded} if recorded else {}
+
+
+def _common_manifest(
+    spec: Any, out_dir: Path, export: Export, backend: str, sdk: SdkInfo | None, hub: HubCheckpoint | None
+) -> dict:
     manifest = {
         "format": MANIFEST_FORMAT,
         "tool": tool_name(),
         "backend": backend,
         "model": spec.model,
         "model_dir": str(spec.model_dir.resolve()) if spec.model_dir else None,
+        # The id and commit of the weights: this run's snapshot, else what a reused export recorded.
+        **({"hub": hub.record()} if hub else _recorded_hub(export)),
         "family": spec.family,
         "spec": {"path": str(Path(spec.source).resolve()), "name": spec.name},
         "spec_hash": spec_hash(Path(spec.source), spec.config_path),
@@ -218,6 +229,7 @@ def compile_spec(
     env: Mapping[str, str] | None = None,
     progress: Progress | None = _stderr,
     status_stream: Any = STDERR,
+    revision: str | None = None,
 ) -> CompileOutcome:
     """Compile (or verify) both programs of ``spec_path`` into ``out_dir``.
 
@@ -233,6 +245,7 @@ def compile_spec(
         env: Environment for compiler lookup and the compiler processes.
         progress: One-line progress messages (``None`` for silence).
         status_stream: Where the live status line goes (``None`` for none; stderr by default).
+        revision: Replaces the spec's ``revision:`` of a Hugging Face id.
 
     Raises:
         SpecError: The spec is invalid, or its specializations do not match the exported graphs.
@@ -244,16 +257,21 @@ def compile_spec(
     say = progress or (lambda message: None)
     env = os.environ if env is None else env
     out_dir = check_output_dir(out_dir)
-    spec = load_spec(spec_path)
+    spec = load_spec(spec_path, revision=revision, fetch_model=not dry_run)
     for warning in spec.warnings:
         say(f"warning: {warning}")
+    # A Hub id as the cache holds it now (never the network): its commit decides whether an
+    # export is stale. It is downloaded only when an export must run (inputs.locate_export).
+    hub = hub_cached(spec.model, spec.revision) if spec.model_dir is None else None
+    if hub is not None:  # from here on the spec's model is that snapshot of the cache
+        spec = replace(spec, model_dir=hub.directory)
     sdk, compiler_path = _resolve_sdk(backend, compiler, env, dry_run)
     layout = resolve_layout(spec.layout, sdk.specialization_layout if sdk else None)
     generated = build_specializations(spec, layout=layout)
     outcome = CompileOutcome(out_dir, backend, dry_run)
     # Inputs are checked before OUT is touched: an export of another model or a corrupt graph
     # must not leave a fresh OUT (lock, specializations) behind, nor disturb a valid one.
-    export = given_export(spec, Path(export_dir)) if export_dir else None
+    export = given_export(spec, Path(export_dir), hub) if export_dir else None
     if export is not None:
         plans = plan_inputs(generated, spec, out_dir, export)
         check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
@@ -265,7 +283,11 @@ def compile_spec(
     with staged_directory(out_dir, start_from_final=True, shared=shared, lock=lock) as staging:
         say = (lambda message: progress(_as_out(message, staging, out_dir))) if progress else say
         if export is None:
-            export = locate_export(spec, staging, None, dry_run=dry_run, say=say)
+            export = locate_export(
+                spec, staging, None, dry_run=dry_run, say=say, hub=hub, quiet=progress is None
+            )
+            if export.hub is not None:  # the export just ran from a snapshot it downloaded
+                hub, spec = export.hub, replace(spec, model_dir=export.hub.directory)
             plans = write_inputs(generated, spec, staging, export)
             if export.manifest is not None:
                 check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
@@ -274,7 +296,7 @@ def compile_spec(
         outcome.notes += resolve_plans(
             plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
         )
-        manifest = _common_manifest(spec, staging, export, backend, sdk)
+        manifest = _common_manifest(spec, staging, export, backend, sdk, hub)
         if not dry_run:
             manifest["runtime_model"] = _copy_runtime_files(spec, export, staging, outcome)
         manifest["shapes"]["specialization_layout"] = layout

@@ -10,7 +10,7 @@ compiler inputs go under OUT (:class:`ProgramPlan`), :func:`write_inputs` writes
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from qeff_vision.export_record import (
     vision_mode,
 )
 from qeff_vision.fsutil import atomic_write_json
+from qeff_vision.hub import HubCheckpoint, hub_record
 from qeff_vision.spec import write_specializations
 from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
 from qeff_vision.spec.deployment import SINGLE
@@ -74,6 +75,7 @@ class Export:
 
     directory: Path
     manifest: dict[str, Any] | None  # None: not exported yet (dry run)
+    hub: HubCheckpoint | None = None  # the snapshot this compile downloaded and exported, if any
 
     def onnx(self, program: str) -> Path:
         """The ONNX file of ``program`` (``vision`` or ``lang``); its future path before export."""
@@ -83,10 +85,21 @@ class Export:
 
 
 def _run_export(
-    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool, full_kv: bool
+    model_dir: Path,
+    directory: Path,
+    say: Progress | None,
+    ccl: bool,
+    buckets: bool,
+    cb: bool,
+    full_kv: bool,
+    hub: HubCheckpoint | None,
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
 
+    if hub is not None:  # the weights come down only when an export needs them
+        if say is not None:  # a log shows why nothing else moves for minutes
+            say(f"weights: {hub.repo_id} commit {hub.commit[:12]}, downloading what the cache lacks")
+        hub.with_weights(quiet=say is None)
     return export_model(
         model_dir,
         directory,
@@ -96,6 +109,7 @@ def _run_export(
         continuous_batching=cb,
         retain_full_kv=full_kv,
         progress=say,
+        hub=hub.record() if hub else None,
     ).manifest
 
 
@@ -106,11 +120,12 @@ def _former_symbol(spec: Any, manifest: Mapping[str, Any]) -> str | None:
     return get_family(spec.family).former_symbol_note(recorded_symbols(dict(manifest)))
 
 
-def given_export(spec: Any, export_dir: Path) -> Export:
+def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) -> Export:
     """The export ``--export DIR`` names, checked against the spec; reads only, writes nothing.
 
     Raises:
-        UserError: Not an export, an export of another family, or one without (or with) the
+        UserError: Not an export, an export of another family or of another commit of the
+            spec's Hugging Face id (``hub``), or one without (or with) the
             compute-context-length input, the vision program mode (per resolution or patch
             buckets), the continuous-batching IO or the full-length ring caches the spec needs.
     """
@@ -118,6 +133,12 @@ def given_export(spec: Any, export_dir: Path) -> Export:
     if manifest.get("family") != spec.family:
         raise UserError(
             f"{export_dir}: exported family {manifest.get('family')!r}, spec says {spec.family!r}"
+        )
+    recorded = hub_record(manifest)
+    if hub is not None and recorded is not None and recorded["commit"] != hub.commit:
+        raise UserError(
+            f"{export_dir}: exported from {recorded['id']} commit {recorded['commit'][:12]}, but the spec's "
+            f"model resolves to commit {hub.commit[:12]}; export it again (`qeff-vision export`)"
         )
     former = _former_symbol(spec, manifest)
     if former:
@@ -154,15 +175,28 @@ def given_export(spec: Any, export_dir: Path) -> Export:
 
 
 def locate_export(
-    spec: Any, out_dir: Path, export_dir: Path | None, *, dry_run: bool, say: Progress
+    spec: Any,
+    out_dir: Path,
+    export_dir: Path | None,
+    *,
+    dry_run: bool,
+    say: Progress,
+    hub: HubCheckpoint | None = None,
+    quiet: bool = False,
 ) -> Export:
-    """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale)."""
+    """The export to compile: ``export_dir``, else ``OUT/export`` (exported now if absent or stale).
+
+    With ``hub`` (the spec's Hugging Face id as the cache holds it), an export that records
+    another commit is stale even when its config is the same: the weights differ. A Hub id is
+    resolved through the network (:func:`qeff_vision.hub.resolve`) only when an export must run,
+    and its weights are downloaded then; the returned export names that snapshot (``hub``).
+    """
     ccl = spec.compile.comp_ctx_lengths is not None
     buckets = bool(spec.vision.patch_buckets)
     cb = spec.full_batch_size is not None
     full_kv = spec.deployment.retain_full_kv
     if export_dir is not None:
-        return given_export(spec, export_dir)
+        return given_export(spec, export_dir, hub)
     directory = out_dir / EXPORT_SUBDIR
     manifest = read_export(directory) if (directory / EXPORT_FILE).is_file() else None
     stale = (
@@ -183,21 +217,26 @@ def locate_export(
         stale = True  # the spec added or dropped retain_full_kv
     if manifest is not None and _former_symbol(spec, manifest):
         stale = True  # exported before the family took QEfficient's symbol names
+    recorded = hub_record(manifest)
+    if recorded is not None and hub is not None and recorded["commit"] != hub.commit:
+        stale = True  # another commit: other weights, maybe the same config
     if manifest is not None and not stale:
         return Export(directory, manifest)
     if dry_run:
         say(f"dry run: {directory} is {'stale' if stale else 'not exported yet'}; nothing is exported")
         return Export(directory, None)
-    if spec.model_dir is None:
-        raise UserError(
-            f"model {spec.model!r} is not a local checkpoint directory, so it cannot be exported here; "
-            "export it where the weights are (`qeff-vision export`) and pass --export DIR"
-        )
+    if spec.model_dir is None:  # a Hub id the cache does not hold (yet)
+        from qeff_vision.hub import resolve
+
+        hub = resolve(spec.model, spec.revision, weights=False, quiet=quiet)
+        spec = replace(spec, model_dir=hub.directory)
     if manifest is not None:
         # The export a previous manifest names is replaced now: that manifest stops being true.
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
-    say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb, full_kv))
+    source = f"{hub.repo_id} commit {hub.commit[:12]} ({spec.model_dir})" if hub else spec.model_dir
+    say(f"exporting {source} to {directory}" + (" (the previous export is stale)" if stale else ""))
+    manifest = _run_export(spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, hub)
+    return Export(directory, manifest, hub)
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:

@@ -1,10 +1,10 @@
 """Run the compilers of both programs concurrently, logging everything they print.
 
 Each compiler's stdout and stderr go, interleaved as printed, into ``<program>/compile.log``; the
-last lines are kept in memory for the failure message. A status line shows both programs while
-they run (rewritten in place on a terminal, one line per event otherwise). A program that runs
-past its timeout is killed with its whole process group; when one program fails the other is
-stopped too, since the compile as a whole has failed.
+last lines are kept in memory for the failure message. Each program has a progress bar while it
+runs (elapsed time and the compiler's last line, on a terminal), one line per event otherwise. A
+program that runs past its timeout is killed with its whole process group; when one program fails
+the other is stopped too, since the compile as a whole has failed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from qeff_vision.interrupts import raise_if_interrupted
+from qeff_vision.progress import bar as progress_bar
+from qeff_vision.progress import on_terminal
 
 TAIL_LINES = 30
 POLL_SECONDS = 0.1
@@ -87,39 +89,61 @@ class JobResult:
 
 
 class StatusLine:
-    """A one-line progress display on ``stream``: in place on a terminal, event lines otherwise."""
+    """Compile progress on ``stream``: a bar per program on a terminal, event lines otherwise.
+
+    On a terminal each program has a tqdm bar (:mod:`qeff_vision.progress`) showing its elapsed
+    time, the lines its compiler printed and the last of them (the compiler's own progress, when it
+    reports any), redrawn in place; event lines are written above the bars. Elsewhere (a log, a
+    pipe) only the event lines appear.
+    """
 
     def __init__(self, stream: TextIO | None):
         self.stream = stream
-        self.live = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+        self.live = on_terminal(stream)
         self._last = 0.0
-        self._width = 0
+        self._bars: dict[str, Any] = {}
 
     def event(self, text: str) -> None:
         """A line that stays (start, finish)."""
         if self.stream is None:
             return
-        self._clear()
-        self.stream.write(f"[qeff-vision] {text}\n")
-        self.stream.flush()
+        line = f"[qeff-vision] {text}"
+        if self._bars:
+            from tqdm import tqdm
 
-    def update(self, text: str, force: bool = False) -> None:
-        """Replace the live line (terminals only; throttled)."""
-        if not self.live or self.stream is None:
+            tqdm.write(line, file=self.stream)  # above the bars, which are redrawn below it
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def programs(self, runs: Sequence[_Running], force: bool = False) -> None:
+        """Redraw every program's bar (terminals only; throttled unless ``force``)."""
+        if not self.live:
             return
         now = time.monotonic()
         if not force and now - self._last < REFRESH_SECONDS:
             return
         self._last = now
-        text = text[:160]
-        self.stream.write("\r" + text.ljust(self._width))
-        self.stream.flush()
-        self._width = len(text)
+        for run in runs:
+            shown = self._bars.get(run.job.program)
+            if shown is None:
+                shown = self._bars[run.job.program] = progress_bar(
+                    run.job.program,
+                    unit="line",
+                    stream=self.stream,
+                    position=len(self._bars),
+                    leave=False,
+                    bar_format="{desc}: {elapsed}{postfix}",
+                )
+            state = "running" if run.running() else run.result.state
+            last = run.last_line.strip()
+            shown.set_postfix_str(f"{state}, {run.result.lines} lines" + (f" | {last[:80]}" if last else ""))
 
-    def _clear(self) -> None:
-        if self.live and self._width and self.stream is not None:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
+    def close(self) -> None:
+        """Remove the bars (the finish events say how each program ended)."""
+        for shown in self._bars.values():
+            shown.close()
+        self._bars.clear()
 
 
 class _Running:
@@ -201,15 +225,6 @@ class _Running:
         return self.result
 
 
-def _status_text(runs: Sequence[_Running]) -> str:
-    parts = []
-    for run in runs:
-        state = "running" if run.running() else run.result.state
-        parts.append(f"{run.job.program} {state} {run.elapsed:5.0f}s {run.result.lines} lines")
-    last = next((run.last_line for run in reversed(runs) if run.last_line), "")
-    return "compiling: " + " | ".join(parts) + (f" | {last.strip()[:60]}" if last else "")
-
-
 def run_jobs(
     jobs: Sequence[Job], status: StatusLine | None = None, env: Mapping[str, str] | None = None
 ) -> dict[str, JobResult]:
@@ -237,16 +252,18 @@ def run_jobs(
             if failed:
                 for run in runs:
                     run.kill("stopped")
-            status.update(_status_text(runs))
+            status.programs(runs)
             time.sleep(POLL_SECONDS)
             raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt was lost must not wait forever
     except BaseException:
         # Ctrl-C or an internal error: the compilers run in their own process groups, so they
         # would outlive us; stop them before giving up.
+        status.close()
         for run in runs:
             run.kill("stopped")
             run.finish()
         raise
+    status.close()
     results = {}
     for run in runs:
         result = run.finish()

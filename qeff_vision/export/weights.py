@@ -21,7 +21,7 @@ import functools
 import json
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,11 +322,18 @@ def append_tensor(data, tensor: onnx.TensorProto, payload: bytes | memoryview, l
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def write_weights(model: onnx.ModelProto, params: Mapping[str, torch.Tensor], plan: WeightPlan, data) -> None:
+def write_weights(
+    model: onnx.ModelProto,
+    params: Mapping[str, torch.Tensor],
+    plan: WeightPlan,
+    data,
+    on_written: Callable[[int], object] | None = None,
+) -> None:
     """Turn the parameter inputs of ``model`` into external initializers, one tensor in memory at a time.
 
     A weight whose only reader is a 2-D transpose is stored transposed and the node dropped (the
     constant folding the tracer would have done, without a second copy of every matrix).
+    ``on_written`` is told the bytes of each tensor once written (a progress bar's ``update``).
     """
     graph = model.graph
     consumers = _consumers(graph)
@@ -349,6 +356,8 @@ def write_weights(model: onnx.ModelProto, params: Mapping[str, torch.Tensor], pl
         tensor.dims.extend(array.shape)
         append_tensor(data, tensor, memoryview(array).cast("B"), location)
         graph.initializer.append(tensor)
+        if on_written is not None:
+            on_written(array.nbytes)
         del array
     for node in dropped:
         graph.node.remove(node)

@@ -30,6 +30,7 @@ from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.hub import HubReference, hub_record
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment, deployment_named
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
@@ -48,8 +49,10 @@ class Artifacts:
         family: The model family.
         model_dir: Where the runtime reads config, processor and chat template: ``OUT/model``
             (copied by compile), else the checkpoint the export came from.
-        checkpoint_dir: The checkpoint with its weights (a transformers reference loads it);
-            ``None`` when it is not here (OUT moved to another machine, checkpoint deleted).
+        checkpoint_dir: The checkpoint with its weights (a transformers reference loads it); for
+            an export of a Hugging Face id whose snapshot is not here, a
+            :class:`~qeff_vision.hub.HubReference` to its commit (fetched when a reference is
+            asked for); ``None`` when it is not here otherwise (OUT moved, checkpoint deleted).
         export_dir: The export directory.
         vision_path: The vision program (QPC directory or ONNX file).
         language_path: The language program.
@@ -73,7 +76,7 @@ class Artifacts:
     family: Family
     model_dir: Path
     export_dir: Path
-    checkpoint_dir: Path | None
+    checkpoint_dir: Path | HubReference | None
     vision_path: Path
     language_path: Path
     vision_specializations: tuple[dict[str, int], ...]
@@ -155,6 +158,12 @@ def _weights_dir(model: str | None) -> Path | None:
     return Path(model) if model and (Path(model) / "config.json").is_file() else None
 
 
+def _hub_reference(record: Mapping[str, Any], manifest: Mapping[str, Any]) -> HubReference | None:
+    """The Hub id and commit the export (else the compile) recorded, if any."""
+    found = hub_record(record) or hub_record(manifest)
+    return HubReference(found["id"], found["commit"]) if found else None
+
+
 def load_artifacts(out_dir: str | Path) -> Artifacts:
     """Read a compile output directory.
 
@@ -187,7 +196,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         family=family,
         model_dir=_model_dir(out_dir, export_dir, record, manifest),
         export_dir=export_dir,
-        checkpoint_dir=_weights_dir(_checkpoint_dir(record, manifest)),
+        checkpoint_dir=_weights_dir(_checkpoint_dir(record, manifest)) or _hub_reference(record, manifest),
         vision_path=program_path(manifest, out_dir, mode.vision_program),
         language_path=program_path(manifest, out_dir, mode.language_program),
         vision_specializations=vision,

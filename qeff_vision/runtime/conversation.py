@@ -126,7 +126,8 @@ class Conversation:
             to a compiled resolution); identity when None.
         protocol: Default vision protocol of :meth:`ask`.
         max_new_tokens: Default upper bound of generated tokens per turn.
-        model_dir: The checkpoint directory (what a transformers reference would load).
+        model_dir: The checkpoint directory (what a transformers reference would load), or a
+            :class:`~qeff_vision.hub.HubReference` to the id and commit an export recorded.
         keep_prefix: Each turn prefills only what follows the prefix the language program holds
             from the previous one (False: the whole conversation every turn, e.g. calibration,
             which records every prompt token's activations).
@@ -141,14 +142,14 @@ class Conversation:
         fit_image: ImageFitter | None = None,
         protocol: str = VisionProtocol.CHUNK.value,
         max_new_tokens: int = 32,
-        model_dir: str | Path | None = None,
+        model_dir: str | Path | Any = None,
         keep_prefix: bool = True,
         sampling: SamplingParams | None = None,
     ):
         self.generator = generator
         self.sampling = sampling
         self.keep_prefix = keep_prefix
-        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.model_dir = Path(model_dir) if isinstance(model_dir, str) else model_dir
         self.processor = processor
         self.fit_image = fit_image
         self.protocol = protocol

@@ -15,10 +15,17 @@ from typing import Any
 import numpy as np
 
 from qeff_vision.checkpoint import Checkpoint
+from qeff_vision.hub import HubReference
 
 
-def load_reference_model(model_dir: str | Path):
-    """The checkpoint as a transformers model: float32, eager attention, eval mode."""
+def load_reference_model(model_dir: str | Path | HubReference):
+    """The checkpoint as a transformers model: float32, eager attention, eval mode.
+
+    A :class:`~qeff_vision.hub.HubReference` (the id and commit an export recorded) is resolved
+    through the Hugging Face cache first, downloading the weights when they are not there.
+    """
+    if isinstance(model_dir, HubReference):
+        model_dir = model_dir.directory()
     return Checkpoint.open(model_dir).reference_model()
 
 

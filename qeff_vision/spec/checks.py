@@ -6,18 +6,16 @@ in another.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from qeff_vision import families
+from qeff_vision import families, hub
 from qeff_vision.contract.video_pruning import OPTION
 from qeff_vision.errors import UserError, shown
 from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
+from qeff_vision.hub import HUB_ID_PATTERN, cached_config
 from qeff_vision.spec.policy import FIXED, chunk_span
 from qeff_vision.spec.schema import Reader, VisionInput, image_label
 from qeff_vision.spec.strict_yaml import yaml_path
-
-HUB_ID_PATTERN = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def _local(spec_dir: Path, text: str) -> Path:
@@ -40,9 +38,20 @@ def _exists(path: Path, kind: str) -> bool:
 
 
 def describe_model(
-    reader: Reader, spec_dir: Path, model: str, config: str | None
+    reader: Reader,
+    spec_dir: Path,
+    model: str,
+    config: str | None,
+    revision: str | None = None,
+    *,
+    fetch: bool = False,
 ) -> tuple[ModelDescription | None, Path | None, Path | None]:
-    """Read the config (pinned snapshot, checkpoint or local hub cache) without touching the network."""
+    """Read the config (pinned snapshot, checkpoint or Hugging Face cache).
+
+    Without ``fetch`` this never touches the network (``validate``, ``specialize``): a Hub id
+    needs ``config:`` or a cached copy. With it (``compile``), a Hub id without either has its
+    small files (config, processor, tokenizer) downloaded through :mod:`qeff_vision.hub`.
+    """
     candidate = _local(spec_dir, model)
     model_dir = candidate if _exists(candidate, "dir") else None
     if model_dir is None and not HUB_ID_PATTERN.fullmatch(model):
@@ -50,6 +59,8 @@ def describe_model(
             "model", f"{shown(model)} is neither a directory (relative to the spec) nor a Hugging Face id"
         )
         return None, None, None
+    if model_dir is not None and revision is not None:
+        reader.add("revision", f"{model_dir} is a directory; a revision applies to a Hugging Face id only")
     if config is not None:
         config_path = _local(spec_dir, config)
         if not _exists(config_path, "file"):
@@ -61,7 +72,13 @@ def describe_model(
             reader.add("model", f"{model_dir} has no config.json")
             return None, model_dir, None
     else:
-        config_path = _cached_hub_config(model)
+        config_path = cached_config(model, revision)
+        if config_path is None and fetch:
+            try:
+                config_path = hub.resolve(model, revision, weights=False).directory / "config.json"
+            except UserError as exc:
+                reader.add("model", str(exc))
+                return None, None, None
         if config_path is None:
             reader.add(
                 "model",
@@ -77,19 +94,6 @@ def describe_model(
         reader.add("config" if config else "model", str(exc))
         return None, model_dir, config_path
     return description, model_dir, config_path
-
-
-def _cached_hub_config(repo_id: str) -> Path | None:
-    """config.json of ``repo_id`` from the local Hugging Face cache, if present (never downloads)."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
-        return None
-    try:
-        found = try_to_load_from_cache(repo_id, "config.json")
-    except Exception:  # noqa: BLE001 - any hub-side validation error means "not usable offline"
-        return None
-    return Path(found) if isinstance(found, str) else None
 
 
 def resolve_family(

@@ -72,12 +72,15 @@ def with_image_processor_options(
     return replace(description, processor={**description.processor, **good}, views={})
 
 
-def load_spec(path: str | Path) -> Spec:
+def load_spec(path: str | Path, *, revision: str | None = None, fetch_model: bool = False) -> Spec:
     """Read, validate and check a spec file against its model's config.
 
     Args:
         path: The YAML spec. Relative ``model:`` directories and ``config:`` paths in it are
             resolved against the spec file's directory.
+        revision: Replaces the spec's ``revision:`` (``compile --revision``).
+        fetch_model: A Hub id without ``config:`` or a cached config has its config downloaded
+            (``compile``); otherwise the check never touches the network.
 
     Returns:
         The checked :class:`Spec`; its ``warnings`` list non-fatal findings.
@@ -99,10 +102,12 @@ def load_spec(path: str | Path) -> Spec:
     data, problems = load_strict_yaml(text)
     if problems:
         raise SpecError(str(path), problems)
-    return spec_from_data(data, path)
+    return spec_from_data(data, path, revision=revision, fetch_model=fetch_model)
 
 
-def spec_from_data(data: object, source: Path) -> Spec:
+def spec_from_data(
+    data: object, source: Path, *, revision: str | None = None, fetch_model: bool = False
+) -> Spec:
     """Validate already-parsed spec ``data`` as if read from ``source`` (see :func:`load_spec`)."""
     if data is None:
         raise SpecError(str(source), ["<top level>: the spec is empty"])
@@ -115,6 +120,8 @@ def spec_from_data(data: object, source: Path) -> Spec:
             f"must be letters, digits, '.', '_' or '-' (it names the golden directory); got {shown(name)}",
         )
     model = reader.text(top, "model", "")
+    written_revision = reader.text(top, "revision", "", default=None)
+    revision = revision or written_revision  # --revision wins over the spec's
     family_name = reader.text(top, "family", "", default=None)
     config = reader.text(top, "config", "", default=None)
     dtype = reader.text(top, "dtype", "", choices=DTYPES, default=DTYPES[0])
@@ -151,7 +158,9 @@ def spec_from_data(data: object, source: Path) -> Spec:
     family = None
     warnings: list[str] = []
     if model is not None:
-        description, model_dir, config_path = describe_model(reader, source.parent, model, config)
+        description, model_dir, config_path = describe_model(
+            reader, source.parent, model, config, revision, fetch=fetch_model
+        )
     if description is not None:
         family = resolve_family(reader, description, family_name, "config" if config else "model")
     if family is not None and description is not None:
@@ -201,6 +210,7 @@ def spec_from_data(data: object, source: Path) -> Spec:
         warnings=tuple(warnings),
         full_batch_size=full_batch_size,
         deployment=deployment,
+        revision=revision,
     )
 
 

@@ -63,6 +63,7 @@ class Spec:
     Attributes:
         name: Spec name (the golden directory name); the file stem when not given.
         model: ``model:`` as written: a Hugging Face id or a directory.
+        revision: ``revision:`` of a Hugging Face id (branch, tag or commit); ``None``: ``main``.
         family: Registered family name, given or inferred from the config.
         dtype: Floating dtype of the exported graphs (``float32`` or ``float16``).
         batch_size: Sequences per program run.
@@ -99,6 +100,7 @@ class Spec:
     warnings: tuple[str, ...] = ()
     full_batch_size: int | None = None
     deployment: Deployment = field(default_factory=Deployment)
+    revision: str | None = None
 
     def compute_dtype(self, program: str) -> str:
         """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""

@@ -20,6 +20,7 @@ from qeff_vision.spec.strict_yaml import shown, yaml_path
 TOP_KEYS = (
     "name",
     "model",
+    "revision",
     "family",
     "config",
     "dtype",
