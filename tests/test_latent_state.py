@@ -154,3 +154,13 @@ def test_continuous_batching_writes_only_the_named_slot():
     after = objects[0].compressed
     assert after[2, 0, 6].eq(1).all() and after.sum() == 8  # only slot 2, position 6
     assert read_compressed[0, 0, 6].eq(1).all() and not read_compressed[1].any()
+
+
+def test_kv_memory_benchmark_mla_rows_at_128k():
+    """benchmarks/kv_memory.py's MLA table: Kimi-K2.5 at 128k, ours = QEfficient compressed < per-head."""
+    from tests import helpers
+
+    kv_memory = helpers.load_benchmark("kv_memory")
+    sizes = kv_memory.mla_bytes(kv_memory.MLA_CONFIGS["Kimi-K2.5"], 131072, kv_bytes=2, batch=1)
+    assert sizes["ours"] == sizes["QEfficient compressed"] == 61 * 1152 * 131072
+    assert sizes["per-head K/V"] == 61 * 131072 * 64 * (192 + 128) * 2
