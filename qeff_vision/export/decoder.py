@@ -298,7 +298,8 @@ class LanguageDecoder(nn.Module):
         )
         rings = ring_layers(parts, io)  # per decoder layer; the cache is keyed by layer
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
-        ctx_len = _slot_count(io, named, [layer for layer in past if not rings[layer]]) or 1
+        ctx_len = _slot_count(io, named, [layer for layer in past if not rings[layer]])
+        ctx_len = 1 if ctx_len is None else ctx_len  # (no truth test: a traced size is a tensor)
         # Padding (position -1) writes back what its slot holds, where no other token writes.
         slots = next(iter(next(iter(past.values())).values())).shape[0]
         writes = write_plan(text_positions, batch_index, slots)
