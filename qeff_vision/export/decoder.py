@@ -1,7 +1,8 @@
 """Family-agnostic language decoder wrapper: the language program of the IO contract.
 
 It reuses the Hugging Face text model's own layers and replaces only what export needs:
-  * the KV cache is a pair of retained-state tensors per layer, updated with ``CtxScatter`` at the
+  * each layer's state is retained-state tensors driven by its kind's export-time object
+    (:mod:`qeff_vision.export.state_caches`); a KV cache is updated with ``CtxScatter`` at the
     token positions and read with ``CtxGather`` (see :mod:`qeff_vision.export.kv_ops`);
   * the attention mask is built from positions, so padding tokens (position -1) attend to nothing;
     they write back the value already at their index, where no other token of the call writes
