@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/kv_memory.py [--config specs/configs/gemma-3-4b-it/config.json ...]
                                       [--ctx 4096 8192 32768] [--kv-bytes 2] [--batch 1]
+                                      [--mla-ctx 32768 131072]
 
 Ours is the language IO table's state rows (``Family.layer_caches``: one state per layer, whose
 class owns its rows and bytes; no rows for a layer that reads another layer's cache), the same
@@ -25,6 +26,10 @@ QEfficient's ``mla_absorption`` ``cache_compressed`` layout (the same rows), and
 transformers expands it and QEfficient caches it without ``cache_compressed`` (ref:
 QEfficient transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py ``get_dummy_pkv_cache``:
 keys [heads, qk_nope_head_dim + qk_rope_head_dim], values [heads, v_head_dim] per position).
+
+A second table prints multi-head latent attention decoders (DeepSeek-V3 and Kimi-K2.5's text
+configs, :data:`MLA_CONFIGS`) at ``--mla-ctx``: ours (the ``LatentAttention`` state's bytes per
+position), QEfficient's ``cache_compressed`` layout and full per-head K/V.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType
 from qeff_vision.contract.states import ChunkedRing, CrossAttention, SlidingRing
-from qeff_vision.contract.states.latent import LatentAttention
+from qeff_vision.contract.states.latent import KV_LORA_RANK, QK_ROPE_HEAD_DIM, LatentAttention
 from qeff_vision.families import describe_checkpoint, family_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +150,78 @@ def latent_report(family, description, args) -> None:
         print(f"{name:<28} {per_position:>11,} {at_long:>12.2f} {per_position / layouts['ours']:>7.1f}")
 
 
+# Multi-head latent attention text configs (the published config.json values the cache depends on):
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3) and Kimi-K2.5's DeepSeek-V3 decoder (moonshotai/Kimi-K2.5
+# text_config: 64 heads instead of 128).
+MLA_CONFIGS = {
+    "DeepSeek-V3": {
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    },
+    "Kimi-K2.5": {
+        "num_hidden_layers": 61,
+        "num_attention_heads": 64,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    },
+}
+
+
+def mla_bytes(text: dict, ctx_len: int, kv_bytes: int, batch: int) -> dict[str, int]:
+    """KV bytes of an MLA decoder: ours, QEfficient's two layouts, over every layer.
+
+    Ours is the ``LatentAttention`` state's rows. QEfficient with ``mla_absorption``
+    ``cache_compressed`` keeps the same ``compressed_kv.{i}`` / ``k_pe.{i}`` [batch, 1, ctx_len, width]
+    (``get_dummy_pkv_cache``); without it, per-head ``past_key.{i}`` [batch, heads, ctx_len,
+    qk_nope_head_dim + qk_rope_head_dim] and ``past_value.{i}`` [batch, heads, ctx_len, v_head_dim]:
+    the full per-head K/V.
+    """
+    state = LatentAttention()
+    values = {
+        symbols.BATCH_SIZE: batch,
+        symbols.CTX_LEN: ctx_len,
+        KV_LORA_RANK: text["kv_lora_rank"],
+        QK_ROPE_HEAD_DIM: text["qk_rope_head_dim"],
+    }
+    element = {DType.KV: kv_bytes}
+    layers = text["num_hidden_layers"]
+    ours = layers * state.state_bytes(0, values, element, symbols.BATCH_SIZE)
+    compressed = layers * batch * ctx_len * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * kv_bytes
+    key_width = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
+    per_head = (
+        layers * batch * ctx_len * text["num_attention_heads"] * (key_width + text["v_head_dim"]) * kv_bytes
+    )
+    return {"ours": ours, "QEfficient compressed": compressed, "per-head K/V": per_head}
+
+
+def mla_report(args) -> None:
+    """Print the MLA table: bytes per position and totals at each context, ours against both layouts."""
+    print(f"multi-head latent attention, {args.kv_bytes}-byte KV, batch {args.batch}")
+    header = (
+        f"{'model':>12} {'ctx_len':>8} {'B/pos/layer':>12} {'B/pos':>8} {'ours MiB':>10} "
+        f"{'QEff compressed MiB':>20} {'per-head K/V MiB':>17} {'per-head/ours':>14}"
+    )
+    print(header)
+    for name, text in MLA_CONFIGS.items():
+        per_position = mla_bytes(text, 1, args.kv_bytes, args.batch)["ours"]  # every layer
+        per_layer = per_position // text["num_hidden_layers"]
+        for ctx_len in args.mla_ctx:
+            sizes = mla_bytes(text, ctx_len, args.kv_bytes, args.batch)
+            mib = {key: count / 2**20 for key, count in sizes.items()}
+            assert sizes["ours"] == sizes["QEfficient compressed"] < sizes["per-head K/V"], sizes
+            print(
+                f"{name:>12} {ctx_len:>8} {per_layer:>12,} {per_position:>8,} {mib['ours']:>10,.1f} "
+                f"{mib['QEfficient compressed']:>20,.1f} {mib['per-head K/V']:>17,.1f} "
+                f"{sizes['per-head K/V'] / sizes['ours']:>14.1f}"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG])
@@ -152,16 +229,17 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
+    parser.add_argument("--mla-ctx", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--smoke", action="store_true", help="One context length (a quick check).")
     args = parser.parse_args()
     if args.smoke:
-        args.ctx = args.ctx[:1]
-    for index, config in enumerate(args.config):
-        if index:
-            print()
+        args.ctx, args.mla_ctx = args.ctx[:1], args.mla_ctx[:1]
+    for config in args.config:
         report(config, args)
         description = describe_checkpoint(config.parent, config)
         latent_report(family_for(description), description, args)
+        print()
+    mla_report(args)
 
 
 if __name__ == "__main__":

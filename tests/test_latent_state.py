@@ -154,3 +154,144 @@ def test_continuous_batching_writes_only_the_named_slot():
     after = objects[0].compressed
     assert after[2, 0, 6].eq(1).all() and after.sum() == 8  # only slot 2, position 6
     assert read_compressed[0, 0, 6].eq(1).all() and not read_compressed[1].any()
+
+
+def test_kv_memory_benchmark_mla_rows_at_128k():
+    """benchmarks/kv_memory.py's MLA table: Kimi-K2.5 at 128k, ours = QEfficient compressed < per-head."""
+    from tests import helpers
+
+    kv_memory = helpers.load_benchmark("kv_memory")
+    sizes = kv_memory.mla_bytes(kv_memory.MLA_CONFIGS["Kimi-K2.5"], 131072, kv_bytes=2, batch=1)
+    assert sizes["ours"] == sizes["QEfficient compressed"] == 61 * 1152 * 131072
+    assert sizes["per-head K/V"] == 61 * 131072 * 64 * (192 + 128) * 2
+
+
+class _ToyLatentModel(torch.nn.Module):
+    """A text model whose attention reads only the latent cache, through ``layer_state(i).update``.
+
+    Per layer: compressed KV and a key part from the hidden state, per-head keys and values
+    up-projected from the cached latent (no absorption), one output projection. No RoPE: the
+    positions enter through the decoder's mask only, which is all the cache object's rules need.
+    """
+
+    def __init__(self, layers=2, hidden=16, rank=8, rope=4, heads=2, nope=4):
+        super().__init__()
+        self.rank, self.rope, self.heads, self.nope = rank, rope, heads, nope
+        self.kv_a = torch.nn.ModuleList(torch.nn.Linear(hidden, rank + rope) for _ in range(layers))
+        self.q = torch.nn.ModuleList(torch.nn.Linear(hidden, heads * (nope + rope)) for _ in range(layers))
+        self.up_k = torch.nn.ModuleList(torch.nn.Linear(rank, heads * nope) for _ in range(layers))
+        self.up_v = torch.nn.ModuleList(torch.nn.Linear(rank, heads * nope) for _ in range(layers))
+        self.o = torch.nn.ModuleList(torch.nn.Linear(heads * nope, hidden) for _ in range(layers))
+
+    def forward(self, inputs_embeds, attention_mask, position_ids, past_key_values, use_cache, **_):
+        from types import SimpleNamespace
+
+        hidden, mask = inputs_embeds, attention_mask["full_attention"]  # mask [b, 1, seq, read]
+        batch, seq, _ = hidden.shape
+        for i in range(len(self.kv_a)):
+            latent, rope = self.kv_a[i](hidden).unsqueeze(1).split([self.rank, self.rope], dim=-1)
+            compressed, rope_keys = past_key_values.layer_state(i).update(latent, rope)
+            read = compressed.shape[2]
+            keys = self.up_k[i](compressed[:, 0]).view(batch, read, self.heads, self.nope).transpose(1, 2)
+            keys = torch.cat([keys, rope_keys.expand(-1, self.heads, -1, -1)], dim=-1)
+            values = self.up_v[i](compressed[:, 0]).view(batch, read, self.heads, self.nope).transpose(1, 2)
+            query = self.q[i](hidden).view(batch, seq, self.heads, -1).transpose(1, 2)
+            weights = torch.softmax(query @ keys.transpose(-1, -2) + mask, dim=-1)
+            hidden = hidden + self.o[i]((weights @ values).transpose(1, 2).reshape(batch, seq, -1))
+        return SimpleNamespace(last_hidden_state=hidden)
+
+
+def _toy_decoder():
+    from qeff_vision.export.decoder import DecoderParts, LanguageDecoder
+
+    torch.manual_seed(0)
+    parts = DecoderParts(
+        embed_tokens=torch.nn.Embedding(32, 16),
+        text_model=_ToyLatentModel(),
+        lm_head=torch.nn.Linear(16, 32),
+        image_token_id=31,
+        layer_types=["full_attention", "full_attention"],
+    )
+    io = language_io(2, cache_symbols=[LATENT, LATENT])
+    return LanguageDecoder(parts, io).eval(), io
+
+
+def _call(io, ids, states, start, stop, bucket):
+    """One call's inputs by name: tokens ``start..stop`` padded to ``bucket`` (position -1)."""
+    size = stop - start
+    positions = torch.cat([torch.arange(start, stop), torch.full((bucket - size,), -1)]).view(1, -1)
+    tokens = torch.cat([ids[:, start:stop], torch.zeros(1, bucket - size, dtype=torch.long)], dim=1)
+    named = {
+        symbols.INPUT_IDS: tokens,
+        symbols.POSITION_IDS: positions,
+        symbols.VISION_EMBEDS: torch.zeros(1, 1, 16),
+        symbols.IMAGE_IDX: torch.zeros(1, 1, dtype=torch.long),
+        **states,
+    }
+    return [named[name] for name in io.input_names]
+
+
+def test_the_generic_decoder_runs_an_mla_model_chunked_as_in_one_pass():
+    decoder, io = _toy_decoder()
+    ids = torch.randint(0, 30, (1, 10))
+
+    def run(chunks):
+        states = {row.name: torch.zeros(row.concrete_shape(VALUES)) for row in io.rows(*SLOT_ROLES)}
+        for start, stop, bucket in chunks:
+            with torch.no_grad():
+                outputs = dict(zip(io.output_names, decoder(*_call(io, ids, states, start, stop, bucket))))
+            states = {name: outputs[io.retained_outputs()[name]] for name in states}
+        return outputs[symbols.LOGITS], states
+
+    whole, whole_states = run([(0, 9, 9), (9, 10, 1)])  # prefill 9, decode 1
+    chunked, chunked_states = run([(0, 4, 4), (4, 8, 4), (8, 9, 4), (9, 10, 1)])  # a padded tail
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    for name, state in whole_states.items():
+        torch.testing.assert_close(chunked_states[name], state, rtol=1e-5, atol=1e-5)
+        assert not state[:, :, 10:].any()  # nothing written past the last position, padding included
+
+
+def test_the_mla_decoder_exports_and_runs_on_onnxruntime(tmp_path):
+    """The traced graph (CtxScatter / CtxGather on the latent rows) equals eager at another ctx_len."""
+    import onnx
+    import onnxruntime as ort
+
+    from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
+    from qeff_vision.exporter import OPSET
+
+    decoder, io = _toy_decoder()
+    ids = torch.randint(0, 30, (1, 24))
+    zeros = {row.name: torch.zeros(row.concrete_shape(VALUES)) for row in io.rows(*SLOT_ROLES)}
+    path = tmp_path / "lang.onnx"
+    with torch.no_grad():
+        torch.onnx.export(
+            decoder,
+            tuple(_call(io, ids, zeros, 0, 4, 4)),
+            str(path),
+            dynamo=False,
+            opset_version=OPSET,
+            input_names=io.input_names,
+            output_names=io.output_names,
+            dynamic_axes={
+                name: axes for name, axes in {**io.input_axes(), **io.output_axes()}.items() if axes
+            },
+            custom_opsets={DOMAIN: DOMAIN_VERSION},
+        )
+    model = onnx.load(str(path))
+    attach_functions(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    # ctx_len 32 (traced at 16): chunks of 16 (traced at 4), positions past 16, a decode step.
+    states = {
+        row.name: torch.zeros(row.concrete_shape({**VALUES, symbols.CTX_LEN: 32}))
+        for row in io.rows(*SLOT_ROLES)
+    }
+    for start, stop, bucket in ((0, 16, 16), (16, 22, 16), (22, 23, 1)):
+        inputs = _call(io, ids, states, start, stop, bucket)
+        with torch.no_grad():
+            eager = dict(zip(io.output_names, decoder(*inputs)))
+        graph = dict(
+            zip(io.output_names, session.run(None, dict(zip(io.input_names, (t.numpy() for t in inputs)))))
+        )
+        for name, value in eager.items():
+            np.testing.assert_allclose(graph[name], value.numpy(), rtol=1e-5, atol=1e-5)
+        states = {name: eager[io.retained_outputs()[name]] for name in states}

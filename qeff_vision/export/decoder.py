@@ -1,7 +1,8 @@
 """Family-agnostic language decoder wrapper: the language program of the IO contract.
 
 It reuses the Hugging Face text model's own layers and replaces only what export needs:
-  * the KV cache is a pair of retained-state tensors per layer, updated with ``CtxScatter`` at the
+  * each layer's state is retained-state tensors driven by its kind's export-time object
+    (:mod:`qeff_vision.export.state_caches`); a KV cache is updated with ``CtxScatter`` at the
     token positions and read with ``CtxGather`` (see :mod:`qeff_vision.export.kv_ops`);
   * the attention mask is built from positions, so padding tokens (position -1) attend to nothing;
     they write back the value already at their index, where no other token of the call writes
@@ -298,7 +299,8 @@ class LanguageDecoder(nn.Module):
         )
         rings = ring_layers(parts, io)  # per decoder layer; the cache is keyed by layer
         # Slots of the full-context layers (a window layer's ring is shorter); 1 when all are windows.
-        ctx_len = _slot_count(io, named, [layer for layer in past if not rings[layer]]) or 1
+        ctx_len = _slot_count(io, named, [layer for layer in past if not rings[layer]])
+        ctx_len = 1 if ctx_len is None else ctx_len  # (no truth test: a traced size is a tensor)
         # Padding (position -1) writes back what its slot holds, where no other token writes.
         slots = next(iter(next(iter(past.values())).values())).shape[0]
         writes = write_plan(text_positions, batch_index, slots)
