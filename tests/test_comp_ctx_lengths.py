@@ -17,6 +17,7 @@ import pytest
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
+from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.spec import build_specializations, load_spec
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
@@ -326,3 +327,41 @@ def test_the_plan_past_the_last_prefill_ccl_and_an_image_there_refused():
         PlanError, match=r"image 0 has placeholders at tokens \[130, 140\), past the last prefill"
     ):
         plan_chunks(150, [(120, 20)], buckets, prefill_stop=130, decode_vision_size=64)
+
+
+def test_on_a_continuous_batching_program_the_tail_rides_decode_calls_at_full_batch_size(
+    cb_exported, hf_model
+):
+    """The batched engine feeds a tail token as its slot's row of a decode call (batch
+    ``full_batch_size``, other rows idle or decoding): both requests token-identical to transformers."""
+    from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
+    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+
+    family, slots = "qwen2_5_vl", 2
+    model, processor = hf_model(family)
+    plain = _generator(cb_exported(family, ccl=True), ccl=True)
+    shape = LanguageShape((PrefillBucket(64, 64),), 64, CTX_LEN, PREFILL_CCLS, (128, 256, 512))
+    generator = Generator(plain.checkpoint, plain.vision, plain.language, shape)
+    long, last = _tail_prompt(processor, family, generator)
+    short = helpers.process(processor, helpers.user_turn("Write a poem."), None)
+    batches = []
+    run = generator.language.run_retained
+
+    def recording(feeds, state, retained):
+        batches.append(feeds[generator.io.name(Role.TOKEN_IDS)].shape)
+        return run(feeds, state, retained)
+
+    generator.language.run_retained = recording
+    try:
+        report = BatchedEngine(generator, full_batch_size=slots).run(
+            [EngineRequest(helpers.as_numpy(p), TAIL_NEW_TOKENS, 0) for p in (long, short)]
+        )
+    finally:
+        del generator.language.run_retained
+    for processed, done in zip((long, short), report.requests, strict=True):
+        assert done.result.tokens == helpers.hf_generate(model, processed, TAIL_NEW_TOKENS)[0]
+    tail = [record for record in report.requests[0].result.chunks if record.seq_len == 1]
+    assert len(tail) == last - PREFILL_CCLS[-1] + 1
+    assert (1, 1) not in batches and batches.count((slots, 1)) >= len(tail)  # every one-token call at batch 2
