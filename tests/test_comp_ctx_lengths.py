@@ -120,7 +120,7 @@ def test_validate_notes_the_lists_it_changed(tmp_path, capsys):
         "compile.comp_ctx_lengths compiled as QEfficient hands them to the compiler: "
         "prefill [256, 1024] -> [992, 4064]; decode [512, 2048, 4096] -> [1024, 2048, 4096]"
     ) in err
-    assert "a prompt prefills up to 4064 tokens" in err
+    assert "prefills up to 4064 tokens, and `run` feeds its later tokens one per decode-shaped" in err
     # The decode list alone already QEfficient's: only prefill is named.
     same_decode = {"prefill": [2048], "decode": [1024, 2048, 4096]}
     data = spec_data(ctx_len=ISSUE_CTX_LEN, compile={"comp_ctx_lengths": same_decode})
