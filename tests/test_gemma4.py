@@ -545,3 +545,37 @@ def test_single_program_moves_bidirectional_images_whole(layout):
             )
             assert all(len(chunks_of_image(plan, i)) == 1 for i in range(len(plan.segments)))
     assert encoded == [(1, 1), (0, 0), (1, 1)]
+
+
+def test_the_vision_program_takes_the_padded_patch_list_vllm_sends(layout):
+    """vLLM sends the processor's patch list padded to the max_soft_tokens budget (630 patches on the
+    tiny, 70 x 3 x 3): the host sends it unchanged, every resolution binds that one max_patches, and
+    the program's output holds the image's own rows first (those transformers keeps), zeros after."""
+    from qeff_vision.families.base import ImageSize
+
+    runtime = layout("e")
+    family, description = get_family(FAMILY), runtime.checkpoint.description
+    host = family.host(description)
+    budget = family.config(description).max_soft_tokens * family.config(description).pooling_kernel_size ** 2
+    assert budget == 630
+    for seed, (height, width) in enumerate(((100, 150), (150, 100), (64, 64))):
+        processed = runtime.processor.image_processor(
+            images=[helpers.image(height, width, seed)], return_tensors="pt"
+        )
+        numpy = helpers.as_numpy(processed)
+        (inputs,) = host.vision_inputs(numpy)
+        assert all(np.array_equal(inputs[name], numpy[name]) for name in inputs)  # as vLLM sends it
+        assert inputs[symbols.PIXEL_VALUES].shape[1] == budget
+        assert family.vision_symbols(description, ImageSize(height, width))["max_patches"] == budget
+        reference = load_reference(runtime, processed)
+        output = runtime.vision.run(inputs)[symbols.VISION_EMBEDS][0]
+        own = host.own_rows(inputs)
+        assert own == len(reference) == family.image_tokens(description, ImageSize(height, width)) < 70
+        assert np.abs(output[:own] - reference).max() <= 1e-4 and not output[own:].any()
+
+
+def load_reference(runtime: FamilyRuntime, processed) -> np.ndarray:
+    """transformers' image features of one processed image (padding stripped by its pooler mask)."""
+    from qeff_vision.exporter import load_adapter
+
+    return load_adapter(get_family(FAMILY)).hf_image_features(runtime.model, processed)[0].numpy()
