@@ -96,8 +96,8 @@ class Gemma4(Family):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count (the "
-            "placeholder has 1 patch); one encode call per run of same-resolution images (one "
-            "max_patches per call) in the first chunk"
+            "placeholder has 1 patch); one encode call per image in the first chunk (its output is "
+            "padded to the patch budget, the next image written over the padding)"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
