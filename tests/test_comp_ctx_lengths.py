@@ -17,6 +17,7 @@ import pytest
 
 from qeff_vision import symbols
 from qeff_vision.cli import main
+from qeff_vision.contract.language_io import Role
 from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.errors import UserError
 from qeff_vision.spec import build_specializations, load_spec
@@ -120,7 +121,7 @@ def test_validate_notes_the_lists_it_changed(tmp_path, capsys):
         "compile.comp_ctx_lengths compiled as QEfficient hands them to the compiler: "
         "prefill [256, 1024] -> [992, 4064]; decode [512, 2048, 4096] -> [1024, 2048, 4096]"
     ) in err
-    assert "a prompt prefills up to 4064 tokens" in err
+    assert "prefills up to 4064 tokens, and `run` feeds its later tokens one per decode-shaped" in err
     # The decode list alone already QEfficient's: only prefill is named.
     same_decode = {"prefill": [2048], "decode": [1024, 2048, 4096]}
     data = spec_data(ctx_len=ISSUE_CTX_LEN, compile={"comp_ctx_lengths": same_decode})
@@ -130,7 +131,8 @@ def test_validate_notes_the_lists_it_changed(tmp_path, capsys):
 
 
 def test_runtime_picks_each_calls_ccl_from_the_compiled_lists_and_refuses_what_none_covers(tmp_path):
-    """Smallest CCL above the call's furthest position; a prompt past the last prefill CCL is refused."""
+    """Smallest CCL above the call's furthest position; a prompt past the last prefill CCL is fed
+    (its tail one token per decode-shaped call) by the runners that can, refused by the others."""
     from types import SimpleNamespace
 
     from qeff_vision.runtime.generate import Generator
@@ -149,12 +151,16 @@ def test_runtime_picks_each_calls_ccl_from_the_compiled_lists_and_refuses_what_n
     assert decode == {0: 1024, 1023: 1024, 1024: 2048, 2048: 4096, 4095: 4096}
     with pytest.raises(UserError, match="past every prefill comp_ctx_length"):
         shape.comp_ctx_length(False, 4064)
-    # Every prompt the generator admits has a prefill CCL for its last position, and its decode
-    # steps up to ctx_len a decode CCL; one token more is refused before any call.
-    host = SimpleNamespace(shape=shape)
-    Generator.check_fits(host, 4064, 32)
+    # Positions past the last prefill CCL (4064..4095) have decode CCLs: the generator feeds them
+    # one token per decode-shaped call; a runner without such calls (single program, cross-attention,
+    # disaggregated) refuses the prompt before any call.
+    feeds_tail = SimpleNamespace(shape=shape, feeds_decode_tail=True)
+    Generator.check_fits(feeds_tail, 4064, 32)
+    Generator.check_fits(feeds_tail, 4080, 16)
+    no_tail = SimpleNamespace(shape=shape, feeds_decode_tail=False)
+    Generator.check_fits(no_tail, 4064, 32)
     with pytest.raises(UserError, match="prompt of 4065 tokens reaches position 4064, past the last prefill"):
-        Generator.check_fits(host, 4065, 16)
+        Generator.check_fits(no_tail, 4065, 16)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_k25"])
@@ -215,12 +221,25 @@ def _generator(export_dir, ccl: bool):
     return generator_for_export(export_dir, shape)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_k25"])
-def test_ccl_generation_matches_the_run_without_ccl(family, tiny_checkpoint, exported, hf_model, tmp_path):
-    from qeff_vision.exporter import export_model
+@pytest.fixture(scope="module")
+def ccl_exported(tiny_checkpoint, tmp_path_factory):
+    """``ccl_exported(family) -> Path``: the tiny checkpoint exported with ``comp_ctx_lengths``."""
+    built = {}
 
-    ccl_export = tmp_path / "ccl"
-    export_model(tiny_checkpoint(family), ccl_export, comp_ctx_lengths=True, progress=None)
+    def build(family: str):
+        if family not in built:
+            from qeff_vision.exporter import export_model
+
+            built[family] = tmp_path_factory.mktemp(f"ccl-{family}") / "export"
+            export_model(tiny_checkpoint(family), built[family], comp_ctx_lengths=True, progress=None)
+        return built[family]
+
+    return build
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "kimi_k25"])
+def test_ccl_generation_matches_the_run_without_ccl(family, ccl_exported, exported, hf_model):
+    ccl_export = ccl_exported(family)
     model, processor = hf_model(family)
     inputs = _prompt(processor, family)
     hf_tokens, _ = helpers.hf_generate(model, inputs, NEW_TOKENS)
@@ -237,3 +256,115 @@ def test_ccl_generation_matches_the_run_without_ccl(family, tiny_checkpoint, exp
     decode = with_ccl.ccl_history[prefill_calls:]
     assert decode[0] == 128 and decode[-1] == 256 and decode == sorted(decode)
     assert plain.ccl_history == []
+
+
+TAIL_NEW_TOKENS = 8
+
+
+def _tail_prompt(processor, family: str, generator):
+    """An image prompt whose last text position lies past the last prefill CCL (480), with room to decode."""
+    image = helpers.image(100, 150) if family == "qwen2_5_vl" else helpers.image(64, 64)
+
+    def last_position(filler: int):
+        inputs = helpers.process(processor, helpers.user_turn("<image>", "y" * filler), [image])
+        positions = generator.host.prompt_positions(helpers.as_numpy(inputs))
+        text = positions if generator.position_rows is None else positions[0]
+        return inputs, int(np.asarray(text).max())
+
+    filler = 0
+    while last_position(filler + 64)[1] < PREFILL_CCLS[-1]:
+        filler += 64
+    while True:  # the first filler whose last position passes the CCL, plus a few tokens more
+        inputs, last = last_position(filler)
+        if last >= PREFILL_CCLS[-1] + 5:
+            assert last + TAIL_NEW_TOKENS < CTX_LEN, last
+            return inputs, last
+        filler += 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_prompt_past_the_last_prefill_ccl_is_served_through_decode_shaped_calls(
+    family, ccl_exported, hf_model
+):
+    """Issue 36 item 5: positions past the last prefill CCL (QEfficient keeps its lists below
+    ctx_len) go one token per decode-shaped call at the decode CCL covering them; tokens identical
+    to transformers (this prompt was refused before)."""
+    generator = _generator(ccl_exported(family), ccl=True)
+    model, processor = hf_model(family)
+    inputs, last = _tail_prompt(processor, family, generator)
+    hf_tokens, _ = helpers.hf_generate(model, inputs, TAIL_NEW_TOKENS)
+    result = generator.generate(helpers.as_numpy(inputs), max_new_tokens=TAIL_NEW_TOKENS)
+    assert result.tokens == hf_tokens and len(hf_tokens) == TAIL_NEW_TOKENS
+    tail = [record for record in result.chunks if record.seq_len == 1]
+    assert len(tail) == last - PREFILL_CCLS[-1] + 1 and all(record.rows == 0 for record in tail)
+    prefill_calls = len(result.chunks) - len(tail)
+    history = generator.ccl_history
+    assert max(history[:prefill_calls]) == PREFILL_CCLS[-1]
+    assert history[prefill_calls : len(result.chunks)] == [512] * len(tail)  # the decode CCL above 480
+
+
+def test_the_plan_past_the_last_prefill_ccl_and_an_image_there_refused():
+    """Prefill chunks end at the first token past the last prefill CCL; each later token is a
+    decode-shaped chunk (seq_len 1, the decode vision_size, no rows); an image placeholder there
+    has no call that merges it: refused in one line."""
+    from qeff_vision.runtime.planner import ChunkEnd, PlanError, plan_chunks
+
+    buckets = [(64, 64)]
+    plan = plan_chunks(140, [(10, 20)], buckets, prefill_stop=130, decode_vision_size=64)
+    assert [(c.start, c.stop, c.seq_len, c.end) for c in plan.chunks[:3]] == [
+        (0, 64, 64, ChunkEnd.SEQ_LEN),
+        (64, 128, 64, ChunkEnd.SEQ_LEN),
+        (128, 130, 64, ChunkEnd.PREFILL_CCL),
+    ]
+    tail = plan.chunks[3:]
+    assert [(c.start, c.seq_len, c.vision_size, c.rows, c.end) for c in tail] == [
+        (start, 1, 64, 0, ChunkEnd.DECODE_SHAPED) for start in range(130, 140)
+    ]
+    assert plan.last_chunk_of_image == (0,) and all(c.image_idx_output == 0 for c in tail)
+    full = plan_chunks(140, [(10, 20)], buckets, protocol="full", prefill_stop=130, decode_vision_size=64)
+    assert all(c.image_idx == c.image_idx_output == 20 for c in full.chunks[3:])
+    assert plan_chunks(140, [(10, 20)], buckets, prefill_stop=140).chunks[-1].end is ChunkEnd.PROMPT_END
+    only_tail = plan_chunks(3, [], buckets, prefill_stop=0, decode_vision_size=64)
+    assert [c.seq_len for c in only_tail.chunks] == [1, 1, 1]
+    with pytest.raises(
+        PlanError, match=r"image 0 has placeholders at tokens \[130, 140\), past the last prefill"
+    ):
+        plan_chunks(150, [(120, 20)], buckets, prefill_stop=130, decode_vision_size=64)
+
+
+def test_on_a_continuous_batching_program_the_tail_rides_decode_calls_at_full_batch_size(
+    cb_exported, hf_model
+):
+    """The batched engine feeds a tail token as its slot's row of a decode call (batch
+    ``full_batch_size``, other rows idle or decoding): both requests token-identical to transformers."""
+    from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
+    from qeff_vision.runtime.generate import Generator
+    from qeff_vision.runtime.language_shape import LanguageShape
+    from qeff_vision.runtime.planner import PrefillBucket
+
+    family, slots = "qwen2_5_vl", 2
+    model, processor = hf_model(family)
+    plain = _generator(cb_exported(family, ccl=True), ccl=True)
+    shape = LanguageShape((PrefillBucket(64, 64),), 64, CTX_LEN, PREFILL_CCLS, (128, 256, 512))
+    generator = Generator(plain.checkpoint, plain.vision, plain.language, shape)
+    long, last = _tail_prompt(processor, family, generator)
+    short = helpers.process(processor, helpers.user_turn("Write a poem."), None)
+    batches = []
+    run = generator.language.run_retained
+
+    def recording(feeds, state, retained):
+        batches.append(feeds[generator.io.name(Role.TOKEN_IDS)].shape)
+        return run(feeds, state, retained)
+
+    generator.language.run_retained = recording
+    try:
+        report = BatchedEngine(generator, full_batch_size=slots).run(
+            [EngineRequest(helpers.as_numpy(p), TAIL_NEW_TOKENS, 0) for p in (long, short)]
+        )
+    finally:
+        del generator.language.run_retained
+    for processed, done in zip((long, short), report.requests, strict=True):
+        assert done.result.tokens == helpers.hf_generate(model, processed, TAIL_NEW_TOKENS)[0]
+    tail = [record for record in report.requests[0].result.chunks if record.seq_len == 1]
+    assert len(tail) == last - PREFILL_CCLS[-1] + 1
+    assert (1, 1) not in batches and batches.count((slots, 1)) >= len(tail)  # every one-token call at batch 2

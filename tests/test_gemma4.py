@@ -394,9 +394,9 @@ def test_exports_and_compiles_that_name_num_patches_are_refused_in_one_line(layo
 
 
 def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_path, capsys):
-    """vision.image_processor.max_soft_tokens sets the image budget: the vision specialization of a
-    resolution follows it, compile writes it into OUT's processor config, and the processor ``run``
-    loads from OUT turns that resolution into exactly the compiled patch count."""
+    """vision.image_processor.max_soft_tokens sets the image budget: the vision specialization
+    binds it, compile writes it into OUT's processor config, and the processor ``run`` loads from
+    OUT pads that resolution's patch list to exactly the compiled patch count."""
     import json
 
     import yaml
@@ -417,9 +417,10 @@ def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_p
     path.write_text(yaml.safe_dump(spec))
     family, checkpoint = get_family(FAMILY), runtime.checkpoint.description
     image = load_spec(path).vision.images[0]
-    tokens = {budget: family.vision_symbols(checkpoint, image)[symbols.VISION_SIZE] for budget in (70,)}
-    tokens[140] = family.vision_symbols(load_spec(path).model_description, image)[symbols.VISION_SIZE]
+    tokens = {70: family.image_tokens(checkpoint, image)}
+    tokens[140] = family.image_tokens(load_spec(path).model_description, image)
     assert tokens == {70: 60, 140: 126}  # the tiny's own budget is 70
+    assert family.vision_symbols(load_spec(path).model_description, image)[symbols.VISION_SIZE] == 140
     out = tmp_path / "out"
     command = [
         "compile",
@@ -436,8 +437,13 @@ def test_max_soft_tokens_is_a_spec_option_that_reaches_the_runtime(layout, tmp_p
     compiled = manifest["programs"]["vision"]["specializations"]
     processor = Checkpoint.open(out / manifest["runtime_model"]).processor  # what `run` loads
     processed = processor.image_processor(images=[helpers.image(100, 150)], return_tensors="np")
-    patches = int((processed["image_position_ids"][0] >= 0).all(-1).sum())
-    assert [int(entry["symbols"]["max_patches"]) for entry in compiled] == [patches] == [126 * 9]
+    # The program binds the budget the processor pads every list to; the image's own patches lead.
+    padded, patches = (
+        processed["image_position_ids"].shape[1],
+        int((processed["image_position_ids"][0] >= 0).all(-1).sum()),
+    )
+    assert [int(entry["symbols"]["max_patches"]) for entry in compiled] == [padded] == [140 * 9]
+    assert patches == 126 * 9
     bad = {**spec, "vision": {**spec["vision"], "image_processor": {"max_soft_tokens": 100}}}
     path.write_text(yaml.safe_dump(bad))
     assert main(["validate", str(path)]) == 2
@@ -469,7 +475,15 @@ def test_three_stage_parity_of_the_26b_and_31b_layouts(name, layout):
         with torch.no_grad():
             patched = encoder(*[torch.as_tensor(v) for v in inputs.values()])[0].numpy()
         onnx = runtime.vision.run(inputs)[symbols.VISION_EMBEDS][0]
-        assert patched.shape == reference.shape == onnx.shape
+        # The padded list's budget of rows, the image's own first (transformers strips the rest).
+        own = host.own_rows(inputs)
+        assert (
+            patched.shape
+            == onnx.shape
+            == (family.config(runtime.checkpoint.description).max_soft_tokens, reference.shape[1])
+        )
+        assert own == reference.shape[0] and not onnx[own:].any() and not patched[own:].any()
+        patched, onnx = patched[:own], onnx[:own]
         assert max(np.abs(patched - reference).max(), np.abs(onnx - reference).max()) <= 1e-4, (height, width)
     inputs = helpers.process(processor, helpers.user_turn("<image>", "Hi"), [helpers.image(90, 120, 3)])
     assert "mm_token_type_ids" in inputs
@@ -531,3 +545,37 @@ def test_single_program_moves_bidirectional_images_whole(layout):
             )
             assert all(len(chunks_of_image(plan, i)) == 1 for i in range(len(plan.segments)))
     assert encoded == [(1, 1), (0, 0), (1, 1)]
+
+
+def test_the_vision_program_takes_the_padded_patch_list_vllm_sends(layout):
+    """vLLM sends the processor's patch list padded to the max_soft_tokens budget (630 patches on the
+    tiny, 70 x 3 x 3): the host sends it unchanged, every resolution binds that one max_patches, and
+    the program's output holds the image's own rows first (those transformers keeps), zeros after."""
+    from qeff_vision.families.base import ImageSize
+
+    runtime = layout("e")
+    family, description = get_family(FAMILY), runtime.checkpoint.description
+    host = family.host(description)
+    budget = family.config(description).max_soft_tokens * family.config(description).pooling_kernel_size ** 2
+    assert budget == 630
+    for seed, (height, width) in enumerate(((100, 150), (150, 100), (64, 64))):
+        processed = runtime.processor.image_processor(
+            images=[helpers.image(height, width, seed)], return_tensors="pt"
+        )
+        numpy = helpers.as_numpy(processed)
+        (inputs,) = host.vision_inputs(numpy)
+        assert all(np.array_equal(inputs[name], numpy[name]) for name in inputs)  # as vLLM sends it
+        assert inputs[symbols.PIXEL_VALUES].shape[1] == budget
+        assert family.vision_symbols(description, ImageSize(height, width))["max_patches"] == budget
+        reference = load_reference(runtime, processed)
+        output = runtime.vision.run(inputs)[symbols.VISION_EMBEDS][0]
+        own = host.own_rows(inputs)
+        assert own == len(reference) == family.image_tokens(description, ImageSize(height, width)) < 70
+        assert np.abs(output[:own] - reference).max() <= 1e-4 and not output[own:].any()
+
+
+def load_reference(runtime: FamilyRuntime, processed) -> np.ndarray:
+    """transformers' image features of one processed image (padding stripped by its pooler mask)."""
+    from qeff_vision.exporter import load_adapter
+
+    return load_adapter(get_family(FAMILY)).hf_image_features(runtime.model, processed)[0].numpy()

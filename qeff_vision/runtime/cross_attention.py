@@ -77,6 +77,7 @@ class CrossAttentionGenerator(Generator):
     """
 
     vision_input = "cross-attention K/V"
+    decode_shaped_tail = False  # its plan prefills every token (mask rows per chunk)
 
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -290,8 +291,14 @@ class CrossAttentionGenerator(Generator):
             ),
         )
 
-    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
-        """Plain token windows: an image is one placeholder token, nothing to keep whole."""
+    def plan(
+        self,
+        input_ids: np.ndarray,
+        processed: Mapping[str, Any],
+        protocol: str,
+        positions: np.ndarray | None = None,
+    ) -> ChunkPlan:
+        """Plain token windows: an image is one placeholder token (``positions`` unused)."""
         return plan_chunks(len(input_ids), [], self.shape.buckets, protocol=protocol)
 
     def run_chunks(

@@ -68,6 +68,8 @@ class Deployment:
         batching: Serves several requests through the batched engine (``run --requests``).
         keeps_prefix: A conversation's turn may keep the prefix the language program holds.
         video: Takes clips.
+        decode_shaped_tail: A prompt's tokens past the last prefill CCL may go one per call
+            through the language program's decode specializations.
     """
 
     name = ""
@@ -77,6 +79,7 @@ class Deployment:
     batching = True
     keeps_prefix = True
     video = True
+    decode_shaped_tail = True
 
     def specializations(
         self, manifest: Mapping[str, Any], where: str, family: Any
@@ -158,6 +161,8 @@ class Disaggregated(Deployment):
     name = DISAGGREGATED
     language_program = LANG_DECODE
     keeps_prefix = False
+    # One-token calls go to the decode program, which holds no prefill cache before the hand-off.
+    decode_shaped_tail = False
 
     def specializations(self, manifest, where, family):
         """Both language programs' specializations (prefill first), and per phase."""
@@ -211,6 +216,7 @@ class Single(Deployment):
     vision_program = "lang"
     encoder_inside = True
     batching = False
+    decode_shaped_tail = False  # its runners plan every token as prefill
     video = False
 
     def specializations(self, manifest, where, family):

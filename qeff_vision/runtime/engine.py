@@ -31,7 +31,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.deployment import deployment_of
-from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
+from qeff_vision.runtime.planner import Chunk, ChunkEnd, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
@@ -341,8 +341,16 @@ class BatchedEngine:
         sequence.cache_hits += after.hits - stats.hits
         sequence.images_encoded += after.images_encoded - stats.images_encoded
         started = time.perf_counter()
-        outputs = self.slots.prefill(sequence.slot, feeds)
-        generator.check_chunk_outputs(chunk, outputs)
+        if chunk.end is ChunkEnd.DECODE_SHAPED:
+            # Past the last prefill CCL: the token is a decode row of the request's slot (at
+            # full_batch_size on a continuous-batching program, its other rows idle).
+            token = int(feeds[generator.io.name(Role.TOKEN_IDS)][0, 0])
+            positions = feeds[generator.io.name(Role.POSITIONS)]
+            logits, _ = self.slots.decode({sequence.slot: (token, positions, sequence.decode_extra)})
+            outputs = {symbols.LOGITS: logits[sequence.slot][None, None]}
+        else:
+            outputs = self.slots.prefill(sequence.slot, feeds)
+            generator.check_chunk_outputs(chunk, outputs)
         sequence.records.append(
             ChunkRecord(
                 tokens=chunk.tokens,

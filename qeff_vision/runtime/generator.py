@@ -60,6 +60,9 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
 
     #: What a result's ``vision_bytes`` count (:attr:`GenerationResult.vision_input`).
     vision_input = "vision_embeds"
+    #: Tokens past the last prefill CCL go one per decode-shaped call (the planner's
+    #: ``prefill_stop``); a runner whose plan has no such tail refuses those prompts instead.
+    decode_shaped_tail = True
 
     def __init__(
         self,
@@ -212,9 +215,10 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit.
 
-        With compute-context lengths the prompt must also end below the last prefill CCL, which
-        QEfficient's lists keep under ``ctx_len`` (:mod:`qeff_vision.spec.ccl_lists`): a prefill
-        chunk reaching past it has no specialization.
+        With compute-context lengths a prompt may reach past the last prefill CCL, which
+        QEfficient's lists keep under ``ctx_len`` (:mod:`qeff_vision.spec.ccl_lists`): its tokens
+        there go one per decode-shaped call (:meth:`plan`). A runner or deployment without such
+        calls (:attr:`decode_shaped_tail`) refuses that prompt here.
         """
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -226,14 +230,30 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
                 f"ctx_len {self.shape.ctx_len} ({hint})"
             )
         limit = self.shape.prefill_limit
-        if used + length > limit:
+        if used + length > limit and not self.feeds_decode_tail:
             raise UserError(
                 f"prompt of {length} tokens reaches position {used + length - 1}, past the last prefill "
                 f"comp_ctx_length {limit} (prefill is compiled for prompts of at most {limit} tokens)"
             )
 
-    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
-        """The chunk plan of a processed prompt (of its tokens after a kept prefix, in a kept generation)."""
+    @property
+    def feeds_decode_tail(self) -> bool:
+        """Whether this runner and deployment feed tokens past the last prefill CCL one at a time."""
+        return self.decode_shaped_tail and self.deployment.decode_shaped_tail
+
+    def plan(
+        self,
+        input_ids: np.ndarray,
+        processed: Mapping[str, Any],
+        protocol: str,
+        positions: np.ndarray | None = None,
+    ) -> ChunkPlan:
+        """The chunk plan of a processed prompt (of its tokens after a kept prefix, in a kept generation).
+
+        ``positions``: the prompt's position ids as fed (after a history, continued); by default the
+        host's. With prefill CCLs, the tokens whose text position is past the last one end the
+        prefill part (:func:`~qeff_vision.runtime.planner.plan_chunks` ``prefill_stop``).
+        """
         start = self._resume.start
         return plan_chunks(
             len(input_ids) - start,
@@ -241,7 +261,21 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             self.shape.buckets,
             allow_image_split=self.family.splits_images(self.checkpoint.description),
             protocol=protocol,
+            prefill_stop=self._prefill_stop(processed, positions, start),
+            decode_vision_size=self.shape.decode_vision_size,
         )
+
+    def _prefill_stop(
+        self, processed: Mapping[str, Any], positions: np.ndarray | None, start: int
+    ) -> int | None:
+        """The first planned token whose text position no prefill CCL covers (None: every one is covered)."""
+        if not self.shape.prefill_ccls or not self.feeds_decode_tail:
+            return None
+        if positions is None:
+            positions = self.host.prompt_positions(processed)
+        text = np.asarray(positions if self.position_rows is None else positions[0]).reshape(-1)[start:]
+        past = np.flatnonzero(text >= self.shape.prefill_limit)
+        return int(past[0]) if len(past) else None
 
     def generate(
         self,
@@ -307,7 +341,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             positions = continued_positions(positions, first)
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
         self.check_fits(length, max_new_tokens, used)
-        plan = self.plan(input_ids, processed, protocol)
+        plan = self.plan(input_ids, processed, protocol, positions)
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
         kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
         sampler = TokenSampler(sampling, input_ids)

@@ -25,6 +25,15 @@ optimal for the call count because whether [a, b) fits a bucket only gets easier
 b shrinks. A chunk ends short of its bucket's S only at the end of the prompt, or when it was
 shrunk because the next placeholder would exceed every bucket's V (an integer ``vision_size``
 policy) or an image that must not be split would not fit (:class:`ChunkEnd` says which).
+
+Past the last prefill compute-context length (``prefill_stop``). QEfficient's CCL lists keep every
+prefill CCL below ``ctx_len`` (:mod:`qeff_vision.spec.ccl_lists`), so a prompt may reach positions
+no prefill specialization attends to. Prefill chunks then end at ``prefill_stop`` and each later
+token goes alone in a decode-shaped call (seq_len 1, the decode ``vision_size``), which the decode
+CCL covering its position serves: one token at a time, as decode feeds it. QEfficient's own
+generation and the vLLM plugin keep the last (or first) prefill CCL for such a chunk instead, so its
+attention misses the slots past that CCL. A decode-shaped call merges no image row, so an image
+placeholder past ``prefill_stop`` cannot be fed: that prompt is refused (:class:`PlanError`).
 """
 
 from __future__ import annotations
@@ -53,6 +62,10 @@ class ChunkEnd(str, Enum):
     SEQ_LEN = "seq_len"
     VISION_SIZE = "vision_size"
     IMAGE_BOUNDARY = "image_boundary"
+    #: The prefill part ends at the last prefill CCL; the tokens after it are decode-shaped chunks.
+    PREFILL_CCL = "prefill_ccl"
+    #: A decode-shaped chunk of one token past the last prefill CCL.
+    DECODE_SHAPED = "decode_shaped"
 
 
 @dataclass(frozen=True)
@@ -351,6 +364,8 @@ def plan_chunks(
     *,
     allow_image_split: bool = True,
     protocol: VisionProtocol | str = VisionProtocol.CHUNK,
+    prefill_stop: int | None = None,
+    decode_vision_size: int = 0,
 ) -> ChunkPlan:
     """Split a prompt into prefill chunks, choosing a bucket for each (rule in the module docstring).
 
@@ -360,18 +375,32 @@ def plan_chunks(
         buckets: The compiled prefill buckets, as :class:`PrefillBucket` or ``(seq_len, vision_size)``.
         allow_image_split: The family's ``chunk_split`` feature; False keeps each image in one chunk.
         protocol: ``chunk`` (chunk-local rows, ``image_idx`` 0) or ``full`` (all rows every chunk).
+        prefill_stop: The first token past the last prefill CCL (None: every token prefills): it
+            and every later token go one per decode-shaped chunk (module docstring).
+        decode_vision_size: The decode specializations' ``vision_size`` (rows of such a chunk).
 
     Returns:
         The plan; its chunks cover [0, L) contiguously.
 
     Raises:
-        PlanError: Invalid inputs, or an image that no bucket can carry whole when splitting is off.
+        PlanError: Invalid inputs, an image that no bucket can carry whole when splitting is off,
+            or an image placeholder at or past ``prefill_stop``.
     """
     try:
         protocol = VisionProtocol(protocol)
     except ValueError as exc:
         choices = ", ".join(p.value for p in VisionProtocol)
         raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
+    if prefill_stop is not None and max(prefill_stop, 0) < prompt_len:
+        return _with_decode_tail(
+            prompt_len,
+            segments,
+            buckets,
+            allow_image_split,
+            protocol,
+            max(prefill_stop, 0),
+            decode_vision_size,
+        )
     segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
     unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
     all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
@@ -433,6 +462,57 @@ def plan_chunks(
             )
         )
         start = stop
+    return _with_lifetimes(prompt_len, protocol, segments, chunks)
+
+
+def _with_decode_tail(
+    prompt_len: int,
+    segments: Sequence[Segment | tuple[int, int]],
+    buckets: Sequence[PrefillBucket | tuple[int, int]],
+    allow_image_split: bool,
+    protocol: VisionProtocol,
+    prefill_stop: int,
+    decode_vision_size: int,
+) -> ChunkPlan:
+    """The plan of [0, ``prefill_stop``), then one decode-shaped chunk per later token (no rows)."""
+    segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
+    _validate(prompt_len, segments, [PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets])
+    late = [number for number, segment in enumerate(segments) if segment.stop > prefill_stop]
+    if late:
+        segment = segments[late[0]]
+        raise PlanError(
+            f"{segment.modality} {late[0]} has placeholders at tokens [{max(segment.start, prefill_stop)}, "
+            f"{segment.stop}), past the last prefill comp_ctx_length (token {prefill_stop}): a decode-shaped "
+            "call merges no image row; compile a larger prefill comp_ctx_length or put images earlier"
+        )
+    chunks: list[Chunk] = []
+    if prefill_stop:
+        head = plan_chunks(
+            prefill_stop, segments, buckets, allow_image_split=allow_image_split, protocol=protocol
+        )
+        chunks = [*head.chunks[:-1], replace(head.chunks[-1], end=ChunkEnd.PREFILL_CCL)]
+    rows = sum(segment.rows for segment in segments)
+    # Nothing merges in a seq_len-1 call: no rows sent, image_idx past the rows (kept as returned).
+    image_idx = 0 if protocol is VisionProtocol.CHUNK else rows
+    for start in range(prefill_stop, prompt_len):
+        chunks.append(
+            Chunk(
+                index=len(chunks),
+                start=start,
+                stop=start + 1,
+                seq_len=1,
+                vision_size=decode_vision_size,
+                row_start=rows,
+                row_stop=rows,
+                placeholders=0,
+                image_idx=image_idx,
+                images=(),
+                pieces=(),
+                first_use=(),
+                last_use=(),
+                end=ChunkEnd.DECODE_SHAPED,
+            )
+        )
     return _with_lifetimes(prompt_len, protocol, segments, chunks)
 
 

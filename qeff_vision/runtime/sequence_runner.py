@@ -46,7 +46,13 @@ class SequenceRunner(Protocol):
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise a user error unless the prompt and the new tokens fit the compiled context."""
 
-    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
+    def plan(
+        self,
+        input_ids: np.ndarray,
+        processed: Mapping[str, Any],
+        protocol: str,
+        positions: np.ndarray | None = None,
+    ) -> ChunkPlan:
         """The chunk plan of a processed prompt."""
 
     def request_chunks(

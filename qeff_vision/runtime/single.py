@@ -66,11 +66,18 @@ class SingleGenerator(Generator):
         self._row_inputs = self.io.rows(Role.VISION_ROWS)
         self._buffers: dict[str, np.ndarray] | None = None
 
-    def plan(self, input_ids: np.ndarray, processed: Mapping[str, Any], protocol: str) -> ChunkPlan:
+    def plan(
+        self,
+        input_ids: np.ndarray,
+        processed: Mapping[str, Any],
+        protocol: str,
+        positions: np.ndarray | None = None,
+    ) -> ChunkPlan:
         """The chunks after the kept prefix, ``full`` protocol: rows stay in the program.
 
         ``image_idx`` is the running count of the prefilled part's placeholders, whose images are
-        the ones the first chunk encodes (written at the buffer's front).
+        the ones the first chunk encodes (written at the buffer's front). Every token prefills
+        (``positions`` unused): a prompt past the last prefill CCL is refused by ``check_fits``.
         """
         start = self._resume.start
         segments = segments_after(self.host.segments({**processed, "input_ids": input_ids}), start)

@@ -15,7 +15,10 @@ QEfficient (and the vLLM plugin, which reads the CCLs back from the program) wou
    a value (QEfficient's comment: a compiler limitation), and a multiple of 32 suits the hardware.
 
 The prefill list therefore never reaches ``ctx_len`` (it is always in the decode list): the last
-prefill CCL is at most ``ctx_len`` - 1 rounded down to 32. Pure, no torch.
+prefill CCL is at most ``ctx_len`` - 1 rounded down to 32. The runtime still serves every
+position: a prompt's tokens past the last prefill CCL go one per decode-shaped call, at the decode
+CCL covering each (:mod:`qeff_vision.runtime.planner`, ``prefill_stop``; an image placeholder
+there has no call that merges it and is refused). Pure, no torch.
 """
 
 from __future__ import annotations
@@ -80,5 +83,6 @@ def changed_note(prefill: Sequence[int], decode: Sequence[int], ctx_len: int) ->
         f"compile.comp_ctx_lengths compiled as QEfficient hands them to the compiler: {'; '.join(changes)} "
         f"(raised to {CCL_MIN_CTX_LEN} at least, ctx_len {ctx_len} added, prefill values moved off decode "
         f"values to multiples of {CCL_UNIQUE_STEP}); a prompt prefills up to "
-        f"{compiled_prefill[-1] if compiled_prefill else 0} tokens"
+        f"{compiled_prefill[-1] if compiled_prefill else 0} tokens, and `run` feeds its later tokens one "
+        "per decode-shaped call at the decode CCL covering them (text only: an image there is refused)"
     )

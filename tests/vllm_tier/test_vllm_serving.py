@@ -38,6 +38,7 @@ SERVED = (
     "llava_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "gemma4",
 )
 # Families the plugin does not serve from our artifacts, and why (the README lists them too).
 NOT_SERVED = {
@@ -45,11 +46,6 @@ NOT_SERVED = {
     "which vLLM 0.23.0 does not have (AttributeError before any request reaches the device)",
     "mistral3": "vLLM 0.23's Mistral 3 prompt update accepts only pixel images, not the image "
     "embeddings the generate instance (enable_mm_embeds) receives",
-    "gemma4": "vLLM's Gemma 4 processor pads each image's patch list to the max_soft_tokens budget "
-    "(630 patches on the tiny checkpoint) and the plugin sends it as is, while our vision "
-    "specialization binds the image's own patch count (540; the host strips the padding): the "
-    "device refuses the shape. (The engine starts now that the config carries the published "
-    "vision_config.default_output_length.)",
     "llama4": "vLLM 0.23's Llama 4 prompt update reads each image's processor output "
     "(aspect_ratios), which the image embeddings the generate instance (enable_mm_embeds) "
     "receives do not carry (KeyError before any request reaches the device)",
@@ -61,16 +57,15 @@ NOT_SERVED = {
 NOT_SERVED_SIGN = {
     "gemma3": "_resolve_image_kwargs",
     "mistral3": "ImageEmbeddingItems",
-    "gemma4": "No matching dimension found for pixel_values=[1, 630, 48]",
     "llama4": "Modality 'image' not found",
     "mllama": "'MllamaProcessor' object has no attribute '_get_num_multimodal_tokens'",
 }
 # Two images of different sizes in one prompt (both compiled; each encoded alone by the pooling
 # instance, both embeddings sent to the generate instance), like the plugin's
 # examples/qaic_vision_language_multi_image.py. LLaVA-NeXT's and InternVL's two sizes share a tile
-# count, so one vision specialization serves both: the plugin assumes one for every non-Qwen vision
-# program (parse_and_validate_multimodal_raw_input).
-TWO_IMAGES = ("internvl", "llava", "llava_next")
+# count, and Gemma 4's every size binds its patch budget, so one vision specialization serves both:
+# the plugin assumes one for every non-Qwen vision program (parse_and_validate_multimodal_raw_input).
+TWO_IMAGES = ("internvl", "llava", "llava_next", "gemma4")
 QWEN_ONE_SIZE = (
     "the plugin's Qwen image-embedding parser (qaic_custom_mm_processor._parse_image_data) takes a "
     "prompt's images to share one size: rows per image = all rows // images (20 here, between the "

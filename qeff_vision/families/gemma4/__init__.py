@@ -8,10 +8,12 @@ patch count is at most ``max_soft_tokens * pooling_kernel_size**2``; it sends th
 and (-1, -1) on padding. The tower pools every k x k block of patches into one soft token, so an
 image is ``patches / k**2`` placeholders, between a begin- and an end-of-image token.
 
-The host strips the padding (:mod:`qeff_vision.families.gemma4.host`), so the vision program
-sees exactly an image's patches: one specialization per resolution (symbol ``max_patches``,
-QEfficient's name for the same axis, which it binds to the padded budget instead), and the tower's
-boolean-mask stripping of padded rows, which does not trace, never has rows to strip.
+The vision program takes the padded list as the processor makes it and vLLM sends it: symbol
+``max_patches`` (QEfficient's name for the same axis) binds the budget, so one specialization
+serves every resolution; padded patches are masked (:mod:`qeff_vision.families.gemma4.export`) and
+the output's ``vision_size`` = ``max_soft_tokens`` rows hold the image's own soft tokens first.
+The prompt takes only those (:meth:`Gemma4.image_tokens`; the host's ``own_rows``), as
+transformers strips the rest with a boolean mask that does not trace.
 
 The decoder breaks three assumptions of one-shape caches (:meth:`Gemma4.layer_caches`): full
 layers have a wider head (``global_head_dim``) and, with ``attention_k_eq_v``, their own KV-head
@@ -56,9 +58,9 @@ from qeff_vision.families.gemma4.config import (
 )
 from qeff_vision.families.gemma4.tiny import write_tiny_checkpoint  # torch-free until called
 
-#: Patches of one image (the vision program's patch-list axis; one value per resolution). QEfficient's
-#: name (ref: quic/efficient-transformers QEffGemma4ForConditionalGeneration.get_onnx_dynamic_axes),
-#: so vllm-qaic and QEfficient tooling see the same symbol; here it is an image's exact patch count.
+#: Patches of one image's list, padded to the budget (the vision program's patch-list axis). QEfficient's
+#: name and value (ref: quic/efficient-transformers QEffGemma4ForConditionalGeneration.get_onnx_dynamic_axes),
+#: so vllm-qaic, which sends the processor's padded list, and QEfficient tooling see the same binding.
 MAX_PATCHES = "max_patches"
 IMAGE_POSITION_IDS = "image_position_ids"
 #: Model dimensions of the full layers' caches.
@@ -82,7 +84,10 @@ class Gemma4(Family):
             "token at decode)"
         ),
         dynamic_vision_size=yes(),
-        multi_resolution=yes("aspect-preserving resize: one vision specialization per resolution"),
+        multi_resolution=yes(
+            "aspect-preserving resize into a padded patch list: one vision specialization (the "
+            "max_soft_tokens budget) serves every resolution"
+        ),
         chunk_split=yes(
             "per checkpoint: E2B/E4B attend causally and split images; with use_bidirectional_attention "
             "'vision' (26B-A4B, 31B) an image attends both ways on sliding layers and moves whole"
@@ -91,8 +96,8 @@ class Gemma4(Family):
         disaggregated=DISAGGREGATED_PROGRAMS,
         single_program=yes(
             "one lang program: the patch-sequence tower composed in, gated on the patch count (the "
-            "placeholder has 1 patch); one encode call per run of same-resolution images (one "
-            "max_patches per call) in the first chunk"
+            "placeholder has 1 patch); one encode call per image in the first chunk (its output is "
+            "padded to the patch budget, the next image written over the padding)"
         ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
@@ -225,11 +230,25 @@ class Gemma4(Family):
         return problems
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
-        """``max_patches`` of the resized image and its soft tokens (``vision_size``)."""
+        """``max_patches`` of the padded list and ``vision_size`` rows: the same for every image.
+
+        ``max_patches`` is the budget's patches (the processor pads every image's list to it, and
+        vLLM sends it so); ``vision_size`` the output's rows, ``max_soft_tokens`` (the resize keeps
+        every image inside the budget).
+        """
+        view = self.config(model)
+        kernel_area = view.pooling_kernel_size**2
+        return {MAX_PATCHES: view.max_soft_tokens * kernel_area, symbols.VISION_SIZE: view.max_soft_tokens}
+
+    def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
+        """Soft tokens of the resized image (its real patches over the kernel's area).
+
+        The placeholders it takes, and its leading rows of the vision output.
+        """
         view = self.config(model)
         height, width = self.resized(model, image)
         patches = (height // view.patch_size) * (width // view.patch_size)
-        return {MAX_PATCHES: patches, symbols.VISION_SIZE: patches // view.pooling_kernel_size**2}
+        return patches // view.pooling_kernel_size**2
 
 
 def _host():

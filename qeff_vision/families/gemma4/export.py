@@ -2,12 +2,17 @@
 
 Vision program (ref: transformers v5.23 models/gemma4/modeling_gemma4.py, ``Gemma4VisionModel``,
 ``Gemma4VisionPooler``, ``Gemma4Model.get_image_features``): transformers' patch embedder, 2-D
-RoPE and encoder layers as they are; the host sends an image's real patches only, so no
-attention mask is needed and no padded row exists to strip. The pooler averages each k x k block
-of patches found from the positions (transformers' ``one_hot`` over a Python length becomes a
-comparison with ``arange``, so one graph serves every patch count) and scales by sqrt(hidden) in
-float32: that product leaves fp16's range, and transformers computes it in float32 too. The
-projector's unit-weight pre-norm also reads the float32 rows; only its output takes the graph dtype.
+RoPE and encoder layers as they are, over the processor's patch list padded to the
+``max_soft_tokens`` budget (what vLLM sends too). Padded patches ((-1, -1) positions) are masked as
+transformers masks them: no position embedding, never attended to as keys, zeroed before pooling.
+The pooler averages each k x k block of real patches found from the positions (transformers'
+``one_hot`` over a Python length becomes a comparison with ``arange``, so one graph serves every
+patch count) and scales by sqrt(hidden) in float32: that product leaves fp16's range, and
+transformers computes it in float32 too. The output keeps the budget's ``patches / k**2`` rows,
+the image's own first (cells are numbered row-major over the image's grid) and zeros after them;
+transformers strips those (``pooler_mask``), here a reader keeps the leading rows it counts (the
+host's ``own_rows``, vLLM's placeholder count). The projector's unit-weight pre-norm also reads the
+float32 rows; only its output takes the graph dtype.
 
 Language program: the generic decoder with Gemma 4's pieces:
   * token embedding with image, video and audio ids replaced by the pad id, as transformers
@@ -36,20 +41,37 @@ from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
 from qeff_vision.families.qwen3_vl_moe.export import routed_experts
 
 
-def pool_by_positions(hidden: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Average every ``kernel`` x ``kernel`` block of patches: [batch, patches // kernel**2, hidden] in fp32.
+def pool_by_positions(
+    hidden: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor, kernel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Average every ``kernel`` x ``kernel`` block of real patches.
 
     Cell of a patch at (x, y): ``x // k + (width // k) * (y // k)``, width the patch columns
-    (ref: ``Gemma4VisionPooler._avg_pool_by_positions``); every patch is real here.
+    (ref: ``Gemma4VisionPooler._avg_pool_by_positions``). ``padding`` [batch, patches] marks the
+    padded patches: they weigh nothing, so the cells past the image's own pool nothing.
+
+    Returns:
+        (pooled [batch, patches // kernel**2, hidden] in fp32, [batch, cells] True where a cell
+        holds real patches: the image's own rows, which come first; transformers' ``pooler_mask``).
     """
-    x, y = positions[..., 0], positions[..., 1]
+    clamped = positions.clamp(min=0)  # padding's (-1, -1), as transformers clamps it
+    x, y = clamped[..., 0], clamped[..., 1]
     width = x.max(dim=-1, keepdim=True)[0] + 1
     cell = torch.div(x, kernel, rounding_mode="floor") + torch.div(
         width, kernel, rounding_mode="floor"
     ) * torch.div(y, kernel, rounding_mode="floor")
     cells = torch.arange(hidden.shape[1] // (kernel * kernel), device=hidden.device)
-    weights = (cell.unsqueeze(-1) == cells).to(torch.float32) / (kernel * kernel)
-    return weights.transpose(1, 2) @ hidden.to(torch.float32)
+    member = (cell.unsqueeze(-1) == cells) & ~padding.unsqueeze(-1)  # [batch, patches, cells]
+    weights = member.to(torch.float32) / (kernel * kernel)
+    return weights.transpose(1, 2) @ hidden.to(torch.float32), member.any(dim=1)
+
+
+def padding_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive [batch, 1, 1, patches] mask: no patch attends to a padded one.
+
+    transformers' ``create_bidirectional_mask`` over ``~padding_positions``.
+    """
+    return torch.where(padding, torch.finfo(dtype).min, 0.0).to(dtype)[:, None, None, :]
 
 
 def trace_buffers_as_constants(module: nn.Module) -> None:
@@ -65,7 +87,7 @@ def trace_buffers_as_constants(module: nn.Module) -> None:
 
 
 class VisionEncoder(nn.Module):
-    """(pixel_values, image_position_ids) of one image's real patches -> vision_embeds [1, rows, text]."""
+    """(pixel_values, image_position_ids) of a padded patch list -> vision_embeds [1, cells, text]."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -75,20 +97,25 @@ class VisionEncoder(nn.Module):
         trace_buffers_as_constants(self.tower)
 
     def forward(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor) -> torch.Tensor:
-        """Embed, encode, pool in fp32, standardize, project."""
+        """Embed, encode with padded patches masked, pool the real ones in fp32, standardize, project."""
         tower = self.tower
-        padding = image_position_ids[..., 0] < 0  # all False: the host sends real patches only
+        padding = (image_position_ids == -1).all(dim=-1)  # the processor pads with (-1, -1)
         hidden = tower.patch_embedder(pixel_values, image_position_ids, padding)
+        mask = padding_mask(padding, hidden.dtype)
         rotary = tower.encoder.rotary_emb(hidden, image_position_ids)
         for layer in tower.encoder.layers:
             hidden = layer(
-                hidden, attention_mask=None, position_embeddings=rotary, position_ids=image_position_ids
+                hidden, attention_mask=mask, position_embeddings=rotary, position_ids=image_position_ids
             )
-        pooled = pool_by_positions(hidden, image_position_ids, self.kernel) * tower.pooler.root_hidden_size
+        hidden = hidden.masked_fill(padding.unsqueeze(-1), 0.0)
+        pooled, own = pool_by_positions(hidden, image_position_ids, padding, self.kernel)
+        pooled = pooled * tower.pooler.root_hidden_size
         if tower.config.standardize:
             pooled = (pooled - tower.std_bias.float()) * tower.std_scale.float()
         normed = self.embedder.embedding_pre_projection_norm(pooled).to(hidden.dtype)
-        return self.embedder.embedding_projection(normed)
+        embeds = self.embedder.embedding_projection(normed)
+        # Rows past the image's own are zeros, as a fixed-length output pads (the host's own_rows).
+        return torch.where(own.unsqueeze(-1), embeds, torch.zeros_like(embeds))
 
 
 class PaddedEmbedding(nn.Module):
@@ -144,13 +171,19 @@ class Adapter(ExportAdapter):
         return VisionEncoder(model).eval()
 
     def vision_example_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """A 2 x 3 grid of pooled cells (6 x 9 patches at kernel 3), row-major as the processor lists them."""
+        """A 2 x 3 grid of pooled cells (6 x 9 patches at kernel 3), then one cell of padding.
+
+        Row-major as the processor lists them, padded with (-1, -1) patches as it pads to its budget.
+        """
         config = model.config.vision_config
         kernel, patch = config.pooling_kernel_size, config.patch_size
         rows, cols = 2 * kernel, 3 * kernel
         ys, xs = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
-        positions = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1).unsqueeze(0)
-        pixels = torch.rand(1, rows * cols, 3 * patch * patch, generator=torch.Generator().manual_seed(0))
+        real = torch.stack([xs.reshape(-1), ys.reshape(-1)], dim=-1)
+        positions = torch.cat([real, torch.full((kernel * kernel, 2), -1)]).unsqueeze(0)
+        patches = positions.shape[1]
+        pixels = torch.rand(1, patches, 3 * patch * patch, generator=torch.Generator().manual_seed(0))
+        pixels[:, rows * cols :] = 0.0  # the processor's padding is zeros
         return {symbols.PIXEL_VALUES: pixels, IMAGE_POSITION_IDS: positions}
 
     def hf_image_features(self, model, processed):
