@@ -27,14 +27,14 @@ from typing import Any
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.errors import UserError
 from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
-from qeff_vision.runtime.retained_prefix import Resume, segments_after, served_notes
+from qeff_vision.runtime.retained_prefix import segments_after, served_notes
 from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-exported
     EncoderCount,
+    EncoderInside,
     batched_images,
     image_groups,
     placeholder_feeds,
@@ -43,7 +43,7 @@ from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-ex
 from qeff_vision.spec.deployment import SINGLE
 
 
-class SingleGenerator(Generator):
+class SingleGenerator(EncoderInside, Generator):
     """A :class:`Generator` over one single-deployment program (batch 1; not for the batched engine).
 
     Args:
@@ -81,22 +81,6 @@ class SingleGenerator(Generator):
             allow_image_split=self.family.splits_images(self.checkpoint.description),
             protocol=VisionProtocol.FULL,
         )
-
-    def begin(self, request: RequestState) -> Resume:
-        """:meth:`Generator.begin`, always keeping what the program holds; a history is refused.
-
-        Tokens and images of an earlier turn are not prefilled or encoded again, and only the
-        rest's images reach the encoder inside the program.
-        """
-        if request.history is not None:
-            raise UserError(
-                "deployment single continues a conversation from the prompt it holds; pass no history"
-            )
-        return super().begin(request)
-
-    def keeps_prefix(self, request: RequestState) -> bool:
-        """Always: the program holds what it was fed (:mod:`~qeff_vision.runtime.kept_prefix`)."""
-        return True
 
     def served_notes(self, request: RequestState) -> list[str]:
         """Per image: held from an earlier turn, or encoded inside the program (never a cache)."""

@@ -31,20 +31,25 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.kept_prefix import PrefixKeeping
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, served_notes
-from qeff_vision.runtime.single_io import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
+from qeff_vision.runtime.single_io import (
+    EncoderCount,
+    EncoderInside,
+    batched_images,
+    placeholder_feeds,
+    single_image_inputs,
+)
 from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
 
-class SingleCrossGenerator(CrossAttentionGenerator):
+class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
     """A cross-attention runner over one single-deployment program (batch 1; not for the engine).
 
     Args:
@@ -56,8 +61,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             specializations, as :class:`CrossAttentionGenerator` does.
         **kwargs: :class:`CrossAttentionGenerator`'s keyword arguments.
     """
-
-    prompt_kind = "conversation"
 
     def __init__(
         self,
@@ -80,26 +83,12 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
 
-    def begin(self, request: RequestState) -> Resume:
-        """The prefix the program holds, as :func:`~.retained_prefix.image_set_resume` keeps it.
-
-        Tokens and images an earlier turn left in the program are kept; only the rest is
-        prefilled and only the images after the kept ones are encoded, into the next slots (a
-        changed image set still keeps the leading held images in their slots). A history is
-        refused: the program continues from what it holds.
-        """
-        if request.history is not None:
-            raise UserError(
-                "deployment single continues a conversation from the prompt it holds; pass no history"
-            )
-        return super().begin(request)
-
-    def keeps_prefix(self, request: RequestState) -> bool:
-        """Always: the program holds what it was fed."""
-        return True
-
     def kept_resume(self, resume: Resume, held: HeldPrefix | None, keys) -> Resume:
-        """A prefix kept only while the prompt's images are the held ones; the leading held images stay."""
+        """A prefix kept only while the prompt's images are the held ones; the leading held images stay.
+
+        Only the images after the kept ones are encoded, into the next slots (a changed image set
+        still keeps the leading held images in their slots).
+        """
         return image_set_resume(resume, held, keys)
 
     def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
