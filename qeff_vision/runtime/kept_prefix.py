@@ -20,10 +20,11 @@ ones (:func:`~qeff_vision.runtime.retained_prefix.image_set_resume`), as its sin
 Where it applies: a language program the runtime calls directly (:class:`CompiledProgram`:
 onnxruntime, or a device, which keeps the caches resident, so there a prefix is kept only when
 no other call reached the program since the turn it holds; rings resume only where they
-stopped, no host copy exists). A disaggregated pair (prefill and decode on two programs: the
-prefill program never holds the reply) and one-shot requests (the batched engine,
-``run --requests``) prefill every prompt whole, as before. A failed turn leaves nothing held:
-the next one starts over.
+stopped, no host copy exists), in slot 0 of the runner's engine when that slot is one host
+cache (:class:`~qeff_vision.runtime.slots.SequentialSlots`). A disaggregated pair (prefill and
+decode on two programs: the prefill program never holds the reply), a row of a batched cache
+(a continuous-batching program's slot 0) and the requests of ``run --requests`` prefill every
+prompt whole. A failed turn leaves nothing held: the next one starts over.
 """
 
 from __future__ import annotations

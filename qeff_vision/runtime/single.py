@@ -44,7 +44,7 @@ from qeff_vision.spec.deployment import SINGLE
 
 
 class SingleGenerator(EncoderInside, Generator):
-    """A :class:`Generator` over one single-deployment program (batch 1; not for the batched engine).
+    """A :class:`Generator` over one single-deployment program (one sequence: slot 0 of its engine).
 
     Args:
         checkpoint: The checkpoint the program was exported from.

@@ -50,7 +50,7 @@ SLOT = symbols.FIRST_IMAGE_SLOT
 
 
 class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
-    """A cross-attention runner over one single-deployment program (batch 1; not for the engine).
+    """A cross-attention runner over one single-deployment program (one sequence: slot 0 of its engine).
 
     Args:
         checkpoint: The checkpoint the program was exported from.
