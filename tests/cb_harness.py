@@ -20,6 +20,7 @@ from qeff_vision.contract.language_io import SLOT_ROLES
 from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
+from qeff_vision.runtime.request_state import EngineRequest, RequestState
 
 
 class SlotCaches:
@@ -80,12 +81,12 @@ def prefill_into_slot(
 ) -> SlotSequence:
     """Prefill ``processed`` chunk by chunk into ``slot`` (the generator's language is a SlotProgram)."""
     assert isinstance(generator.language, SlotProgram) and generator.language.slot == slot
-    input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-    plan = generator.plan(input_ids, processed, "chunk")
-    positions = generator.host.prompt_positions(processed)
-    outputs, _ = generator._prefill(plan, input_ids, positions, processed, {})
+    request = RequestState(0, EngineRequest(processed, max_new_tokens), generator, "chunk")
+    outputs = {}
+    for call in generator.request_chunks(request):  # the engine's chunk calls, run here by hand
+        outputs = generator.step(call.feeds, {})
     row = outputs[symbols.LOGITS][0, -1].copy()
-    return SlotSequence(slot, positions, [int(row.argmax())], [row], max_new_tokens)
+    return SlotSequence(slot, request.positions, [int(row.argmax())], [row], max_new_tokens)
 
 
 def batched_decode(

@@ -178,3 +178,27 @@ def test_a_slot_idle_between_prefill_chunks_keeps_its_gemma3_window(hf_model, cb
     assert len(between) >= 2 and all(long.slot not in slots for slots in between), (
         "others decode while the long request's slot is idle between its chunks"
     )
+
+
+def test_each_request_reports_how_its_own_images_were_served(hf_model, exported):
+    """Serving notes belong to the request (issue 38): nothing carries over from an earlier one.
+
+    The same image in two requests of one run is encoded for the first and served from the
+    embedding cache for the second; a lone request afterwards on the same runner reports only
+    its own images, and a text-only one none.
+    """
+    model, processor = hf_model("qwen2_5_vl")
+    runtime = FamilyRuntime("qwen2_5_vl", exported("qwen2_5_vl"), model, processor)
+    generator = runtime.generator(SEQ_LENS)
+    image = helpers.image(64, 96, seed=7)
+    shown = runtime.inputs(("<image>", "Describe this image."), [image])
+    report = BatchedEngine(generator, full_batch_size=1).run(
+        [EngineRequest(shown, 2), EngineRequest(shown, 2)]
+    )
+    first, second = (done.result.served for done in report.requests)
+    assert len(first) == 1 and first[0].startswith("image 1: resolution-list program"), first
+    assert second == ["image 1: embedding cache (encoded by an earlier turn)"]
+    other = runtime.inputs(("<image>", "And this?"), [helpers.image(96, 64, seed=8)])
+    (served,) = generator.generate(other, max_new_tokens=2).served
+    assert served.startswith("image 1: resolution-list program"), served
+    assert generator.generate(runtime.inputs(("Hi.",), []), max_new_tokens=2).served == []

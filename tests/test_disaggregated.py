@@ -218,6 +218,7 @@ def test_handoffs_are_reported_for_a_disaggregated_pair_only():
 def test_engine_takes_its_slots_from_a_declared_slot_provider_only():
     from types import SimpleNamespace
 
+    from qeff_vision.runtime.deployment import deployment_of
     from qeff_vision.runtime.slots import BatchedSlots, SlotProvider
 
     def program(full_batch_size: int, seq_len: int) -> SimpleNamespace:
@@ -231,6 +232,7 @@ def test_engine_takes_its_slots_from_a_declared_slot_provider_only():
         generator = SimpleNamespace(
             io=SimpleNamespace(has=lambda role: True),
             language=language,
+            deployment=deployment_of(language),  # what make_generator gives a runner
             empty_cache=lambda slots=1: {},
             decode_vision_feeds=lambda: {},
         )

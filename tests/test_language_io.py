@@ -122,7 +122,9 @@ def test_declared_rows_flow_through_export_specializations_custom_io_and_feeds(m
     # Runtime: caches shaped per layer, vision rows split into the declared input, feeds in graph order.
     shape = LanguageShape((PrefillBucket(8, 4),), 4, 64)
     checkpoint = Checkpoint(model, family)
-    generator = Generator(checkpoint, None, SimpleNamespace(retains_state=False), shape, eos_token_ids=())
+    generator = Generator(
+        checkpoint, None, SimpleNamespace(retains_state=False, input_dims={}), shape, eos_token_ids=()
+    )
     past = generator.empty_cache()
     assert past[symbols.past_key(0)].shape[2] == 32 and past[symbols.past_value(1)].shape[2] == 64
     rows = generator._vision_feeds_of_rows(np.ones((1, 4, generator.row_width), np.float32))

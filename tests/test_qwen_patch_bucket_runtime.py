@@ -111,11 +111,12 @@ def test_six_mixed_images_pack_into_no_more_calls_than_buckets_used(bucket_artif
     generator = chat.generator
     processed = chat.prepare(images, "Compare.").processed
     prepared, inputs_by_key = generator._prepare_images(processed)
-    packed_encoder = generator._encoder(inputs_by_key, [0.0])
+    served: dict[str, str] = {}  # what a request's state records: the call that served each image
+    packed_encoder = generator._encoder(inputs_by_key, [0.0], served)
     calls_before = generator.vision.calls
     packed = packed_encoder(prepared)
     calls = generator.vision.calls - calls_before
-    buckets_used = {line.split(" rows")[0] for line in generator.served.values()}
+    buckets_used = {line.split(" rows")[0] for line in served.values()}
     assert calls <= len(buckets_used) and calls < len(images)
     one_by_one = [packed_encoder([image])[0] for image in prepared]
     assert generator.vision.calls - calls_before == calls + len(images)

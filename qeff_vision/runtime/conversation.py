@@ -10,11 +10,11 @@ the kept prefix (or in a conversation that had to start over) comes from the per
 embedding cache the generator owns: same preprocessed pixels, same content key, no encoder call
 while the cache holds it.
 
-On a language program compiled for ``full_batch_size`` > 1 (a continuous-batching artifact) a
-turn is one request of the batched engine, run alone in slot 0
-(:meth:`~qeff_vision.runtime.engine.BatchedEngine.generate`): such a program decodes only at
-batch ``full_batch_size``. The engine keeps no prefix between requests, so each turn prefills the
-whole conversation again.
+Every turn is one request of the engine, run alone in slot 0
+(:meth:`~qeff_vision.runtime.engine.BatchedEngine.generate`). On a language program compiled for
+``full_batch_size`` > 1 (a continuous-batching artifact, which decodes only at batch
+``full_batch_size``) slot 0 is a row of the batched cache, which keeps no prefix between
+requests, so each turn prefills the whole conversation again.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from qeff_vision.bad_input import check_prompt, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
-from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
+from qeff_vision.runtime.engine import compiled_slots
 from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
@@ -158,8 +158,6 @@ class Conversation:
         self.images: list[Any] = []
         self.videos: list[Clip] = []
         self.last_inputs: PromptInputs | None = None
-        #: A continuous-batching program's engine (built at the first turn), else None.
-        self._engine: BatchedEngine | None = None
 
     @property
     def cache(self):
@@ -293,27 +291,21 @@ class Conversation:
 
         budget, protocol = max_new_tokens or self.max_new_tokens, protocol or self.protocol
         sampling = sampling or self.sampling
-        if compiled_slots(self.generator) > 1:
-            # One request in slot 0 of a continuous-batching program (see the module docstring).
-            if self._engine is None:
-                self._engine = BatchedEngine(self.generator, protocol=protocol)
-            result = self._engine.generate(
-                inputs.processed, budget, protocol, on_token, keep_logits, sampling
-            )
-            if self.messages:
-                result.notes.append(
-                    f"continuous batching: the whole conversation ({result.prompt_tokens} tokens) "
-                    "prefilled again in slot 0; no prefix is kept between turns"
-                )
-        else:
-            result = self.generator.generate(
-                inputs.processed,
-                max_new_tokens=budget,
-                protocol=protocol,
-                on_token=on_token,
-                keep_logits=keep_logits,
-                keep_prefix=self.keep_prefix,
-                sampling=sampling,
+        result = self.generator.generate(
+            inputs.processed,
+            max_new_tokens=budget,
+            protocol=protocol,
+            on_token=on_token,
+            keep_logits=keep_logits,
+            keep_prefix=self.keep_prefix,
+            sampling=sampling,
+        )
+        if self.messages and compiled_slots(self.generator) > 1:
+            # Slot 0 of a continuous-batching program is a row of the batched cache (see the
+            # module docstring): no prefix is kept there.
+            result.notes.append(
+                f"continuous batching: the whole conversation ({result.prompt_tokens} tokens) "
+                "prefilled again in slot 0; no prefix is kept between turns"
             )
         rest = stream.finish()
         if rest and on_text:

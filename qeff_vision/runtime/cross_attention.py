@@ -20,8 +20,7 @@ states unchanged, as transformers' skipping of the cross layers does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,44 +28,15 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.generator import Generator
-from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
-from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.kept_prefix import PrefixKeeping
+from qeff_vision.runtime.planner import Chunk, ChunkPlan, plan_chunks
+from qeff_vision.runtime.request_state import ChunkCall, RequestState
+from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, unpositioned_caches
-from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
 
 CROSS_ATTENTION_MASK = symbols.CROSS_ATTENTION_MASK
-
-
-@dataclass
-class CrossPrefill:
-    """One request's prefill on the cross-attention kind: what its decode steps continue from.
-
-    Attributes:
-        length: Prompt tokens.
-        logits: The last prompt position's logits (the first generated token's).
-        positions: The prompt's position ids (decode positions follow them).
-        last_mask_row: [1, 1, images, tiles] cross-attention mask every decode step repeats.
-        past: The caches the generator feeds (self-attention KV; the cross K/V unless resident).
-        records: One record per prefill chunk.
-        protocol: Chunking protocol the plan used.
-        images_encoded: Images the vision program encoded for this request.
-        encoder_calls: Vision program calls.
-        started: ``time.perf_counter()`` when the request started (for its TTFT).
-    """
-
-    length: int
-    logits: np.ndarray
-    positions: np.ndarray
-    last_mask_row: np.ndarray
-    past: dict[str, np.ndarray]
-    records: list[ChunkRecord]
-    protocol: str
-    images_encoded: int
-    encoder_calls: int
-    started: float
 
 
 class CrossAttentionGenerator(Generator):
@@ -78,6 +48,8 @@ class CrossAttentionGenerator(Generator):
 
     vision_input = "cross-attention K/V"
     decode_shaped_tail = False  # its plan prefills every token (mask rows per chunk)
+    #: What a prompt is to this runner (a single program holds a whole conversation).
+    prompt_kind = "request"
 
     def __init__(self, *args, cross_mask_shape=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -92,7 +64,9 @@ class CrossAttentionGenerator(Generator):
         self.image_slots = slots.pop() if len(slots) == 1 else None
         self._unpositioned = unpositioned_caches(self.io, exclude=self.cross_names)
 
-    def prefix_images(self, processed: Mapping[str, Any]) -> tuple[list[str], list[tuple[int, int]]]:
+    def prefix_images(
+        self, processed: Mapping[str, Any], prepared: tuple | None = None
+    ) -> tuple[list[str], list[tuple[int, int]]]:
         """Content keys and ``<|image|>`` token spans of the prompt's images (see :meth:`keys_and_spans`)."""
         _, keys, spans = self.keys_and_spans(processed)
         return keys, spans
@@ -152,11 +126,8 @@ class CrossAttentionGenerator(Generator):
                 self.cache.record_encoder_call(1)
                 encoded += 1
             states.append(found)
+        # More images than slots were refused before any call (:meth:`begin`).
         slots = self.image_slots if self.image_slots is not None else max(len(states), 1)
-        if len(states) > slots:
-            raise UserError(
-                f"{len(states)} images in the request; the programs were compiled for at most {slots}"
-            )
         states += [self._zero_states()] * (slots - len(states))
         return {name: np.concatenate([s[name] for s in states], axis=2) for name in self.cross_names}, encoded
 
@@ -175,175 +146,29 @@ class CrossAttentionGenerator(Generator):
         slots = self.image_slots if self.image_slots is not None else max(mask.shape[2], 1)
         return np.pad(mask, ((0, 0), (0, 0), (0, slots - mask.shape[2]), (0, 0)), constant_values=-1)
 
-    def prefill(
-        self,
-        processed: Mapping[str, Any],
-        max_new_tokens: int = 32,
-        protocol: str = VisionProtocol.CHUNK.value,
-        history: Continuation | None = None,
-    ) -> CrossPrefill:
-        """Encode the request's images (each once), then run its prefill chunks (batch 1).
-
-        The first chunk carries the cross states (a continuous-batching slot program writes them
-        into its slot); every chunk carries its rows of the cross-attention mask.
-        """
-        started = time.perf_counter()
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        length = len(input_ids)
-        if history is not None and self.host.has_images(processed):
+    def begin(self, request: RequestState) -> Resume:
+        """:meth:`Generator.begin`; a continued turn cannot add images (its cross states are the first's)."""
+        processed = request.processed
+        images = len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0
+        if request.history is not None and images:
             raise UserError("a continued turn of a cross-attention model cannot add images")
-        self.resume_prompt(processed, input_ids)  # where a kept generation's prefill starts
-        positions = self.host.prompt_positions(processed)
-        used = 0
-        if history is not None:
-            past = history.past
-            first = self._feed_history(history, past)
-            positions = continued_positions(positions, first)
-            used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
-        self.check_fits(length, max_new_tokens, used)  # the one fit check of every runner
-        start = self._resume.start
-        plan = self.plan(input_ids[start:], processed, protocol)
-        calls_before = self.vision.calls
-        encode_start = time.perf_counter()
-        if history is None and start:  # the kept prefix's caches hold the images' states
-            images_encoded = 0
-            mask = self._cross_mask(processed, length)
-            past = {**self.empty_cache(), **self._resume.restore}
-            if self.language.retains_state:  # resident, with the kept positions' KV
-                past = {}
-        elif history is None:
-            cross, images_encoded = self._cross_states(processed)
-            mask = self._cross_mask(processed, length)
-            past = {**self.empty_cache(), **cross}
-        else:
-            images_encoded = 0
-            mask = np.repeat(history.decode_feeds[Role.CROSS_MASK], length, axis=1)
-        encode_seconds = time.perf_counter() - encode_start
-        request = (mask[:, start:], input_ids[start:], positions[..., start:])
-        outputs, records = self.run_chunks(plan.chunks, request, past, images_encoded, encode_seconds, start)
-        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
-        return CrossPrefill(
-            length=length,
-            logits=outputs[self.logits_name][0, -1].copy(),
-            positions=positions,
-            last_mask_row=mask[:, -1:],
-            past=past,
-            records=records,
-            protocol=plan.protocol.value,
-            images_encoded=images_encoded,
-            encoder_calls=self.vision.calls - calls_before,
-            started=started,
-        )
-
-    def generate(
-        self,
-        processed: Mapping[str, Any],
-        max_new_tokens: int = 32,
-        protocol: str = VisionProtocol.CHUNK.value,
-        on_token: Callable[[int], None] | None = None,
-        keep_logits: bool = False,
-        history: Continuation | None = None,
-        keep_prefix: bool = False,
-        sampling: SamplingParams | None = None,
-    ) -> GenerationResult:
-        """Generation for one processed prompt (batch 1); see :meth:`Generator.generate`.
-
-        A continued turn (``history``) keeps the first turn's cross states and extends its mask
-        with the last row, as transformers' ``prepare_inputs_for_generation`` pads a shorter
-        ``cross_attention_mask`` for mllama; it cannot add images. ``keep_prefix``: as
-        :meth:`Generator.generate`, while the prompt's images are the held ones.
-        """
-        args = (max_new_tokens, protocol, on_token, keep_logits, sampling, history)
-        return self.run_generation(processed, keep_prefix, *args)
-
-    def _generate(
-        self, processed, max_new_tokens, protocol, on_token, keep_logits, sampling, history
-    ) -> GenerationResult:
-        """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
-        calls_before = self.vision.calls
-        prefill = self.prefill(processed, max_new_tokens, protocol, history)
-        past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row
-        kept = [prefill.logits] if keep_logits else None
-        sampler = TokenSampler(sampling, np.asarray(processed["input_ids"]).reshape(-1))
-        token = sampler.next_token(prefill.logits)
-        ttft = time.perf_counter() - prefill.started
-        if on_token:
-            on_token(token)
-        decode_start = time.perf_counter()
-        extra = {Role.CROSS_MASK: last_row}
-        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept, extra, sampler)
-        return GenerationResult(
-            prompt_tokens=prefill.length,
-            tokens=tokens,
-            chunks=prefill.records,
-            ttft=ttft,
-            decode_seconds=time.perf_counter() - decode_start,
-            encoder_calls=self.vision.calls - calls_before,
-            cache_hits=0,
-            logits=kept or [],
-            protocol=prefill.protocol,
-            images=self.request_images(plan=None, processed=processed),
-            image_rows=0,
-            images_encoded=prefill.images_encoded,
-            vision_input=self.vision_input,
-            continuation=Continuation(
-                past, positions, len(tokens) - 1, (tokens[-1],), {Role.CROSS_MASK: last_row}
-            ),
-        )
+        if self.image_slots is not None and images > self.image_slots:
+            slots = self.image_slots
+            raise UserError(
+                f"{images} images in the {self.prompt_kind}; the programs were compiled for at most {slots}"
+            )
+        return super().begin(request)
 
     def plan(
         self,
         input_ids: np.ndarray,
         processed: Mapping[str, Any],
         protocol: str,
+        start: int = 0,
         positions: np.ndarray | None = None,
     ) -> ChunkPlan:
-        """Plain token windows: an image is one placeholder token (``positions`` unused)."""
-        return plan_chunks(len(input_ids), [], self.shape.buckets, protocol=protocol)
-
-    def run_chunks(
-        self,
-        chunks: Sequence[Chunk],
-        request: tuple[np.ndarray, np.ndarray, np.ndarray],
-        past: dict[str, np.ndarray],
-        images_encoded: int,
-        encode_seconds: float = 0.0,
-        start: int = 0,
-        new_images: Any = None,
-    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
-        """Run a prompt's prefill chunks in order: the last call's outputs and a record per chunk.
-
-        Args:
-            chunks: The planned chunks.
-            request: (cross-attention mask, token ids, positions) the chunks slice
-                (:meth:`chunk_feeds`).
-            past: The language caches, updated in place.
-            images_encoded: Images encoded for the prompt (recorded on its first chunk).
-            encode_seconds: Time that encoding took (recorded on the first chunk).
-            start: Prompt position of ``request``'s first token (a kept prefix before it).
-            new_images: This prompt's images a chunk sends to the program (:meth:`chunk_vision`;
-                request state, passed along rather than kept on the runner).
-        """
-        records, outputs = [], {}
-        for chunk in chunks:
-            began = time.perf_counter()
-            vision_feeds, sent = self.chunk_vision(chunk, past, new_images)
-            outputs = self._run({**self.chunk_feeds(chunk, *request), **vision_feeds}, past)
-            first = chunk.index == 0
-            records.append(
-                ChunkRecord(
-                    tokens=chunk.tokens,
-                    seq_len=chunk.seq_len,
-                    vision_size=0,
-                    rows=0,
-                    vision_bytes=sent,
-                    seconds=time.perf_counter() - began,
-                    encode_seconds=encode_seconds if first else 0.0,
-                    images_encoded=images_encoded if first else 0,
-                    start=start + chunk.start,
-                )
-            )
-        return outputs, records
+        """Plain token windows from ``start`` on: an image is one placeholder token (``positions`` unused)."""
+        return plan_chunks(len(input_ids) - start, [], self.shape.buckets, protocol=protocol)
 
     def chunk_feeds(
         self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
@@ -361,48 +186,52 @@ class CrossAttentionGenerator(Generator):
             }
         )
 
-    def chunk_vision(
-        self, chunk: Chunk, past: Mapping[str, np.ndarray], new_images: Any = None
-    ) -> tuple[dict[str, np.ndarray], int]:
-        """Vision inputs a prefill chunk sends besides the caches, and the vision bytes it sends.
+    def request_mask(self, request: RequestState) -> np.ndarray:
+        """The request's cross-attention mask from its first prefilled token on.
 
-        Here none (``new_images`` unused): the first chunk carries the request's cross states in
-        ``past`` (their bytes).
+        A continued turn repeats its history's last row, as transformers'
+        ``prepare_inputs_for_generation`` pads a shorter ``cross_attention_mask`` for mllama.
         """
-        sent = sum(past[n].nbytes for n in self.cross_names if n in past) if chunk.index == 0 else 0
-        return {}, sent
+        length = len(request.input_ids)
+        if request.history is not None:
+            mask = np.repeat(request.history.decode_feeds[Role.CROSS_MASK], length, axis=1)
+        else:
+            mask = self._cross_mask(request.processed, length)
+        return mask[:, request.start :]
 
-    def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
-        """Nothing to check: the cross-attention kind has no image cursor."""
-
-    def request_chunks(
-        self,
-        plan: ChunkPlan,
-        processed: Mapping[str, Any],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        encode_timer: list[float],
-    ) -> Iterator[tuple[Chunk, dict[str, np.ndarray], int]]:
-        """One request's chunks for the batched engine (see :meth:`Generator.request_chunks`).
+    def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
+        """One call per prefill chunk of ``request`` (see :meth:`Generator.request_chunks`).
 
         The first chunk of a request with images also carries its cross states (each image
         encoded once, shared across requests), which :meth:`step` writes into the request's
         slot. A request without images carries none: its slot keeps whatever it held, and the
-        program reads no cross values for it.
+        program reads no cross values for it; nor does a kept prefix or a continued turn, whose
+        cache holds its images' states.
         """
         started = time.perf_counter()
-        cross = self._cross_states(processed)[0] if self.host.has_images(processed) else {}
-        encode_timer[0] += time.perf_counter() - started
-        mask = self._cross_mask(processed, len(input_ids))
-        for chunk in plan.chunks:
+        processed = request.processed
+        fresh = not request.start and request.history is None and self.host.has_images(processed)
+        cross = self._cross_states(processed)[0] if fresh else {}
+        request.encode_timer[0] += time.perf_counter() - started
+        mask = self.request_mask(request)
+        input_ids, positions = request.input_ids[request.start :], request.positions[..., request.start :]
+        for chunk in request.plan.chunks:
             feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
             if chunk.index == 0 and cross:
                 feeds.update(cross)
-            yield chunk, feeds, sum(cross[n].nbytes for n in cross) if chunk.index == 0 else 0
+            yield ChunkCall(chunk, feeds, sum(cross[n].nbytes for n in cross) if chunk.index == 0 else 0)
 
-    def request_images(self, plan: ChunkPlan | None, processed: Mapping[str, Any]) -> int:
-        """Images of a request: one ``<|image|>`` token each (the plan has no segments)."""
-        return len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0
+    def request_images(self, request: RequestState) -> tuple[int, int]:
+        """(images, rows) of a request: one ``<|image|>`` token each, no embedding rows."""
+        processed = request.processed
+        return len(self.host.placeholder_counts(processed)) if self.host.has_images(processed) else 0, 0
+
+    def finish(self, request: RequestState, result: GenerationResult) -> GenerationResult:
+        """Records what the program holds (a kept prefix); no per-image serving notes."""
+        return PrefixKeeping.finish(self, request, result)
+
+    def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
+        """Nothing to check: the cross-attention kind has no image cursor."""
 
     def decode_vision_feeds(self, batch: int = 1) -> dict[str, np.ndarray]:
         """None: a decode step sends no vision input (the cross states are retained)."""

@@ -1,21 +1,19 @@
-"""The decode half of a :class:`~qeff_vision.runtime.generator.Generator`: one token per call.
+"""The decode half of a :class:`~qeff_vision.runtime.generator.Generator`: the inputs of a one-token call.
 
 After the prompt's prefill chunks, each call feeds one token at its position and takes no image
 row (a seq_len-1 call merges none), so a placeholder id the model generates keeps its token
-embedding, as in transformers. The same decode-shaped calls continue a conversation after a
-previous turn (the history's unfed tokens) and, one row per slot, serve the batched engine.
+embedding, as in transformers. The engine (:mod:`qeff_vision.runtime.engine`) makes the calls:
+one row per slot, also for a history's unfed tokens before a continued turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.runtime.continuation import Continuation
-from qeff_vision.runtime.sampling import TokenSampler
 
 
 class TokenDecoding:
@@ -26,15 +24,6 @@ class TokenDecoding:
     ``logits_name`` and ``eos_token_ids``, and call its ``step`` and ``decode_vision_feeds``; the
     generator sets and defines them all.
     """
-
-    def _feed_history(self, history: Continuation, past: dict[str, np.ndarray]) -> np.ndarray:
-        """Feed a history's unfed generated tokens; the position of the next token."""
-        steps = history.fed_steps
-        for token in history.unfed:
-            position = self.host.decode_positions(history.positions, steps)
-            self.feed_token(token, position, past, history.decode_feeds)
-            steps += 1
-        return self.host.decode_positions(history.positions, steps)
 
     def feed_token(
         self,
@@ -83,33 +72,3 @@ class TokenDecoding:
     def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
         """Inputs by role every decode step of this request adds, one row (none for this kind)."""
         return {}
-
-    def _decode(
-        self,
-        token: int,
-        positions: np.ndarray,
-        past: dict[str, np.ndarray],
-        max_new_tokens: int,
-        on_token: Callable[[int], None] | None,
-        kept: list[np.ndarray] | None,
-        extra: Mapping[Role, np.ndarray] | None = None,
-        sampler: TokenSampler | None = None,
-    ) -> list[int]:
-        """Decode after the prefill's first token; appends each logits row to ``kept`` if given.
-
-        ``extra``: further inputs of every decode step by role (:meth:`feed_token`). ``sampler``:
-        the request's token choice (greedy when None).
-        """
-        sampler = sampler if sampler is not None else TokenSampler()
-        tokens = [token]
-        for step in range(max_new_tokens - 1):
-            if token in self.eos_token_ids:
-                break
-            outputs = self.feed_token(token, self.host.decode_positions(positions, step), past, extra)
-            if kept is not None:
-                kept.append(outputs[self.logits_name][0, -1].copy())
-            token = sampler.next_token(outputs[self.logits_name][0, -1])
-            tokens.append(token)
-            if on_token:
-                on_token(token)
-        return tokens

@@ -127,6 +127,7 @@ class DisaggregatedSlots:
         batched = generator.io.has(Role.KV_SLOT)
         self.decode_slots = (BatchedSlots if batched else SequentialSlots)(generator, full_batch_size)
         self.batched = self.decode_slots.batched
+        self.per_sequence = False  # the prefill program never holds the reply
         self.full_batch_size = full_batch_size
         self.staging: dict[int, dict[str, np.ndarray]] = {}
 
@@ -135,6 +136,14 @@ class DisaggregatedSlots:
         if slot not in self.staging:
             self.staging[slot] = self.generator.empty_cache(1)
         return self.generator.step(feeds, self.staging[slot])
+
+    def load(self, slot: int, past: dict[str, np.ndarray]) -> None:
+        """The request in ``slot`` prefills from ``past`` (a batch-1 cache)."""
+        self.staging[slot] = past
+
+    def cache(self, slot: int) -> None:
+        """None: the request's cache moves between programs."""
+        return None
 
     def finish_prefill(self, slot: int) -> None:
         """Copy the request's prefill KV into its decode slot (the prefill/decode hand-off)."""

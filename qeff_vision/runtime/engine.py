@@ -1,63 +1,43 @@
-"""Batched engine: several requests share the language program's KV slots (continuous batching).
+"""The engine: the one prefill loop and the one decode loop, for every request of every deployment.
 
 The host step of docs/design.md "Continuous batching protocol", scheduled by
 :class:`~qeff_vision.runtime.scheduler.Scheduler`: each step admits arrived requests into free
 slots, runs one prefilling request's next chunk (batch 1, into its slot) and one decode call for
-every running request. Each request is planned, encoded and fed exactly as
-:class:`~qeff_vision.runtime.generator.Generator` does it alone (same chunk plan, same positions,
-same chunk-local vision rows), so its tokens are the single-sequence ones; images come from one
+every running request. A request is a :class:`~qeff_vision.runtime.request_state.RequestState`;
+how image information reaches the language program is its decoder kind's runner
+(:class:`~qeff_vision.runtime.sequence_runner.SequenceRunner`: the calls of each chunk, the extra
+inputs of each decode step); where request state lives is the deployment's slots
+(:mod:`qeff_vision.runtime.slots`). Images come from one
 :class:`~qeff_vision.runtime.embedding_cache.EmbeddingCache` shared by all requests (an image two
 requests show is encoded once).
 
-The slots themselves (one batched cache, or one host cache per slot) are held by
-:mod:`qeff_vision.runtime.slots`.
-
-A lone request on a program compiled for ``full_batch_size`` F > 1 (``run --prompt`` on a
-continuous-batching artifact, what vLLM sends whenever one sequence is running) is a batch of one
-(:meth:`BatchedEngine.generate`): it takes slot 0 and decodes in calls at batch F whose other rows
-are idle, the shapes the program was compiled for (:func:`compiled_slots`).
+A lone request (:meth:`BatchedEngine.generate`, what ``Generator.generate`` and ``run --prompt``
+run) is a batch of one in slot 0: on a program compiled for ``full_batch_size`` F > 1 it decodes
+in calls at batch F whose other rows are idle, the shapes the program was compiled for
+(:func:`compiled_slots`); at F = 1 its slot is one host cache, which a conversation's next turn
+continues from (a kept prefix, or a ``history``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.deployment import deployment_of
-from qeff_vision.runtime.planner import Chunk, ChunkEnd, ChunkPlan, VisionProtocol
+from qeff_vision.runtime.continuation import Continuation
+from qeff_vision.runtime.planner import ChunkEnd, VisionProtocol
+from qeff_vision.runtime.request_state import EngineRequest, RequestState
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
-from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
+from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
+from qeff_vision.runtime.slots import SequentialSlots
 
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One request for the engine.
-
-    Attributes:
-        processed: Processor outputs as numpy arrays (what :meth:`Generator.generate` takes).
-        max_new_tokens: Upper bound of generated tokens.
-        arrival_step: The engine step at which the request arrives.
-        on_token: Called with each token id as soon as it is known (streaming).
-        protocol: Its vision protocol (``chunk`` or ``full``); the engine's when None.
-        sampling: How its tokens are chosen (greedy when None); its own random generator, so its
-            tokens do not depend on the requests it shares steps with.
-    """
-
-    processed: Mapping[str, Any]
-    max_new_tokens: int = 32
-    arrival_step: int = 0
-    on_token: Callable[[int], None] | None = None
-    protocol: str | None = None
-    sampling: SamplingParams | None = None
+__all__ = ["BatchedEngine", "EngineReport", "EngineRequest", "RequestResult", "compiled_slots"]
 
 
 @dataclass
@@ -139,71 +119,17 @@ class EngineReport:
         return sum(self.decode_batches) / (len(self.decode_batches) * self.full_batch_size)
 
 
-class _Sequence:
-    """A request's host state while it runs (plan, positions, chunk feed, tokens, timings)."""
-
-    def __init__(self, number: int, request: EngineRequest, generator: SequenceRunner, plan: ChunkPlan):
-        self.number = number
-        self.request = request
-        self.plan = plan
-        self.input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
-        self.positions = generator.host.prompt_positions(request.processed)
-        self.chunks: Iterator[tuple[Chunk, dict[str, np.ndarray], int]] | None = None
-        self.decode_extra = generator.decode_extra(request.processed)
-        self.sampler = TokenSampler(request.sampling, self.input_ids)
-        self.encode_timer = [0.0]
-        self.slot = -1
-        self.admitted_step = self.first_token_step = -1
-        self.arrived_at = self.first_token_at = self.last_token_at = 0.0
-        self.tokens: list[int] = []
-        self.logits: list[np.ndarray] = []
-        self.records: list[ChunkRecord] = []
-        self.encoder_calls = self.cache_hits = self.images_encoded = 0
-        self.decode_batches: list[int] = []
-        self.decode_base: np.ndarray | None = None
-        self.affine = False
-
-    def admit(self, generator: SequenceRunner, slot: int, step: int) -> None:
-        """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
-        self.slot, self.admitted_step = slot, step
-        self.chunks = generator.request_chunks(
-            self.plan, self.request.processed, self.input_ids, self.positions, self.encode_timer
-        )
-
-    def next_positions(self, host) -> np.ndarray:
-        """Position ids of the token fed next (the last one generated)."""
-        step = len(self.tokens) - 1
-        if self.decode_base is None:
-            self.decode_base = host.decode_positions(self.positions, 0)
-            # Hosts advance every position row by one per generated token; checked once, so a host
-            # that does not is asked every step.
-            self.affine = np.array_equal(host.decode_positions(self.positions, 1), self.decode_base + 1)
-        return self.decode_base + step if self.affine else host.decode_positions(self.positions, step)
-
-    def emit(self, logits: np.ndarray, keep_logits: bool, eos: set[int]) -> bool:
-        """Choose and record the next token from its logits row; True when the request is complete."""
-        token = self.sampler.next_token(logits)
-        now = time.perf_counter()
-        if not self.tokens:
-            self.first_token_at = now
-        self.last_token_at = now
-        self.tokens.append(token)
-        if keep_logits:
-            self.logits.append(logits.copy())
-        if self.request.on_token is not None:
-            self.request.on_token(token)
-        return token in eos or len(self.tokens) >= self.request.max_new_tokens
-
-
 class BatchedEngine:
     """Runs requests arriving at different steps through shared KV slots (see the module docstring).
 
     Args:
-        generator: The single-request host of the two programs; the engine uses its planning,
-            image encoding, feeds and embedding cache, so every request is fed as it would be alone.
+        generator: The decoder kind's runner; the engine uses its planning, image encoding, feeds
+            and embedding cache, so every request is fed as it would be alone.
         full_batch_size: Slots. For a continuous-batching program, its ``full_batch_size`` (read
             from the compiled specializations when None); otherwise 1 unless given.
         protocol: Vision protocol of every request (``chunk`` or ``full``).
+        one_sequence: The engine of a runner's lone requests: at one slot it is a host cache per
+            sequence whatever the mode, so a conversation continues from it.
     """
 
     def __init__(
@@ -211,6 +137,8 @@ class BatchedEngine:
         generator: SequenceRunner,
         full_batch_size: int | None = None,
         protocol: str = VisionProtocol.CHUNK.value,
+        *,
+        one_sequence: bool = False,
     ):
         self.generator = generator
         self.protocol = protocol
@@ -219,8 +147,10 @@ class BatchedEngine:
             full_batch_size = compiled_full_batch_size(_decode_specializations(generator)) if batched else 1
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
-        # Where the requests' state lives is the deployment's answer (qeff_vision.runtime.deployment).
-        self.slots = deployment_of(generator.language).engine_slots(generator, full_batch_size)
+        if one_sequence and full_batch_size == 1:
+            self.slots = SequentialSlots(generator, 1)
+        else:  # where the requests' state lives is the deployment's answer
+            self.slots = generator.deployment.engine_slots(generator, full_batch_size)
 
     @property
     def full_batch_size(self) -> int:
@@ -245,7 +175,7 @@ class BatchedEngine:
             UserError: A request does not fit ``ctx_len`` or the buckets (checked for every
                 request before any call), or a shape was not compiled.
         """
-        return self._serve(requests, keep_logits, on_finish, labelled=True)
+        return self._serve(requests, keep_logits, on_finish, lone=False)
 
     def generate(
         self,
@@ -255,11 +185,17 @@ class BatchedEngine:
         on_token: Callable[[int], None] | None = None,
         keep_logits: bool = False,
         sampling: SamplingParams | None = None,
+        *,
+        history: Continuation | None = None,
+        keep_prefix: bool = False,
     ) -> GenerationResult:
         """One request alone: a batch of one, in slot 0 (the lowest free slot).
 
         Its prefill chunks are batch-1 calls into slot 0 and its decode steps calls at batch
-        ``full_batch_size`` with the other rows idle, as :meth:`run` serves any request.
+        ``full_batch_size`` with the other rows idle, as :meth:`run` serves any request. It
+        starts from a fresh cache, the prefix the program holds (``keep_prefix``, a cache per
+        sequence only) or ``history``'s, and its result's ``continuation`` is where it stopped
+        (a cache per sequence only).
 
         Args:
             processed: Processor outputs as numpy arrays.
@@ -268,12 +204,16 @@ class BatchedEngine:
             on_token: Called with each token id as soon as it is known (streaming).
             keep_logits: Keep each step's logits row in the result.
             sampling: How tokens are chosen (greedy when None).
+            history: A previous result's ``continuation`` to run after (consumed).
+            keep_prefix: ``processed`` is the whole conversation: prefill only what follows the
+                prefix the program holds (:mod:`~qeff_vision.runtime.kept_prefix`).
 
         Raises:
             UserError: The prompt does not fit ``ctx_len`` or the buckets, or a shape was not compiled.
         """
-        request = EngineRequest(processed, max_new_tokens, 0, on_token, protocol, sampling)
-        (done,) = self._serve([request], keep_logits, None, labelled=False).requests
+        keep = keep_prefix and self.slots.per_sequence
+        request = EngineRequest(processed, max_new_tokens, 0, on_token, protocol, sampling, history, keep)
+        (done,) = self._serve([request], keep_logits, None, lone=True).requests
         return done.result
 
     def _serve(
@@ -281,47 +221,46 @@ class BatchedEngine:
         requests: Sequence[EngineRequest],
         keep_logits: bool,
         on_finish: Callable[[RequestResult], None] | None,
-        labelled: bool,
+        lone: bool,
     ) -> EngineReport:
-        """:meth:`run`; ``labelled``: a request's error names its number."""
+        """:meth:`run`; ``lone``: one request from a fresh (or kept) cache, its errors unnumbered."""
         generator = self.generator
-        sequences = []
+        started = time.perf_counter()
         vision_calls = generator.vision.calls
+        states = []
         for number, request in enumerate(requests):
             try:
-                # A pruning rate encodes the request's clips now: their kept rows shape its prompt.
-                request = replace(request, processed=generator.prepare_prompt(request.processed))
-                input_ids = np.asarray(request.processed["input_ids"], dtype=np.int64).reshape(-1)
-                generator.check_fits(len(input_ids), request.max_new_tokens)
-                plan = generator.plan(input_ids, request.processed, request.protocol or self.protocol)
+                states.append(RequestState(number, request, generator, self.protocol))
             except UserError as exc:
-                raise UserError(f"request {number}: {exc}" if labelled else str(exc)) from None
-            sequences.append(_Sequence(number, request, generator, plan))
+                raise UserError(str(exc) if lone else f"request {number}: {exc}") from None
+        if lone:
+            states[0].arrived_at = started
+            states[0].initial = generator.initial_cache(states[0])
         scheduler = Scheduler([r.arrival_step for r in requests], self.full_batch_size)
         report = EngineReport([], self.full_batch_size, batched=self.slots.batched)
         results: dict[int, RequestResult] = {}
         while not scheduler.done:
             step = scheduler.plan_step()
             now = time.perf_counter()
-            for sequence in sequences:
-                if not sequence.arrived_at and sequence.request.arrival_step <= step.step:
-                    sequence.arrived_at = now
+            for state in states:
+                if not state.arrived_at and state.request.arrival_step <= step.step:
+                    state.arrived_at = now
             for number, slot in step.admitted:
-                sequences[number].admit(generator, slot, step.step)
+                self._admit(states[number], slot, step.step)
             finished = []
             if step.prefill is not None:
-                complete = self._prefill(sequences[step.prefill], step, report, keep_logits)
+                complete = self._prefill(states[step.prefill], step, report, keep_logits)
                 if complete is not None:  # the prompt's last chunk ran
                     scheduler.prefill_finished(step.prefill)
                 if complete:
                     finished.append(step.prefill)
             if step.decode:
-                finished += self._decode([sequences[n] for n in step.decode], step, report, keep_logits)
+                finished += self._decode([states[n] for n in step.decode], report, keep_logits)
             if step.prefill is not None or step.decode:
                 report.steps += 1
             for number in finished:
                 scheduler.finish(number)
-                results[number] = self._result(sequences[number], step.step)
+                results[number] = self._result(states[number], step.step)
                 if on_finish:
                     on_finish(results[number])
             scheduler.advance()
@@ -329,102 +268,127 @@ class BatchedEngine:
         report.encoder_calls = generator.vision.calls - vision_calls
         return report
 
+    def _admit(self, state: RequestState, slot: int, step: int) -> None:
+        """Give ``state`` its slot and cache; a history's unfed tokens are fed there first."""
+        state.slot, state.admitted_step = slot, step
+        if state.initial is not None:
+            self.slots.load(slot, state.initial)
+        history = state.history
+        if history is not None:
+            host = self.generator.host
+            for steps, token in enumerate(history.unfed, start=history.fed_steps):
+                position = host.decode_positions(history.positions, steps)
+                self.slots.decode({slot: (token, position, history.decode_feeds)})
+        # Images are prepared now and encoded when a chunk first needs them.
+        state.chunks = self.generator.request_chunks(state)
+
     def _prefill(
-        self, sequence: _Sequence, step: StepPlan, report: EngineReport, keep_logits: bool
+        self, state: RequestState, step: StepPlan, report: EngineReport, keep_logits: bool
     ) -> bool | None:
-        """Run the sequence's next chunk: None when chunks remain, else whether the request is complete."""
+        """Run the request's next chunk: None when chunks remain, else whether the request is complete."""
         generator = self.generator
-        calls, stats, encode_before = generator.vision.calls, generator.cache.stats, sequence.encode_timer[0]
-        chunk, feeds, sent = next(sequence.chunks)
+        calls, stats, encode_before = generator.vision.calls, generator.cache.stats, state.encode_timer[0]
+        call = next(state.chunks)
         after = generator.cache.stats
-        sequence.encoder_calls += generator.vision.calls - calls
-        sequence.cache_hits += after.hits - stats.hits
-        sequence.images_encoded += after.images_encoded - stats.images_encoded
+        chunk = call.chunk
+        state.encoder_calls += generator.vision.calls - calls
+        state.cache_hits += after.hits - stats.hits
+        encoded = after.images_encoded - stats.images_encoded
+        encoded = encoded if call.images_encoded is None else call.images_encoded
+        state.images_encoded += encoded
         started = time.perf_counter()
         if chunk.end is ChunkEnd.DECODE_SHAPED:
             # Past the last prefill CCL: the token is a decode row of the request's slot (at
             # full_batch_size on a continuous-batching program, its other rows idle).
-            token = int(feeds[generator.io.name(Role.TOKEN_IDS)][0, 0])
-            positions = feeds[generator.io.name(Role.POSITIONS)]
-            logits, _ = self.slots.decode({sequence.slot: (token, positions, sequence.decode_extra)})
-            outputs = {symbols.LOGITS: logits[sequence.slot][None, None]}
+            token = int(call.feeds[generator.io.name(Role.TOKEN_IDS)][0, 0])
+            positions = call.feeds[generator.io.name(Role.POSITIONS)]
+            logits, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra)})
+            outputs = {symbols.LOGITS: logits[state.slot][None, None]}
         else:
-            outputs = self.slots.prefill(sequence.slot, feeds)
+            for feeds in call.before:
+                self.slots.prefill(state.slot, feeds)
+            outputs = self.slots.prefill(state.slot, call.feeds)
             generator.check_chunk_outputs(chunk, outputs)
-        sequence.records.append(
+        state.records.append(
             ChunkRecord(
                 tokens=chunk.tokens,
                 seq_len=chunk.seq_len,
                 vision_size=chunk.vision_size,
                 rows=chunk.rows,
-                vision_bytes=sent,
+                vision_bytes=call.vision_bytes,
                 seconds=time.perf_counter() - started,
-                encode_seconds=sequence.encode_timer[0] - encode_before,
-                images_encoded=after.images_encoded - stats.images_encoded,
-                start=chunk.start,
+                encode_seconds=state.encode_timer[0] - encode_before,
+                images_encoded=encoded,
+                start=state.start + chunk.start,
             )
         )
         report.prefill_calls += 1
-        report.vision_bytes += sent
-        if chunk.index < len(sequence.plan.chunks) - 1:
+        report.vision_bytes += call.vision_bytes
+        if chunk.index < len(state.plan.chunks) - 1:
             return None
-        sequence.chunks.close()  # unpins the images the last chunk sent
+        state.chunks.close()  # unpins the images the last chunk sent
+        generator.prefill_done(state, self.slots.cache(state.slot))
         # Disaggregated: the prefill's KV moves to the decode program's slot (a no-op otherwise).
-        self.slots.finish_prefill(sequence.slot)
-        sequence.first_token_step = step.step
-        logits = outputs[symbols.LOGITS][0, -1]
-        return sequence.emit(logits, keep_logits, self.generator.eos_token_ids)
+        self.slots.finish_prefill(state.slot)
+        state.first_token_step = step.step
+        return state.emit(outputs[symbols.LOGITS][0, -1], keep_logits, generator.eos_token_ids)
 
-    def _decode(
-        self, running: list[_Sequence], step: StepPlan, report: EngineReport, keep_logits: bool
-    ) -> list[int]:
+    def _decode(self, running: list[RequestState], report: EngineReport, keep_logits: bool) -> list[int]:
         """One token for every running request; the numbers of those now complete."""
         started = time.perf_counter()
         host = self.generator.host
         tokens = {
-            sequence.slot: (sequence.tokens[-1], sequence.next_positions(host), sequence.decode_extra)
-            for sequence in running
+            state.slot: (state.tokens[-1], state.next_positions(host), state.decode_extra)
+            for state in running
         }
         logits, sent = self.slots.decode(tokens)
         report.decode_batches.append(len(running))
         report.vision_bytes += sent
         finished = []
-        for sequence in running:
-            sequence.decode_batches.append(len(running))
-            row = logits[sequence.slot]
-            if sequence.emit(row, keep_logits, self.generator.eos_token_ids):
-                finished.append(sequence.number)
+        for state in running:
+            state.decode_batches.append(len(running))
+            if state.emit(logits[state.slot], keep_logits, self.generator.eos_token_ids):
+                finished.append(state.number)
         elapsed = time.perf_counter() - started
         report.decode_seconds += elapsed
         report.decode_step_seconds.append(elapsed)
         return finished
 
-    def _result(self, sequence: _Sequence, step: int) -> RequestResult:
-        plan = sequence.plan
+    def _result(self, state: RequestState, step: int) -> RequestResult:
+        generator, tokens = self.generator, state.tokens
+        # A lone request's slot cache is its own: where a later turn continues.
+        cache = self.slots.cache(state.slot) if state.initial is not None else None
+        continuation = None
+        if cache is not None:
+            continuation = Continuation(
+                cache, state.positions, len(tokens) - 1, (tokens[-1],), dict(state.decode_extra)
+            )
+        images, rows = generator.request_images(state)
         result = GenerationResult(
-            prompt_tokens=len(sequence.input_ids),
-            tokens=sequence.tokens,
-            chunks=sequence.records,
-            ttft=sequence.first_token_at - sequence.arrived_at,
-            decode_seconds=sequence.last_token_at - sequence.first_token_at,
-            encoder_calls=sequence.encoder_calls,
-            cache_hits=sequence.cache_hits,
-            logits=sequence.logits,
-            protocol=plan.protocol.value,
-            images=self.generator.request_images(plan, sequence.request.processed),
-            image_rows=plan.total_rows,
-            images_encoded=sequence.images_encoded,
-            vision_input=self.generator.vision_input,
+            prompt_tokens=len(state.input_ids),
+            tokens=tokens,
+            chunks=state.records,
+            ttft=state.first_token_at - state.arrived_at,
+            decode_seconds=state.last_token_at - state.first_token_at,
+            encoder_calls=state.encoder_calls,
+            cache_hits=state.cache_hits,
+            logits=state.logits,
+            protocol=state.plan.protocol.value,
+            images=images,
+            image_rows=rows,
+            images_encoded=state.images_encoded,
+            vision_input=generator.vision_input,
+            continuation=continuation,
         )
         return RequestResult(
-            number=sequence.number,
-            arrival_step=sequence.request.arrival_step,
-            slot=sequence.slot,
-            admitted_step=sequence.admitted_step,
-            first_token_step=sequence.first_token_step,
+            number=state.number,
+            arrival_step=state.request.arrival_step,
+            slot=state.slot,
+            admitted_step=state.admitted_step,
+            first_token_step=state.first_token_step,
             finished_step=step,
-            result=result,
-            decode_batches=sequence.decode_batches,
+            result=generator.finish(state, result),
+            decode_batches=state.decode_batches,
         )
 
 
@@ -444,7 +408,7 @@ def compiled_slots(generator: SequenceRunner) -> int:
 
 def _decode_specializations(generator: SequenceRunner) -> Sequence[Mapping[str, Any]] | None:
     """The specializations of the program that decodes (a disaggregated pair's decode program)."""
-    return deployment_of(generator.language).decode_specializations(generator.language)
+    return generator.deployment.decode_specializations(generator.language)
 
 
 def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:

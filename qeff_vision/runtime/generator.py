@@ -1,16 +1,16 @@
-"""Chunk-aware generation over the two programs: plan, encode on first use, prefill chunk by chunk, decode.
+"""The token-merge decoder kind over two programs: plan, encode on first use, feed each chunk its rows.
 
 The host side of the protocol in docs/design.md: positions (M-RoPE included) are computed once
 for the whole prompt and sliced per chunk; each chunk receives only its rows of the per-image
 embeddings (``chunk`` protocol) or the whole embedding (``full``, kept for comparison); images are
 encoded when a chunk first needs them, through a per-conversation :class:`EmbeddingCache`. A
 conversation's turn prefills only what follows the prefix the language program already holds
-(:mod:`qeff_vision.runtime.kept_prefix`).
+(:mod:`qeff_vision.runtime.kept_prefix`). The loop itself is the engine's
+(:mod:`qeff_vision.runtime.engine`): a lone prompt is a batch of one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,18 +22,21 @@ from qeff_vision.contract.full_kv import keeps_full_kv
 from qeff_vision.contract.language_io import SLOT_ROLES, Role
 from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.continuation import Continuation, continued_positions
+from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.decoding import TokenDecoding
-from qeff_vision.runtime.deployment import Deployment, deployment_of
-from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
+from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment
+from qeff_vision.runtime.embedding_cache import EmbeddingCache, feed_chunks
+from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
 from qeff_vision.runtime.image_encoding import ImageEncoding
 from qeff_vision.runtime.kept_prefix import PrefixKeeping
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
-from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.request_state import ChunkCall, RequestState
+from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import segments_after, unpositioned_caches
-from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
+from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.session import OnnxProgram
+from qeff_vision.spec.deployment import DUAL
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
@@ -55,7 +58,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             into them); ``None``: a vision program specialized per resolution.
         eos_token_ids: Generation stops after emitting one of these (default: the checkpoint's).
         deployment: The deployment mode the programs belong to (:mod:`~qeff_vision.runtime.deployment`);
-            by default the one ``language`` is (dual, or disaggregated for a phase router).
+            dual by default (:func:`~qeff_vision.runtime.generate.make_generator` names it).
     """
 
     #: What a result's ``vision_bytes`` count (:attr:`GenerationResult.vision_input`).
@@ -78,7 +81,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
     ):
         self.checkpoint = checkpoint
         #: The deployment mode: capabilities, the engine's slots, where state lives.
-        self.deployment = deployment if deployment is not None else deployment_of(language)
+        self.deployment = deployment if deployment is not None else DEPLOYMENTS[DUAL]
         family = self.family = checkpoint.family
         self.host = checkpoint.host
         self.vision = vision
@@ -97,7 +100,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         #: Compiled vision specializations (symbol values), when known: clips are checked against them.
         self.compiled_vision: list[Mapping[str, object]] = []
         #: The language IO table: feeds, caches and outputs are named and shaped by its rows.
-        graph_dims = getattr(language, "input_dims", {})
+        graph_dims = language.input_dims
         table = {
             "comp_ctx_lengths": bool(shape.prefill_ccls or shape.decode_ccls),
             # A continuous-batching program (it takes batch_index) driven for one sequence, slot 0.
@@ -119,14 +122,11 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         self.patch_buckets = (
             sorted(patch_buckets, key=lambda bucket: bucket[symbols.VISION_SIZE]) if patch_buckets else None
         )
-        #: How the vision program served each image of the last prompt (what ``run`` reports).
-        self.served: dict[str, str] = {}
-        self._images: list[PreparedImage] = []
         #: Video token pruning (EVS) rate, 0 = off (:meth:`set_video_pruning_rate`), and the
         #: retention mask of each pruned clip by its cache key.
         self.video_pruning_rate = 0.0
         self.retention: dict[str, np.ndarray] = {}
-        self.prepared: tuple | None = None
+        self._engine: BatchedEngine | None = None
 
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """A zeroed KV cache to pass as :meth:`step`'s ``past``; empty when the device retains it.
@@ -246,15 +246,15 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         input_ids: np.ndarray,
         processed: Mapping[str, Any],
         protocol: str,
+        start: int = 0,
         positions: np.ndarray | None = None,
     ) -> ChunkPlan:
-        """The chunk plan of a processed prompt (of its tokens after a kept prefix, in a kept generation).
+        """The chunk plan of a processed prompt's tokens from ``start`` on (after a kept prefix).
 
         ``positions``: the prompt's position ids as fed (after a history, continued); by default the
         host's. With prefill CCLs, the tokens whose text position is past the last one end the
         prefill part (:func:`~qeff_vision.runtime.planner.plan_chunks` ``prefill_stop``).
         """
-        start = self._resume.start
         return plan_chunks(
             len(input_ids) - start,
             segments_after(self.host.segments({**processed, "input_ids": input_ids}), start),
@@ -277,6 +277,13 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         past = np.flatnonzero(text >= self.shape.prefill_limit)
         return int(past[0]) if len(past) else None
 
+    @property
+    def engine(self) -> BatchedEngine:
+        """The engine of this runner's lone requests: slot 0 of the compiled slots (made once)."""
+        if self._engine is None:
+            self._engine = BatchedEngine(self, compiled_slots(self), one_sequence=True)
+        return self._engine
+
     def generate(
         self,
         processed: Mapping[str, Any],
@@ -288,7 +295,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         keep_prefix: bool = False,
         sampling: SamplingParams | None = None,
     ) -> GenerationResult:
-        """Generation for one processed prompt (batch 1), greedy unless ``sampling`` says otherwise.
+        """Generation for one processed prompt, a batch of one of :attr:`engine` (greedy by default).
 
         Args:
             processed: Processor outputs as numpy arrays (input_ids, pixel_values, ...).
@@ -310,113 +317,23 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
-        args = (max_new_tokens, protocol, on_token, keep_logits, sampling, history)
-        return self.run_generation(processed, keep_prefix, *args)
-
-    def _generate(
-        self,
-        processed: Mapping[str, Any],
-        max_new_tokens: int,
-        protocol: str,
-        on_token: Callable[[int], None] | None,
-        keep_logits: bool,
-        sampling: SamplingParams | None,
-        history: Continuation | None,
-    ) -> GenerationResult:
-        """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
-        started = time.perf_counter()
         self.ccl_history = []
-        self.served = {}
-        stats_before, calls_before = self.cache.stats, self.vision.calls
-        processed = self.prepare_prompt(processed)  # clips pruned (and so encoded) at a pruning rate
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        self.resume_prompt(processed, input_ids)  # where a kept generation's prefill starts
-        length = len(input_ids)
-        # A kept prefix's caches: held on the host (onnxruntime) or resident on the device.
-        past = history.past if history is not None else {**self.empty_cache(), **self._resume.restore}
-        positions = self.host.prompt_positions(processed)
-        used = 0
-        if history is not None:
-            first = self._feed_history(history, past)
-            positions = continued_positions(positions, first)
-            used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
-        self.check_fits(length, max_new_tokens, used)
-        plan = self.plan(input_ids, processed, protocol, positions)
-        outputs, records = self._prefill(plan, input_ids, positions, processed, past)
-        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
-        sampler = TokenSampler(sampling, input_ids)
-        token = sampler.next_token(outputs[self.logits_name][0, -1])
-        ttft = time.perf_counter() - started
-        if on_token:
-            on_token(token)
-        decode_start = time.perf_counter()
-        tokens = self._decode(token, positions, past, max_new_tokens, on_token, kept, sampler=sampler)
-        decode_seconds = time.perf_counter() - decode_start
-        stats_after = self.cache.stats
-        # The images of a kept prefix are the prompt's too (held, so not in the plan).
-        held_images = self.host.segments(processed)[: self._resume.images] if self._resume.images else []
-        return GenerationResult(
-            prompt_tokens=length,
-            tokens=tokens,
-            chunks=records,
-            ttft=ttft,
-            decode_seconds=decode_seconds,
-            encoder_calls=self.vision.calls - calls_before,
-            cache_hits=stats_after.hits - stats_before.hits,
-            logits=kept or [],
-            protocol=plan.protocol.value,
-            images=len(held_images) + len(plan.segments),
-            image_rows=sum(segment.rows for segment in held_images) + plan.total_rows,
-            images_encoded=stats_after.images_encoded - stats_before.images_encoded,
-            continuation=Continuation(past, positions, len(tokens) - 1, (tokens[-1],)),
-            served=self._served_notes(),
+        return self.engine.generate(
+            processed,
+            max_new_tokens,
+            protocol,
+            on_token,
+            keep_logits,
+            sampling,
+            history=history,
+            keep_prefix=keep_prefix,
         )
 
-    def _prefill(
-        self,
-        plan: ChunkPlan,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        processed: Mapping[str, Any],
-        past: dict[str, np.ndarray],
-    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
-        """Run every chunk of ``plan``; the last call's outputs and one record per chunk.
-
-        In a kept generation the plan covers the tokens after the kept prefix, and its images are
-        the prompt's after the kept ones.
-        """
-        start, kept = self._resume.start, self._resume.images
-        input_ids, positions = input_ids[start:], positions[..., start:]
-        images, inputs_by_key = self._prepare_images(processed) if plan.segments else ([], {})
-        self._images = images = images[kept:]
-        encode_timer = [0.0]
-        encoder = self._encoder(inputs_by_key, encode_timer)
-        hidden = self.row_width
-        records: list[ChunkRecord] = []
-        outputs: dict[str, np.ndarray] = {}
-        encoded_before, encode_before = self.cache.stats.images_encoded, 0.0
-        for chunk, vision_embeds in feed_chunks(plan, images, self.cache, encoder, hidden, np.float32):
-            chunk_start = time.perf_counter()
-            outputs = self.step(self.chunk_feeds(chunk, vision_embeds, input_ids, positions), past)
-            seconds = time.perf_counter() - chunk_start
-            self.check_chunk_outputs(chunk, outputs)
-            encoded_now = self.cache.stats.images_encoded
-            records.append(
-                ChunkRecord(
-                    tokens=chunk.tokens,
-                    seq_len=chunk.seq_len,
-                    vision_size=chunk.vision_size,
-                    rows=chunk.rows,
-                    vision_bytes=vision_embeds.nbytes,
-                    seconds=seconds,
-                    encode_seconds=encode_timer[0] - encode_before,
-                    images_encoded=encoded_now - encoded_before,
-                    start=start + chunk.start,
-                )
-            )
-            encoded_before, encode_before = encoded_now, encode_timer[0]
-        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
-        return outputs, records
+    def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
+        """The cache a lone request starts from: its history's, else fresh with a kept prefix's caches."""
+        if request.history is not None:
+            return request.history.past
+        return {**self.empty_cache(), **request.resume.restore}
 
     def chunk_feeds(
         self, chunk: Chunk, vision_embeds: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
@@ -433,32 +350,38 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             }
         )
 
-    def request_chunks(
-        self,
-        plan: ChunkPlan,
-        processed: Mapping[str, Any],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        encode_timer: list[float],
-    ) -> Iterator[tuple[Chunk, dict[str, np.ndarray], int]]:
-        """(chunk, its language inputs, vision bytes they carry) per prefill chunk of one request.
+    def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
+        """One call per prefill chunk of ``request`` (its tokens after a kept prefix).
 
-        What the batched engine feeds a request's slot, chunk by chunk: images are encoded (or
-        taken from the embedding cache) when a chunk first needs them and unpinned after their
-        last chunk, also when the caller closes the iterator early.
+        Images are encoded (or taken from the embedding cache) when a chunk first needs them and
+        unpinned after their last chunk, also when the caller closes the iterator early. A kept
+        prefix's images are held by the program: the plan and the rows start after them.
         """
-        images, inputs_by_key = self._prepare_images(processed) if plan.segments else ([], {})
-        encoder = self._encoder(inputs_by_key, encode_timer)
+        plan, processed = request.plan, request.processed
+        images, inputs_by_key = (
+            self._prepare_images(processed, request.prepared) if plan.segments else ([], {})
+        )
+        request.images = images = images[request.resume.images :]
+        encoder = self._encoder(inputs_by_key, request.encode_timer, request.served)
         chunks = feed_chunks(plan, images, self.cache, encoder, self.row_width, np.float32)
+        input_ids, positions = request.input_ids[request.start :], request.positions[..., request.start :]
         try:
             for chunk, rows in chunks:
-                yield chunk, self.chunk_feeds(chunk, rows, input_ids, positions), rows.nbytes
+                yield ChunkCall(chunk, self.chunk_feeds(chunk, rows, input_ids, positions), rows.nbytes)
         finally:
             chunks.close()
 
-    def request_images(self, plan: ChunkPlan, processed: Mapping[str, Any]) -> int:
-        """Images (and videos) of a request, as its report counts them: the plan's segments."""
-        return len(plan.segments)
+    def request_images(self, request: RequestState) -> tuple[int, int]:
+        """(images and videos, their embedding rows) of a request's prompt, a kept prefix's included."""
+        kept = request.resume.images
+        held = self.host.segments(request.processed)[:kept] if kept else []
+        plan = request.plan
+        return len(held) + len(plan.segments), sum(segment.rows for segment in held) + plan.total_rows
+
+    def finish(self, request: RequestState, result: GenerationResult) -> GenerationResult:
+        """The result with how each image was served; records what the program holds (a kept prefix)."""
+        result.served = self.served_notes(request)
+        return super().finish(request, result)
 
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """The program's image counter after a chunk must be the plan's."""

@@ -29,10 +29,10 @@ class ImageEncoding:
     """Methods of :class:`~qeff_vision.runtime.generator.Generator` on the vision side (a mixin).
 
     They read the generator's ``family``, ``host``, ``vision`` (the program), ``io`` (the language IO table),
-    ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``, ``_images``,
-    ``video_pruning_rate``, ``retention`` (pruned cache key -> retention mask), ``prepared``
-    (the last pruned prompt with its prepared images) and ``_resume`` (a kept prefix), and record in
-    ``served`` how the vision program served each image; the generator sets them all.
+    ``dims``, ``shape``, ``stack_depths``, ``row_width``, ``patch_buckets``,
+    ``video_pruning_rate`` and ``retention`` (pruned cache key -> retention mask); the generator
+    sets them all. How the vision program served each image is recorded in the request's
+    ``served`` (:class:`~qeff_vision.runtime.request_state.RequestState`).
     """
 
     def set_video_pruning_rate(self, rate: object) -> None:
@@ -47,17 +47,30 @@ class ImageEncoding:
             raise UserError(f"{OPTION}: {self.family.title} does not prune video tokens ({support.note})")
         self.video_pruning_rate = rate
 
-    def prepare_prompt(self, processed: Mapping[str, Any]) -> Mapping[str, Any]:
+    def prepare_prompt(self, processed: Mapping[str, Any], request: Any = None) -> Mapping[str, Any]:
         """The prompt as it runs: its clips pruned at ``video_pruning_rate`` (unchanged at 0).
 
         See :func:`qeff_vision.runtime.video_pruning.prune_prompt`: a pruning rate encodes the
         prompt's clips now, since their kept rows decide the prompt's placeholders and positions.
+        ``request`` (a :class:`~qeff_vision.runtime.request_state.RequestState`) records how the
+        clips were served and keeps the pruned prompt's prepared images.
         """
-        return prune_prompt(self, processed)
+        served = request.served if request is not None else {}
+        pruned, prepared = prune_prompt(self, processed, served)
+        if request is not None:
+            request.prepared = prepared
+        return pruned
 
-    def _prepare_images(self, processed: Mapping[str, Any]) -> tuple[list[PreparedImage], dict[str, dict]]:
-        if self.prepared is not None and self.prepared[0] is processed:  # the prompt pruning just made
-            return list(self.prepared[1]), dict(self.prepared[2])
+    def _prepare_images(
+        self, processed: Mapping[str, Any], prepared: tuple | None = None
+    ) -> tuple[list[PreparedImage], dict[str, dict]]:
+        """Per image of the prompt: its content key, and its inputs by key.
+
+        ``prepared``: what pruning made for this very prompt ((prompt, images, inputs by key)),
+        taken as it is instead of hashing the pixels again.
+        """
+        if prepared is not None and prepared[0] is processed:
+            return list(prepared[1]), dict(prepared[2])
         per_image = self.host.vision_inputs(processed)
         # A pruned prompt's clips are cached as their kept rows, under a key naming the rate.
         pruned = self.host.pruning_grids(processed) if KEPT_ROWS in processed else [None] * len(per_image)
@@ -81,15 +94,19 @@ class ImageEncoding:
         }
 
     def _encoder(
-        self, inputs_by_key: Mapping[str, dict], timer: list[float]
+        self, inputs_by_key: Mapping[str, dict], timer: list[float], served: dict[str, str] | None = None
     ) -> Callable[[Sequence[PreparedImage]], list[np.ndarray]]:
         """The cache's encoder: one vision call per resolution, split where the program requires.
+
+        ``timer[0]`` accumulates the seconds spent; ``served`` (a request's) records, per image
+        key, the call that served it.
 
         A compiled vision program accepts only its specializations' batch sizes (usually 1), so a
         group of same-resolution misses is cut into the largest batches it accepts.
         """
+        served = served if served is not None else {}
         if self.patch_buckets is not None:
-            return packing_encoder(self, inputs_by_key, timer)
+            return packing_encoder(self, inputs_by_key, timer, served)
 
         # Images stack along axis 0 only when some vision input carries the image count there (a
         # batch axis); a program whose inputs only count one image's tiles (InternVL, QEfficient's
@@ -113,7 +130,7 @@ class ImageEncoding:
                     embeds.append(rows if mask is None else prune_rows(rows, mask))
                 for image in pending[:size]:
                     grid = "x".join(str(d) for d in image.resolution)
-                    self.served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
+                    served[image.key] = f"resolution-list program (input shapes {grid}), batch of {size}"
                 pending = pending[size:]
             timer[0] += time.perf_counter() - start
             return embeds
@@ -155,14 +172,15 @@ class ImageEncoding:
         rows = np.zeros((batch, self.shape.decode_vision_size, self.row_width), dtype=np.float32)
         return self._vision_feeds_of_rows(rows)
 
-    def _served_notes(self) -> list[str]:
-        """One line per image of the last prompt: which vision program (mode) served it.
+    def served_notes(self, request: Any) -> list[str]:
+        """One line per image of ``request``'s prompt: which vision program (mode) served it.
 
-        The images of a kept prefix (``_resume.images``, the leading ones) were not sent at all:
-        the language program holds their KV from an earlier turn.
+        The images of a kept prefix (the leading ones) were not sent at all: the language program
+        holds their KV from an earlier turn.
         """
-        kept = self._resume.images
+        kept = request.resume.images
         return [f"image {number}: KV held from an earlier turn" for number in range(1, kept + 1)] + [
-            f"image {number}: " + self.served.get(image.key, "embedding cache (encoded by an earlier turn)")
-            for number, image in enumerate(self._images, start=kept + 1)
+            f"image {number}: "
+            + request.served.get(image.key, "embedding cache (encoded by an earlier turn)")
+            for number, image in enumerate(request.images, start=kept + 1)
         ]

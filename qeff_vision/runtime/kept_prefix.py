@@ -20,50 +20,52 @@ ones (:func:`~qeff_vision.runtime.retained_prefix.image_set_resume`), as its sin
 Where it applies: a language program the runtime calls directly (:class:`CompiledProgram`:
 onnxruntime, or a device, which keeps the caches resident, so there a prefix is kept only when
 no other call reached the program since the turn it holds; rings resume only where they
-stopped, no host copy exists). A disaggregated pair (prefill and decode on two programs: the
-prefill program never holds the reply) and one-shot requests (the batched engine,
-``run --requests``) prefill every prompt whole, as before. A failed turn leaves nothing held:
-the next one starts over.
+stopped, no host copy exists), in slot 0 of the runner's engine when that slot is one host
+cache (:class:`~qeff_vision.runtime.slots.SequentialSlots`). A disaggregated pair (prefill and
+decode on two programs: the prefill program never holds the reply), a row of a batched cache
+(a continuous-batching program's slot 0) and the requests of ``run --requests`` prefill every
+prompt whole. A failed turn leaves nothing held: the next one starts over.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, held_after, kept_note, resume_point
 
+if TYPE_CHECKING:
+    from qeff_vision.runtime.request_state import RequestState
+
 
 class PrefixKeeping:
     """Methods of :class:`~qeff_vision.runtime.generator.Generator` that keep a held prefix (a mixin).
 
-    They read the generator's ``language``, ``deployment`` and ``host`` and call its
-    ``_generate`` (which calls :meth:`resume_prompt` with the prompt as it runs), and set ``held``
-    (what the program holds after the last kept generation, or None), ``_resume`` (where the
-    running prompt's prefill starts; :class:`Resume` ``()`` outside a kept generation) and
-    ``_at_prompt_end`` (the caches not indexed by position at the end of the last prefill, which
-    the generator's prefill records); ``_unpositioned`` names those caches
-    (:func:`~qeff_vision.runtime.retained_prefix.unpositioned_caches`).
+    The engine calls :meth:`begin` when it takes a request, :meth:`prefill_done` after its last
+    prefill chunk and :meth:`finish` with its result; what a request keeps lives in its
+    :class:`~qeff_vision.runtime.request_state.RequestState`. The runner keeps only what its
+    program holds: ``held`` (after the last kept generation, or None) and the program's calls
+    then. They read the generator's ``language``, ``deployment``, ``host`` and ``_unpositioned``
+    (the caches not indexed by position, :func:`~qeff_vision.runtime.retained_prefix.unpositioned_caches`).
     """
 
     held: HeldPrefix | None = None
-    _resume: Resume = Resume()
-    _at_prompt_end: dict[str, np.ndarray] | None = None
     _unpositioned: Sequence[str] = ()
-    _kept_turn: _KeptTurn | None = None
     #: Language-program calls when ``held`` was recorded (a device's resident caches are the
     #: held ones only if nothing ran since).
     _held_calls: int = -1
 
-    def prefix_images(self, processed: Mapping[str, Any]) -> tuple[list[str], list[tuple[int, int]]]:
+    def prefix_images(
+        self, processed: Mapping[str, Any], prepared: tuple | None = None
+    ) -> tuple[list[str], list[tuple[int, int]]]:
         """Content keys and ``[start, stop)`` token spans of the prompt's images, in prompt order."""
         if not self.host.has_images(processed):
             return [], []
-        images = self._prepare_images(processed)[0]
+        images = self._prepare_images(processed, prepared)[0]
         spans = [(segment.start, segment.stop) for segment in self.host.segments(processed)]
         return [image.key for image in images], spans
 
@@ -71,78 +73,43 @@ class PrefixKeeping:
         """``resume`` as this decoder kind may keep it (unchanged for token-merge)."""
         return resume
 
-    def _keeps_held(self) -> bool:
-        """Whether what :attr:`held` describes is still in the program's caches (the mode's answer)."""
-        return self.deployment.holds_turn(self.language, self._held_calls)
+    def begin(self, request: RequestState) -> Resume:
+        """Where ``request``'s prefill starts: after the prefix the program holds, if it may keep one.
 
-    def record_prompt_end(self, past: Mapping[str, np.ndarray]) -> None:
+        Whatever the request, the program's caches hold something else from now on, so nothing is
+        known held until :meth:`finish` records it (a failed request leaves nothing held).
+        """
+        held, self.held = self.held, None
+        if not self.keeps_prefix(request):
+            return Resume()
+        request.keys, spans = self.prefix_images(request.processed, request.prepared)
+        if held is None or not self.deployment.holds_turn(self.language, self._held_calls):
+            return Resume()
+        found = resume_point(held, request.input_ids, spans, request.keys, self._unpositioned)
+        return self.kept_resume(found, held, request.keys)
+
+    def keeps_prefix(self, request: RequestState) -> bool:
+        """Whether ``request`` keeps and records the prefix (asked for, and no history of its own)."""
+        return request.request.keep_prefix and request.history is None
+
+    def prefill_done(self, request: RequestState, cache: Mapping[str, np.ndarray] | None) -> None:
         """Keep the caches not indexed by position as the prompt's prefill left them.
 
         A later turn that resumes at the prompt's end restores them (host caches only; a step
         replaces the arrays, never writes into them, so no copy is needed).
         """
-        self._at_prompt_end = {name: past[name] for name in self._unpositioned if name in past} or None
+        if cache is not None:
+            request.at_prompt_end = {
+                name: cache[name] for name in self._unpositioned if name in cache
+            } or None
 
-    def run_generation(self, processed: Mapping[str, Any], keep_prefix: bool, *args: Any) -> GenerationResult:
-        """``generate``'s dispatch: :meth:`generate_kept`, or ``_generate`` with nothing left held.
-
-        Args:
-            processed: The prompt.
-            keep_prefix: Whether ``processed`` is the whole conversation to resume (see
-                :meth:`generate_kept`).
-            *args: ``_generate``'s (max_new_tokens, protocol, on_token, keep_logits, history).
-        """
-        if keep_prefix:
-            return self.generate_kept(processed, *args)
-        self.held = None  # the program's caches now hold this prompt, recorded by no one
-        return self._generate(processed, *args)
-
-    def generate_kept(self, processed: Mapping[str, Any], *args: Any) -> GenerationResult:
-        """The generator's ``_generate(processed, *args)``, prefilling only what follows the prefix held.
-
-        ``_generate`` calls :meth:`resume_prompt` once the prompt is as it runs (clips pruned),
-        which sets where its prefill starts.
-
-        Args:
-            processed: The whole prompt (the conversation rendered again).
-            *args: ``_generate``'s (max_new_tokens, protocol, on_token, keep_logits, history); with
-                a ``history`` (the last) nothing is kept or recorded: it continues a cache of its own.
-
-        Returns:
-            The result, with a note on the kept tokens when a prefix was kept.
-        """
-        held, self.held = self.held, None  # a failed generation leaves nothing known held
-        if args[-1] is not None:
-            return self._generate(processed, *args)
-        turn = self._kept_turn = _KeptTurn(held if held is not None and self._keeps_held() else None)
-        self._at_prompt_end = None
-        try:
-            result = self._generate(processed, *args)
-        finally:
-            self._kept_turn, resume, self._resume = None, self._resume, Resume()
-        past = result.continuation.past if result.continuation is not None else {}
-        self.held = held_after(turn.input_ids, result.tokens, turn.keys, past, self._at_prompt_end)
-        self._held_calls = self.language.calls
-        if not resume.start:
+    def finish(self, request: RequestState, result: GenerationResult) -> GenerationResult:
+        """``result`` as reported; records what the program holds after a kept generation."""
+        if not self.keeps_prefix(request):
             return result
-        return replace(result, notes=[*result.notes, kept_note(resume.start, len(turn.input_ids))])
-
-    def resume_prompt(self, processed: Mapping[str, Any], input_ids: np.ndarray) -> None:
-        """Set :attr:`_resume` for the running prompt, as it runs, in a kept generation (else nothing)."""
-        turn = self._kept_turn
-        if turn is None:
-            return
-        turn.input_ids = input_ids
-        turn.keys, spans = self.prefix_images(processed)
-        if turn.held is not None:
-            found = resume_point(turn.held, input_ids, spans, turn.keys, self._unpositioned)
-            self._resume = self.kept_resume(found, turn.held, turn.keys)
-
-
-@dataclass
-class _KeptTurn:
-    """A kept generation under way: what the program held before it, and its prompt once known."""
-
-    held: HeldPrefix | None
-    input_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    keys: list[str] = field(default_factory=list)
+        past = result.continuation.past if result.continuation is not None else {}
+        self.held = held_after(request.input_ids, result.tokens, request.keys, past, request.at_prompt_end)
+        self._held_calls = self.language.calls
+        if not request.start:
+            return result
+        return replace(result, notes=[*result.notes, kept_note(request.start, len(request.input_ids))])

@@ -67,11 +67,11 @@ def plan_packed_calls(
     return calls
 
 
-def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[float]):
+def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[float], served: dict[str, str]):
     """A :class:`~qeff_vision.runtime.generator.Generator`'s cache encoder in patch-bucket mode.
 
     Calls follow :func:`plan_packed_calls`. An image's rows are the call's rows from the end of
-    the previous image's (the program's packing contract); ``generator.served`` records, per image
+    the previous image's (the program's packing contract); ``served`` records, per image
     key, the bucket that served it. ``timer[0]`` accumulates the seconds spent.
     """
     import numpy as np
@@ -94,7 +94,7 @@ def packing_encoder(generator, inputs_by_key: Mapping[str, dict], timer: list[fl
                 count = host.item_rows(items[index])
                 rows[index] = generator.wide_rows(output, 0, slice(offset, offset + count))
                 offset += count
-                generator.served[batch[index].key] = (
+                served[batch[index].key] = (
                     f"patch bucket of {call.bucket[symbols.VISION_SIZE]} rows "
                     f"({sizes[index]} patches at its own resolution{others})"
                 )

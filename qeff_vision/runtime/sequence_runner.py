@@ -1,15 +1,17 @@
-"""The protocol a decoder kind's runner offers the batched engine (declared, not reached into).
+"""The protocol a decoder kind's runner offers the engine (declared, not reached into).
 
-:class:`~qeff_vision.runtime.generator.Generator` (token-merge) and
-:class:`~qeff_vision.runtime.cross_attention.CrossAttentionGenerator` implement it; the engine
-(:mod:`qeff_vision.runtime.engine`) uses nothing else of a runner. A new decoder kind's runner
-(registered in :data:`qeff_vision.runtime.generate.RUNNERS`) implements the same members.
+:class:`~qeff_vision.runtime.generator.Generator` (token-merge),
+:class:`~qeff_vision.runtime.cross_attention.CrossAttentionGenerator` and their single-program
+forms implement it; the engine (:mod:`qeff_vision.runtime.engine`) uses nothing else of a runner.
+A new decoder kind's runner (registered in :data:`qeff_vision.runtime.generate.RUNNERS`)
+implements the same members. Every per-request value lives in the
+:class:`~qeff_vision.runtime.request_state.RequestState` passed in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -18,14 +20,21 @@ from qeff_vision.families.host import Host
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.planner import Chunk, ChunkPlan
 
+if TYPE_CHECKING:
+    from qeff_vision.runtime.deployment import Deployment
+    from qeff_vision.runtime.request_state import ChunkCall, RequestState
+    from qeff_vision.runtime.results import GenerationResult
+    from qeff_vision.runtime.retained_prefix import Resume
+
 
 class SequenceRunner(Protocol):
-    """What the batched engine asks of one decoder kind's runner.
+    """What the engine asks of one decoder kind's runner.
 
     Attributes:
         host: The family's host protocol for the checkpoint.
         vision: The vision program (a session with ``calls``).
         language: The language program (a session with ``input_dims`` and ``run``).
+        deployment: The deployment mode (the engine's slots, the decoding program).
         io: The language program's IO table.
         cache: The per-image embedding cache.
         eos_token_ids: Token ids that end a sequence.
@@ -35,13 +44,19 @@ class SequenceRunner(Protocol):
     host: Host
     vision: Any
     language: Any
+    deployment: Deployment
     io: LanguageIO
     cache: EmbeddingCache
     eos_token_ids: set[int]
     vision_input: str
 
-    def prepare_prompt(self, processed: Mapping[str, Any]) -> Mapping[str, Any]:
+    def prepare_prompt(
+        self, processed: Mapping[str, Any], request: RequestState | None = None
+    ) -> Mapping[str, Any]:
         """The prompt as the runner runs it (clips pruned at a video pruning rate)."""
+
+    def begin(self, request: RequestState) -> Resume:
+        """Where the request's prefill starts (a prefix the program holds), before any call."""
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise a user error unless the prompt and the new tokens fit the compiled context."""
@@ -51,25 +66,28 @@ class SequenceRunner(Protocol):
         input_ids: np.ndarray,
         processed: Mapping[str, Any],
         protocol: str,
+        start: int = 0,
         positions: np.ndarray | None = None,
     ) -> ChunkPlan:
-        """The chunk plan of a processed prompt."""
+        """The chunk plan of a processed prompt's tokens from ``start`` on (``positions``: as fed)."""
 
-    def request_chunks(
-        self,
-        plan: ChunkPlan,
-        processed: Mapping[str, Any],
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        encode_timer: list[float],
-    ) -> Iterator[tuple[Chunk, dict[str, np.ndarray], int]]:
-        """(chunk, its language inputs, vision bytes they carry) per prefill chunk of one request."""
+    def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
+        """The batch-1 cache a lone request starts from."""
 
-    def request_images(self, plan: ChunkPlan, processed: Mapping[str, Any]) -> int:
-        """Images (and videos) of a request, as its report counts them."""
+    def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
+        """The calls of each prefill chunk of one request."""
+
+    def request_images(self, request: RequestState) -> tuple[int, int]:
+        """(images and videos, their embedding rows) of a request, as its report counts them."""
 
     def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
         """Inputs by role every decode step of this request adds, one row."""
 
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """Raise when a prefill chunk's outputs contradict the plan."""
+
+    def prefill_done(self, request: RequestState, cache: Mapping[str, np.ndarray] | None) -> None:
+        """The request's last prefill chunk ran (``cache``: its slot's cache, if its own)."""
+
+    def finish(self, request: RequestState, result: GenerationResult) -> GenerationResult:
+        """The request's result as reported (notes, serving notes); what the program now holds."""

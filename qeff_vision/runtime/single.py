@@ -21,22 +21,20 @@ per image, and ``run`` prints the count.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.errors import UserError
 from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
-from qeff_vision.runtime.results import ChunkRecord, GenerationResult
+from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.retained_prefix import segments_after, served_notes
 from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-exported
     EncoderCount,
+    EncoderInside,
     batched_images,
     image_groups,
     placeholder_feeds,
@@ -45,8 +43,8 @@ from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-ex
 from qeff_vision.spec.deployment import SINGLE
 
 
-class SingleGenerator(Generator):
-    """A :class:`Generator` over one single-deployment program (batch 1; not for the batched engine).
+class SingleGenerator(EncoderInside, Generator):
+    """A :class:`Generator` over one single-deployment program (one sequence: slot 0 of its engine).
 
     Args:
         checkpoint: The checkpoint the program was exported from.
@@ -62,6 +60,7 @@ class SingleGenerator(Generator):
         super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
         #: The composed graph's image inputs (the vision graph's), with their axes.
         self.image_inputs = single_image_inputs(program, self.io.input_names)
+        self.vision_input = " + ".join(self.image_inputs)  # pixels, not embedding rows
         #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
         self._row_inputs = self.io.rows(Role.VISION_ROWS)
         self._buffers: dict[str, np.ndarray] | None = None
@@ -71,6 +70,7 @@ class SingleGenerator(Generator):
         input_ids: np.ndarray,
         processed: Mapping[str, Any],
         protocol: str,
+        start: int = 0,
         positions: np.ndarray | None = None,
     ) -> ChunkPlan:
         """The chunks after the kept prefix, ``full`` protocol: rows stay in the program.
@@ -79,7 +79,6 @@ class SingleGenerator(Generator):
         the ones the first chunk encodes (written at the buffer's front). Every token prefills
         (``positions`` unused): a prompt past the last prefill CCL is refused by ``check_fits``.
         """
-        start = self._resume.start
         segments = segments_after(self.host.segments({**processed, "input_ids": input_ids}), start)
         return plan_chunks(
             len(input_ids) - start,
@@ -89,29 +88,10 @@ class SingleGenerator(Generator):
             protocol=VisionProtocol.FULL,
         )
 
-    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
-        """:meth:`Generator.generate` after the prefix the program holds, with the images encoded.
-
-        The program always keeps what it holds (``keep_prefix``, :mod:`~qeff_vision.runtime.kept_prefix`):
-        tokens and images of an earlier turn are not prefilled or encoded again, and only the
-        rest's images reach the encoder inside the program.
-        """
-        if kwargs.get("history") is not None:
-            raise UserError(
-                "deployment single continues a conversation from the prompt it holds; pass no history"
-            )
-        before = self.encoder.images
-        result = super().generate(processed, *args, **{**kwargs, "keep_prefix": True})
-        return replace(
-            result,
-            images_encoded=self.encoder.images - before,
-            vision_input=" + ".join(self.image_inputs),  # pixels, not embedding rows
-        )
-
-    def _served_notes(self) -> list[str]:
+    def served_notes(self, request: RequestState) -> list[str]:
         """Per image: held from an earlier turn, or encoded inside the program (never a cache)."""
-        kept = self._resume.images
-        return served_notes(kept + len(self._images), kept, "KV")
+        kept = request.resume.images
+        return served_notes(kept + len(request.images), kept, "KV")
 
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
@@ -126,8 +106,8 @@ class SingleGenerator(Generator):
             self._buffers = self._vision_feeds_of_rows(zeros)
         return {Role.VISION_ROWS: self._buffers}
 
-    def _call(self, by_role: dict, images: Mapping[str, np.ndarray], past: dict) -> dict[str, np.ndarray]:
-        return self.step({**self.io.feeds({**by_role, **self._rows_feed()}), **images}, past)
+    def _call_feeds(self, by_role: dict, images: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {**self.io.feeds({**by_role, **self._rows_feed()}), **images}
 
     def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
         """A decode call: the retained rows (onnxruntime) and the keep placeholder; no encoder."""
@@ -141,7 +121,13 @@ class SingleGenerator(Generator):
         return {**self.io.feeds(by_role), **self._placeholder()}
 
     def step(self, feeds, past, in_place=False):
-        """:meth:`Generator.step`, keeping the retained rows of a decode step too."""
+        """:meth:`Generator.step` with the retained rows as the last call left them (onnxruntime).
+
+        The rows are read at the call, so feeds made before an earlier call (a prompt's encode
+        calls) take that call's rows too.
+        """
+        if not self.language.retains_state and self._buffers is not None:
+            feeds = {**feeds, **{name: rows for name, rows in self._buffers.items() if name in feeds}}
         outputs = super().step(feeds, past, in_place)
         if not self.language.retains_state and self._buffers is not None:
             for row in self._row_inputs:
@@ -149,38 +135,23 @@ class SingleGenerator(Generator):
                     self._buffers[row.name] = outputs[self.io.output_of(row)]
         return outputs
 
-    def _encode_later_groups(
-        self, groups: list[tuple[int, dict[str, np.ndarray]]], by_role: dict, past: dict[str, np.ndarray]
-    ) -> None:
-        """Encode calls writing the rows of a prompt's later image groups before its first chunk runs.
+    def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
+        """Every chunk of the plan (after the kept prefix); the first encodes the images after it.
 
-        Each is the first chunk's call with one group's images, ``image_idx`` at the group's first
-        row (where the composed graph writes them; rows before and after are kept) and every token
-        padding (position -1): it writes rows only, no KV slot anyone reads and no recurrent state
-        (padding leaves both unchanged), so the first chunk's own call (the first group's images,
-        written at row 0, with every later group's rows in place) feeds the chunk once. A device
-        keeps the caches resident, so they could not be put back after a call that wrote them
-        (a Gated DeltaNet state would advance twice). Images whose output is padded are all
-        encoded here, in row order, and the first chunk then runs as a keep call.
+        Before the first chunk, calls writing the rows of the prompt's later image groups: each
+        is the first chunk's call with one group's images, ``image_idx`` at the group's first row
+        (where the composed graph writes them; rows before and after are kept) and every token
+        padding (position -1). It writes rows only, no KV slot anyone reads and no recurrent
+        state (padding leaves both unchanged), so the first chunk's own call (the first group's
+        images, written at row 0, with every later group's rows in place) feeds the chunk once.
+        A device keeps the caches resident, so they could not be put back after a call that
+        wrote them (a Gated DeltaNet state would advance twice). Images whose output is padded are
+        all encoded there, in row order, and the first chunk then runs as a keep call.
         """
-        padding = np.full_like(by_role[Role.POSITIONS], -1)
-        for first_row, feeds in groups:
-            cursor = {Role.VISION_CURSOR: np.array([[first_row]], dtype=np.int64)}
-            self._call({**by_role, Role.POSITIONS: padding, **cursor}, feeds, past)
-
-    def _prefill(
-        self,
-        plan: ChunkPlan,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        processed: Mapping[str, Any],
-        past: dict[str, np.ndarray],
-    ) -> tuple[dict[str, np.ndarray], list[ChunkRecord]]:
-        """Every chunk of ``plan`` (after the kept prefix); the first encodes the images after it."""
-        start, kept = self._resume.start, self._resume.images
-        past.update(self._resume.restore)  # the held caches (the copy at the last prompt's end)
-        images, _ = self._prepare_images(processed) if plan.segments else ([], {})
-        self._images = images = images[kept:] if plan.segments else []
+        start, kept, processed = request.start, request.resume.images, request.processed
+        plan, input_ids, positions = request.plan, request.input_ids, request.positions
+        images, _ = self._prepare_images(processed, request.prepared) if plan.segments else ([], {})
+        request.images = images = images[kept:] if plan.segments else []
         # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
         per_image = self.host.vision_inputs(processed)[kept:] if images else []
         rows = self.host.placeholder_counts(processed)[kept:] if images else []
@@ -190,7 +161,6 @@ class SingleGenerator(Generator):
         groups = image_groups(self.language, self.image_inputs, per_image, rows, padded) if images else []
         pending = groups[0][1] if groups else None
         pixel_bytes = sum(array.nbytes for _, feeds in groups for array in feeds.values())
-        records, outputs = [], {}
         for chunk in plan.chunks:
             token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
             token_ids[0, : chunk.tokens] = input_ids[start + chunk.start : start + chunk.stop]
@@ -201,35 +171,26 @@ class SingleGenerator(Generator):
                 ),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
-            encoding = pending is not None
+            if pending is None:
+                yield ChunkCall(chunk, self._call_feeds(by_role, self._placeholder()), 0, images_encoded=0)
+                continue
             # Padded outputs with several calls: every group before the chunk, in row order, and
             # the chunk itself keeps (the first group's padding would overwrite the next rows).
             chunk_keeps = padded and len(groups) > 1
-            ahead = groups if chunk_keeps else groups[1:]
-            began = time.perf_counter()
-            if encoding and ahead:
-                self._encode_later_groups(ahead, by_role, past)
-            own = pending if encoding and not chunk_keeps else self._placeholder()
-            outputs = self._call(by_role, own, past)
-            seconds = time.perf_counter() - began
-            self.check_chunk_outputs(chunk, outputs)
-            count = len(images) if encoding else 0
-            if encoding:
-                self.encoder.calls += len(groups)
-                self.encoder.images += count
-                pending = None
-            records.append(
-                ChunkRecord(
-                    tokens=chunk.tokens,
-                    seq_len=chunk.seq_len,
-                    vision_size=chunk.vision_size,
-                    rows=chunk.rows,
-                    vision_bytes=pixel_bytes if count else 0,
-                    seconds=seconds,
-                    encode_seconds=0.0,
-                    images_encoded=count,
-                    start=start + chunk.start,
+            padding = np.full_like(by_role[Role.POSITIONS], -1)
+            before = [
+                self._call_feeds(
+                    {
+                        **by_role,
+                        Role.POSITIONS: padding,
+                        Role.VISION_CURSOR: np.array([[row]], dtype=np.int64),
+                    },
+                    feeds,
                 )
-            )
-        self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
-        return outputs, records
+                for row, feeds in (groups if chunk_keeps else groups[1:])
+            ]
+            own = self._placeholder() if chunk_keeps else pending
+            self.encoder.calls += len(groups)
+            self.encoder.images += len(images)
+            pending = None
+            yield ChunkCall(chunk, self._call_feeds(by_role, own), pixel_bytes, before, len(images))

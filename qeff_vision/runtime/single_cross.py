@@ -25,36 +25,32 @@ encodes each image of a conversation once, counted by
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
-from qeff_vision.runtime.continuation import Continuation
-from qeff_vision.runtime.cross_attention import CrossAttentionGenerator, CrossPrefill
+from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
 from qeff_vision.runtime.deployment import DEPLOYMENTS
-from qeff_vision.runtime.planner import Chunk, VisionProtocol, plan_chunks
+from qeff_vision.runtime.kept_prefix import PrefixKeeping
+from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
-from qeff_vision.runtime.retained_prefix import (
-    Resume,
-    held_after,
-    image_set_resume,
-    kept_note,
-    resume_point,
-    served_notes,
+from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, served_notes
+from qeff_vision.runtime.single_io import (
+    EncoderCount,
+    EncoderInside,
+    batched_images,
+    placeholder_feeds,
+    single_image_inputs,
 )
-from qeff_vision.runtime.single_io import EncoderCount, batched_images, placeholder_feeds, single_image_inputs
 from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
 
-class SingleCrossGenerator(CrossAttentionGenerator):
-    """A cross-attention runner over one single-deployment program (batch 1; not for the engine).
+class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
+    """A cross-attention runner over one single-deployment program (one sequence: slot 0 of its engine).
 
     Args:
         checkpoint: The checkpoint the program was exported from.
@@ -83,94 +79,57 @@ class SingleCrossGenerator(CrossAttentionGenerator):
         #: The composed graph's image inputs (pixels, aspect-ratio ids and mask), with their axes.
         self.image_inputs = single_image_inputs(program, self.io.input_names)
         self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
+        self.vision_input = " + ".join(self.image_inputs)
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
 
-    def generate(self, processed: Mapping[str, Any], *args: Any, **kwargs: Any) -> GenerationResult:
-        """:meth:`CrossAttentionGenerator.generate` after the prefix the program holds.
+    def kept_resume(self, resume: Resume, held: HeldPrefix | None, keys) -> Resume:
+        """A prefix kept only while the prompt's images are the held ones; the leading held images stay.
 
-        Tokens and images an earlier turn left in the program are kept
-        (:func:`~qeff_vision.runtime.retained_prefix.resume_point`); only the rest is prefilled
-        and only the images after the kept ones are encoded, into the next slots.
+        Only the images after the kept ones are encoded, into the next slots (a changed image set
+        still keeps the leading held images in their slots).
         """
-        if kwargs.get("history") is not None:
-            raise UserError(
-                "deployment single continues a conversation from the prompt it holds; pass no history"
+        return image_set_resume(resume, held, keys)
+
+    def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
+        """A fresh cache with the cross K/V the program retains and the kept prefix's caches."""
+        return {**self.empty_cache(), **self._retained_feeds(), **request.resume.restore}
+
+    def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
+        """The prompt's chunks after the kept prefix; the first sends the images after the kept ones.
+
+        The encoder runs inside the first chunk's program call (no separate encode time): it
+        takes the new images' pixels and ``first_image_slot``, the slot after the kept images.
+        """
+        kept = request.resume.images
+        per_image, _, _ = self.keys_and_spans(request.processed)
+        new = per_image[kept:]
+        mask = self.request_mask(request)
+        input_ids, positions = request.input_ids[request.start :], request.positions[..., request.start :]
+        for chunk in request.plan.chunks:
+            feeds = self.chunk_feeds(chunk, mask, input_ids, positions)
+            if chunk.index or not new:
+                yield ChunkCall(chunk, {**feeds, **self._placeholder()}, 0, images_encoded=0)
+                continue
+            pixels = batched_images(self.language, self.image_inputs, new)
+            self.encoder.calls += 1
+            self.encoder.images += len(new)
+            sent = sum(array.nbytes for array in pixels.values())
+            yield ChunkCall(
+                chunk, {**feeds, **pixels, SLOT: np.array([kept], np.int64)}, sent, images_encoded=len(new)
             )
-        kwargs.pop("keep_prefix", None)  # the program always keeps what it holds
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        _, keys, spans = self.keys_and_spans(processed)
-        resume = resume_point(self.held, input_ids, spans, keys, self._unpositioned)
-        self._resume = image_set_resume(resume, self.held, keys)
-        self.held = None  # a failed generation leaves the program holding nothing known
-        try:
-            result = super().generate(processed, *args, **kwargs)
-        finally:
-            resume, self._resume = self._resume, Resume()
-        self.held = held_after(input_ids, result.tokens, keys, result.continuation.past, None)
-        served = served_notes(len(keys), resume.images, "K/V")
-        # The encoder runs inside the program call: its time is the chunk's prefill time, and
-        # what the base measured as encoding is only the host batching the pixels.
-        chunks = [replace(chunk, encode_seconds=0.0) for chunk in result.chunks]
-        notes = [kept_note(resume.start, len(input_ids))] if resume.start else []
+
+    def finish(self, request: RequestState, result: GenerationResult) -> GenerationResult:
+        """Records what the program holds; per image, held or encoded, and why text was prefilled again."""
+        result = PrefixKeeping.finish(self, request, result)
+        resume = request.resume
+        result.served = served_notes(len(request.keys), resume.images, "K/V")
         if not resume.start and resume.images:
-            notes.append(
+            result.notes.append(
                 f"the prompt's text prefilled again (a new image changes what its image-less tokens "
                 f"attend to); {resume.images} image(s) kept in their slots, not encoded again"
             )
-        return replace(
-            result,
-            chunks=chunks,
-            served=served,
-            notes=[*result.notes, *notes],
-            vision_input=" + ".join(self.image_inputs),
-        )
-
-    def prefill(
-        self,
-        processed: Mapping[str, Any],
-        max_new_tokens: int = 32,
-        protocol: str = VisionProtocol.CHUNK.value,
-        history: Continuation | None = None,
-    ) -> CrossPrefill:
-        """The prompt's chunks after the kept prefix; the first sends the images after the kept ones."""
-        if history is not None:
-            raise UserError(
-                "deployment single continues a conversation from the prompt it holds; pass no history"
-            )
-        started = time.perf_counter()
-        input_ids = np.asarray(processed["input_ids"], dtype=np.int64).reshape(-1)
-        length = len(input_ids)
-        self.check_fits(length, max_new_tokens)
-        start, kept = self._resume.start, self._resume.images
-        per_image, _, _ = self.keys_and_spans(processed)
-        slots = self.image_slots if self.image_slots is not None else max(len(per_image), 1)
-        if len(per_image) > slots:
-            raise UserError(
-                f"{len(per_image)} images in the conversation; the program was compiled for at most {slots}"
-            )
-        new = per_image[kept:]
-        # What the first chunk sends: the new images' inputs, how many, and the slot they start at.
-        pending = (batched_images(self.language, self.image_inputs, new), len(new), kept) if new else None
-        positions = self.host.prompt_positions(processed)
-        mask = self._cross_mask(processed, length)
-        past = {**self.empty_cache(), **self._retained_feeds(), **self._resume.restore}
-        rest = (mask[:, start:], input_ids[start:], positions[..., start:])
-        chunks = plan_chunks(length - start, [], self.shape.buckets, protocol=protocol).chunks
-        # The encoder runs inside the first chunk's program call: no separate encode time.
-        outputs, records = self.run_chunks(chunks, rest, past, len(new), start=start, new_images=pending)
-        return CrossPrefill(
-            length=length,
-            logits=outputs[self.logits_name][0, -1].copy(),
-            positions=positions,
-            last_mask_row=mask[:, -1:],
-            past=past,
-            records=records,
-            protocol=VisionProtocol(protocol).value,
-            images_encoded=len(new),
-            encoder_calls=1 if new else 0,
-            started=started,
-        )
+        return result
 
     def _retained_feeds(self) -> dict[str, np.ndarray]:
         """The cross K/V last returned (zeros before the first call); none on a device."""
@@ -188,21 +147,6 @@ class SingleCrossGenerator(CrossAttentionGenerator):
             for name in self.cross_names:
                 past.pop(name, None)
         return past
-
-    def chunk_vision(
-        self, chunk: Chunk, past: Mapping[str, np.ndarray], new_images: Any = None
-    ) -> tuple[dict[str, np.ndarray], int]:
-        """The first chunk of a prompt with new images sends their pixels (counted); others a placeholder.
-
-        ``new_images``: (batched inputs, image count, first slot) of the prompt's new images, or None.
-        """
-        if chunk.index == 0 and new_images is not None:
-            pixels, count, first_slot = new_images
-            self.encoder.calls += 1
-            self.encoder.images += count
-            slot = np.array([first_slot], np.int64)
-            return {**pixels, SLOT: slot}, sum(array.nbytes for array in pixels.values())
-        return self._placeholder(), 0
 
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (the slot unread there: 0)."""

@@ -3,13 +3,14 @@
 What both single-program runners (:mod:`qeff_vision.runtime.single`,
 :mod:`qeff_vision.runtime.single_cross`) and the artifacts reader share: the encode entries'
 image symbols, the image inputs and their keep placeholder, one batch per encode call, and the
-count of encoder runs inside the program. See :mod:`qeff_vision.runtime.single` for the protocol.
+count of encoder runs inside the program, and what both runners do alike with the conversation
+the program holds (:class:`EncoderInside`). See :mod:`qeff_vision.runtime.single` for the protocol.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +20,10 @@ from qeff_vision.errors import UserError
 from qeff_vision.runtime.session import CompiledProgram
 from qeff_vision.spec.table import LANGUAGE_SYMBOLS
 from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
+
+if TYPE_CHECKING:
+    from qeff_vision.runtime.request_state import RequestState
+    from qeff_vision.runtime.retained_prefix import Resume
 
 
 def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:
@@ -169,3 +174,28 @@ class EncoderCount:
     def accepts(self, feeds: Mapping[str, np.ndarray]) -> bool:
         """The single program is never called as a vision program."""
         return False
+
+
+class EncoderInside:
+    """What both single-program runners do alike (a mixin before the decoder kind's runner).
+
+    The program holds what it was fed, so every prompt keeps the prefix it holds
+    (:mod:`~qeff_vision.runtime.kept_prefix`): tokens and images of an earlier turn are not
+    prefilled or encoded again, and only the rest's images reach the encoder inside the program.
+    A ``history`` (a cache of the caller's) has no place there.
+    """
+
+    #: What a prompt is to this runner: the whole conversation the program holds.
+    prompt_kind = "conversation"
+
+    def begin(self, request: RequestState) -> Resume:
+        """The decoder kind's :meth:`begin`, after refusing a history."""
+        if request.history is not None:
+            raise UserError(
+                "deployment single continues a conversation from the prompt it holds; pass no history"
+            )
+        return super().begin(request)
+
+    def keeps_prefix(self, request: RequestState) -> bool:
+        """Always: the program holds what it was fed."""
+        return True

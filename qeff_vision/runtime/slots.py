@@ -76,6 +76,8 @@ class SequentialSlots:
     """
 
     batched = False
+    #: Each slot is one sequence's own cache: a lone request's result continues from it.
+    per_sequence = True
 
     def __init__(self, generator: Generator, full_batch_size: int):
         if generator.language.retains_state and full_batch_size > 1:
@@ -90,6 +92,14 @@ class SequentialSlots:
     def prefill(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One chunk of the request in ``slot``."""
         return self.generator.step(feeds, self.past[slot])
+
+    def load(self, slot: int, past: dict[str, np.ndarray]) -> None:
+        """The request in ``slot`` starts from ``past`` (a batch-1 cache, used as it is)."""
+        self.past[slot] = past
+
+    def cache(self, slot: int) -> dict[str, np.ndarray]:
+        """The cache of ``slot`` (the calls replace its entries, never write into its arrays)."""
+        return self.past[slot]
 
     def finish_prefill(self, slot: int) -> None:
         """Nothing to do: the request's prefill wrote its slot's cache, which it decodes from."""
@@ -121,6 +131,7 @@ class BatchedSlots:
     """
 
     batched = True
+    per_sequence = False
 
     def __init__(self, generator: Generator, full_batch_size: int):
         self.generator = generator
@@ -137,6 +148,15 @@ class BatchedSlots:
         """One chunk of the request in ``slot`` (batch 1, written to row ``slot`` of the cache)."""
         slot_index = self.generator.io.feeds({Role.KV_SLOT: np.array([[slot]], np.int64)})
         return self.generator.step({**feeds, **slot_index}, self.past, in_place=True)
+
+    def load(self, slot: int, past: Mapping[str, np.ndarray]) -> None:
+        """Row ``slot`` of the cache takes the batch-1 cache ``past`` (written in place)."""
+        for name, rows in past.items():
+            self.past[name][slot : slot + 1] = rows
+
+    def cache(self, slot: int) -> None:
+        """None: a slot is a row of one cache the calls update in place, nobody's to keep."""
+        return None
 
     def finish_prefill(self, slot: int) -> None:
         """Nothing to do: the request's prefill wrote row ``slot`` of the cache it decodes from."""

@@ -75,8 +75,14 @@ def prune_rows(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(rows[mask])
 
 
-def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[str, Any]:
+def prune_prompt(
+    generator: Generator, processed: Mapping[str, Any], served: dict[str, str]
+) -> tuple[Mapping[str, Any], tuple | None]:
     """``processed`` with its clips pruned at the generator's rate; unchanged at rate 0 or without clips.
+
+    Returns the prompt and, when pruned, (pruned prompt, its prepared images, their inputs by
+    key), so preparing the pruned prompt again does not hash the pixels again (tens of ms for a
+    clip); ``served`` records the vision calls that encoded the clips.
 
     Encodes each clip not already in the cache (one vision call per clip), records its retention
     mask on the generator, stores its kept rows in the cache and drops the placeholders of the
@@ -86,11 +92,11 @@ def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[
     """
     rate = generator.video_pruning_rate
     if not rate or KEPT_ROWS in processed or not generator.host.has_images(processed):
-        return processed
+        return processed, None
     host = generator.host
     grids = host.pruning_grids(processed)
     if not any(grid is not None for grid in grids):
-        return processed
+        return processed, None
     # Masks of clips the cache no longer holds would be recomputed anyway: keep the table bounded.
     for stale in [key for key in generator.retention if key not in generator.cache]:
         del generator.retention[stale]
@@ -99,7 +105,7 @@ def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[
     input_ids = np.asarray(processed["input_ids"]).reshape(-1)
     keep = np.ones(len(input_ids), dtype=bool)
     masks: list[np.ndarray | None] = []
-    encode = generator._encoder(inputs_by_key, [0.0])
+    encode = generator._encoder(inputs_by_key, [0.0], served)
     for image, segment, grid in zip(images, segments, grids):
         if grid is None:
             masks.append(None)
@@ -123,12 +129,10 @@ def prune_prompt(generator: Generator, processed: Mapping[str, Any]) -> Mapping[
     pruned[KEPT_ROWS] = np.array([int(mask.sum()) for mask in clips], dtype=np.int64)
     pruned[PRUNED_POSITIONS] = host.pruned_positions(processed, keep, masks)
     pruned[RETENTION] = np.concatenate(clips)
-    # The pruned prompt's prepared images (clips under their pruned keys), so preparing it again
-    # does not hash the pixels again (tens of ms for a clip).
+    # The pruned prompt's prepared images (clips under their pruned keys).
     for number, mask in enumerate(masks):
         if mask is not None:
             key = pruned_key(images[number].key, rate)
             inputs_by_key[key] = inputs_by_key[images[number].key]
             images[number] = PreparedImage(images[number].pixels, images[number].resolution, key)
-    generator.prepared = (pruned, images, inputs_by_key)
-    return pruned
+    return pruned, (pruned, images, inputs_by_key)
