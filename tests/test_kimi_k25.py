@@ -128,3 +128,47 @@ def test_kv_memory_benchmark_compares_the_latent_cache_with_per_head_kv():
         )
         is None
     )
+
+
+def test_the_published_layout_loads_and_exports_as_transformers_reads_it(tiny_checkpoint, hf_model, exported):
+    """The tiny checkpoint is moonshotai/Kimi-K2.5's layout: fused, rope-interleaved ``wqkv``, per-expert
+    tensors, remote-code names. Each parameter's streamed source equals what transformers loads, and
+    the exported vision graph equals transformers' image features.
+    """
+    from qeff_vision.export.weight_sources import SlicedSource, checkpoint_keys_for
+    from qeff_vision.export.weights import Checkpoint
+    from qeff_vision.runtime.session import OnnxProgram
+
+    model, processor = hf_model(FAMILY)
+    files = Checkpoint(tiny_checkpoint(FAMILY))
+    assert "vision_tower.encoder.blocks.0.wqkv.weight" in files.entries
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in files.entries
+    assert not any(key.startswith("model.") for key in files.entries)
+    keys = checkpoint_keys_for(model, files)
+    query = keys["model.vision_tower.layers.0.attn.q_proj.weight"]
+    assert (
+        isinstance(query, SlicedSource) and query.rope_heads == model.config.vision_config.num_attention_heads
+    )
+    assert keys["model.vision_tower.layers.0.attn.v_proj.bias"].rope_heads == 0
+    wanted = model.state_dict()
+    assert set(keys) == set(wanted)
+    for name, source in keys.items():
+        assert torch.equal(source.values(files.read, wanted[name].shape), wanted[name]), name
+    program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
+    images = [helpers.image(h, w, seed) for seed, (h, w) in enumerate(((100, 150), (300, 120)))]
+    processed = processor.image_processor(images=images, return_tensors="pt")
+    reference = [f.numpy() for f in load_adapter(get_family(FAMILY)).hf_image_features(model, processed)]
+    inputs = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
+    for one, expected in zip(inputs, reference, strict=True):
+        embeds = program.run(one)[symbols.VISION_EMBEDS]
+        assert np.abs(embeds.reshape(expected.shape) - expected).max() <= 1e-4
+
+
+def test_the_exported_graphs_have_no_buffer_inputs(exported):
+    """A router's persistent ``e_score_correction_bias`` traces as a constant, not an input nothing feeds."""
+    import onnx
+
+    for program in ("vision", "lang"):
+        graph = onnx.load(exported(FAMILY) / program / "model.onnx", load_external_data=False).graph
+        names = [value.name for value in graph.input]
+        assert not [name for name in names if "layers." in name or "correction_bias" in name], names
