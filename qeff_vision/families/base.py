@@ -51,11 +51,11 @@ from qeff_vision.families.features import (  # noqa: F401 - the feature vocabula
     NOT_DECLARED,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     Support,
     bidirectional,
     no,
+    single_program_not_built,
     yes,
 )
 from qeff_vision.families.language_declarations import FamilyLanguageIO

@@ -45,12 +45,12 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
     ModelDescription,
     bidirectional,
+    single_program_not_built,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -191,7 +191,10 @@ class Molmo2(Family):
             "timestamps stay in one chunk; images and a video are not mixed in one prompt"
         ),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=single_program_not_built(
+            "not tried; the vision call has a second input beside the crops (image_token_pooling, "
+            "the patches each token pools), which the composed encode branch would have to carry"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
