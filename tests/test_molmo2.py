@@ -303,3 +303,27 @@ def test_a_second_clip_in_a_conversation_is_refused_in_one_line(runtime, exporte
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "At most one video is supported per sample" in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(("max_images", "fits"), [(3, True), (4, False)])
+def test_spec_checks_that_a_prompts_joined_images_fit_one_bucket(tmp_path, capsys, max_images, fits):
+    """3 x 1,203 + 2 tokens fit the 4096 bucket; 4 x 1,203 + 3 do not: one line naming max_images."""
+    import yaml
+
+    from qeff_vision.cli import main
+
+    data = yaml.safe_load((SPECS / "molmo2" / "molmo2-4b.yaml").read_text())
+    data["config"] = str(SPECS / "configs" / "Molmo2-4B" / "config.json")
+    data["ctx_len"] = 16384
+    data["vision"]["max_images"] = max_images
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code = main(["validate", str(path)])
+    err = capsys.readouterr().err
+    if fits:
+        assert code == 0, err
+        return
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "vision.max_images" in line]
+    assert "4 images of 1080x1920 are one run of 4815 tokens (4648 image rows)" in line, line
+    assert "the largest bucket holds 4096 tokens" in line

@@ -211,6 +211,8 @@ class Molmo2(Family):
     video_token_key = "image_patch_id"
     # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
     tokens_between_images = 1
+    # Every image token attends to every other one, across images: a prompt's images share a chunk.
+    joins_images = True
 
     # ---- config view ----
 
