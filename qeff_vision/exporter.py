@@ -36,6 +36,7 @@ from qeff_vision.export.weights import (
     DTYPES,
     WeightPlan,
     append_tensor,
+    buffers_as_constants,
     build_without_weights,
     dense_placeholder_linears,
     parameter_inputs,
@@ -431,7 +432,7 @@ def _trace(staging: Path, program: str, module, example, input_names, output_nam
     directory = staging / program
     directory.mkdir()
     raw = directory / "traced.onnx"
-    with dense_placeholder_linears(module):
+    with dense_placeholder_linears(module), buffers_as_constants(module):
         _torch_export(module, example, raw, input_names, output_names, axes, custom=program == "lang")
         with torch.no_grad():
             outputs = module(*example)

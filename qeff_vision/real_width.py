@@ -178,7 +178,11 @@ def _write_checkpoint(
         )
         (Path(scratch) / "config.json").write_text(json.dumps(cut, indent=2))
         model_config = transformers.AutoConfig.from_pretrained(scratch)
-        architecture = getattr(transformers, cut["architectures"][0])
+        # A published config may name its remote-code class (Kimi-K2.5's KimiK25ForConditionalGeneration):
+        # transformers' own class is the tiny checkpoint's.
+        architecture = getattr(transformers, cut["architectures"][0], None) or getattr(
+            transformers, tiny_config["architectures"][0]
+        )
         torch.manual_seed(seed)
         model = architecture(model_config).eval()
         randomize_zero_parameters(model, std=float(full.get("initializer_range") or 0.02))

@@ -52,17 +52,19 @@ def test_single_is_refused_with_the_familys_reason_where_not_built(tmp_path, cap
     from dataclasses import replace
 
     from qeff_vision.families import get_family
-    from qeff_vision.families.features import SINGLE_PROGRAM_NOT_BUILT
+    from qeff_vision.families.features import single_program_not_built
 
     path = write_spec_data(tmp_path, spec_data(deployment="single"))
     assert main(["validate", str(path)]) == 0  # Qwen2.5-VL (a patch-sequence tower) is built
     capsys.readouterr()
     # A family declaring it not built (every family may be built one day) is refused with its reason.
     family = type(get_family("qwen2_5_vl"))
-    monkeypatch.setattr(family, "features", replace(family.features, single_program=SINGLE_PROGRAM_NOT_BUILT))
+    monkeypatch.setattr(
+        family, "features", replace(family.features, single_program=single_program_not_built("a reason"))
+    )
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
-    assert "deployment: Qwen2.5-VL cannot be deployed single: not built for this family" in err
+    assert "deployment: Qwen2.5-VL cannot be deployed single: not built for this family: a reason" in err
     assert "Traceback" not in err
 
 

@@ -131,3 +131,36 @@ def test_placeholder_linears_run_dense_without_changing_the_graph(tmp_path):
     assert graphs[0] == graphs[1]  # the linears still read the weight inputs; no constant added
     assert [op for op, _, _ in graphs[1][0]].count("MatMul") == 3
     assert len(graphs[1][1]) == 5 and "Constant" not in [op for op, _, _ in graphs[1][0]]  # x, real, 3 params
+
+
+def test_persistent_buffers_trace_as_constants_not_inputs(tmp_path):
+    """A persistent buffer (a router's correction bias) is a constant of the graph, not an input nothing
+    feeds; the module's state dict is unchanged afterwards."""
+    from torch import nn
+
+    from qeff_vision.export.weights import buffers_as_constants
+
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.register_buffer("correction_bias", torch.arange(4.0))
+
+        def forward(self, x):
+            return self.proj(x) + self.correction_bias
+
+    module = Routed().eval()
+    path = tmp_path / "routed.onnx"
+    with buffers_as_constants(module), torch.no_grad():
+        torch.onnx.export(
+            module,
+            (torch.ones(1, 4),),
+            str(path),
+            dynamo=False,
+            input_names=["x"],
+            export_params=False,
+            keep_initializers_as_inputs=True,
+        )
+    names = [value.name for value in onnx.load(path).graph.input]
+    assert "correction_bias" not in names and "proj.weight" in names, names
+    assert "correction_bias" in module.state_dict()

@@ -128,3 +128,77 @@ def test_kv_memory_benchmark_compares_the_latent_cache_with_per_head_kv():
         )
         is None
     )
+
+
+def test_the_published_layout_loads_and_exports_as_transformers_reads_it(tiny_checkpoint, hf_model, exported):
+    """The tiny checkpoint is moonshotai/Kimi-K2.5's layout: fused, rope-interleaved ``wqkv``, per-expert
+    tensors, remote-code names. Each parameter's streamed source equals what transformers loads, and
+    the exported vision graph equals transformers' image features.
+    """
+    from qeff_vision.export.weight_sources import SlicedSource, checkpoint_keys_for
+    from qeff_vision.export.weights import Checkpoint
+    from qeff_vision.runtime.session import OnnxProgram
+
+    model, processor = hf_model(FAMILY)
+    files = Checkpoint(tiny_checkpoint(FAMILY))
+    assert "vision_tower.encoder.blocks.0.wqkv.weight" in files.entries
+    assert "language_model.model.layers.1.mlp.experts.0.gate_proj.weight" in files.entries
+    assert not any(key.startswith("model.") for key in files.entries)
+    keys = checkpoint_keys_for(model, files)
+    query = keys["model.vision_tower.layers.0.attn.q_proj.weight"]
+    assert (
+        isinstance(query, SlicedSource) and query.rope_heads == model.config.vision_config.num_attention_heads
+    )
+    assert keys["model.vision_tower.layers.0.attn.v_proj.bias"].rope_heads == 0
+    wanted = model.state_dict()
+    assert set(keys) == set(wanted)
+    for name, source in keys.items():
+        assert torch.equal(source.values(files.read, wanted[name].shape), wanted[name]), name
+    program = OnnxProgram(exported(FAMILY) / "vision" / "model.onnx")
+    images = [helpers.image(h, w, seed) for seed, (h, w) in enumerate(((100, 150), (300, 120)))]
+    processed = processor.image_processor(images=images, return_tensors="pt")
+    reference = [f.numpy() for f in load_adapter(get_family(FAMILY)).hf_image_features(model, processed)]
+    inputs = helpers.host(model, FAMILY).vision_inputs(helpers.as_numpy(processed))
+    for one, expected in zip(inputs, reference, strict=True):
+        embeds = program.run(one)[symbols.VISION_EMBEDS]
+        assert np.abs(embeds.reshape(expected.shape) - expected).max() <= 1e-4
+
+
+def test_the_exported_graphs_have_no_buffer_inputs(exported):
+    """A router's persistent ``e_score_correction_bias`` traces as a constant, not an input nothing feeds."""
+    import onnx
+
+    for program in ("vision", "lang"):
+        graph = onnx.load(exported(FAMILY) / program / "model.onnx", load_external_data=False).graph
+        names = [value.name for value in graph.input]
+        assert not [name for name in names if "layers." in name or "correction_bias" in name], names
+
+
+def test_int4_packed_experts_are_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):
+    """The published checkpoint's routed experts are int4 compressed-tensors: export says so, exit 2."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qeff_vision.cli import main
+
+    packed = tmp_path / "packed"
+    shutil.copytree(tiny_checkpoint(FAMILY), packed)
+    state = load_file(packed / "model.safetensors")
+    prefix = "language_model.model.layers.1.mlp.experts.0.gate_proj"
+    weight = state.pop(f"{prefix}.weight")
+    # Eight int4 values to an int32, a scale per group of 32, the unpacked shape (compressed-tensors).
+    state[f"{prefix}.weight_packed"] = torch.zeros(weight.shape[0], weight.shape[1] // 8, dtype=torch.int32)
+    state[f"{prefix}.weight_scale"] = torch.ones(weight.shape[0], weight.shape[1] // 32)
+    state[f"{prefix}.weight_shape"] = torch.tensor(list(weight.shape))
+    save_file(state, packed / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (packed / "config.json").write_text(json.dumps(config))
+    code = main(["export", str(packed), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if not line.startswith("[qeff-vision]")]  # progress
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert "1 weight(s) are stored packed as integers" in errors[0] and f"{prefix}.weight_packed" in errors[0]
+    assert not (tmp_path / "out").exists()

@@ -262,3 +262,68 @@ def test_images_and_a_clip_in_one_prompt_are_refused_in_one_line(runtime):
     chat = Conversation(runtime.generator([64], "chunk", cache), runtime.processor, max_new_tokens=2)
     with pytest.raises(UserError, match="images or one video per prompt, not both"):
         chat.ask([helpers.image(60, 60)], "Both?", videos=[_clip(2, 60, 80)])
+
+
+def test_a_second_clip_in_a_conversation_is_refused_in_one_line(runtime, exported, tmp_path, capsys):
+    """Molmo2's processor takes one video per sample: a later turn's clip is one line (exit 2 from run)."""
+    import yaml
+
+    from qeff_vision.cli import main
+    from qeff_vision.errors import UserError
+
+    cache = EmbeddingCache(16 * 2**20)
+    chat = Conversation(runtime.generator([64], "chunk", cache), runtime.processor, max_new_tokens=2)
+    chat.ask([], "What happens?", videos=[_clip(2, 60, 80, seed=5)])
+    with pytest.raises(UserError, match="At most one video is supported per sample"):
+        chat.ask([], "And here?", videos=[_clip(2, 60, 80, seed=6)])
+    assert len(chat.messages) == 2  # the refused turn left the conversation as it was
+    clips = []
+    for number in (1, 2):
+        directory = tmp_path / f"clip{number}"
+        directory.mkdir()
+        for index in range(2):
+            helpers.image(60, 80, 10 * number + index).save(directory / f"frame{index:03d}.png")
+        clips.append(str(directory))
+    spec = {
+        "name": "molmo2-two-clips",
+        "model": str(runtime.checkpoint.directory),
+        "ctx_len": 256,
+        "prefill": {"seq_lens": [64]},
+        "vision": {
+            "images": [{"height": 60, "width": 60}],
+            "videos": [{"height": 60, "width": 80, "frames": 2}],
+        },
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    compile_args = ["compile", str(tmp_path / "spec.yaml"), "-o", str(out), "--backend", "onnxruntime"]
+    assert main([*compile_args, "--export", str(exported(FAMILY))]) == 0
+    args = ["run", str(out), "--video", clips[0], "--prompt", "What?"]
+    code = main([*args, "--turn-video", "2", clips[1], "--prompt", "And here?", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "At most one video is supported per sample" in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(("max_images", "fits"), [(3, True), (4, False)])
+def test_spec_checks_that_a_prompts_joined_images_fit_one_bucket(tmp_path, capsys, max_images, fits):
+    """3 x 1,203 + 2 tokens fit the 4096 bucket; 4 x 1,203 + 3 do not: one line naming max_images."""
+    import yaml
+
+    from qeff_vision.cli import main
+
+    data = yaml.safe_load((SPECS / "molmo2" / "molmo2-4b.yaml").read_text())
+    data["config"] = str(SPECS / "configs" / "Molmo2-4B" / "config.json")
+    data["ctx_len"] = 16384
+    data["vision"]["max_images"] = max_images
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    code = main(["validate", str(path)])
+    err = capsys.readouterr().err
+    if fits:
+        assert code == 0, err
+        return
+    assert code == 2 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if "vision.max_images" in line]
+    assert "4 images of 1080x1920 are one run of 4815 tokens (4648 image rows)" in line, line
+    assert "the largest bucket holds 4096 tokens" in line

@@ -10,7 +10,10 @@ and split tensors joined as transformers does (a ``WeightConverter`` whose only 
 ``Split`` / ``Chunk``: one checkpoint tensor into several parameters, Molmo2's ``att_proj`` into
 q/k/v and ``ff_proj`` into up/gate; or ``Concatenate`` of several keys into one parameter, Molmo2's
 base and additional vocabulary ``wte`` tables; ref: conversion_mapping.py ``Molmo2TextModel``):
-each parameter reads only its slice. Any other conversion is refused with one clear line.
+each parameter reads only its slice. A cut may be followed by ``PermuteForRope`` (Kimi-K2.5's
+vision ``wqkv``: q/k/v chunks, q and k rows reordered from interleaved rotary pairs to split
+halves per head); the permutation is applied to the slice. Any other conversion is refused with
+one clear line.
 """
 
 from __future__ import annotations
@@ -88,16 +91,33 @@ class SlicedSource:
         dim: The axis it is cut along.
         start: The first index of this parameter's slice.
         length: The slice's extent (the parameter's size on ``dim``).
+        rope_heads: Heads of a ``PermuteForRope`` applied to the slice, 0 for none.
+        rope_inverse: That permutation's ``inverse`` flag (split halves back to interleaved pairs).
     """
 
     key: str
     dim: int
     start: int
     length: int
+    rope_heads: int = 0
+    rope_inverse: bool = False
 
     def values(self, read: Callable[[str], torch.Tensor], shape: torch.Size) -> torch.Tensor:
-        """The parameter's slice of the fused tensor."""
-        return read(self.key).narrow(self.dim, self.start, self.length)
+        """The parameter's slice of the fused tensor, rotary rows reordered when the cut says so."""
+        piece = read(self.key).narrow(self.dim, self.start, self.length)
+        return permute_for_rope(piece, self.rope_heads, self.rope_inverse) if self.rope_heads else piece
+
+
+def permute_for_rope(tensor: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of each head reordered from interleaved rotary pairs to split halves (``inverse``: back).
+
+    transformers' ``PermuteForRope`` rule on a weight [rows, in] or a bias [rows]: per head, the
+    ``(half, 2)`` row grid is transposed to ``(2, half)``.
+    """
+    rows = tensor.shape[0]
+    half = rows // heads // 2
+    grid = (2, half) if inverse else (half, 2)
+    return tensor.reshape(heads, *grid, *tensor.shape[1:]).transpose(1, 2).reshape(tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -123,23 +143,38 @@ class JoinedSource:
 
 
 def _cut_of(converters, pattern: str):
-    """(converter, dim) when the converter for ``pattern`` only cuts one tensor or joins several keys."""
-    from transformers.core_model_loading import Chunk, Concatenate, Split
+    """(converter, dim, rope) when the converter for ``pattern`` only cuts one tensor or joins several keys.
+
+    ``rope`` is the ``PermuteForRope`` that may follow a cut (None when there is none).
+    """
+    from transformers.core_model_loading import Chunk, Concatenate, PermuteForRope, Split
 
     for converter in converters:
         if pattern in converter.source_patterns:
             operations = list(converter.operations)
+            rope = None
+            if len(operations) == 2 and isinstance(operations[1], PermuteForRope):
+                rope = operations.pop()
             if len(operations) != 1:
                 return None
             operation = operations[0]
             cuts = isinstance(operation, (Split, Chunk)) and len(converter.source_patterns) == 1
             joins = (
-                isinstance(operation, Concatenate)
+                rope is None
+                and isinstance(operation, Concatenate)
                 and len(converter.target_patterns) == 1
                 and not getattr(operation, "num_shards_attribute", None)
             )
-            return (converter, operation.dim) if cuts or joins else None
+            return (converter, operation.dim, rope) if cuts or joins else None
     return None
+
+
+def _rope_heads(rope, config, target: str) -> int:
+    """Heads of ``rope`` (a ``PermuteForRope``) for the cut piece ``target``, 0 when it is not permuted."""
+    if rope is None or (rope.permute_layer_names and not any(n in target for n in rope.permute_layer_names)):
+        return 0
+    section = getattr(config, rope.subconfig_key, config) if rope.subconfig_key else config
+    return int(getattr(section, "num_attention_heads", 1))
 
 
 def _merge_of(converters, pattern: str) -> tuple[list[str], int, int | None] | None:
@@ -187,6 +222,7 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+    _refuse_packed(checkpoint)
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -206,11 +242,13 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
             continue
         cut = _cut_of(converters, pattern)
         if cut is not None:
-            converter, dim = cut
+            converter, dim, rope = cut
             if len(converter.source_patterns) > 1:  # several keys joined into one parameter
                 joined.setdefault(renamed, (list(converter.source_patterns), dim, {}))[2][pattern] = key
                 continue
-            found.update(_slices(key, renamed, converter.target_patterns, dim, wanted))
+            heads = {t: _rope_heads(rope, model.config, t) for t in converter.target_patterns}
+            inverse = bool(rope is not None and rope.inverse)
+            found.update(_slices(key, renamed, converter.target_patterns, dim, wanted, heads, inverse))
             continue
         swap = _swap_of(converters, pattern)
         merge = _merge_of(converters, pattern) if swap is None else None
@@ -239,17 +277,41 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
     return found
 
 
-def _slices(key: str, renamed: str, targets, dim: int, wanted) -> dict[str, SlicedSource]:
+# Tensor-name suffix of compressed-tensors' packed integer weights (``pack-quantized``: int4 values
+# eight to an int32, with ``weight_scale`` and ``weight_shape`` beside them), e.g. the routed experts
+# of the published Kimi-K2.5.
+PACKED_SUFFIX = ".weight_packed"
+
+
+def _refuse_packed(checkpoint: Checkpoint) -> None:
+    """One clear line for a checkpoint holding packed integer weights, which export does not unpack.
+
+    Raises:
+        UserError: Some tensor is a compressed-tensors packed weight.
+    """
+    packed = sorted(key for key in checkpoint.location if key.endswith(PACKED_SUFFIX))
+    if packed:
+        raise UserError(
+            f"{checkpoint.model_dir}: {len(packed)} weight(s) are stored packed as integers "
+            f"(compressed-tensors pack-quantized, e.g. {packed[0]!r}); streaming export reads "
+            "floating-point weights only: export a dequantized (bf16) copy of the checkpoint"
+        )
+
+
+def _slices(
+    key: str, renamed: str, targets, dim: int, wanted, heads: dict[str, int], inverse: bool
+) -> dict[str, SlicedSource]:
     """Each target parameter's slice of the fused tensor ``key``, sized like the parameter (``Split``).
 
     ``renamed`` is the first target's parameter name (transformers renames a one-to-many source
     to its first target); the others replace that target pattern in it. ``Chunk``'s equal pieces
-    are the same slices, its targets being equally sized.
+    are the same slices, its targets being equally sized. ``heads``: per target, the heads of the
+    rotary permutation its slice gets (0: none).
     """
-    names = [renamed.replace(targets[0], target, 1) for target in targets]
     slices, start = {}, 0
-    for name in names:
+    for target in targets:
+        name = renamed.replace(targets[0], target, 1)
         length = wanted[name].shape[dim]
-        slices[name] = SlicedSource(key, dim, start, length)
+        slices[name] = SlicedSource(key, dim, start, length, heads[target], inverse)
         start += length
     return slices

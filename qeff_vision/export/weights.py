@@ -282,6 +282,26 @@ def dense_placeholder_linears(module: nn.Module) -> Iterator[None]:
         del module.forward
 
 
+@contextlib.contextmanager
+def buffers_as_constants(module: nn.Module) -> Iterator[None]:
+    """While active, every buffer of ``module`` is non-persistent, so the tracer keeps it as a constant.
+
+    The exporter keeps the state dict's tensors as graph inputs (``keep_initializers_as_inputs``)
+    and turns only parameters into weights; a persistent buffer (a router's
+    ``e_score_correction_bias``, Gemma 4's ``layer_scalar``) would stay an input nothing feeds.
+    Its value is already loaded (:func:`build_without_weights`), so it traces as a constant.
+    """
+    saved = [(sub, set(sub._non_persistent_buffers_set)) for sub in module.modules()]
+    for sub, _ in saved:
+        sub._non_persistent_buffers_set.update(sub._buffers)
+    try:
+        yield
+    finally:
+        for sub, names in saved:
+            sub._non_persistent_buffers_set.clear()
+            sub._non_persistent_buffers_set.update(names)
+
+
 def parameter_inputs(module: nn.Module) -> dict[str, torch.Tensor]:
     """Graph-input name -> parameter, as the TorchScript exporter names them (first name of a tied one)."""
     named: dict[str, torch.Tensor] = {}

@@ -51,11 +51,11 @@ from qeff_vision.families.features import (  # noqa: F401 - the feature vocabula
     NOT_DECLARED,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Features,
     Support,
     bidirectional,
     no,
+    single_program_not_built,
     yes,
 )
 from qeff_vision.families.language_declarations import FamilyLanguageIO
@@ -112,6 +112,9 @@ class Family(FamilyConfig, FamilyLanguageIO):
         placeholders_in_runs: One image's placeholders are several runs with other tokens between
             them (Mistral 3 ends each row of image tokens with ``[IMG_BREAK]``); the host then
             joins consecutive runs into an image by its row count.
+        joins_images: A prompt's images share one chunk, with the tokens between them (the host
+            marks every image after the first ``joined``: Molmo2's image tokens attend to each
+            other across images); the spec checks that ``max_images`` of them fit one bucket.
     """
 
     name: str = ""
@@ -123,6 +126,7 @@ class Family(FamilyConfig, FamilyLanguageIO):
     vision_input_axes: Mapping[str, Mapping[int, str]] = {}
     tokens_between_images: int = 0
     placeholders_in_runs: bool = False
+    joins_images: bool = False
     #: The vision graph's symbol that counts the images of one call. ``deployment: single`` names it
     #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
     #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.

@@ -38,6 +38,16 @@ def no(reason: str) -> Support:
     return Support(False, reason)
 
 
+def single_program_not_built(reason: str) -> Support:
+    """``deployment: single`` not built for the declaring family, for the family's own ``reason``.
+
+    The single program composes a vision graph of [..., C, H, W] images or a patch sequence with a
+    declared patch axis, whose outputs are retained language inputs (compile/single_program.py);
+    a family outside that, or not tried, says why here (generic code lists no family).
+    """
+    return no(f"not built for this family: {reason}")
+
+
 def bidirectional(reason: str) -> Support:
     """``chunk_split``: no, because one image's placeholders attend to each other both ways (Gemma 3).
 
@@ -58,14 +68,6 @@ QEFFICIENT_CONTINUOUS_BATCHING = yes("batch_index input, full_batch_size KV slot
 #: Every graph of the token-merge or cross-attention kinds splits into prefill and decode programs.
 DISAGGREGATED_PROGRAMS = yes(
     "deployment: disaggregated, lang_prefill at batch 1, lang_decode at full_batch_size"
-)
-#: ``deployment: single`` is built for families whose vision graph composes into the language
-#: graph as one If branch (compile/single_program.py); the others declare this (or their own reason).
-SINGLE_PROGRAM_NOT_BUILT = no(
-    "not built for this family: the single program composes a vision graph of [..., C, H, W] "
-    "images or a patch sequence with a declared patch axis, whose outputs are retained language "
-    "inputs (built: llava, llava_next, gemma3, gemma4, internvl, mistral3, mllama, llama4, "
-    "qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe)"
 )
 QEFFICIENT_CCL = yes("comp_ctx_lengths input; attention reads that many leading KV slots")
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qeff_vision.bad_input import check_prompt, placeholder_texts
+from qeff_vision.bad_input import check_prompt, first_line, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.runtime.engine import compiled_slots
@@ -203,7 +203,17 @@ class Conversation:
                 ],
                 "do_sample_frames": False,
             }
-        processed = self.processor(text=[rendered], images=all_images or None, return_tensors="pt", **kwargs)
+        try:
+            processed = self.processor(
+                text=[rendered], images=all_images or None, return_tensors="pt", **kwargs
+            )
+        except ValueError as exc:
+            # The processor refuses a conversation's media it cannot take together (Molmo2: one
+            # video per sample, so a second turn's clip): the user's input, said in one line.
+            raise UserError(
+                f"the conversation's {len(all_images)} image(s) and {len(all_videos)} clip(s): "
+                f"{first_line(exc)} (start a new conversation for this turn's media)"
+            ) from None
         return PromptInputs(messages, rendered, all_images, as_arrays(processed), notes, all_videos)
 
     def _check_clip(self, clip: Clip) -> None:

@@ -211,6 +211,31 @@ def check_images(
                 f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
                 f"{family.name} cannot split an image across chunks ({family.features.chunk_split.note})",
             )
+    if family.joins_images and max_images > 1:
+        _check_joined_images(reader, family, model, labels, tokens, max_images, max(seq_lens), capacity)
+
+
+def _check_joined_images(reader, family, model, labels, tokens, max_images, longest, capacity) -> None:
+    """``max_images`` of the widest listed image, one joined run, must fit one bucket.
+
+    The planner keeps a family's joined images and the tokens between them in one chunk; a
+    prompt holding them otherwise fails at run time (one ``PlanError`` line). Clips are not joined.
+    """
+    still = [i for i in tokens if not labels[i].video]
+    if not still:
+        return
+    index = max(still, key=lambda i: family.image_extent(model, labels[i]))
+    extent = family.image_extent(model, labels[index])
+    span = extent * max_images + family.tokens_between_images * (max_images - 1)
+    rows = tokens[index] * max_images
+    if span > longest or rows > capacity:
+        reader.add(
+            "vision.max_images",
+            f"{max_images} images of {image_label(labels[index])} are one run of {span} tokens "
+            f"({rows} image rows) and {family.name} keeps a prompt's images in one chunk, but the "
+            f"largest bucket holds {longest} tokens ({capacity} image rows): lower max_images or add "
+            "a larger prefill bucket",
+        )
 
 
 def video_pruning_notes(family: Family, model: ModelDescription, vision) -> list[str]:

@@ -74,18 +74,6 @@ def padding_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(padding, torch.finfo(dtype).min, 0.0).to(dtype)[:, None, None, :]
 
 
-def trace_buffers_as_constants(module: nn.Module) -> None:
-    """Make every buffer of ``module`` and its submodules non-persistent.
-
-    The exporter keeps initializers as inputs (``keep_initializers_as_inputs``) and turns only
-    parameters into weights, so a persistent buffer (Gemma 4's ``layer_scalar``, the tower's
-    ``std_bias`` / ``std_scale`` and clipped-linear bounds) would stay a graph input nobody feeds.
-    Their values are already loaded from the checkpoint; non-persistent, they trace as constants.
-    """
-    for submodule in module.modules():
-        submodule._non_persistent_buffers_set.update(submodule._buffers)
-
-
 class VisionEncoder(nn.Module):
     """(pixel_values, image_position_ids) of a padded patch list -> vision_embeds [1, cells, text]."""
 
@@ -94,7 +82,6 @@ class VisionEncoder(nn.Module):
         self.tower = model.model.vision_tower
         self.embedder = model.model.embed_vision
         self.kernel = self.tower.config.pooling_kernel_size
-        trace_buffers_as_constants(self.tower)
 
     def forward(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor) -> torch.Tensor:
         """Embed, encode with padded patches masked, pool the real ones in fp32, standardize, project."""
@@ -205,7 +192,6 @@ class Adapter(ExportAdapter):
             if i is not None
         )
         language = model.model.language_model
-        trace_buffers_as_constants(language)
         embed = PaddedEmbedding(language.embed_tokens, placeholders, text.pad_token_id)
         parts.embed_tokens = embed
         parts.lm_head = SoftCappedHead(model.lm_head, text.final_logit_softcapping)

@@ -39,6 +39,7 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     no,
+    single_program_not_built,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, ConfigView
@@ -121,8 +122,8 @@ class KimiK25(Family):
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=no(
-            "not built: an encode entry of n images binds h and w to their sums (2 images of 8x12 "
+        single_program=single_program_not_built(
+            "an encode entry of n images binds h and w to their sums (2 images of 8x12 "
             "patches gave 16x24), but h_shape / w_shape must carry one image's grid"
         ),
     )

@@ -34,7 +34,6 @@ from qeff_vision.families.kimi_k25 import H_SHAPE, W_SHAPE
 from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
 
 BICUBIC = "bicubic"
-BIAS = "e_score_correction_bias"  # DeepseekV3TopkRouter's routing-correction buffer
 
 
 class VisionEncoder(nn.Module):
@@ -247,19 +246,4 @@ class Adapter(ExportAdapter):
             if not getattr(layer.self_attn, "absorbed", False):
                 layer.self_attn.forward = absorbed_attention(layer.self_attn)
                 layer.self_attn.absorbed = True
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                _trace_as_constant(gate, BIAS)
         return parts
-
-
-def _trace_as_constant(module: nn.Module, name: str) -> None:
-    """Re-register a loaded persistent buffer as non-persistent, so the trace keeps it as a constant.
-
-    The exporter makes every state-dict tensor a graph input and feeds only parameters; the router's
-    ``e_score_correction_bias`` (a persistent buffer, loaded from the checkpoint) would be an input
-    nobody feeds.
-    """
-    value = getattr(module, name)
-    delattr(module, name)
-    module.register_buffer(name, value, persistent=False)

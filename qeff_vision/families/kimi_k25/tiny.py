@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # Kimi's chat and media markers (ids 163584.. in moonshotai/Kimi-K2.5's tokenizer); <|media_pad|>
@@ -97,11 +98,116 @@ VISION = dict(
 MAX_PATCHES_PER_SIDE = 16
 MAX_PATCHES = 256
 
+#: Weight layouts the writer knows: moonshotai/Kimi-K2.5's own (remote code: ``language_model.*``,
+#: ``vision_tower.encoder.blocks.*`` with a fused ``wqkv`` in interleaved-rope row order,
+#: per-expert tensors) and transformers' (what ``save_pretrained`` writes).
+PUBLISHED = "published"
+TRANSFORMERS = "transformers"
+LAYOUTS = (PUBLISHED, TRANSFORMERS)
 
-def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer and processor of a tiny Kimi-K2.5 to ``out_dir``."""
+# transformers' parameter name -> the published checkpoint's, applied in order (the inverse of the
+# renamings in transformers' conversion_mapping.py ``kimi_k25``; the published names are those of
+# moonshotai/Kimi-K2.5's model.safetensors.index.json).
+_PUBLISHED_NAMES = (
+    (r"^model\.language_model\.", "language_model.model."),
+    (r"^lm_head\.", "language_model.lm_head."),
+    (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+    (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+    (r"^model\.mm_projector\.", "mm_projector."),
+    (
+        r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$",
+        "vision_tower.patch_embed.pos_emb.weight",
+    ),
+    (r"^model\.vision_tower\.patch_embed\.", "vision_tower.patch_embed."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
+    (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
+    (r"^model\.vision_tower\.layers\.", "vision_tower.encoder.blocks."),
+    (r"^model\.vision_tower\.", "vision_tower.encoder."),
+)
+_QKV = re.compile(r"^model\.vision_tower\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$")
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def published_state(model) -> dict:
+    """``model``'s weights in moonshotai/Kimi-K2.5's own layout (what transformers converts on load).
+
+    Vision q/k/v are fused into ``wqkv`` with q and k rows back in interleaved rotary order (the
+    inverse of ``PermuteForRope``); routed experts are one tensor per expert and projection
+    (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, the inverse of qwen2_moe's merge).
+    """
     import torch
+
+    from qeff_vision.export.weight_sources import permute_for_rope
+
+    heads = model.config.vision_config.num_attention_heads
+    state, fused = {}, {}
+    for name, tensor in model.state_dict().items():
+        qkv = _QKV.match(name)
+        if qkv:
+            layer, part, kind = qkv.groups()
+            piece = permute_for_rope(tensor, heads, inverse=True) if part in "qk" else tensor
+            fused.setdefault((layer, kind), {})[part] = piece
+            continue
+        experts = _EXPERTS.match(name)
+        if experts:
+            prefix, kind = experts.groups()
+            for number, expert in enumerate(tensor):
+                if kind == "gate_up_proj":
+                    gate, up = expert.chunk(2, dim=0)
+                    state[_published_name(f"{prefix}.{number}.gate_proj.weight")] = gate
+                    state[_published_name(f"{prefix}.{number}.up_proj.weight")] = up
+                else:
+                    state[_published_name(f"{prefix}.{number}.down_proj.weight")] = expert
+            continue
+        state[_published_name(name)] = tensor
+    for (layer, kind), parts in fused.items():
+        state[f"vision_tower.encoder.blocks.{layer}.wqkv.{kind}"] = torch.cat([parts[p] for p in "qkv"])
+    return {name: tensor.contiguous() for name, tensor in state.items()}
+
+
+def _published_name(name: str) -> str:
+    for pattern, replacement in _PUBLISHED_NAMES:
+        renamed = re.sub(pattern, replacement, name)
+        if renamed != name:
+            return renamed
+    return name
+
+
+def finish_random_weights(model) -> None:
+    """Random router biases, so the correction term of DeepSeek-V3's routing is exercised.
+
+    The published checkpoint's are trained; transformers initialises them to zero.
+    """
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.language_model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.1)
+
+
+def save_weights(model, out_dir: Path, layout: str = PUBLISHED) -> None:
+    """Write ``model.safetensors`` in ``layout`` (replacing what ``save_pretrained`` wrote)."""
     from safetensors.torch import save_file
+
+    if layout == PUBLISHED:
+        state = published_state(model)
+    else:
+        state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
+    save_file(state, Path(out_dir) / "model.safetensors", metadata={"format": "pt"})
+
+
+def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, layout: str = PUBLISHED) -> Path:
+    """Write config, safetensors weights, tokenizer and processor of a tiny Kimi-K2.5 to ``out_dir``.
+
+    ``layout``: :data:`PUBLISHED` (the real checkpoint's tensor names and fused vision q/k/v,
+    which export converts as transformers does) or :data:`TRANSFORMERS`.
+    """
+    import torch
     from transformers import (
         DeepseekV3Config,
         Kimi_K25Config,
@@ -142,20 +248,11 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config).eval()
-    # Random router biases, so the correction term of DeepSeek-V3's routing is exercised (the
-    # published checkpoint's are trained; transformers initialises them to zero).
-    for layer in model.model.language_model.layers:
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:
-            gate.e_score_correction_bias.copy_(torch.randn(gate.e_score_correction_bias.shape) * 0.1)
+    finish_random_weights(model)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["[PAD]"]
     model.save_pretrained(out_dir, safe_serialization=True)
-    # The weights in transformers' own layout (q/k/v projections apart, experts stacked): the
-    # published layout's fused ``wqkv`` with its rope permutation is a load-time conversion
-    # streaming export does not do (export/weight_sources.py), so the tiny checkpoint does not use it.
-    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
-    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_weights(model, out_dir, layout)
     image_options = dict(
         size={"max_height": MAX_PATCHES_PER_SIDE, "max_width": MAX_PATCHES_PER_SIDE},
         max_patches=MAX_PATCHES,

@@ -45,12 +45,12 @@ from qeff_vision.families.base import (
     NO_VIDEO_PRUNING,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
-    SINGLE_PROGRAM_NOT_BUILT,
     Family,
     Features,
     ImageSize,
     ModelDescription,
     bidirectional,
+    single_program_not_built,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -191,7 +191,10 @@ class Molmo2(Family):
             "timestamps stay in one chunk; images and a video are not mixed in one prompt"
         ),
         disaggregated=DISAGGREGATED_PROGRAMS,
-        single_program=SINGLE_PROGRAM_NOT_BUILT,
+        single_program=single_program_not_built(
+            "not tried; the vision call has a second input beside the crops (image_token_pooling, "
+            "the patches each token pools), which the composed encode branch would have to carry"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
@@ -208,6 +211,8 @@ class Molmo2(Family):
     video_token_key = "image_patch_id"
     # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
     tokens_between_images = 1
+    # Every image token attends to every other one, across images: a prompt's images share a chunk.
+    joins_images = True
 
     # ---- config view ----
 
