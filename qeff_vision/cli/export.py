@@ -45,6 +45,14 @@ from qeff_vision import api
     help="Ring layers (sliding window, attention chunk) keep ctx_len KV slots instead of a ring "
     "(specs with retain_full_kv need it).",
 )
+@click.option(
+    "--sampler-top-k",
+    "sampler_top_k",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Compile QEfficient's on-device sampler into the language program with this max_top_k_ids "
+    "(specs with compile.language.sampler need it; the spec's compile exports it by itself).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines on stderr.")
 def export(
     model_dir: str,
@@ -55,6 +63,7 @@ def export(
     patch_buckets: bool,
     cb: bool,
     full_kv: bool,
+    sampler_top_k: int | None,
     quiet: bool,
 ) -> None:
     """Export MODEL_DIR's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json)."""
@@ -67,6 +76,7 @@ def export(
         patch_buckets=patch_buckets,
         continuous_batching=cb,
         retain_full_kv=full_kv,
+        sampler_top_k=sampler_top_k,
         quiet=quiet,
     )
     for program in ("vision", "lang"):

@@ -83,7 +83,14 @@ class Export:
 
 
 def _run_export(
-    model_dir: Path, directory: Path, say: Progress, ccl: bool, buckets: bool, cb: bool, full_kv: bool
+    model_dir: Path,
+    directory: Path,
+    say: Progress,
+    ccl: bool,
+    buckets: bool,
+    cb: bool,
+    full_kv: bool,
+    sampler,
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
 
@@ -95,8 +102,15 @@ def _run_export(
         patch_buckets=buckets,
         continuous_batching=cb,
         retain_full_kv=full_kv,
+        sampler=sampler,
         progress=say,
     ).manifest
+
+
+def _sampler_of(spec: Any) -> dict | None:
+    """The export manifest's record of the spec's on-device sampler (None: the program returns logits)."""
+    sampler = spec.compile.language.sampler
+    return sampler.to_dict() if sampler is not None else None
 
 
 def _former_symbol(spec: Any, manifest: Mapping[str, Any]) -> str | None:
@@ -150,6 +164,12 @@ def given_export(spec: Any, export_dir: Path) -> Export:
             f"{export_dir}: the spec needs an export {wanted} full-length caches on ring layers "
             f"(`qeff-vision export{' --retain-full-kv' if full_kv else ''}`)"
         )
+    sampler = _sampler_of(spec)
+    if manifest.get("sampler") != sampler:
+        wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
+        raise UserError(
+            f"{export_dir}: the spec needs an export with {wanted} (`qeff-vision export --sampler-top-k`)"
+        )
     return Export(export_dir, manifest)
 
 
@@ -181,6 +201,8 @@ def locate_export(
         stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
         stale = True  # the spec added or dropped retain_full_kv
+    if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
+        stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and _former_symbol(spec, manifest):
         stale = True  # exported before the family took QEfficient's symbol names
     if manifest is not None and not stale:
@@ -197,7 +219,8 @@ def locate_export(
         # The export a previous manifest names is replaced now: that manifest stops being true.
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     say(f"exporting {spec.model_dir} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb, full_kv))
+    sampler = spec.compile.language.sampler
+    return Export(directory, _run_export(spec.model_dir, directory, say, ccl, buckets, cb, full_kv, sampler))
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:
