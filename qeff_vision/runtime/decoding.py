@@ -15,6 +15,7 @@ import numpy as np
 
 from qeff_vision.contract.language_io import Role
 from qeff_vision.runtime.continuation import Continuation
+from qeff_vision.runtime.device_sampler import last_rows, pick
 from qeff_vision.runtime.sampling import TokenSampler
 
 
@@ -108,7 +109,7 @@ class TokenDecoding:
             outputs = self.feed_token(token, self.host.decode_positions(positions, step), past, extra)
             if kept is not None:
                 kept.append(outputs[self.logits_name][0, -1].copy())
-            token = sampler.next_token(outputs[self.logits_name][0, -1])
+            token = pick(sampler, last_rows(outputs, self.logits_name)[0])  # logits, or the device's token
             tokens.append(token)
             if on_token:
                 on_token(token)

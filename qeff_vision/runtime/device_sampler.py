@@ -33,6 +33,7 @@ from qeff_vision.contract.language_io import LanguageIO, Role
 from qeff_vision.contract.sampler_io import (
     LAST_ACCEPTED_OUTPUT_TOKENS,
     MIN_PS,
+    NEXT_TOKENS,
     PRESENCE_PENALTIES,
     RANDOM_NUMBERS,
     REPETITION_PENALTIES,
@@ -242,3 +243,92 @@ class GumbelMaxSampler:
         """``token`` was generated: the next step penalizes it (QEfficient marks the fed token)."""
         self.repetition[token] = True
         self.presence[token] = True
+
+
+class ProgramSampler:
+    """The runtime's hook for a language program compiled with the sampler (None without one).
+
+    :meth:`with_inputs` is called where every language call's feeds are complete
+    (``Generator.step``): it adds the sampler's inputs for the rows' requests and, for a program
+    whose state the host keeps, the penalty buffers to the call's state (zeros at first, then
+    what the calls return). :func:`last_rows` / :func:`pick` read the token where the host read
+    logits before.
+
+    Args:
+        io: The program's table with the sampler's rows.
+        options: The sampler's options, as read from the graph (:func:`program_sampler`).
+        vocab_size: The vocabulary.
+        retains_state: The program keeps its retained state itself (a device): no host buffers.
+    """
+
+    def __init__(self, io: LanguageIO, options: SamplerOptions, vocab_size: int, retains_state: bool):
+        self.io, self.options, self.vocab_size = io, options, vocab_size
+        self.retains_state = retains_state
+        self.feeder = DeviceSampler(io, options, vocab_size)
+
+    def admit(self, slot: int, params: SamplingParams | None) -> None:
+        """The request in ``slot`` samples with ``params`` (its own seeded generator from now on)."""
+        self.feeder.admit(slot, params)
+
+    def with_inputs(
+        self, feeds: Mapping[str, np.ndarray], past: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
+        """``feeds`` plus the sampler's inputs; ``past`` gains the penalty buffers if the host keeps state.
+
+        A row's slot is its ``batch_index`` (continuous batching) or its row; a row whose
+        positions are all -1 is idle.
+        """
+        token_ids = feeds[self.io.name(Role.TOKEN_IDS)]
+        positions = feeds[self.io.name(Role.POSITIONS)]
+        text = positions if positions.ndim == 2 else positions[0]
+        slots = (
+            feeds[self.io.name(Role.KV_SLOT)][:, 0]
+            if self.io.has(Role.KV_SLOT)
+            else np.arange(token_ids.shape[0])
+        )
+        row_slots = [int(slot) if (row >= 0).any() else None for slot, row in zip(slots, text)]
+        if not self.retains_state:
+            held = next((value.shape[0] for value in past.values()), token_ids.shape[0])
+            for row in self.io.rows(Role.PENALTY_BUFFER):
+                past.setdefault(row.name, np.zeros((held, self.vocab_size), dtype=bool))
+        return {**feeds, **self.feeder.feeds(token_ids, row_slots)}
+
+
+def program_sampler(
+    io: LanguageIO,
+    input_dims: Mapping[str, Sequence],
+    output_names: Sequence[str],
+    vocab_size: int,
+    retains_state: bool,
+) -> tuple[LanguageIO, ProgramSampler | None]:
+    """(the table, its hook) for a compiled language program read from its graph's IO.
+
+    A program with a ``random_numbers`` input was compiled with the sampler: its options are read
+    back (``max_top_k_ids`` from that input's width, ``return_pdfs`` from a ``probs`` output,
+    guided decoding from a ``token_bitmasks`` input) and ``io`` gains the sampler's rows.
+    """
+    from qeff_vision.contract.sampler_io import PROBS, with_sampler
+
+    if RANDOM_NUMBERS not in input_dims:
+        return io, None
+    width = input_dims[RANDOM_NUMBERS][-1]
+    options = SamplerOptions(
+        max_top_k_ids=int(width) if isinstance(width, int) else SamplerOptions().max_top_k_ids,
+        return_pdfs=PROBS in output_names,
+        guided_decoding=TOKEN_BITMASKS in input_dims,
+    )
+    sampled = with_sampler(io, options)
+    return sampled, ProgramSampler(sampled, options, vocab_size, retains_state)
+
+
+def last_rows(outputs: Mapping[str, np.ndarray], logits_name: str | None) -> np.ndarray:
+    """What the host chooses from per row: the device's token ([rows]) or the last position's logits."""
+    if logits_name is None:  # a sampler program: next_tokens [rows, 1, 1]
+        return np.asarray(outputs[NEXT_TOKENS])[:, -1, 0]
+    return outputs[logits_name][:, -1]
+
+
+def pick(sampler, row: np.ndarray) -> int:
+    """The token of one row of :func:`last_rows`: the device's own, or ``sampler``'s choice from logits."""
+    row = np.asarray(row)
+    return int(row) if row.ndim == 0 else sampler.next_token(row)

@@ -31,6 +31,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.deployment import deployment_of
+from qeff_vision.runtime.device_sampler import last_rows, pick
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
 from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
@@ -166,6 +167,8 @@ class _Sequence:
     def admit(self, generator: SequenceRunner, slot: int, step: int) -> None:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
         self.slot, self.admitted_step = slot, step
+        if getattr(generator, "device_sampler", None) is not None:  # the slot's sampling inputs
+            generator.device_sampler.admit(slot, self.request.sampling)
         self.chunks = generator.request_chunks(
             self.plan, self.request.processed, self.input_ids, self.positions, self.encode_timer
         )
@@ -182,13 +185,13 @@ class _Sequence:
 
     def emit(self, logits: np.ndarray, keep_logits: bool, eos: set[int]) -> bool:
         """Choose and record the next token from its logits row; True when the request is complete."""
-        token = self.sampler.next_token(logits)
+        token = pick(self.sampler, logits)  # a 0-d row is the on-device sampler's token
         now = time.perf_counter()
         if not self.tokens:
             self.first_token_at = now
         self.last_token_at = now
         self.tokens.append(token)
-        if keep_logits:
+        if keep_logits and np.ndim(logits):
             self.logits.append(logits.copy())
         if self.request.on_token is not None:
             self.request.on_token(token)
@@ -364,7 +367,7 @@ class BatchedEngine:
         # Disaggregated: the prefill's KV moves to the decode program's slot (a no-op otherwise).
         self.slots.finish_prefill(sequence.slot)
         sequence.first_token_step = step.step
-        logits = outputs[symbols.LOGITS][0, -1]
+        logits = last_rows(outputs, self.generator.logits_name)[0]
         return sequence.emit(logits, keep_logits, self.generator.eos_token_ids)
 
     def _decode(

@@ -25,6 +25,7 @@ from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.decoding import TokenDecoding
 from qeff_vision.runtime.deployment import Deployment, deployment_of
+from qeff_vision.runtime.device_sampler import last_rows, pick, program_sampler
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, PreparedImage, feed_chunks
 from qeff_vision.runtime.image_encoding import ImageEncoding
 from qeff_vision.runtime.kept_prefix import PrefixKeeping
@@ -105,7 +106,15 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         self.io = with_kv_prefix(family.language_table(description, **table), prefix)
         if keeps_full_kv(self.io, graph_dims):  # exported with retain_full_kv: ctx_len on ring layers
             self.io = with_kv_prefix(family.language_table(description, **table, retain_full_kv=True), prefix)
-        self.logits_name = self.io.name(Role.LOGITS, output=True)
+        # A program compiled with the on-device sampler returns next_tokens instead of logits.
+        self.io, self.device_sampler = program_sampler(
+            self.io,
+            graph_dims,
+            getattr(language, "output_names", ()),
+            dims.vocab_size,
+            getattr(language, "retains_state", False),
+        )
+        self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
         self._unpositioned = unpositioned_caches(self.io)
         #: The compute-context length fed to each language call (empty without CCL specializations).
@@ -192,6 +201,8 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             self.ccl_history.append(ccl)
         feeds = self._with_kv_slot(feeds)
+        if self.device_sampler is not None:  # its inputs; the host-kept penalty buffers join past
+            feeds = self.device_sampler.with_inputs(feeds, past)
         retained = self.io.retained_outputs()
         if in_place and past:
             return self.language.run_retained(feeds, past, retained)
@@ -310,10 +321,12 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             used = int(np.asarray(first).reshape(-1)[0])  # KV slots the history fills
         self.check_fits(length, max_new_tokens, used)
         plan = self.plan(input_ids, processed, protocol)
+        if self.device_sampler is not None:  # one sequence: row (or KV slot) 0
+            self.device_sampler.admit(0, sampling)
         outputs, records = self._prefill(plan, input_ids, positions, processed, past)
-        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits else None
+        kept = [outputs[self.logits_name][0, -1].copy()] if keep_logits and self.logits_name else None
         sampler = TokenSampler(sampling, input_ids)
-        token = sampler.next_token(outputs[self.logits_name][0, -1])
+        token = pick(sampler, last_rows(outputs, self.logits_name)[0])
         ttft = time.perf_counter() - started
         if on_token:
             on_token(token)

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.device_sampler import last_rows
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.generator import Generator
@@ -104,7 +104,7 @@ class SequentialSlots:
         logits = {}
         for slot, (token, positions, extra) in tokens.items():
             outputs = generator.feed_token(token, positions, self.past[slot], extra)
-            logits[slot] = outputs[symbols.LOGITS][0, -1]
+            logits[slot] = last_rows(outputs, generator.logits_name)[0]
         return logits, len(tokens) * _vision_bytes(generator)
 
 
@@ -163,8 +163,9 @@ class BatchedSlots:
             self._positions[..., slot : slot + 1, :] = positions
             for role, row in extra.items():
                 self._extra[role][slot : slot + 1] = row
-        logits = self.generator.step(self._decode_feeds, self.past, in_place=True)[symbols.LOGITS]
-        return {slot: logits[slot, -1] for slot in tokens}, self.vision_bytes
+        outputs = self.generator.step(self._decode_feeds, self.past, in_place=True)
+        rows = last_rows(outputs, self.generator.logits_name)  # logits, or the device's tokens
+        return {slot: rows[slot] for slot in tokens}, self.vision_bytes
 
     def _make_buffers(self, positions: np.ndarray, extra: Mapping[Role, np.ndarray]) -> None:
         """Decode inputs at batch ``full_batch_size`` shaped like one request's rows, and their feeds."""
