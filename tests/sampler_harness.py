@@ -52,27 +52,3 @@ class LockstepSlots(SlotCaches):
         self.penalties.update(sampled)
         self.last_tokens = self.device.tokens(sampled)
         return {**outputs, NEXT_TOKENS: sampled[NEXT_TOKENS]}
-
-
-def decode_step_feeds(generator: Generator, running, slots: int) -> dict[str, np.ndarray]:
-    """One batched decode call's feeds: each running sequence's last token in its slot, idle rows -1."""
-    by_slot = {sequence.slot: sequence for sequence in running if not sequence.done}
-    token_ids = np.zeros((slots, 1), dtype=np.int64)
-    positions = []
-    for slot in range(slots):
-        sequence = by_slot.get(slot)
-        if sequence is None:
-            template = generator.host.decode_positions(running[0].positions, 0)
-            positions.append(np.full_like(template, -1))
-            continue
-        token_ids[slot, 0] = sequence.tokens[-1]
-        positions.append(generator.host.decode_positions(sequence.positions, len(sequence.tokens) - 1))
-    rows = generator._vision_feeds_of_rows(
-        np.zeros((1, generator.shape.decode_vision_size, generator.row_width), dtype=np.float32)
-    )
-    return {
-        symbols.INPUT_IDS: token_ids,
-        symbols.POSITION_IDS: np.ascontiguousarray(np.concatenate(positions, axis=-2)),
-        symbols.IMAGE_IDX: np.zeros((1, 1), dtype=np.int64),
-        **rows,
-    }

@@ -39,8 +39,8 @@ from qeff_vision.runtime.generate import Generator
 from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers
-from tests.cb_harness import SlotProgram, SlotSequence, prefill_into_slot, prefill_shape
-from tests.sampler_harness import LockstepSlots, decode_step_feeds
+from tests.cb_harness import SlotProgram, SlotSequence, decode_step_feeds, prefill_into_slot, prefill_shape
+from tests.sampler_harness import LockstepSlots
 
 FAMILIES = [f.name for f in all_families()]
 CB_FAMILIES = [f.name for f in all_families() if f.features.continuous_batching.supported]

@@ -9,7 +9,9 @@ numbers and reads ``next_tokens``:
   transformers' ``generate``;
 * a single sampled run: one seed gives the same tokens run after run, another seed others;
 * a sampled request's tokens do not depend on which requests share its decode steps (its random
-  numbers come from its own generator).
+  numbers come from its own generator);
+* a disaggregated compile samples the tokens the dual one does (the penalty buffers travel with
+  the KV hand-off); Llama 3.2 Vision (cross-attention) is served greedy like Qwen2.5-VL.
 """
 
 from __future__ import annotations
@@ -28,23 +30,43 @@ SAMPLING = ["--temperature", 1.0, "--top-k", 20, "--top-p", 0.9, "--min-p", 0.05
 PENALTIES = ["--repetition-penalty", 1.3, "--presence-penalty", 0.5]
 
 
+# Per family: (image, spec keys) of a small continuous-batching spec.
+CASES = {
+    "qwen2_5_vl": ((112, 112), {"ctx_len": 512, "prefill": {"seq_lens": [32, 128]}}),
+    "mllama": ((100, 150), {"ctx_len": 256, "prefill": {"seq_lens": [32]}}),
+}
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory, tiny_checkpoint):
-    root = tmp_path_factory.mktemp("sampler-compiled")
-    spec = {
-        "name": "runtime-tiny-sampler",
-        "model": str(tiny_checkpoint("qwen2_5_vl")),
-        "full_batch_size": 4,
-        "ctx_len": 512,
-        "prefill": {"seq_lens": [32, 128]},
-        "vision": {"images": [{"height": 112, "width": 112}], "max_images": 1, "vision_size": "chunk"},
-        "compile": {"language": {"sampler": {"max_top_k_ids": 32}}},
-    }
-    (root / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    out = root / "out"
-    api.compile(root / "spec.yaml", out, backend="onnxruntime", progress=None, status_stream=None)
-    helpers.image(112, 112, 0).save(root / "square.png")
-    return root
+    """``compiled(family, deployment="dual") -> root`` holding OUT (``out``) and its image (``image.png``)."""
+    built = {}
+
+    def build(family: str, deployment: str = "dual"):
+        if (family, deployment) not in built:
+            (height, width), keys = CASES[family]
+            root = tmp_path_factory.mktemp(f"sampler-{family}-{deployment}")
+            vision = {"images": [{"height": height, "width": width}], "max_images": 1}
+            if family != "mllama":  # a cross-attention family has no image rows in its chunks
+                vision["vision_size"] = "chunk"
+            spec = {
+                "name": f"tiny-sampler-{family}",
+                "model": str(tiny_checkpoint(family)),
+                "full_batch_size": 4,
+                "deployment": deployment,
+                **keys,
+                "vision": vision,
+                "compile": {"language": {"sampler": {"max_top_k_ids": 32}}},
+            }
+            (root / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+            api.compile(
+                root / "spec.yaml", root / "out", backend="onnxruntime", progress=None, status_stream=None
+            )
+            helpers.image(height, width, 0).save(root / "image.png")
+            built[family, deployment] = root
+        return built[family, deployment]
+
+    return build
 
 
 def _run(capsys, *args) -> tuple[int, str, str]:
@@ -59,34 +81,36 @@ def _requests(root, name: str, entries) -> str:
     return str(path)
 
 
-def test_the_compiled_program_returns_tokens(compiled):
-    manifest = read_manifest(compiled / "out")
-    lang = json.loads((compiled / "out" / "export" / "export.json").read_text())["programs"]["lang"]
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_greedy_requests_equal_transformers_through_the_engine_and_alone(compiled, family, capsys):
+    """Compiled (the calibration ran the runtime on the sampler program), then greedy == generate."""
+    root = compiled(family)
+    lang = json.loads((root / "out" / "export" / "export.json").read_text())["programs"]["lang"]
     assert "next_tokens" in lang["outputs"] and "logits" not in lang["outputs"]
-    assert manifest["programs"]  # compiled (calibration ran the runtime on the sampler program)
-
-
-def test_greedy_requests_through_the_engine_equal_transformers(compiled, capsys):
+    assert read_manifest(root / "out")["programs"]
     path = _requests(
-        compiled,
+        root,
         "greedy.jsonl",
         [
-            {"prompt": "Describe it.", "images": [str(compiled / "square.png")], "max_new_tokens": 6},
+            {"prompt": "Describe it.", "images": [str(root / "image.png")], "max_new_tokens": 6},
             {"prompt": "Tell me a story about a cat.", "max_new_tokens": 6, "arrival_step": 1},
         ],
     )
-    code, _, err = _run(capsys, compiled / "out", "--requests", path, "--compare-hf")
+    code, _, err = _run(capsys, root / "out", "--requests", path, "--compare-hf")
     assert code == 0, err
     assert "engine: full_batch_size 4 (one batched call per decode step)" in err
     assert err.count("tokens identical to transformers generate") == 2, err
+    image = ["--image", root / "image.png", "--prompt", "Describe it.", "--max-new-tokens", 6]
+    code, _, err = _run(capsys, root / "out", *image, "--compare-hf")
+    assert code == 0 and "compare-hf: tokens identical to transformers generate" in err, err
 
 
-def _tokens(capsys, compiled, seed: int) -> list[int]:
+def _tokens(capsys, root, seed: int) -> list[int]:
     code, out, err = _run(
         capsys,
-        compiled / "out",
+        root / "out",
         "--image",
-        compiled / "square.png",
+        root / "image.png",
         "--prompt",
         "Describe it.",
         "--max-new-tokens",
@@ -102,15 +126,17 @@ def _tokens(capsys, compiled, seed: int) -> list[int]:
 
 
 def test_a_seed_gives_the_same_tokens_and_another_seed_others(compiled, capsys):
-    first, again, other = (_tokens(capsys, compiled, seed) for seed in (1, 1, 2))
+    root = compiled("qwen2_5_vl")
+    first, again, other = (_tokens(capsys, root, seed) for seed in (1, 1, 2))
     assert first == again
     assert first != other
 
 
 def test_a_sampled_requests_tokens_do_not_depend_on_its_neighbours(compiled, capsys):
+    root = compiled("qwen2_5_vl")
     request = {
         "prompt": "Describe it.",
-        "images": [str(compiled / "square.png")],
+        "images": [str(root / "image.png")],
         "max_new_tokens": 6,
         "temperature": 1.2,
         "top_k": 10,
@@ -119,13 +145,32 @@ def test_a_sampled_requests_tokens_do_not_depend_on_its_neighbours(compiled, cap
     }
     neighbour = {"prompt": "Tell me a story.", "max_new_tokens": 6, "temperature": 0.7, "seed": 4}
 
-    def tokens(entries, name):
-        code, out, err = _run(
-            capsys, compiled / "out", "--requests", _requests(compiled, name, entries), "--json"
-        )
-        assert code == 0, err
-        return json.loads(out)["requests"][0]["token_ids"]
-
-    alone = tokens([request], "alone.jsonl")
-    shared = tokens([request, neighbour], "shared.jsonl")
+    alone = _request_tokens(capsys, root, [request], "alone.jsonl")[0]
+    shared = _request_tokens(capsys, root, [request, neighbour], "shared.jsonl")[0]
     assert alone == shared
+
+
+def _request_tokens(capsys, root, entries, name) -> list[list[int]]:
+    code, out, err = _run(capsys, root / "out", "--requests", _requests(root, name, entries), "--json")
+    assert code == 0, err
+    return [request["token_ids"] for request in json.loads(out)["requests"]]
+
+
+def test_disaggregated_samples_the_tokens_dual_does(compiled, capsys):
+    """The prefill program's repetition buffer reaches the decode slot with the KV (the hand-off)."""
+    entries = [
+        {
+            "prompt": "Describe it.",
+            "images": [str(compiled("qwen2_5_vl") / "image.png")],
+            "max_new_tokens": 8,
+            "temperature": 1.1,
+            "repetition_penalty": 1.8,
+            "presence_penalty": 1.5,
+            "top_k": 12,
+            "seed": 3,
+        },
+        {"prompt": "Tell me a story.", "max_new_tokens": 8, "temperature": 0.9, "min_p": 0.1, "seed": 5},
+    ]
+    dual = _request_tokens(capsys, compiled("qwen2_5_vl"), entries, "sampled.jsonl")
+    split = _request_tokens(capsys, compiled("qwen2_5_vl", "disaggregated"), entries, "sampled.jsonl")
+    assert dual == split

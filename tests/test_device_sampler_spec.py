@@ -224,3 +224,14 @@ def test_specializations_and_custom_io_carry_the_sampler(tmp_path, kv):
         ("past_repetition_penalty_buffer_RetainedState", kv),
         ("past_presence_penalty_buffer_RetainedState", kv),
     ]
+
+
+def test_export_cli_compiles_the_sampler_in_by_hand(tiny_checkpoint, tmp_path, capsys):
+    """``export --sampler-top-k K``: the manifest records it, as the compile's staleness check reads it."""
+    from qeff_vision.export_record import read_export
+
+    out = tmp_path / "export"
+    code = main(["export", str(tiny_checkpoint("llava")), "-o", str(out), "--sampler-top-k", "16", "-q"])
+    assert code == 0, capsys.readouterr().err
+    assert read_export(out)["sampler"] == SamplerOptions(max_top_k_ids=16).to_dict()
+    assert "random_numbers" in read_export(out)["programs"]["lang"]["inputs"]

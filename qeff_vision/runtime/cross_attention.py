@@ -30,6 +30,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation, continued_positions
+from qeff_vision.runtime.device_sampler import last_rows, pick
 from qeff_vision.runtime.embedding_cache import content_key
 from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_chunks
@@ -223,7 +224,7 @@ class CrossAttentionGenerator(Generator):
         self.record_prompt_end(past)  # what a later turn resuming at the prompt's end restores
         return CrossPrefill(
             length=length,
-            logits=outputs[self.logits_name][0, -1].copy(),
+            logits=np.array(last_rows(outputs, self.logits_name)[0]),  # or the device's token
             positions=positions,
             last_mask_row=mask[:, -1:],
             past=past,
@@ -260,11 +261,13 @@ class CrossAttentionGenerator(Generator):
     ) -> GenerationResult:
         """:meth:`generate`'s run (after the prefix :attr:`_resume` keeps, in a kept generation)."""
         calls_before = self.vision.calls
+        if self.device_sampler is not None:  # one sequence: row (or KV slot) 0
+            self.device_sampler.admit(0, sampling)
         prefill = self.prefill(processed, max_new_tokens, protocol, history)
         past, positions, last_row = prefill.past, prefill.positions, prefill.last_mask_row
-        kept = [prefill.logits] if keep_logits else None
+        kept = [prefill.logits] if keep_logits and self.logits_name else None
         sampler = TokenSampler(sampling, np.asarray(processed["input_ids"]).reshape(-1))
-        token = sampler.next_token(prefill.logits)
+        token = pick(sampler, prefill.logits)
         ttft = time.perf_counter() - prefill.started
         if on_token:
             on_token(token)
@@ -463,6 +466,8 @@ class CrossAttentionGenerator(Generator):
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call. A device keeps retained inputs resident: send the cross states once."""
         feeds = self._with_kv_slot(feeds)
+        if self.device_sampler is not None:  # as Generator.step: its inputs, buffers in past
+            feeds = self.device_sampler.with_inputs(feeds, past)
         outputs = self.language.run({**feeds, **past})
         retained = self.io.retained_outputs()
         for name in list(past):

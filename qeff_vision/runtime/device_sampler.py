@@ -265,32 +265,52 @@ class ProgramSampler:
         self.io, self.options, self.vocab_size = io, options, vocab_size
         self.retains_state = retains_state
         self.feeder = DeviceSampler(io, options, vocab_size)
+        self._focus = 0
 
     def admit(self, slot: int, params: SamplingParams | None) -> None:
         """The request in ``slot`` samples with ``params`` (its own seeded generator from now on)."""
         self.feeder.admit(slot, params)
+        self._focus = slot
+
+    def focus(self, slot: int) -> None:
+        """The next one-row calls are the request in ``slot``'s (its prefill chunks, a lone decode).
+
+        A one-row call's ``batch_index`` (or row) names a row of the cache it runs on, which is
+        not the request's slot when that cache is a disaggregated prefill's staging cache or one
+        of sequential slots' caches.
+        """
+        self._focus = slot
+
+    def empty_buffers(self, slots: int) -> dict[str, np.ndarray]:
+        """Zeroed penalty buffers of ``slots`` rows for a host-kept state (none when the device keeps it)."""
+        if self.retains_state:
+            return {}
+        rows = self.io.rows(Role.PENALTY_BUFFER)
+        return {row.name: np.zeros((slots, self.vocab_size), dtype=bool) for row in rows}
 
     def with_inputs(
         self, feeds: Mapping[str, np.ndarray], past: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
         """``feeds`` plus the sampler's inputs; ``past`` gains the penalty buffers if the host keeps state.
 
-        A row's slot is its ``batch_index`` (continuous batching) or its row; a row whose
-        positions are all -1 is idle.
+        A one-row call is the focused request's (:meth:`focus`); a batched call's row is its
+        ``batch_index``'s slot (continuous batching) or its row; a row whose positions are all -1
+        is idle.
         """
         token_ids = feeds[self.io.name(Role.TOKEN_IDS)]
         positions = feeds[self.io.name(Role.POSITIONS)]
         text = positions if positions.ndim == 2 else positions[0]
-        slots = (
-            feeds[self.io.name(Role.KV_SLOT)][:, 0]
-            if self.io.has(Role.KV_SLOT)
-            else np.arange(token_ids.shape[0])
-        )
+        if token_ids.shape[0] == 1:  # one request's call: the focused one
+            slots = np.array([self._focus])
+        elif self.io.has(Role.KV_SLOT):
+            slots = feeds[self.io.name(Role.KV_SLOT)][:, 0]
+        else:
+            slots = np.arange(token_ids.shape[0])
         row_slots = [int(slot) if (row >= 0).any() else None for slot, row in zip(slots, text)]
-        if not self.retains_state:
+        if not self.retains_state:  # a state restored without them (a kept prefix) starts them at zero
             held = next((value.shape[0] for value in past.values()), token_ids.shape[0])
-            for row in self.io.rows(Role.PENALTY_BUFFER):
-                past.setdefault(row.name, np.zeros((held, self.vocab_size), dtype=bool))
+            for name, zeros in self.empty_buffers(held).items():
+                past.setdefault(name, zeros)
         return {**feeds, **self.feeder.feeds(token_ids, row_slots)}
 
 

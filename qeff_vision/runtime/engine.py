@@ -167,7 +167,7 @@ class _Sequence:
     def admit(self, generator: SequenceRunner, slot: int, step: int) -> None:
         """Take ``slot``; images are prepared now and encoded when a chunk first needs them."""
         self.slot, self.admitted_step = slot, step
-        if getattr(generator, "device_sampler", None) is not None:  # the slot's sampling inputs
+        if generator.device_sampler is not None:  # the slot's sampling inputs
             generator.device_sampler.admit(slot, self.request.sampling)
         self.chunks = generator.request_chunks(
             self.plan, self.request.processed, self.input_ids, self.positions, self.encode_timer
@@ -344,6 +344,8 @@ class BatchedEngine:
         sequence.cache_hits += after.hits - stats.hits
         sequence.images_encoded += after.images_encoded - stats.images_encoded
         started = time.perf_counter()
+        if generator.device_sampler is not None:  # the chunk's sampling inputs are this request's
+            generator.device_sampler.focus(sequence.slot)
         outputs = self.slots.prefill(sequence.slot, feeds)
         generator.check_chunk_outputs(chunk, outputs)
         sequence.records.append(

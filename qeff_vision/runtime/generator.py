@@ -158,9 +158,12 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         }
         # Recurrent layers' conv and recurrent states start at zero too (a chunk at text position 0
         # also resets them in the graph, so a reused slot never sees its previous occupant's).
-        return {
+        caches = {
             row.name: np.zeros(row.concrete_shape(values), np.float32) for row in self.io.rows(*SLOT_ROLES)
         }
+        if self.device_sampler is not None:  # its penalty buffers: per slot, handed off like the KV
+            caches.update(self.device_sampler.empty_buffers(slots))
+        return caches
 
     def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
         window = positions[..., start:stop]

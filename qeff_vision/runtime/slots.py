@@ -103,6 +103,8 @@ class SequentialSlots:
         generator = self.generator
         logits = {}
         for slot, (token, positions, extra) in tokens.items():
+            if generator.device_sampler is not None:  # a lone call: this slot's request samples
+                generator.device_sampler.focus(slot)
             outputs = generator.feed_token(token, positions, self.past[slot], extra)
             logits[slot] = last_rows(outputs, generator.logits_name)[0]
         return logits, len(tokens) * _vision_bytes(generator)
