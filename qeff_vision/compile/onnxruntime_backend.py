@@ -17,6 +17,7 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
+from qeff_vision.contract.sampler_io import PENALTY_BUFFERS
 from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
@@ -125,7 +126,7 @@ def generated_input(
 
 
 def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
-    """Continuous batching: KV and recurrent-state slots no row of the call names come back unchanged.
+    """Continuous batching: per-slot state (KV, recurrent, penalty buffers) no row names stays unchanged.
 
     Each retained cache whose input has ``full_batch_size`` rows is compared with its input on
     the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here).
@@ -138,7 +139,7 @@ def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]
     problems = []
     for name, value in feeds.items():
         retained = outputs.get(symbols.retained(name))
-        if retained is None or not is_slot_name(name):
+        if retained is None or not (is_slot_name(name) or name in PENALTY_BUFFERS):
             continue
         others = np.setdiff1d(np.arange(value.shape[0]), batch_index.reshape(-1))
         if not np.array_equal(retained[others], value[others]):

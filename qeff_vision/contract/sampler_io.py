@@ -36,6 +36,8 @@ RANDOM_NUMBERS = "random_numbers"
 TOKEN_BITMASKS = "token_bitmasks"
 NEXT_TOKENS = "next_tokens"
 PROBS = "probs"
+#: The per-slot retained rows (what a call must leave alone on slots it does not name).
+PENALTY_BUFFERS = (REPETITION_BUFFER, PRESENCE_BUFFER)
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,13 @@ QEfficient's inputs: ``temperatures``, ``top_ks``, ``top_ps``, ``min_ps``,
 ``repetition_penalties``, ``presence_penalties``), ``random_numbers`` drawn from the request's
 own seeded generator (so a request's tokens depend on its seed only, whatever shares its steps),
 and ``last_accepted_output_tokens`` (the call's token ids, as QEfficient's generation feeds it).
-The penalty buffers live on the device; a program run on the host (onnxruntime) keeps them in
-:class:`HostPenaltyBuffers`. The program itself starts a slot's buffers afresh when a request's
-prompt starts there (position 0); :meth:`HostPenaltyBuffers.reset` also clears a slot the host
-hands to a new request, so nothing of its previous occupant survives even a prompt that resumes a
-kept prefix.
+The penalty buffers live on the device; for a program run on the host (onnxruntime) they are
+part of the call's state beside the KV cache (:meth:`ProgramSampler.empty_buffers`, so a
+disaggregated hand-off copies them too), or :class:`HostPenaltyBuffers` for a caller driving a
+program by hand. The program starts a slot's repetition buffer afresh when a request's prompt
+starts there (position 0) and clears its presence buffer on every prefill chunk, so a reused slot
+keeps nothing of its previous occupant; a turn resuming a kept prefix in its slot adds to the
+repetition buffer (the prefix is part of its prompt).
 
 Feeding conventions (QEfficient's sampler has no "all tokens" top-k): ``top_k`` 0 or -1 is fed
 as ``max_top_k_ids``, a larger one is clipped to it; a greedy request (temperature below vLLM's
@@ -99,10 +101,6 @@ class DeviceSampler:
     def admit(self, slot: int, params: SamplingParams | None) -> None:
         """A request takes ``slot``: its parameters and a generator seeded from its ``seed``."""
         self._requests[slot] = RequestDraws(params or GREEDY, self.options.max_top_k_ids)
-
-    def release(self, slot: int) -> None:
-        """The slot's request is done."""
-        self._requests.pop(slot, None)
 
     def feeds(self, input_ids: np.ndarray, row_slots: Sequence[int | None]) -> dict[str, np.ndarray]:
         """The sampler inputs of one call.
