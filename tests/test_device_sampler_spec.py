@@ -235,3 +235,11 @@ def test_export_cli_compiles_the_sampler_in_by_hand(tiny_checkpoint, tmp_path, c
     assert code == 0, capsys.readouterr().err
     assert read_export(out)["sampler"] == SamplerOptions(max_top_k_ids=16).to_dict()
     assert "random_numbers" in read_export(out)["programs"]["lang"]["inputs"]
+
+
+def test_validate_warns_that_the_plugin_cannot_serve_a_sampler_program(tmp_path):
+    from qeff_vision import api
+
+    problems, warnings = api.validate(_with_sampler(tmp_path, "llava/llava-1.5-7b-hf-cb.yaml", {}))
+    assert problems == []
+    assert warnings[0].startswith("vLLM 0.23.0 + vllm-qaic: the plugin never feeds the on-device sampler's")
