@@ -168,7 +168,7 @@ def _lockstep(family, cb_exported, sampler_exported, lengths):
 
     def in_slot(slot: int) -> Generator:
         nonlocal slots
-        generator = Generator(checkpoint, vision, None, shape)
+        generator = Generator(checkpoint, vision, plain, shape)
         slots = slots or LockstepSlots(generator, FULL_BATCH_SIZE, sampled, OPTIONS)
         generator.language = SlotProgram(plain, slots, slot)
         return generator

@@ -45,9 +45,15 @@ MASKED = float(torch.finfo(torch.float16).min)
 
 
 def _marks(tokens: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, vocab] True at every valid token of each row; in-range indices only, no write races."""
+    """[rows, vocab] True at every valid token of each row; in-range indices only, no write races.
+
+    An id past ``vocab`` (an input-only vocabulary of image placeholders, Molmo2's) is never a
+    logit: it marks nothing. Every other index re-marks the row's first valid token.
+    """
+    valid = valid & (tokens >= 0) & (tokens < vocab)
     row_valid = valid.any(dim=1, keepdim=True)
-    first = torch.where(row_valid, tokens[:, :1], torch.zeros_like(tokens[:, :1]))
+    first_valid = torch.gather(tokens, 1, torch.argmax(valid.to(torch.int32), dim=1, keepdim=True))
+    first = torch.where(row_valid, first_valid, torch.zeros_like(first_valid))
     index = torch.where(valid, tokens, first.expand_as(tokens))
     return torch.zeros(tokens.shape[0], vocab, dtype=torch.bool).scatter(
         1, index, row_valid.expand_as(tokens)

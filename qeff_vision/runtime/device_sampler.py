@@ -240,7 +240,8 @@ class GumbelMaxSampler:
     def __init__(self, params: SamplingParams, prompt_ids, vocab_size: int, max_top_k_ids: int):
         self.params, self.max_top_k_ids = params, max_top_k_ids
         self.repetition = np.zeros(vocab_size, dtype=bool)
-        self.repetition[np.asarray(prompt_ids, dtype=np.int64).reshape(-1)] = True
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        self.repetition[ids[ids < vocab_size]] = True  # an input-only placeholder id is no logit
         self.presence = np.zeros(vocab_size, dtype=bool)
 
     def next_token(self, logits: np.ndarray, random_numbers: np.ndarray) -> int:
