@@ -49,6 +49,7 @@ def export(
     patch_buckets: bool = False,
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
+    sampler_top_k: int | None = None,
     quiet: bool = False,
     revision: str | None = None,
 ):
@@ -63,12 +64,15 @@ def export(
     ``patch_buckets`` exports the patch-bucket vision program (specs with ``vision.patch_buckets``).
     ``continuous_batching`` exports the language program with ``batch_index`` and
     ``full_batch_size`` KV slots (for specs with ``full_batch_size``); ``retain_full_kv`` gives
-    ring layers ``ctx_len`` caches (for specs with ``retain_full_kv``).
+    ring layers ``ctx_len`` caches (for specs with ``retain_full_kv``). ``sampler_top_k`` compiles
+    QEfficient's on-device sampler into the language program with that ``max_top_k_ids`` (for
+    specs with ``compile.language.sampler``; its other keys at their defaults).
 
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
     """
     from qeff_vision import hub
+    from qeff_vision.contract.sampler_io import SamplerOptions
     from qeff_vision.errors import UserError
     from qeff_vision.exporter import export_model, stderr_progress
 
@@ -89,6 +93,7 @@ def export(
         patch_buckets=patch_buckets,
         continuous_batching=continuous_batching,
         retain_full_kv=retain_full_kv,
+        sampler=SamplerOptions(sampler_top_k) if sampler_top_k is not None else None,
         progress=None if quiet else stderr_progress,
         hub=source,
     )

@@ -26,12 +26,14 @@ from qeff_vision import __version__, symbols
 from qeff_vision.bad_input import reading
 from qeff_vision.contract.full_kv import has_rings
 from qeff_vision.contract.language_io import DType, LanguageIO
+from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_sampler
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
+from qeff_vision.export.sampler import SamplerDecoder
 from qeff_vision.export.weights import (
     DTYPES,
     WeightPlan,
@@ -268,8 +270,9 @@ def language_example(io: LanguageIO, values: Mapping[str, int], image_token_id: 
         shape = row.concrete_shape(values)
         if row.example is not None:
             tensor = torch.from_numpy(row.example(shape, values, image_token_id))
-        elif row.dtype in (DType.INT64, DType.KV, DType.STATE):
-            tensor = torch.zeros(shape, dtype=torch.int64 if row.dtype is DType.INT64 else torch.float32)
+        elif row.dtype in (DType.INT64, DType.KV, DType.STATE, DType.BOOL):
+            kind = {DType.INT64: torch.int64, DType.BOOL: torch.bool}.get(row.dtype, torch.float32)
+            tensor = torch.zeros(shape, dtype=kind)
         else:
             tensor = torch.randn(shape)
         example.append(tensor)
@@ -286,6 +289,7 @@ def export_model(
     patch_buckets: bool = False,
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
+    sampler: SamplerOptions | None = None,
     progress: Progress | None = stderr_progress,
     hub: Mapping[str, str | None] | None = None,
 ) -> ExportResult:
@@ -308,6 +312,8 @@ def export_model(
             ``batch_index`` [batch_size, 1] naming each row's slot.
         retain_full_kv: Ring layers (sliding window, attention chunk) keep ``ctx_len`` KV slots
             masked to their window or block instead of a ring (:mod:`qeff_vision.contract.full_kv`).
+        sampler: Compile QEfficient's on-device sampler into the language program: it returns
+            ``next_tokens`` instead of ``logits`` (:mod:`qeff_vision.export.sampler`).
         progress: Called with one line per stage; ``None`` silences progress (and the weight bar).
         hub: The Hugging Face id, revision and commit ``model_dir`` is the snapshot of
             (:meth:`qeff_vision.hub.HubCheckpoint.record`), kept in export.json as ``hub``.
@@ -338,6 +344,11 @@ def export_model(
     if retain_full_kv and not has_rings(family.layer_caches(description)):
         raise UserError(f"{family.title}: no ring layer in this config, so no cache to keep full length")
     dims = family.text_dims(description)
+    if sampler is not None and not 1 <= sampler.max_top_k_ids <= dims.vocab_size:
+        raise UserError(
+            f"sampler max_top_k_ids must be in 1..{dims.vocab_size} (the vocabulary), "
+            f"not {sampler.max_top_k_ids}"
+        )
     timings: dict[str, float] = {}
 
     start = time.perf_counter()
@@ -355,6 +366,9 @@ def export_model(
         parts = adapter.decoder_parts(model)
         io = family.language_table(description, comp_ctx_lengths, continuous_batching, retain_full_kv)
         decoder = adapter.language_decoder(model, parts, io)
+        if sampler is not None:  # generic: wraps whatever decoder the family has
+            sampled = with_sampler(io, sampler)
+            decoder, io = SamplerDecoder(decoder, io, sampled, sampler), sampled
         timings["patch"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -378,8 +392,13 @@ def export_model(
         start = time.perf_counter()
         say("export language")
         use_grouped_attention(parts.text_model)  # after the vision trace: text layers only
-        example = language_example(io, example_values(family, description), parts.image_token_id)
-        example = _cast(example, torch_dtype)
+        values = {**example_values(family, description), **sampler_dims(sampler or SamplerOptions())}
+        example = language_example(io, values, parts.image_token_id)
+        # The sampler's float32 rows keep their type in a float16 export (QEfficient's dtypes).
+        example = tuple(
+            t if row.dtype is DType.FLOAT32 else _cast((t,), torch_dtype)[0]
+            for row, t in zip(io.inputs, example)
+        )
         in_axes, out_axes = io.input_axes(), io.output_axes()
         lang = _trace(
             staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
@@ -414,6 +433,7 @@ def export_model(
             VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
             "continuous_batching": continuous_batching,
             "retain_full_kv": retain_full_kv,
+            "sampler": sampler.to_dict() if sampler is not None else None,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

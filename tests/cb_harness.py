@@ -98,30 +98,12 @@ def batched_decode(
     -1, writes nothing another row reads). Returns the number of decode calls.
     """
     slots = caches.full_batch_size
-    rows = generator._vision_feeds_of_rows(
-        np.zeros((1, generator.shape.decode_vision_size, generator.row_width), dtype=np.float32)
-    )
     calls = 0
     for sequence in running:
         sequence.done = len(sequence.tokens) >= sequence.budget or sequence.tokens[-1] in eos
     while not all(sequence.done for sequence in running):
         by_slot = {sequence.slot: sequence for sequence in running if not sequence.done}
-        token_ids = np.zeros((slots, 1), dtype=np.int64)
-        positions = []
-        for slot in range(slots):
-            sequence = by_slot.get(slot)
-            if sequence is None:
-                template = generator.host.decode_positions(running[0].positions, 0)
-                positions.append(np.full_like(template, -1))
-                continue
-            token_ids[slot, 0] = sequence.tokens[-1]
-            positions.append(generator.host.decode_positions(sequence.positions, len(sequence.tokens) - 1))
-        feeds = {
-            symbols.INPUT_IDS: token_ids,
-            symbols.POSITION_IDS: np.ascontiguousarray(np.concatenate(positions, axis=-2)),
-            symbols.IMAGE_IDX: np.zeros((1, 1), dtype=np.int64),
-            **rows,
-        }
+        feeds = decode_step_feeds(generator, running, slots)
         outputs = caches.run(program, feeds, np.arange(slots).reshape(slots, 1))
         calls += 1
         for slot, sequence in by_slot.items():
@@ -130,6 +112,32 @@ def batched_decode(
             sequence.tokens.append(int(row.argmax()))
             sequence.done = len(sequence.tokens) >= sequence.budget or sequence.tokens[-1] in eos
     return calls
+
+
+def decode_step_feeds(
+    generator: Generator, running: Sequence[SlotSequence], slots: int
+) -> dict[str, np.ndarray]:
+    """One batched decode call's feeds: each running sequence's last token in its slot, idle rows -1."""
+    by_slot = {sequence.slot: sequence for sequence in running if not sequence.done}
+    token_ids = np.zeros((slots, 1), dtype=np.int64)
+    positions = []
+    for slot in range(slots):
+        sequence = by_slot.get(slot)
+        if sequence is None:
+            template = generator.host.decode_positions(running[0].positions, 0)
+            positions.append(np.full_like(template, -1))
+            continue
+        token_ids[slot, 0] = sequence.tokens[-1]
+        positions.append(generator.host.decode_positions(sequence.positions, len(sequence.tokens) - 1))
+    rows = generator._vision_feeds_of_rows(
+        np.zeros((1, generator.shape.decode_vision_size, generator.row_width), dtype=np.float32)
+    )
+    return {
+        symbols.INPUT_IDS: token_ids,
+        symbols.POSITION_IDS: np.ascontiguousarray(np.concatenate(positions, axis=-2)),
+        symbols.IMAGE_IDX: np.zeros((1, 1), dtype=np.int64),
+        **rows,
+    }
 
 
 def prefill_shape(lengths: Sequence[int], new_tokens: int) -> LanguageShape:

@@ -46,6 +46,14 @@ from qeff_vision import api
     "(specs with retain_full_kv need it).",
 )
 @click.option(
+    "--sampler-top-k",
+    "sampler_top_k",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Compile QEfficient's on-device sampler into the language program with this max_top_k_ids "
+    "(specs with compile.language.sampler need it; the spec's compile exports it by itself).",
+)
+@click.option(
     "--revision",
     metavar="REV",
     help="Branch, tag or commit of a Hugging Face id (default: main); the commit is recorded.",
@@ -60,6 +68,7 @@ def export(
     patch_buckets: bool,
     cb: bool,
     full_kv: bool,
+    sampler_top_k: int | None,
     revision: str | None,
     quiet: bool,
 ) -> None:
@@ -78,6 +87,7 @@ def export(
         patch_buckets=patch_buckets,
         continuous_batching=cb,
         retain_full_kv=full_kv,
+        sampler_top_k=sampler_top_k,
         quiet=quiet,
         revision=revision,
     )

@@ -92,6 +92,7 @@ def _run_export(
     buckets: bool,
     cb: bool,
     full_kv: bool,
+    sampler,
     hub: HubCheckpoint | None,
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
@@ -108,9 +109,16 @@ def _run_export(
         patch_buckets=buckets,
         continuous_batching=cb,
         retain_full_kv=full_kv,
+        sampler=sampler,
         progress=say,
         hub=hub.record() if hub else None,
     ).manifest
+
+
+def _sampler_of(spec: Any) -> dict | None:
+    """The export manifest's record of the spec's on-device sampler (None: the program returns logits)."""
+    sampler = spec.compile.language.sampler
+    return sampler.to_dict() if sampler is not None else None
 
 
 def _former_symbol(spec: Any, manifest: Mapping[str, Any]) -> str | None:
@@ -171,6 +179,12 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
             f"{export_dir}: the spec needs an export {wanted} full-length caches on ring layers "
             f"(`qeff-vision export{' --retain-full-kv' if full_kv else ''}`)"
         )
+    sampler = _sampler_of(spec)
+    if manifest.get("sampler") != sampler:
+        wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
+        raise UserError(
+            f"{export_dir}: the spec needs an export with {wanted} (`qeff-vision export --sampler-top-k`)"
+        )
     return Export(export_dir, manifest)
 
 
@@ -215,6 +229,8 @@ def locate_export(
         stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
         stale = True  # the spec added or dropped retain_full_kv
+    if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
+        stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and _former_symbol(spec, manifest):
         stale = True  # exported before the family took QEfficient's symbol names
     recorded = hub_record(manifest)
@@ -235,7 +251,10 @@ def locate_export(
         (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
     source = f"{hub.repo_id} commit {hub.commit[:12]} ({spec.model_dir})" if hub else spec.model_dir
     say(f"exporting {source} to {directory}" + (" (the previous export is stale)" if stale else ""))
-    manifest = _run_export(spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, hub)
+    sampler = spec.compile.language.sampler
+    manifest = _run_export(
+        spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, sampler, hub
+    )
     return Export(directory, manifest, hub)
 
 

@@ -17,7 +17,9 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
+from qeff_vision.contract.sampler_io import PENALTY_BUFFERS
 from qeff_vision.contract.slot_names import kind_of_name
+from qeff_vision.contract.states import LayerState
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_session
 from qeff_vision.numerics.plan import overflow_message
@@ -125,12 +127,13 @@ def generated_input(
 
 
 def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]) -> list[str]:
-    """Continuous batching: per-slot state no row of the call names comes back unchanged.
+    """Continuous batching: per-slot state (layer states, penalty buffers) no row names stays unchanged.
 
     Each retained state whose input has ``full_batch_size`` rows is compared with its input on
     the slots ``batch_index`` leaves out (a write or read routed to the wrong slot shows here), by
     the rule of its kind (:meth:`LayerState.idle_slots_unchanged
-    <qeff_vision.contract.states.LayerState.idle_slots_unchanged>`).
+    <qeff_vision.contract.states.LayerState.idle_slots_unchanged>`); the on-device sampler's
+    penalty buffers by the base rule (all of an idle slot unchanged).
     """
     import numpy as np
 
@@ -140,7 +143,7 @@ def untouched_slot_problems(feeds: Mapping[str, Any], outputs: Mapping[str, Any]
     problems = []
     for name, value in feeds.items():
         retained = outputs.get(symbols.retained(name))
-        kind = kind_of_name(name)
+        kind = kind_of_name(name) or (LayerState if name in PENALTY_BUFFERS else None)
         if retained is None or kind is None:
             continue
         if not kind.idle_slots_unchanged(value, retained, batch_index):

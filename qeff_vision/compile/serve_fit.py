@@ -27,8 +27,21 @@ def serving_warnings(result: Any) -> list[str]:
     """Warnings for a spec's :class:`~qeff_vision.spec.specializations.ProgramSpecializations`.
 
     ``vision_size: chunk`` shapes the language program for the plugin; ``max`` or a fixed size for
-    the fork. Each spec is checked against the server its policy targets.
+    the fork. Each spec is checked against the server its policy targets. A spec with the
+    on-device sampler is one the plugin cannot serve at all.
     """
+    spec = result.spec
+    sampler = []
+    if spec.compile.language.sampler is not None:  # asserted by tests/vllm_tier
+        sampler = [
+            f"{PLUGIN_VLLM}: the plugin never feeds the on-device sampler's inputs (it samples on the "
+            "host from logits), so it cannot serve this language program; qeff-vision run does"
+        ]
+    return sampler + _protocol_warnings(result)
+
+
+def _protocol_warnings(result: Any) -> list[str]:
+    """Warnings about how each server feeds image rows (see the module docstring)."""
     spec = result.spec
     language = [s.symbols for s in result.language.specializations]
     prefill = [s for s in language if int(s[symbols.SEQ_LEN]) > 1]

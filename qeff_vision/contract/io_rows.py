@@ -52,15 +52,30 @@ class Role(Enum):
     LOGITS = "logits"
     CONV_STATE = "conv_state"
     RECURRENT_STATE = "recurrent_state"
+    # The on-device sampler's rows (:mod:`qeff_vision.contract.sampler_io`).
+    ACCEPTED_TOKENS = "accepted_tokens"
+    PENALTY_BUFFER = "penalty_buffer"
+    SAMPLING_PARAMETER = "sampling_parameter"
+    RANDOM_NUMBERS = "random_numbers"
+    TOKEN_BITMASK = "token_bitmask"
+    NEXT_TOKENS = "next_tokens"
+    PROBABILITIES = "probabilities"
 
 
 class DType(Enum):
-    """Element type class: int64, the compute dtype, the KV cache dtype, or the recurrent-state dtype."""
+    """Element type class: int64, the compute, KV cache or recurrent-state dtype, or a fixed type.
+
+    The fixed types (float32, int32, bool) keep their type whatever the export dtype: the
+    on-device sampler's rows (:mod:`qeff_vision.contract.sampler_io`).
+    """
 
     INT64 = "int64"
     COMPUTE = "compute"
     KV = "kv"
     STATE = "state"
+    FLOAT32 = "float32"
+    INT32 = "int32"
+    BOOL = "bool"
 
 
 class Fixed(str):

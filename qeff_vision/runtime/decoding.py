@@ -9,11 +9,14 @@ one row per slot, also for a history's unfed tokens before a continued turn.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
+
+if TYPE_CHECKING:
+    from qeff_vision.runtime.device_sampler import RequestDraws
 
 
 class TokenDecoding:
@@ -21,8 +24,8 @@ class TokenDecoding:
 
     They read the generator's ``host`` (decode positions), ``shape`` (``decode_vision_size``),
     ``language`` (whether it keeps vision rows resident), ``io`` (the language IO table),
-    ``logits_name`` and ``eos_token_ids``, and call its ``step`` and ``decode_vision_feeds``; the
-    generator sets and defines them all.
+    ``logits_name`` and ``eos_token_ids``, and call its ``step``, ``with_sampler_inputs`` and
+    ``decode_vision_feeds``; the generator sets and defines them all.
     """
 
     def feed_token(
@@ -31,6 +34,7 @@ class TokenDecoding:
         position: np.ndarray,
         past: dict[str, np.ndarray],
         extra: Mapping[Role, np.ndarray] | None = None,
+        draws: RequestDraws | None = None,
     ) -> dict:
         """One decode-shaped :meth:`step` of one sequence: ``token`` at ``position``, taking no image row.
 
@@ -43,12 +47,13 @@ class TokenDecoding:
                 (:meth:`~qeff_vision.families.host.Host.decode_positions`).
             past: The sequence's batch-1 KV cache, updated by the call.
             extra: Further inputs of every decode step by role (:meth:`decode_extra`).
+            draws: The sequence's request draws, for a program with the on-device sampler.
 
         Returns:
             The program's outputs by name; the next token's logits are ``[0, -1]`` of the logits.
         """
         feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
-        return self.step(feeds, past)
+        return self.step(self.with_sampler_inputs(feeds, [draws]), past)
 
     def decode_step_feeds(
         self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None

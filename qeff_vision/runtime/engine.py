@@ -29,6 +29,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
+from qeff_vision.runtime.device_sampler import last_rows
 from qeff_vision.runtime.planner import ChunkEnd, VisionProtocol
 from qeff_vision.runtime.request_state import EngineRequest, RequestState
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
@@ -278,7 +279,7 @@ class BatchedEngine:
             host = self.generator.host
             for steps, token in enumerate(history.unfed, start=history.fed_steps):
                 position = host.decode_positions(history.positions, steps)
-                self.slots.decode({slot: (token, position, history.decode_feeds)})
+                self.slots.decode({slot: (token, position, history.decode_feeds, state.draws)})
         # Images are prepared now and encoded when a chunk first needs them.
         state.chunks = self.generator.request_chunks(state)
 
@@ -302,13 +303,15 @@ class BatchedEngine:
             # full_batch_size on a continuous-batching program, its other rows idle).
             token = int(call.feeds[generator.io.name(Role.TOKEN_IDS)][0, 0])
             positions = call.feeds[generator.io.name(Role.POSITIONS)]
-            logits, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra)})
-            outputs = {symbols.LOGITS: logits[state.slot][None, None]}
+            rows, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra, state.draws)})
+            row = rows[state.slot]
         else:
             for feeds in call.before:
                 self.slots.prefill(state.slot, feeds)
-            outputs = self.slots.prefill(state.slot, call.feeds)
+            # The on-device sampler's inputs (if any) are this request's: a chunk is one row.
+            outputs = self.slots.prefill(state.slot, generator.with_sampler_inputs(call.feeds, [state.draws]))
             generator.check_chunk_outputs(chunk, outputs)
+            row = last_rows(outputs, generator.logits_name)[0]  # logits, or the device's token
         state.records.append(
             ChunkRecord(
                 tokens=chunk.tokens,
@@ -331,14 +334,14 @@ class BatchedEngine:
         # Disaggregated: the prefill's KV moves to the decode program's slot (a no-op otherwise).
         self.slots.finish_prefill(state.slot)
         state.first_token_step = step.step
-        return state.emit(outputs[symbols.LOGITS][0, -1], keep_logits, generator.eos_token_ids)
+        return state.emit(row, keep_logits, generator.eos_token_ids)
 
     def _decode(self, running: list[RequestState], report: EngineReport, keep_logits: bool) -> list[int]:
         """One token for every running request; the numbers of those now complete."""
         started = time.perf_counter()
         host = self.generator.host
         tokens = {
-            state.slot: (state.tokens[-1], state.next_positions(host), state.decode_extra)
+            state.slot: (state.tokens[-1], state.next_positions(host), state.decode_extra, state.draws)
             for state in running
         }
         logits, sent = self.slots.decode(tokens)

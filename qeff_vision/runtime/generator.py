@@ -25,6 +25,7 @@ from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.decoding import TokenDecoding
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment
+from qeff_vision.runtime.device_sampler import RequestDraws, program_sampler
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, feed_chunks
 from qeff_vision.runtime.engine import BatchedEngine, compiled_slots
 from qeff_vision.runtime.image_encoding import ImageEncoding
@@ -111,7 +112,15 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         self.io = with_kv_prefix(family.language_table(description, **table), prefix)
         if keeps_full_kv(self.io, graph_dims):  # exported with retain_full_kv: ctx_len on ring layers
             self.io = with_kv_prefix(family.language_table(description, **table, retain_full_kv=True), prefix)
-        self.logits_name = self.io.name(Role.LOGITS, output=True)
+        # A program compiled with the on-device sampler returns next_tokens instead of logits.
+        self.io, self.device_sampler = program_sampler(
+            self.io,
+            graph_dims,
+            getattr(language, "output_names", ()),
+            dims.vocab_size,
+            getattr(language, "retains_state", False),
+        )
+        self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
         self._unpositioned = unpositioned_caches(self.io)
         #: The compute-context length fed to each language call (empty without CCL specializations).
@@ -152,7 +161,26 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         }
         # Recurrent layers' conv and recurrent states start at zero too (a chunk at text position 0
         # also resets them in the graph, so a reused slot never sees its previous occupant's).
-        return {row.name: self.io.layers[row.layer].initial(row, values) for row in self.io.rows(*SLOT_ROLES)}
+        caches = {
+            row.name: self.io.layers[row.layer].initial(row, values) for row in self.io.rows(*SLOT_ROLES)
+        }
+        if self.device_sampler is not None:  # its penalty buffers: per slot, handed off like the KV
+            caches.update(self.device_sampler.empty_buffers(slots))
+        return caches
+
+    def with_sampler_inputs(
+        self, feeds: dict[str, np.ndarray], rows: Sequence[RequestDraws | None]
+    ) -> dict[str, np.ndarray]:
+        """``feeds`` plus the on-device sampler's inputs for each row's request (unchanged without one).
+
+        Args:
+            feeds: A call's inputs (its token ids name ``last_accepted_output_tokens``).
+            rows: Each row's request draws (:attr:`RequestState.draws
+                <qeff_vision.runtime.request_state.RequestState.draws>`), None for an idle row.
+        """
+        if self.device_sampler is None:
+            return feeds
+        return self.device_sampler.with_inputs(feeds, rows)
 
     def _positions(self, positions: np.ndarray, start: int, stop: int, seq_len: int) -> np.ndarray:
         window = positions[..., start:stop]

@@ -20,6 +20,7 @@ import numpy as np
 
 from qeff_vision.contract.language_io import Role
 from qeff_vision.runtime.continuation import Continuation, continued_positions
+from qeff_vision.runtime.device_sampler import RequestDraws, pick
 from qeff_vision.runtime.planner import Chunk, ChunkPlan
 from qeff_vision.runtime.results import ChunkRecord
 from qeff_vision.runtime.retained_prefix import Resume
@@ -141,6 +142,9 @@ class RequestState:
             self.history.decode_feeds if self.history is not None else runner.decode_extra(self.processed)
         )
         self.sampler = TokenSampler(request.sampling, self.input_ids)
+        #: Its parameters and seeded generator as the on-device sampler's inputs (None without one).
+        sampler = runner.device_sampler
+        self.draws: RequestDraws | None = sampler.draws(request.sampling) if sampler is not None else None
         #: The cache the request starts from (a lone request's: fresh, kept prefix or history);
         #: None: whatever its slot holds.
         self.initial: dict[str, np.ndarray] | None = None
@@ -169,14 +173,17 @@ class RequestState:
         return self._decode_base + step if self._affine else host.decode_positions(self.positions, step)
 
     def emit(self, logits: np.ndarray, keep_logits: bool, eos: set[int]) -> bool:
-        """Choose and record the next token from its logits row; True when the request is complete."""
-        token = self.sampler.next_token(logits)
+        """Choose and record the next token from its logits row; True when the request is complete.
+
+        A 0-d row is the token the on-device sampler chose (no logits to keep).
+        """
+        token = pick(self.sampler, logits)
         now = time.perf_counter()
         if not self.tokens:
             self.first_token_at = now
         self.last_token_at = now
         self.tokens.append(token)
-        if keep_logits:
+        if keep_logits and np.ndim(logits):
             self.logits.append(logits.copy())
         if self.request.on_token is not None:
             self.request.on_token(token)

@@ -10,7 +10,7 @@ implements the same members. Every per-request value lives in the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -22,6 +22,7 @@ from qeff_vision.runtime.planner import Chunk, ChunkPlan
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.deployment import Deployment
+    from qeff_vision.runtime.device_sampler import ProgramSampler, RequestDraws
     from qeff_vision.runtime.request_state import ChunkCall, RequestState
     from qeff_vision.runtime.results import GenerationResult
     from qeff_vision.runtime.retained_prefix import Resume
@@ -39,6 +40,8 @@ class SequenceRunner(Protocol):
         cache: The per-image embedding cache.
         eos_token_ids: Token ids that end a sequence.
         vision_input: What a result's vision bytes count (``vision_embeds``, cross-attention K/V).
+        device_sampler: The on-device sampler of its language program (None: it returns logits).
+        logits_name: The logits output (None: the program returns ``next_tokens``).
     """
 
     host: Host
@@ -49,6 +52,8 @@ class SequenceRunner(Protocol):
     cache: EmbeddingCache
     eos_token_ids: set[int]
     vision_input: str
+    device_sampler: ProgramSampler | None
+    logits_name: str | None
 
     def prepare_prompt(
         self, processed: Mapping[str, Any], request: RequestState | None = None
@@ -85,6 +90,11 @@ class SequenceRunner(Protocol):
 
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """Raise when a prefill chunk's outputs contradict the plan."""
+
+    def with_sampler_inputs(
+        self, feeds: dict[str, np.ndarray], rows: Sequence[RequestDraws | None]
+    ) -> dict[str, np.ndarray]:
+        """A call's feeds plus the on-device sampler's inputs of its rows' requests (if compiled in)."""
 
     def prefill_done(self, request: RequestState, cache: Mapping[str, np.ndarray] | None) -> None:
         """The request's last prefill chunk ran (``cache``: its slot's cache, if its own)."""

@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.device_sampler import last_rows
 
 if TYPE_CHECKING:
+    from qeff_vision.runtime.device_sampler import RequestDraws
     from qeff_vision.runtime.generator import Generator
 
-# slot -> (last token, its position ids, the request's extra decode inputs by role, one row each)
-DecodeRow = tuple[int, np.ndarray, Mapping[Role, np.ndarray]]
+# slot -> (last token, its position ids, the request's extra decode inputs by role, one row each,
+# the request's draws for a program with the on-device sampler, else None)
+DecodeRow = tuple[int, np.ndarray, Mapping[Role, np.ndarray], "RequestDraws | None"]
 
 
 class SlotProvider(ABC):
@@ -105,16 +107,16 @@ class SequentialSlots:
         """Nothing to do: the request's prefill wrote its slot's cache, which it decodes from."""
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
-        """One lone decode step per running slot, given slot -> (last token, its position ids, extra).
+        """One lone decode step per running slot, given slot -> (last token, its positions, extra, draws).
 
         Returns:
-            (last-position logits by slot, vision bytes sent).
+            (last-position logits by slot, or the on-device sampler's token; vision bytes sent).
         """
         generator = self.generator
         logits = {}
-        for slot, (token, positions, extra) in tokens.items():
-            outputs = generator.feed_token(token, positions, self.past[slot], extra)
-            logits[slot] = outputs[symbols.LOGITS][0, -1]
+        for slot, (token, positions, extra, draws) in tokens.items():
+            outputs = generator.feed_token(token, positions, self.past[slot], extra, draws)
+            logits[slot] = last_rows(outputs, generator.logits_name)[0]
         return logits, len(tokens) * _vision_bytes(generator)
 
 
@@ -166,25 +168,30 @@ class BatchedSlots:
 
         A slot nobody decodes in (free, or its request still prefilling) gets token 0 at position
         -1 (M-RoPE: every row -1) and -1 in every extra input (a cross-attention mask row: no
-        image slot in use); its logits are dropped.
+        image slot in use), and greedy neutral sampler inputs; its logits are dropped.
 
         Returns:
-            (last-position logits by running slot, vision bytes sent).
+            (last-position logits by running slot, or the on-device sampler's token; vision bytes
+            sent).
         """
-        _, template, extra_template = next(iter(tokens.values()))
+        _, template, extra_template, _ = next(iter(tokens.values()))
         if self._positions is None or self._extra_shapes != _shapes(extra_template):
             self._make_buffers(template, extra_template)
         self._token_ids.fill(0)
         self._positions.fill(-1)
         for buffer in self._extra.values():
             buffer.fill(-1)
-        for slot, (token, positions, extra) in tokens.items():
+        for slot, (token, positions, extra, _) in tokens.items():
             self._token_ids[slot, 0] = token
             self._positions[..., slot : slot + 1, :] = positions
             for role, row in extra.items():
                 self._extra[role][slot : slot + 1] = row
-        logits = self.generator.step(self._decode_feeds, self.past, in_place=True)[symbols.LOGITS]
-        return {slot: logits[slot, -1] for slot in tokens}, self.vision_bytes
+        generator = self.generator
+        draws = [tokens[slot][3] if slot in tokens else None for slot in range(self.full_batch_size)]
+        feeds = generator.with_sampler_inputs(self._decode_feeds, draws)
+        outputs = generator.step(feeds, self.past, in_place=True)
+        rows = last_rows(outputs, generator.logits_name)  # logits, or the device's tokens
+        return {slot: rows[slot] for slot in tokens}, self.vision_bytes
 
     def _make_buffers(self, positions: np.ndarray, extra: Mapping[Role, np.ndarray]) -> None:
         """Decode inputs at batch ``full_batch_size`` shaped like one request's rows, and their feeds."""

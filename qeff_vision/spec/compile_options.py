@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from qeff_vision.contract.sampler_io import SamplerOptions
 from qeff_vision.errors import shown
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
 
@@ -41,7 +42,7 @@ AIC_HW_VERSIONS = ("ai100", "2.0")
 # One AI 100 SoC has up to 16 neural signal processors (cores).
 MAX_CORES_PER_DEVICE = 16
 # Keys that only make sense for the language program (it owns the KV cache).
-LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype"})
+LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype", "sampler"})
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,10 @@ class ProgramOptions:
             both language programs); ``None``: the deployment's default.
         split_retained_state_io: ``-split-retained-state-io`` (the launcher's choice for the
             decode program); ``None``: the deployment's default.
+        sampler: QEfficient's on-device sampler in the language program (``{max_top_k_ids: 512,
+            return_pdfs: false, guided_decoding: false}``, each key optional): it returns
+            ``next_tokens`` instead of ``logits``; ``None`` (default) returns logits. Not a
+            compiler flag: it changes the exported graph (:mod:`qeff_vision.export.sampler`).
     """
 
     num_cores: int = MAX_CORES_PER_DEVICE
@@ -92,6 +97,7 @@ class ProgramOptions:
     split_model_io: bool | None = None
     allow_mxint8_mdp_io: bool | None = None
     split_retained_state_io: bool | None = None
+    sampler: SamplerOptions | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary (for manifests and cache keys)."""
@@ -283,6 +289,21 @@ def _timeout(value: Any) -> str | None:
     return None
 
 
+def _sampler(value: Any) -> str | None:
+    allowed = tuple(SamplerOptions().to_dict())
+    if not isinstance(value, Mapping):
+        return "must be a mapping with " + ", ".join(allowed) + " (each optional)"
+    problems = [f"{key}: unknown key; allowed: {', '.join(allowed)}" for key in value if key not in allowed]
+    if "max_top_k_ids" in value and _positive_int(value["max_top_k_ids"]):
+        problems.append(f"max_top_k_ids: must be a positive integer (got {shown(value['max_top_k_ids'])})")
+    problems += [
+        f"{key}: must be true or false (got {shown(value[key])})"
+        for key in ("return_pdfs", "guided_decoding")
+        if key in value and not isinstance(value[key], bool)
+    ]
+    return "; ".join(problems) or None
+
+
 def _node_precision(value: Any) -> str | None:
     if isinstance(value, str) and value.strip():
         return None
@@ -305,6 +326,7 @@ _CHECKS = {
     "split_model_io": _boolean,
     "allow_mxint8_mdp_io": _boolean,
     "split_retained_state_io": _boolean,
+    "sampler": _sampler,
 }
 assert set(_CHECKS) == {f.name for f in fields(ProgramOptions)}, "every option needs a check"
 PROGRAM_KEYS = tuple(_CHECKS)
@@ -335,7 +357,7 @@ def _read_program(data: Mapping[str, Any], path: str, allowed: tuple[str, ...]) 
         if problem:
             problems.append(f"{path}.{key}: {problem}")
         else:
-            values[key] = value
+            values[key] = SamplerOptions(**value) if key == "sampler" else value
     return values, problems
 
 

@@ -131,6 +131,34 @@ def check_deployment(reader: Any, family: Any, deployment: Deployment, model: An
         )
 
 
+SAMPLER_KEY = "compile.language.sampler"
+
+
+def check_sampler(reader: Any, deployment: Deployment, sampler: Any, vocab_size: int | None) -> None:
+    """``compile.language.sampler`` fits the deployment and the vocabulary.
+
+    The sampler goes into a separate language program (``dual``; both programs of
+    ``disaggregated``, whose prefill also returns ``next_tokens``). QEfficient raises
+    NotImplementedError for single-QPC multimodal models; the single program here is refused for
+    the same structural reason. ``max_top_k_ids`` is a top-k over the vocabulary, so at most it.
+    """
+    if sampler is None:
+        return
+    if deployment.mode == SINGLE:
+        reader.add(
+            SAMPLER_KEY,
+            "deployment single composes the vision encoder into the language program; the on-device "
+            "sampler wraps a separate language program (QEfficient offers it for dual-QPC models "
+            "only): use deployment dual or disaggregated",
+        )
+    if vocab_size is not None and sampler.max_top_k_ids > vocab_size:
+        reader.add(
+            f"{SAMPLER_KEY}.max_top_k_ids",
+            f"{sampler.max_top_k_ids} exceeds the vocabulary ({vocab_size} tokens): the sampler's top-k "
+            "keeps at most every token",
+        )
+
+
 def check_single_vision(reader: Any, deployment: Deployment, vision: Any) -> None:
     """``deployment: single`` encodes a prompt's images with one resolution table: no clips, no buckets.
 

@@ -15,7 +15,7 @@ from qeff_vision.spec.buckets import check_patch_buckets
 from qeff_vision.spec.ccl_lists import CCL_UNIQUE_STEP
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
-from qeff_vision.spec.deployment import check_deployment, check_single_vision, read_deployment
+from qeff_vision.spec.deployment import check_deployment, check_sampler, check_single_vision, read_deployment
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
     MAX_BATCH_SIZE,
@@ -179,6 +179,12 @@ def spec_from_data(
         check_deployment(reader, family, deployment, description)
     if deployment is not None:
         check_single_vision(reader, deployment, vision)
+        vocab = (
+            family.text_dims(description).vocab_size
+            if family is not None and description is not None
+            else None
+        )
+        check_sampler(reader, deployment, compile_options.language.sampler, vocab)
     if family is not None and description is not None and vision is not None and vision.image_processor:
         description = with_image_processor_options(reader, family, description, vision.image_processor)
     if family is not None and description is not None and vision is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from qeff_vision import symbols
 from qeff_vision.contract.full_kv import full_length_caches
 from qeff_vision.contract.language_io import KV_ROLES, DType
+from qeff_vision.contract.sampler_io import with_sampler
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
@@ -275,6 +276,9 @@ def build_specializations(
     language_io = family.language_io(
         num_layers, cache_symbols, comp_ctx_lengths=ccl is not None, continuous_batching=cb
     )
+    sampler = spec.compile.language.sampler
+    if sampler is not None:  # the on-device sampler's rows (contract/sampler_io.py)
+        language_io = with_sampler(language_io, sampler)
     language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
     # Continuous batching (QEfficient's get_specializations with continuous_batching): prefill at
     # batch_size 1 with full_batch_size and full_batch_exec_size F, decode at batch_size F.
@@ -330,7 +334,10 @@ def build_specializations(
     kv_dtype = spec.compile.language.kv_cache_dtype
     state_dtype = spec.compile.language.state_dtype
     language_custom_io = language_io.custom_io(
-        {DType.COMPUTE: language_dtype, DType.KV: kv_dtype, DType.STATE: state_dtype}
+        # The sampler's penalty buffers take the KV dtype: QEfficient's dual-QPC compile gives every
+        # retained state but the vision rows kv_cache_dtype (modeling_auto.py, custom_io_lang);
+        # their 0/1 values are exact in float16 and mxint8 alike.
+        {DType.COMPUTE: language_dtype, DType.KV: kv_dtype, DType.STATE: state_dtype, DType.BOOL: kv_dtype}
     )
     vision_precision = {symbols.PIXEL_VALUES: vision_dtype, symbols.VISION_EMBEDS: vision_dtype}
     for name in family.stacked_vision_rows:  # vision rows in the compute dtype, like vision_embeds

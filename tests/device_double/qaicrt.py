@@ -41,7 +41,12 @@ ONNX_TYPES = {
     "tensor(float16)": "float16",
     "tensor(int64)": "int64",
     "tensor(int32)": "int32",
+    # The SDK's type enum (as the plugin maps it) has no bool: assumed a one-byte int8 binding (the
+    # on-device sampler's token_bitmasks; its penalty buffers take their custom IO precision).
+    "tensor(bool)": "int8",
 }
+# The graph's own element type of an input, where it is not float32 or int64.
+GRAPH_NUMPY = {"tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 SUFFIX = "_RetainedState"
 LOG: list[dict] = []  # what the host sent per call: {binding name: shape} (for assertions)
 ERRORS: list[str] = []  # every rejected call's message (also printed to stderr, as the runtime logs it)
@@ -275,7 +280,8 @@ class ExecObj:
             if binding["dir"] != 0:
                 continue
             value = given.get(binding["index"])
-            onnx_dtype = np.float32 if "float" in _onnx_type(session, binding["name"]) else np.int64
+            graph_type = _onnx_type(session, binding["name"])
+            onnx_dtype = GRAPH_NUMPY.get(graph_type, np.float32 if "float" in graph_type else np.int64)
             if value is None:
                 if not binding["is_partial_buf_allowed"]:
                     return self._reject(f"{binding['name']}: not retained state, must be sent")

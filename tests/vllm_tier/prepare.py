@@ -84,11 +84,13 @@ def compile_case(
     images: tuple[tuple[int, int], ...] | None = None,
     name: str | None = None,
     deployment: str | None = None,
+    sampler: dict | None = None,
 ) -> Path:
     """OUT of a spec with the case's one bucket (``vision_size: chunk`` makes it equal the bucket).
 
     ``images``: the compiled sizes (the case's image by default; a request may hold them all);
-    ``deployment``: ``single`` for the one-program artifact (the plugin's ``kv_offload=False``).
+    ``deployment``: ``single`` for the one-program artifact (the plugin's ``kv_offload=False``);
+    ``sampler``: ``compile.language.sampler`` (the on-device sampler).
     """
     name = name or (f"{case.family}-cb" if full_batch_size else case.family)
     images = images or (case.image,)
@@ -105,6 +107,8 @@ def compile_case(
         spec["full_batch_size"] = full_batch_size
     if deployment:
         spec["deployment"] = deployment
+    if sampler is not None:
+        spec["compile"] = {"language": {"sampler": sampler}}
     (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     out = root / name
     api.compile(root / f"{name}.yaml", out, backend="onnxruntime")
@@ -230,4 +234,29 @@ def build_single_program(case: Case, root: Path) -> dict:
     language["additional_config"] = config
     job.update(qpc_path=str(out / "lang"), engine_args={"language": language}, single_program=True)
     (root / "job-one.json").write_text(json.dumps(job, indent=1))
+    return job
+
+
+#: The sampler artifact's top-k width (below the tiny vocabulary; QEfficient's default is 512).
+SAMPLER_TOP_K = 32
+
+
+def build_sampler(case: Case, root: Path) -> dict:
+    """A continuous-batching artifact with the on-device sampler, served with the plugin's
+    ``aic_include_sampler`` (and ``max_top_k_ids``) in ``override_qaic_config``, greedy requests."""
+    requests = Requests(case, root)
+    image = requests.image(case.image, 1)
+    batches = [
+        [requests.request(["<image>", TEXT], [image]), requests.request(["Tell me a story about a cat."])]
+    ]
+    sampler = {"max_top_k_ids": SAMPLER_TOP_K}
+    out = compile_case(case, root, requests.checkpoint, full_batch_size=2, name="sampler", sampler=sampler)
+    job = requests.job("sampler", out, batches)
+    language = dict(job["engine_args"]["language"])
+    config = dict(language.get("additional_config") or {})
+    override = {**(config.get("override_qaic_config") or {}), "aic_include_sampler": True}
+    config["override_qaic_config"] = {**override, "max_top_k_ids": SAMPLER_TOP_K}
+    language["additional_config"] = config
+    job["engine_args"] = {**job["engine_args"], "language": language}
+    (root / "job-sampler.json").write_text(json.dumps(job, indent=1))
     return job

@@ -248,3 +248,26 @@ def _offline_kwargs(script: str):
             and getattr(call.func, "id", "") == "LLM"
         ):
             yield ast.literal_eval(call.keywords[0].value)
+
+
+# An artifact with the on-device sampler (compile.language.sampler) served with the plugin's
+# aic_include_sampler: what stops it (the README names it too).
+SAMPLER_NOT = (
+    "the plugin parses aic_include_sampler (and max_top_k_ids) into its compile config but never "
+    "feeds the sampler's inputs (last_accepted_output_tokens, the sampling parameters, "
+    "random_numbers): its warm-up's first prefill call lacks them, and it samples on the host from "
+    "a logits output the program no longer has",
+    "last_accepted_output_tokens: not retained state, must be sent",
+)
+# Sampler inputs that no module of the plugin names (it feeds none of them).
+SAMPLER_INPUTS_UNFED = ("last_accepted_output_tokens", "random_numbers", "top_ks", "min_ps")
+
+
+def test_the_on_device_sampler_artifact_and_what_stops_the_plugin(tmp_path):
+    """``compile.language.sampler`` served with ``aic_include_sampler``: the documented reason."""
+    with pytest.raises(AssertionError, match="serve.py failed") as failure:
+        _serve_built(prepare.build_sampler, "llava", tmp_path, "sampler")
+    assert SAMPLER_NOT[1] in str(failure.value), str(failure.value)[-3000:]
+    source = "\n".join(path.read_text() for path in Path(PLUGIN, "vllm_qaic").rglob("*.py"))
+    assert "aic_include_sampler" in source
+    assert [name for name in SAMPLER_INPUTS_UNFED if name in source] == []
