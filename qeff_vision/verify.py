@@ -62,7 +62,7 @@ def check_parity(
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
-    from qeff_vision.runtime.reference import reference_generate
+    from qeff_vision.reference import reference_generate
     from qeff_vision.runtime.session import OnnxProgram
 
     export_dir = Path(export_dir)

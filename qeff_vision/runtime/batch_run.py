@@ -123,7 +123,7 @@ def run_requests(
     run = BatchRun(requests, report, [p.notes for p in prepared])
     run.handoffs = chat.generator.deployment.handoffs(chat.generator.language)
     if compare_hf:
-        from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
+        from qeff_vision.reference import TokenComparison, load_reference_model, reference_generate
 
         reference = load_reference_model(chat.model_dir)
         eos = sorted(chat.generator.eos_token_ids)

@@ -418,7 +418,7 @@ def run_turns(
     Raises:
         UserError: A turn number outside 1..len(prompts), or what :meth:`Conversation.ask` raises.
     """
-    from qeff_vision.runtime.reference import (
+    from qeff_vision.reference import (
         TokenComparison,
         load_reference_model,
         reference_generate,
