@@ -15,20 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
 from qeff_vision.runtime.sampling import GREEDY, SamplingParams
-
-
-def handoff_counts(language: Any) -> tuple[int, int] | None:
-    """(prefill KV hand-offs into decode slots, their bytes) of a disaggregated pair, else None.
-
-    The deployment object answers (:meth:`~qeff_vision.runtime.deployment.Deployment.handoffs`);
-    any program other than a disaggregated pair hands nothing over, whatever attributes it has.
-    """
-    return deployment_of(language).handoffs(language)
 
 
 @dataclass
