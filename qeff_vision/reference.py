@@ -72,7 +72,8 @@ def reference_generate_pruned(
     token embeddings (``inputs_embeds``), its recomputed positions (``position_ids``, the
     [4, 1, L] text + M-RoPE rows) and its own vision tower's features of ``original``'s pixels
     with each clip's rows cut by our retention masks (``mm_encoder_outputs``, from the family's
-    adapter: ``hf_pruned_encoder_outputs``).
+    adapter: ``hf_pruned_encoder_outputs``). A prompt with nothing pruned (``pruned`` is
+    ``original``) is :func:`reference_generate`'s.
 
     Args:
         model: The transformers model (:func:`load_reference_model`).
@@ -85,6 +86,8 @@ def reference_generate_pruned(
     Returns:
         The new tokens and each step's logits row, as :func:`reference_generate`.
     """
+    if pruned is original:
+        return reference_generate(model, original, max_new_tokens, eos_token_ids)
     import torch
 
     from qeff_vision.contract.video_pruning import PRUNED_POSITIONS, RETENTION
