@@ -19,10 +19,10 @@ import pytest
 
 from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS, RETENTION, kept_rows
 from qeff_vision.errors import UserError
+from qeff_vision.reference import reference_generate, reference_generate_pruned
 from qeff_vision.runtime.conversation import Clip, Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.reference import reference_generate, reference_generate_pruned
 from tests import helpers
 from tests.family_runtime import LOGIT_TOLERANCE, NEW_TOKENS, FamilyRuntime
 
