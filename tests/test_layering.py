@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version", "hub"},
     {"contract"},
-    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress"},
+    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media"},  # media: image and clip files
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]

@@ -27,9 +27,9 @@ from typing import Any
 from qeff_vision.bad_input import check_prompt, first_line, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.engine import compiled_slots
 from qeff_vision.runtime.generator import Generator
-from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.sampling import SamplingParams
