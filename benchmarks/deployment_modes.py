@@ -19,7 +19,7 @@ the family's pinned spec. Three forms:
   runs once per image inside the one program and its rows (mllama: its cross-attention K/V) are
   retained; nothing but the pixels crosses, once per image. For the built families the column is
   the runtime's own count: the same four prompt kinds run through the decoder kind's single
-  runner (:func:`~qeff_vision.runtime.generate.make_single_generator`) on the family's tiny random
+  runner (:func:`~qeff_vision.runtime.generate.make_generator` in mode single) on the family's tiny random
   checkpoint (exported and composed here, onnxruntime), which counts the images its program's
   encoder ran on; the other families show the design's count, marked ``(design)``. The second
   table lists those measured runs with QEfficient's form on the same chunk plans.
@@ -126,7 +126,7 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
     The tiny random checkpoint of ``family`` is exported, its two graphs composed into the single
     program, and the prompt kinds of :func:`prompts` (one image, two images, three turns over one
     image, three turns with a new image in the third) run through the decoder kind's single
-    runner (:func:`~qeff_vision.runtime.generate.make_single_generator`); a turn prefills only what
+    runner (:func:`~qeff_vision.runtime.generate.make_generator` in mode single); a turn prefills only what
     the program does not hold, and encodes only its new images. The same conversations run on the
     export's two programs (dual, :func:`~qeff_vision.runtime.generate.make_generator`), whose
     language program keeps the prefix it holds as well.
@@ -139,10 +139,12 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
     from qeff_vision.exporter import export_model
     from qeff_vision.families.base import CROSS_ATTENTION
     from qeff_vision.runtime.conversation import Conversation
-    from qeff_vision.runtime.generate import make_generator, make_single_generator
+    from qeff_vision.runtime.deployment import DEPLOYMENTS
+    from qeff_vision.runtime.generate import make_generator
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
     from qeff_vision.runtime.session import OnnxProgram
+    from qeff_vision.spec.deployment import SINGLE
 
     checkpoint_dir = work / family
     api.tiny(family, checkpoint_dir)
@@ -178,7 +180,8 @@ def measure_single(family: str, work: Path) -> dict[str, tuple[int, ...]]:
         shape = LanguageShape((PrefillBucket(24, 2 * tiny_rows),), 2 * tiny_rows, 512)
         # mllama's program keeps two images' cross K/V (its image slots).
         slots = {"image_slots": 2} if family == "mllama" else {}
-        generator = make_single_generator(checkpoint, program, shape, **slots)
+        single = DEPLOYMENTS[SINGLE]
+        generator = make_generator(checkpoint, None, program, shape, deployment=single, **slots)
         chat = Conversation(generator, checkpoint.processor, max_new_tokens=2)
         chunks = calls = encoded = tokens = prefilled = 0
         for pictures, text in turns:

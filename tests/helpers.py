@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from qeff_vision.checkpoint import Checkpoint
-from qeff_vision.runtime.reference import reference_generate as hf_generate  # noqa: F401 (tests' name)
+from qeff_vision.reference import reference_generate as hf_generate  # noqa: F401 (tests' name)
 
 
 def write_tiny(family: str, out_dir: Path) -> Path:

@@ -125,7 +125,7 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     """Build, compile, run and compare one family; each stage's seconds."""
     from qeff_vision import api
     from qeff_vision.real_width import build_real_width_checkpoint, smallest_pinned_config
-    from qeff_vision.runtime.reference import load_reference_model, reference_generate
+    from qeff_vision.reference import load_reference_model, reference_generate
 
     seconds = {}
     start = time.perf_counter()
@@ -178,11 +178,11 @@ def run_export_only(family: str, work: Path, new_tokens: int) -> dict:
     from qeff_vision import api
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.real_width import build_real_width_checkpoint
+    from qeff_vision.reference import load_reference_model, reference_generate
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
-    from qeff_vision.runtime.reference import load_reference_model, reference_generate
     from tests import helpers
 
     seconds = {}

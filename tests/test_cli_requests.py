@@ -63,7 +63,7 @@ def test_requests_file_replies_table_shared_cache_and_compare_hf(artifacts_dir, 
 
 
 def test_requests_compare_hf_mismatch_exits_1(artifacts_dir, request_dir, capsys, monkeypatch):
-    from qeff_vision.runtime import reference
+    from qeff_vision import reference
 
     monkeypatch.setattr(reference, "reference_generate", lambda model, processed, n, eos: ([0] * n, []))
     path = write_requests(request_dir, [{"prompt": "Hi", "max_new_tokens": 2}], "one.jsonl")

@@ -111,7 +111,7 @@ def test_several_prompts_make_one_conversation_with_cached_images(artifacts_dir,
 
 
 def test_compare_hf_mismatch_exits_1(artifacts_dir, image_files, capsys, monkeypatch):
-    from qeff_vision.runtime import reference
+    from qeff_vision import reference
 
     monkeypatch.setattr(reference, "reference_generate", lambda model, processed, n, eos: ([0] * n, []))
     args = [artifacts_dir, "--image", image_files["square"], "--prompt", "Hi", "--max-new-tokens", 3]

@@ -200,7 +200,10 @@ def test_run_requests_and_a_three_turn_run_match_transformers(compiled, capsys):
 def test_handoffs_are_reported_for_a_disaggregated_pair_only():
     from types import SimpleNamespace
 
-    from qeff_vision.runtime.batch_run import handoff_counts
+    from qeff_vision.runtime.deployment import deployment_of
+
+    def handoff_counts(language):  # what ``run --requests`` reports (BatchRun.handoffs)
+        return deployment_of(language).handoffs(language)
 
     def program(seq_len: int) -> SimpleNamespace:
         entry = {symbols.SEQ_LEN: seq_len, symbols.FULL_BATCH_SIZE: SLOTS}

@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"compile"},  # compiles a loaded spec; runs the runtime for calibration
     {"exporter"},  # the export driver: a family's adapter over the export building blocks
     {"runtime"},
+    {"reference"},  # transformers greedy generate: the tokens --compare-hf and verification compare with
     {"spec"},
     {"real_width"},  # real-width random checkpoints: a family's tiny pieces over a pinned config
     {"checkpoint"},
@@ -30,7 +31,7 @@ LAYERS: list[set[str]] = [
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version", "hub"},
     {"contract"},
-    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress"},
+    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media"},  # media: image and clip files
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]

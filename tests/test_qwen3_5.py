@@ -26,7 +26,7 @@ from qeff_vision.export.gated_delta import NAME as GATED_DELTA
 from qeff_vision.export_record import read_export
 from qeff_vision.families import get_family
 from qeff_vision.families.base import describe_checkpoint
-from qeff_vision.runtime.reference import reference_generate
+from qeff_vision.reference import reference_generate
 from tests import helpers
 from tests.family_runtime import FamilyRuntime, chunks_of_image
 

@@ -3,7 +3,7 @@
 transformers does not prune, so the reference is its own ``generate`` given the pruned prompt our
 host built: its token embeddings and recomputed positions (``inputs_embeds``, ``position_ids`` [4,
 1, L]) and its own vision tower's features cut by our retention masks
-(:func:`~qeff_vision.runtime.reference.reference_generate_pruned`). Covered: a pruned clip whose
+(:func:`~qeff_vision.reference.reference_generate_pruned`). Covered: a pruned clip whose
 rows span several prefill chunks, a clip and an image in one prompt (and a second turn served from
 the cached kept rows), several requests under continuous batching, and rate 0, which must leave
 every logit bit-identical to a generator never given the option.
@@ -19,10 +19,10 @@ import pytest
 
 from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS, RETENTION, kept_rows
 from qeff_vision.errors import UserError
+from qeff_vision.reference import reference_generate, reference_generate_pruned
 from qeff_vision.runtime.conversation import Clip, Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.runtime.reference import reference_generate, reference_generate_pruned
 from tests import helpers
 from tests.family_runtime import LOGIT_TOLERANCE, NEW_TOKENS, FamilyRuntime
 

@@ -286,7 +286,7 @@ def _run_requests(
 ) -> None:
     """``run --requests``: replies on stdout as requests finish (or one JSON document), table on stderr."""
     from qeff_vision import api
-    from qeff_vision.runtime.batch_run import report_json, report_table
+    from qeff_vision.cli.requests_report import report_json, report_table
 
     def on_finish(request, done) -> None:
         if not as_json:

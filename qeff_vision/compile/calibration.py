@@ -122,11 +122,11 @@ def prompt_ranges(
 
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
+    from qeff_vision.media import load_image
     from qeff_vision.progress import bar as progress_bar
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import make_generator
     from qeff_vision.runtime.language_shape import LanguageShape
-    from qeff_vision.runtime.media import load_image
 
     manifest = read_export(export_dir)
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])

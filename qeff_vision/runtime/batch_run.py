@@ -15,20 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.deployment import deployment_of
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.requests import Request, read_requests
 from qeff_vision.runtime.sampling import GREEDY, SamplingParams
-
-
-def handoff_counts(language: Any) -> tuple[int, int] | None:
-    """(prefill KV hand-offs into decode slots, their bytes) of a disaggregated pair, else None.
-
-    The deployment object answers (:meth:`~qeff_vision.runtime.deployment.Deployment.handoffs`);
-    any program other than a disaggregated pair hands nothing over, whatever attributes it has.
-    """
-    return deployment_of(language).handoffs(language)
 
 
 @dataclass
@@ -123,7 +113,7 @@ def run_requests(
     run = BatchRun(requests, report, [p.notes for p in prepared])
     run.handoffs = chat.generator.deployment.handoffs(chat.generator.language)
     if compare_hf:
-        from qeff_vision.runtime.reference import TokenComparison, load_reference_model, reference_generate
+        from qeff_vision.reference import TokenComparison, load_reference_model, reference_generate
 
         reference = load_reference_model(chat.model_dir)
         eos = sorted(chat.generator.eos_token_ids)
@@ -131,103 +121,3 @@ def run_requests(
             theirs, _ = reference_generate(reference, inputs.processed, request.max_new_tokens, eos)
             run.comparisons.append(TokenComparison(tuple(done.result.tokens), tuple(theirs)))
     return run
-
-
-def report_json(run: BatchRun) -> dict:
-    """Per request its reply, token ids, schedule and counts, and the engine's totals (``--json``)."""
-    report = run.report
-    requests = []
-    for request, done in zip(run.requests, report.requests):
-        entry = {
-            "request": request.index,
-            "slot": done.slot,
-            "arrival_step": done.arrival_step,
-            "admitted_step": done.admitted_step,
-            "first_token_step": done.first_token_step,
-            "finished_step": done.finished_step,
-            "mean_occupancy": done.mean_occupancy,
-            **done.result.summary(),
-        }
-        if done.number < len(run.comparisons):
-            comparison = run.comparisons[done.number]
-            entry["compare_hf"] = {"identical": comparison.identical, "verdict": comparison.describe()}
-        requests.append(entry)
-    engine = {
-        "full_batch_size": report.full_batch_size,
-        "batched": report.batched,
-        "steps": report.steps,
-        "prefill_calls": report.prefill_calls,
-        "decode_calls": len(report.decode_batches),
-        "mean_occupancy": report.mean_occupancy,
-        "decode_tokens_per_second": report.decode_tokens_per_second,
-        "vision_bytes": report.vision_bytes,
-        "encoder_calls": report.encoder_calls,
-    }
-    if run.handoffs is not None:
-        engine["handoffs"], engine["handoff_bytes"] = run.handoffs
-    return {"requests": requests, "engine": engine}
-
-
-def report_table(run: BatchRun) -> list[str]:
-    """The per-request table and the engine summary ``run --requests`` prints."""
-    header = (
-        "request",
-        "slot",
-        "arrive",
-        "admit",
-        "first",
-        "done",
-        "prompt",
-        "images",
-        "chunks",
-        "vision rows",
-        "encoder calls",
-        "cache hits",
-        "TTFT ms",
-        "decode tok/s",
-        "occupancy",
-        "tokens",
-    )
-    rows = [header]
-    for done in run.report.requests:
-        result = done.result
-        rows.append(
-            (
-                str(done.number),
-                str(done.slot),
-                str(done.arrival_step),
-                str(done.admitted_step),
-                str(done.first_token_step),
-                str(done.finished_step),
-                str(result.prompt_tokens),
-                str(result.images),
-                str(len(result.chunks)),
-                str(sum(chunk.rows for chunk in result.chunks)),
-                str(result.encoder_calls),
-                str(result.cache_hits),
-                f"{result.ttft * 1e3:.1f}",
-                f"{result.decode_tokens_per_second:.1f}",
-                f"{done.mean_occupancy:.2f}",
-                str(len(result.tokens)),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    report = run.report
-    kind = "one batched call per decode step" if report.batched else "one call per request per decode step"
-    lines.append(
-        f"engine: full_batch_size {report.full_batch_size} ({kind}); {report.steps} step(s), "
-        f"{report.prefill_calls} prefill chunk(s), {len(report.decode_batches)} decode call(s) at mean "
-        f"occupancy {report.mean_occupancy:.2f}, {report.decode_tokens_per_second:.1f} decode tokens/s"
-    )
-    lines.append(
-        f"vision: {report.vision_bytes:,} bytes of vision inputs sent; "
-        f"{report.encoder_calls} encoder call(s) (the embedding cache is shared by all requests)"
-    )
-    if run.handoffs is not None:
-        count, size = run.handoffs
-        lines.append(
-            f"disaggregated: prefill on lang_prefill, decode on lang_decode; {count} KV hand-off(s) "
-            f"into decode slots, {size:,} bytes copied"
-        )
-    return lines

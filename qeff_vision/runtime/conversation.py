@@ -27,9 +27,9 @@ from typing import Any
 from qeff_vision.bad_input import check_prompt, first_line, placeholder_texts
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import ImageSize, ModelDescription
+from qeff_vision.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.engine import compiled_slots
 from qeff_vision.runtime.generator import Generator
-from qeff_vision.runtime.media import Clip, ImageSource, load_image, load_video
 from qeff_vision.runtime.planner import VisionProtocol
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.sampling import SamplingParams
@@ -418,12 +418,7 @@ def run_turns(
     Raises:
         UserError: A turn number outside 1..len(prompts), or what :meth:`Conversation.ask` raises.
     """
-    from qeff_vision.runtime.reference import (
-        TokenComparison,
-        load_reference_model,
-        reference_generate,
-        reference_generate_pruned,
-    )
+    from qeff_vision.reference import TokenComparison, load_reference_model, reference_generate_pruned
 
     shown_images = media_by_turn(images, turn_images, len(prompts), "image")
     shown_videos = media_by_turn(videos, turn_videos, len(prompts), "video")
@@ -444,12 +439,10 @@ def run_turns(
                 reference = load_reference_model(chat.model_dir)
             processed, eos = chat.last_inputs.processed, sorted(chat.generator.eos_token_ids)
             pruned = chat.generator.prepare_prompt(processed)  # cached: the clips are not encoded again
-            if pruned is processed:
-                theirs, _ = reference_generate(reference, processed, chat.max_new_tokens, eos)
-            else:  # transformers does not prune: it is given our pruned prompt and positions
-                theirs, _ = reference_generate_pruned(
-                    reference, chat.generator.family, processed, pruned, chat.max_new_tokens, eos
-                )
+            # transformers does not prune: a pruned prompt is given as our pruned rows and positions.
+            theirs, _ = reference_generate_pruned(
+                reference, chat.generator.family, processed, pruned, chat.max_new_tokens, eos
+            )
             comparison = TokenComparison(tuple(result.tokens), tuple(theirs))
         turns.append(Turn(prompt, result, comparison))
         if on_done:

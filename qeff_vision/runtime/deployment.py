@@ -184,13 +184,8 @@ class Disaggregated(Deployment):
                 f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
                 "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
             )
-        vision = OnnxProgram(
-            artifacts.vision_path,
-            artifacts.vision_specializations,
-            fp32_values=plans.get(self.vision_program),
-        )
-        language = phase_programs(self._language_session(artifacts, plans), *artifacts.phase_specializations)
-        return vision, language
+        vision, language = super().open_programs(artifacts, precision, plans)
+        return vision, phase_programs(language, *artifacts.phase_specializations)
 
     def engine_slots(self, generator, full_batch_size):
         """The router's slots: prefill into a batch-1 cache, handed over to the decode slot."""

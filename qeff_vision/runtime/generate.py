@@ -20,14 +20,13 @@ from qeff_vision.contract.decoder_kinds import CROSS_ATTENTION, TOKEN_MERGE, Dec
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import PATCH_BUCKETS, read_export, vision_mode
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
-from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment, deployment_of
+from qeff_vision.runtime.deployment import Deployment, deployment_of
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generator import DEFAULT_CACHE_BYTES, Generator  # noqa: F401 - re-exported
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.runtime.single import SingleGenerator
 from qeff_vision.runtime.single_cross import SingleCrossGenerator
-from qeff_vision.spec.deployment import SINGLE
 
 #: The runner of each (encoder inside the language program, decoder kind). One registry for every
 #: deployment mode: a mode picks the form, the checkpoint's family the kind.
@@ -71,13 +70,6 @@ def make_generator(
         raise UserError(f"{checkpoint.family.title}: no {form} for decoder kind {kind.name!r}")
     programs = (language,) if deployment.encoder_inside else (vision, language)
     return runner(checkpoint, *programs, shape, cache, deployment=deployment, **kwargs)
-
-
-def make_single_generator(
-    checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any
-) -> Generator:
-    """The single-program runner for the checkpoint's decoder kind (:func:`make_generator` in mode single)."""
-    return make_generator(checkpoint, None, program, shape, cache, deployment=DEPLOYMENTS[SINGLE], **kwargs)
 
 
 def generator_for_export(

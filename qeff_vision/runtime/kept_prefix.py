@@ -6,13 +6,10 @@ asks, and what a single program's :class:`~qeff_vision.runtime.single.SingleGene
 does) records what its language program holds after each generation: the prompt's tokens and
 the fed part of the reply, the images among them by content key, and the caches (host-held on
 onnxruntime). The next prompt, the whole conversation rendered again, keeps the longest prefix
-the rules of :mod:`qeff_vision.runtime.retained_prefix` allow (the same rules a single program
-follows: tokens equal, the same images, never cut inside an image, one token left to prefill,
-and caches not indexed by position, a sliding-window or chunked-attention ring or a recurrent
-state, resume only where they stopped or from the copy kept at the end of the last prefill).
-Only the rest is prefilled, its chunks planned from the kept prefix on; positions (M-RoPE rows
-and their deltas included) are those of the whole prompt, sliced, so they continue as if the
-prompt had been prefilled at once.
+the rules of :mod:`qeff_vision.runtime.retained_prefix` allow (a single program's rules). Only
+the rest is prefilled, its chunks planned from the kept prefix on; positions (M-RoPE rows and
+their deltas included) are those of the whole prompt, sliced, so they continue as if the prompt
+had been prefilled at once.
 
 Cross-attention (mllama) keeps a prefix only while the prompt's images are exactly the held
 ones (:func:`~qeff_vision.runtime.retained_prefix.image_set_resume`), as its single program does.

@@ -42,19 +42,20 @@ def reference_generate(
     import torch
 
     inputs = {name: torch.as_tensor(value) for name, value in processed.items()}
+    return _greedy(model, inputs, max_new_tokens, eos_token_ids, inputs["input_ids"].shape[1])
+
+
+def _greedy(model, inputs, max_new_tokens, eos_token_ids, prompt_len):
+    """``model.generate`` as pure argmax; the tokens after ``prompt_len`` and each step's logits row."""
+    import torch
+
     options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
     if eos_token_ids is not None:
         options["eos_token_id"] = list(eos_token_ids) or None
+    options.update(max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        out = model.generate(
-            **inputs,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **options,
-        )
-    length = inputs["input_ids"].shape[1]
-    return out.sequences[0, length:].tolist(), [step[0].float().numpy() for step in out.logits]
+        out = model.generate(**inputs, **options)
+    return out.sequences[0, prompt_len:].tolist(), [step[0].float().numpy() for step in out.logits]
 
 
 def reference_generate_pruned(
@@ -71,7 +72,8 @@ def reference_generate_pruned(
     token embeddings (``inputs_embeds``), its recomputed positions (``position_ids``, the
     [4, 1, L] text + M-RoPE rows) and its own vision tower's features of ``original``'s pixels
     with each clip's rows cut by our retention masks (``mm_encoder_outputs``, from the family's
-    adapter: ``hf_pruned_encoder_outputs``).
+    adapter: ``hf_pruned_encoder_outputs``). A prompt with nothing pruned (``pruned`` is
+    ``original``) is :func:`reference_generate`'s.
 
     Args:
         model: The transformers model (:func:`load_reference_model`).
@@ -84,6 +86,8 @@ def reference_generate_pruned(
     Returns:
         The new tokens and each step's logits row, as :func:`reference_generate`.
     """
+    if pruned is original:
+        return reference_generate(model, original, max_new_tokens, eos_token_ids)
     import torch
 
     from qeff_vision.contract.video_pruning import PRUNED_POSITIONS, RETENTION
@@ -91,22 +95,15 @@ def reference_generate_pruned(
     keep = np.asarray(pruned[RETENTION], dtype=bool)
     outputs = family.adapter().hf_pruned_encoder_outputs(model, original, keep)
     input_ids = torch.as_tensor(np.asarray(pruned["input_ids"], dtype=np.int64))
-    options: dict[str, Any] = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0}
-    if eos_token_ids is not None:
-        options["eos_token_id"] = list(eos_token_ids) or None
     with torch.no_grad():
-        out = model.generate(
-            inputs_embeds=model.get_input_embeddings()(input_ids),
-            attention_mask=torch.ones_like(input_ids),
-            position_ids=torch.as_tensor(np.asarray(pruned[PRUNED_POSITIONS], dtype=np.int64)),
-            mm_encoder_outputs=outputs,
-            max_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **options,
-        )
+        inputs = {
+            "inputs_embeds": model.get_input_embeddings()(input_ids),
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.as_tensor(np.asarray(pruned[PRUNED_POSITIONS], dtype=np.int64)),
+            "mm_encoder_outputs": outputs,
+        }
     # With inputs_embeds only, the sequences hold just the new tokens.
-    return out.sequences[0].tolist(), [step[0].float().numpy() for step in out.logits]
+    return _greedy(model, inputs, max_new_tokens, eos_token_ids, 0)
 
 
 @dataclass(frozen=True)
