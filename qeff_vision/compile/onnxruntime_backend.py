@@ -19,7 +19,7 @@ from qeff_vision import symbols
 from qeff_vision.compile.graph_io import GraphIO, TensorInfo, read_graph_io, symbol_problems
 from qeff_vision.contract.slot_names import is_slot_name
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.numerics.device import MxEmulation, device_session
+from qeff_vision.numerics.device import MxEmulation, device_model
 from qeff_vision.numerics.plan import overflow_message
 
 
@@ -186,7 +186,10 @@ def verify_program(
     The sessions run one after another, each over every specialization and released before the
     next is built (fp32, device precision, then MX): only one copy of the weights is in memory at
     a time. The fp32 outputs are kept for the comparisons; the generated inputs are generated
-    again, from the same seed, for each session.
+    again, from the same seed, for each session. A graph whose weights pass one calibration slice
+    (:data:`~qeff_vision.numerics.recording.DEFAULT_SLICE_BYTES`) runs slice by slice, each
+    slice's session built and released in turn (:class:`_GraphRunner`): memory does not grow with
+    depth, and its latency includes the session builds.
 
     Args:
         program: ``vision`` or ``lang``, for messages.
@@ -205,20 +208,13 @@ def verify_program(
         UserError: onnxruntime fails on a specialization, an output shape differs, or device
             precision overflows.
     """
-    import onnxruntime
-
     from qeff_vision.fsutil import release_memory
 
     onnx_path = Path(onnx_path)
     graph = read_graph_io(onnx_path)
     check_program_symbols(graph, specializations, program, source or str(onnx_path))
     names = [tensor.name for tensor in graph.outputs]
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    try:
-        session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
-        raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc
+    session = _fp32_runner(onnx_path, names)
 
     def cases():
         return _generated_cases(graph, specializations, program, seed, image_sizes)
@@ -315,7 +311,9 @@ def _device_deviations(
     """
     from qeff_vision.fsutil import release_memory
 
-    session = device_session(onnx_path, device_values, mx)
+    graph, weights = device_model(onnx_path, device_values, mx)
+    session = _GraphRunner(graph, onnx_path.parent, names, weights)
+    del graph
     found = []
     for index, _, where, feeds in cases():
         compared = deviation(names, references[index], session.run(names, feeds))
@@ -330,3 +328,57 @@ def _device_deviations(
     del session
     release_memory()
     return found
+
+
+class _GraphRunner:
+    """Runs one graph (an in-memory model over external data): one session, or slice by slice.
+
+    A graph whose weights fit one slice gets one session. A larger one runs through
+    :class:`~qeff_vision.numerics.recording.SlicedRecorder` with nothing recorded: slices of at most
+    :data:`~qeff_vision.numerics.recording.DEFAULT_SLICE_BYTES` of weights, each session built,
+    run and released in turn, values dropped after their last reader.
+    """
+
+    def __init__(self, model, model_dir: Path, names: Sequence[str], weights=None):
+        from qeff_vision.numerics.device import session_for, value_types
+        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder, weight_bytes
+
+        self.names = list(names)
+        self.session = self.recorder = None
+        if weight_bytes(model) <= DEFAULT_SLICE_BYTES:
+            self.session = session_for(model, model_dir, initializers=weights(None) if weights else None)
+        else:
+            types = value_types(model)
+            self.recorder = SlicedRecorder(
+                model, model_dir, [], types, self.names, slice_bytes=DEFAULT_SLICE_BYTES, initializers=weights
+            )
+
+    def run(self, names: Sequence[str], feeds: Mapping[str, Any]) -> list[Any]:
+        """The outputs ``names`` (a subset of the runner's) for ``feeds``."""
+        if self.session is not None:
+            return self.session.run(list(names), dict(feeds))
+        results = self.recorder.run(feeds)
+        return [results[name] for name in names]
+
+
+def _fp32_runner(onnx_path: Path, names: Sequence[str]):
+    """The exported graph as it is: an onnxruntime session on the file, or a sliced runner.
+
+    Raises:
+        UserError: onnxruntime cannot load the graph.
+    """
+    import onnxruntime
+
+    from qeff_vision.graph_file import load_graph
+    from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, weight_bytes
+
+    model = load_graph(onnx_path)
+    if weight_bytes(model) > DEFAULT_SLICE_BYTES:
+        return _GraphRunner(model, onnx_path.parent, names)
+    del model
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
+        raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc

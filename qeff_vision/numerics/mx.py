@@ -17,6 +17,7 @@ KV cache along ``head_dim`` (blocks of min(32, head_dim)).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,13 +90,21 @@ def matmul_weights(model: onnx.ModelProto) -> dict[str, int]:
     return found
 
 
-def rounded_weights(model: onnx.ModelProto, model_dir, element: ElementFormat) -> dict[str, np.ndarray]:
-    """Every matmul weight of ``model`` rounded to MX ``element`` (read from its external data)."""
+def rounded_weights(
+    model: onnx.ModelProto, model_dir, element: ElementFormat, names: Collection[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Every matmul weight of ``model`` (of ``names``, if given) rounded to MX ``element``.
+
+    Each is read from its external data when rounded: a caller running the graph slice by slice
+    asks for one slice's weights at a time.
+    """
     from onnx.external_data_helper import uses_external_data
 
     weights = {}
     by_name = {t.name: t for t in model.graph.initializer}
     for name, axis in matmul_weights(model).items():
+        if names is not None and name not in names:
+            continue
         tensor = onnx.TensorProto()
         tensor.CopyFrom(by_name[name])
         if uses_external_data(tensor):
