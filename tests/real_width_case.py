@@ -38,14 +38,23 @@ SEQ_LENS = [128, 512]
 CUTS = {"kimi_k25": {"vision_layers": 1}}
 
 
-def write_spec(path: Path, checkpoint: Path, name: str) -> Path:
-    """A dual-program spec for ``checkpoint``: 128- and 512-token chunks, one image size, compile defaults."""
+def write_spec(path: Path, checkpoint: Path, name: str, family: str) -> Path:
+    """A dual-program spec for ``checkpoint``: 128- and 512-token chunks, one image size, compile defaults.
+
+    ``vision_size: chunk`` where the family has a dynamic vision size (the cross-attention kind
+    has none: its images never take rows of the token sequence).
+    """
+    from qeff_vision.families import get_family
+
+    vision = {"images": [{"height": IMAGE_SIDE, "width": IMAGE_SIDE}]}
+    if get_family(family).features.dynamic_vision_size.supported:
+        vision["vision_size"] = "chunk"
     spec = {
         "name": name,
         "model": str(checkpoint),
         "ctx_len": CTX_LEN,
         "prefill": {"seq_lens": SEQ_LENS},
-        "vision": {"images": [{"height": IMAGE_SIDE, "width": IMAGE_SIDE}], "vision_size": "chunk"},
+        "vision": vision,
     }
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -134,7 +143,7 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
         family, work / "checkpoint", config=config, **CUTS.get(family, {})
     )
     seconds["build"] = time.perf_counter() - start
-    spec = write_spec(work / "spec.yaml", checkpoint, f"{family}-real-width")
+    spec = write_spec(work / "spec.yaml", checkpoint, f"{family}-real-width", family)
     start = time.perf_counter()
     _say(f"built {checkpoint} in {seconds['build']:.0f} s")
     outcome = api.compile(spec, work / "out", backend="onnxruntime", progress=_say, status_stream=None)

@@ -146,3 +146,42 @@ def test_stand_in_refuses_missing_external_data(tmp_path, graphs):
     copy.write_bytes(graphs["lang"].read_bytes())  # without model.onnx.data beside it
     done = _stand_in(tmp_path, {"lang": copy}, [language_specialization(64, 64)])
     assert done.returncode == 1 and "is not a valid ONNX model" in done.stderr
+
+
+def test_a_graph_larger_than_a_slice_is_verified_slice_by_slice(exported, monkeypatch):
+    """fp32, device-precision and MX runs slice by slice give the one-session results.
+
+    The tiny llava language graph with slices of a quarter of its weights: every session holds a
+    quarter of them (real widths: Mistral 3's 4.7 GB language graph verifies within the memory
+    of one slice's weights and its activations instead of three copies of the whole graph).
+    """
+    from qeff_vision.graph_file import load_graph
+    from qeff_vision.numerics import recording
+    from qeff_vision.numerics.device import MxEmulation
+    from qeff_vision.numerics.plan import angle_chains
+
+    path = exported("llava") / "lang" / "model.onnx"
+    model = load_graph(path)
+    plan = sorted(angle_chains(model))
+    specializations = [language_specialization(32, 32), language_specialization(1, 32)]
+    mx = MxEmulation("fp6_e2m3", kv_mxint8=True)
+
+    def verify():
+        return verify_program("lang", path, specializations, device_values=plan, mx=mx)
+
+    whole = verify()
+    slices = []
+    run = recording.SlicedRecorder.run
+
+    def counted(self, feeds):
+        slices.append(len(self.slices))
+        return run(self, feeds)
+
+    monkeypatch.setattr(recording, "DEFAULT_SLICE_BYTES", recording.weight_bytes(model) // 4)
+    monkeypatch.setattr(recording.SlicedRecorder, "run", counted)
+    sliced = verify()
+    assert len(slices) == 3 * len(specializations) and min(slices) >= 4  # fp32, fp16, MX
+    for one, other in zip(whole, sliced):
+        assert one.output_shapes == other.output_shapes
+        assert other.device.max_relative == pytest.approx(one.device.max_relative, rel=0.05, abs=1e-6)
+        assert other.device_mx.max_relative == pytest.approx(one.device_mx.max_relative, rel=0.05, abs=1e-6)

@@ -47,18 +47,13 @@ LONG_DECODE = {"qwen3_5": 128}
 FP32_TOLERANCE = 1e-4
 DEVICE_TOLERANCE = 1e-2
 VERIFICATION_TOLERANCE = 5e-2
-# KV outputs of a 512-token prefill deviate more: the rotary angles (position x inv_freq) are
-# computed in fp16 under -convert-to-fp16 (0.25 rad apart at positions 256-511); measured on
-# Qwen3.5's real-width language graph, past_key at 0.056 of its range with positions 0..511
-# against 0.0012 with every position 0. Reported, not fixed here (a plan keeping the angle chain
-# in fp32, or QEfficient's cos/sin tables, would be the fix).
-KV_VERIFICATION_TOLERANCE = 0.15
 
 # Known failures, each an open item of issue 36; strict, so a fix shows here. (Gemma 3 and 4, item 1,
 # pass since graphs keep their Constant values inline.)
 ITEM_2 = (
-    "issue 36 item 2: Llama 3.2 Vision's 4-tile 560 px vision program needs more than the tier's "
-    "memory to export and calibrate"
+    "issue 36 item 2: Llama 3.2 Vision exports, calibrates and compiles at 4.6 GB and runs at fp32 "
+    "at 6.0 GB since its tower's attention is chunked per tile, but transformers' eager reference "
+    "(2.65 GB scores per layer) passed the 7 GB cap measured; not yet run under the tier's default budget"
 )
 EXPECTED_FAILURES = {"mllama": ITEM_2}
 
@@ -140,15 +135,15 @@ def check_device(run: dict) -> None:
 def check_verification(verification: dict) -> None:
     """The compile's device-precision check of every specialization (generated inputs): finite,
     every output within VERIFICATION_TOLERANCE of its fp32 range. (Issue 36 item 8: Qwen3.5's
-    recurrent state came out at 0.53 of its range, from the gated delta rule's former inverse.)"""
+    recurrent state came out at 0.53 of its range, from the gated delta rule's former inverse; the
+    retained keys of a 512-token prefill at 0.06-0.10 while the rotary angles were fp16, 0.002 since
+    the plan keeps the angle chains in fp32.)"""
     for program, runs in verification.items():
         assert runs, program
         for run in runs:
             device = run["device_precision"]
             assert device["finite"], (program, run)
-            kv = device["worst_output"].startswith(("past_key.", "past_value."))
-            bound = KV_VERIFICATION_TOLERANCE if kv else VERIFICATION_TOLERANCE
-            assert device["max_relative"] <= bound, (program, run)
+            assert device["max_relative"] <= VERIFICATION_TOLERANCE, (program, run)
 
 
 @pytest.mark.parametrize("family", _family_params())

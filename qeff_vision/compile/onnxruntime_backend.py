@@ -21,7 +21,7 @@ from qeff_vision.contract.sampler_io import PENALTY_BUFFERS
 from qeff_vision.contract.slot_names import kind_of_name
 from qeff_vision.contract.states import LayerState
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.numerics.device import MxEmulation, device_session
+from qeff_vision.numerics.device import MxEmulation, device_model
 from qeff_vision.numerics.plan import overflow_message
 
 
@@ -189,13 +189,21 @@ def verify_program(
     precision (:mod:`qeff_vision.numerics.device`) on the same inputs, and the deviation from fp32
     is recorded; an inf/NaN there is an error naming the first node that left fp16's range.
 
+    The sessions run one after another, each over every specialization and released before the
+    next is built (fp32, device precision, then MX): only one copy of the weights is in memory at
+    a time. The fp32 outputs are kept for the comparisons; the generated inputs are generated
+    again, from the same seed, for each session. A graph whose weights pass one calibration slice
+    (:data:`~qeff_vision.numerics.recording.DEFAULT_SLICE_BYTES`) runs slice by slice, each
+    slice's session built and released in turn (:class:`_GraphRunner`): memory does not grow with
+    depth, and its latency includes the session builds.
+
     Args:
         program: ``vision`` or ``lang``, for messages.
         onnx_path: The exported graph (external data beside it).
         specializations: Symbol values of each specialization.
         source: What the specializations came from (the spec path), for messages.
         seed: Seed of the generated float inputs.
-        progress: Called with one line per finished specialization.
+        progress: Called with one line per finished specialization (and per device-precision run).
         device_values: Node outputs kept in fp32 at device precision; ``None`` skips that check.
         mx: Microscaling formats of the compile (``-mxfp6-matmul``, an MXINT8 KV cache): their
             deviation is recorded too, on top of fp16 (a report, not a check).
@@ -206,24 +214,64 @@ def verify_program(
         UserError: onnxruntime fails on a specialization, an output shape differs, or device
             precision overflows.
     """
-    import numpy as np
-    import onnxruntime
+    from qeff_vision.fsutil import release_memory
 
+    onnx_path = Path(onnx_path)
     graph = read_graph_io(onnx_path)
     check_program_symbols(graph, specializations, program, source or str(onnx_path))
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    try:
-        session = onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
-        raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc
-    device = device_mx = None
+    names = [tensor.name for tensor in graph.outputs]
+    session = _fp32_runner(onnx_path, names)
+
+    def cases():
+        return _generated_cases(graph, specializations, program, seed, image_sizes)
+
+    references, latencies, shapes = [], [], []
+    for index, values, where, feeds in cases():
+        start = time.perf_counter()
+        try:
+            results = session.run(names, feeds)
+        except Exception as exc:
+            raise UserError(f"{where}: onnxruntime failed: {str(exc).splitlines()[0]}") from exc
+        latencies.append((time.perf_counter() - start) * 1000.0)
+        shapes.append(_checked_shapes(graph, values, where, feeds, names, results))
+        references.append(results)
+        if progress:
+            progress(f"{program} specialization {index}: ok in {latencies[-1]:.1f} ms {dict(values)}")
+    session = feeds = None  # the fp32 weights go before the device-precision session loads
+    release_memory()
+    compared = with_mx = [None] * len(references)
     if device_values is not None:
-        device = device_session(Path(onnx_path), device_values)
+        compared = _device_deviations(
+            program, onnx_path, cases, names, references, device_values, None, progress
+        )
         if mx is not None and (mx.matmul_weights or mx.kv_mxint8):
-            device_mx = device_session(Path(onnx_path), device_values, mx)
+            with_mx = _device_deviations(
+                program, onnx_path, cases, names, references, device_values, mx, None
+            )
+    label = mx.label() if mx is not None else ""
+    return [
+        SpecializationRun(
+            index,
+            dict(values),
+            latencies[index],
+            shapes[index],
+            compared[index],
+            with_mx[index],
+            label if with_mx[index] else "",
+        )
+        for index, values in enumerate(specializations)
+    ]
+
+
+def _generated_cases(graph: GraphIO, specializations, program: str, seed: int, image_sizes):
+    """Per specialization: index, symbol values, its name in messages and its generated inputs.
+
+    The same ``seed`` gives the same inputs, so each session of a verification generates them
+    again instead of holding every specialization's inputs.
+    """
+    import numpy as np
+
     rng = np.random.default_rng(seed)
-    runs = []
     for index, values in enumerate(specializations):
         where = f"{program} specialization {index} {dict(values)}"
         slots = int(values.get(symbols.FULL_BATCH_SIZE, 0))
@@ -232,38 +280,111 @@ def verify_program(
             tensor.name: generated_input(tensor, bound_shape(tensor, values, where), rng, slots, image_size)
             for tensor in graph.inputs
         }
-        names = [tensor.name for tensor in graph.outputs]
-        start = time.perf_counter()
-        try:
-            results = session.run(names, feeds)
-        except Exception as exc:
-            raise UserError(f"{where}: onnxruntime failed: {str(exc).splitlines()[0]}") from exc
-        latency_ms = (time.perf_counter() - start) * 1000.0
-        shapes = {}
-        problems = []
-        for tensor, result in zip(graph.outputs, results):
-            expected = tensor.bind(values)
-            actual = tuple(result.shape)
-            if len(expected) != len(actual) or any(
-                e is not None and e != a for e, a in zip(expected, actual)
-            ):
-                shown = ["?" if e is None else e for e in expected]
-                problems.append(f"output {tensor.name} has shape {list(actual)}, expected {shown}")
-            shapes[tensor.name] = [int(d) for d in actual]
-        problems += untouched_slot_problems(feeds, dict(zip(names, results)))
-        if problems:
-            raise UserError(f"{where}: " + "; ".join(problems))
-        compared = None
-        if device is not None:
-            compared = deviation(names, results, device.run(names, feeds))
-            if not compared.finite:
-                raise UserError(overflow_message(program, Path(onnx_path), feeds, device_values, where))
-        with_mx = deviation(names, results, device_mx.run(names, feeds)) if device_mx is not None else None
-        run = SpecializationRun(
-            index, dict(values), latency_ms, shapes, compared, with_mx, mx.label() if with_mx else ""
-        )
-        runs.append(run)
+        yield index, values, where, feeds
+
+
+def _checked_shapes(graph: GraphIO, values, where: str, feeds, names, results) -> dict[str, list[int]]:
+    """Every output's shape, checked against the bound one (and untouched slots left alone)."""
+    shapes, problems = {}, []
+    for tensor, result in zip(graph.outputs, results):
+        expected = tensor.bind(values)
+        actual = tuple(result.shape)
+        if len(expected) != len(actual) or any(e is not None and e != a for e, a in zip(expected, actual)):
+            shown = ["?" if e is None else e for e in expected]
+            problems.append(f"output {tensor.name} has shape {list(actual)}, expected {shown}")
+        shapes[tensor.name] = [int(d) for d in actual]
+    problems += untouched_slot_problems(feeds, dict(zip(names, results)))
+    if problems:
+        raise UserError(f"{where}: " + "; ".join(problems))
+    return shapes
+
+
+def _device_deviations(
+    program: str,
+    onnx_path: Path,
+    cases: Callable[[], Any],
+    names: Sequence[str],
+    references: Sequence[Sequence[Any]],
+    device_values: Sequence[str],
+    mx: MxEmulation | None,
+    progress: Callable[[str], None] | None,
+) -> list[DeviceDeviation]:
+    """Each specialization at device precision (``mx`` formats on top, if any) against its fp32 outputs.
+
+    Raises:
+        UserError: fp16 (without MX formats) produced an inf/NaN; the message names the first node
+            beyond fp16's range (found by an fp32 run after this session is released).
+    """
+    from qeff_vision.fsutil import release_memory
+
+    graph, weights = device_model(onnx_path, device_values, mx)
+    session = _GraphRunner(graph, onnx_path.parent, names, weights)
+    del graph
+    found = []
+    for index, _, where, feeds in cases():
+        compared = deviation(names, references[index], session.run(names, feeds))
+        if not compared.finite and mx is None:
+            del session
+            release_memory()
+            raise UserError(overflow_message(program, onnx_path, feeds, device_values, where))
+        found.append(compared)
         if progress:
-            shown = f", device precision max deviation {compared.max_relative:.2e}" if compared else ""
-            progress(f"{program} specialization {index}: ok in {latency_ms:.1f} ms{shown} {dict(values)}")
-    return runs
+            shown = f"device precision max deviation {compared.max_relative:.2e}"
+            progress(f"{program} specialization {index}: {shown}")
+    del session
+    release_memory()
+    return found
+
+
+class _GraphRunner:
+    """Runs one graph (an in-memory model over external data): one session, or slice by slice.
+
+    A graph whose weights fit one slice gets one session. A larger one runs through
+    :class:`~qeff_vision.numerics.recording.SlicedRecorder` with nothing recorded: slices of at most
+    :data:`~qeff_vision.numerics.recording.DEFAULT_SLICE_BYTES` of weights, each session built,
+    run and released in turn, values dropped after their last reader.
+    """
+
+    def __init__(self, model, model_dir: Path, names: Sequence[str], weights=None):
+        from qeff_vision.numerics.device import session_for, value_types
+        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder, weight_bytes
+
+        self.names = list(names)
+        self.session = self.recorder = None
+        if weight_bytes(model) <= DEFAULT_SLICE_BYTES:
+            self.session = session_for(model, model_dir, initializers=weights(None) if weights else None)
+        else:
+            types = value_types(model)
+            self.recorder = SlicedRecorder(
+                model, model_dir, [], types, self.names, slice_bytes=DEFAULT_SLICE_BYTES, initializers=weights
+            )
+
+    def run(self, names: Sequence[str], feeds: Mapping[str, Any]) -> list[Any]:
+        """The outputs ``names`` (a subset of the runner's) for ``feeds``."""
+        if self.session is not None:
+            return self.session.run(list(names), dict(feeds))
+        results = self.recorder.run(feeds)
+        return [results[name] for name in names]
+
+
+def _fp32_runner(onnx_path: Path, names: Sequence[str]):
+    """The exported graph as it is: an onnxruntime session on the file, or a sliced runner.
+
+    Raises:
+        UserError: onnxruntime cannot load the graph.
+    """
+    import onnxruntime
+
+    from qeff_vision.graph_file import load_graph
+    from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, weight_bytes
+
+    model = load_graph(onnx_path)
+    if weight_bytes(model) > DEFAULT_SLICE_BYTES:
+        return _GraphRunner(model, onnx_path.parent, names)
+    del model
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        return onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types for bad graphs
+        raise UserError(f"{onnx_path}: onnxruntime cannot load the graph ({exc})") from exc

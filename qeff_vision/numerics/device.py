@@ -226,6 +226,17 @@ def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
     """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats)."""
+    graph, weights = device_model(onnx_path, fp32_values, mx)
+    return session_for(graph, onnx_path.parent, threads, weights(None) if weights else None)
+
+
+def device_model(onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None):
+    """The device emulation of ``onnx_path`` as a graph, and how its weights are replaced.
+
+    Returns:
+        (graph, weights): ``weights`` is ``None``, or (``-mxfp6-matmul``) a function from initializer
+        names (``None``: all) to their MX-rounded values, read when called.
+    """
     from qeff_vision.numerics import mx as formats
 
     model = load_graph(onnx_path)
@@ -235,10 +246,10 @@ def device_session(
         graph = _kv_as_mxint8(graph)
     if mx.state_fp16:
         graph = _state_as_fp16(graph)
-    weights = None
-    if mx.matmul_weights:
-        weights = formats.rounded_weights(model, onnx_path.parent, formats.FORMATS[mx.matmul_weights])
-    return session_for(graph, onnx_path.parent, threads, weights)
+    if not mx.matmul_weights:
+        return graph, None
+    element = formats.FORMATS[mx.matmul_weights]
+    return graph, lambda names: formats.rounded_weights(model, onnx_path.parent, element, names)
 
 
 def _detach_retained_outputs(model: onnx.ModelProto, names: list[str], suffix: str) -> dict[str, str]:

@@ -10,7 +10,12 @@ calibration inputs recording every float node output's largest magnitude
 
 * every output whose magnitude times :data:`SAFETY_MARGIN` exceeds fp16's largest finite value, and
 * every float output of a node that reads such a value (the norm after an overflowing residual
-  add must take it in fp32, or the conversion to fp16 at its input is already infinite).
+  add must take it in fp32, or the conversion to fp16 at its input is already infinite), and
+* the angle chains: every float value from which a ``Cos`` or ``Sin`` computes its angle
+  (position x inv_freq, the rotary embedding), with the float constants it reads and the
+  ``Cos``/``Sin`` outputs (:func:`angle_chains`). Not for overflow: an angle in fp16 is off by up
+  to half its spacing (0.125 rad at positions 256-511, 2 rad from 4,096), which rotates every key
+  and query; QEfficient avoids it with cos/sin tables computed in fp32 and gathered by position.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ PLAN_FILE = "node_precision.yaml"
 SAFETY_MARGIN = 2.0
 # Ops whose outputs the compiler never needs in the plan to avoid overflow: they only move data.
 _MATMULS = ("MatMul", "Gemm", "Conv")
+# Ops reading an angle: its fp16 rounding error is absolute, so it grows with the angle.
+_ANGLE_OPS = ("Cos", "Sin")
 
 
 def write_plan(path: Path, names: Sequence[str]) -> None:
@@ -91,11 +98,37 @@ def value_ranges(
     return record_ranges(SlicedRecorder(model, model_dir, float_outputs(model, types), types), feeds)
 
 
+def angle_chains(model: onnx.ModelProto, types: Mapping[str, int] | None = None) -> set[str]:
+    """Float node outputs that compute the input of a ``Cos`` or ``Sin``, and their outputs.
+
+    Walks back from each ``Cos``/``Sin`` through float values only: the walk stops at integer
+    values (position ids before their Cast), graph inputs and initializers, so it takes the
+    rotary angle's arithmetic (Cast, Mul or MatMul by inv_freq, Concat, M-RoPE's section picks)
+    and the ``Constant`` holding inv_freq (a constant read by an fp32 node stays exact).
+    """
+    types = value_types(model) if types is None else types
+    producer = {name: node for node in model.graph.node for name in node.output if name}
+    chain: set[str] = set()
+    pending = []
+    for node in model.graph.node:
+        if node.op_type in _ANGLE_OPS and node.domain in ("", "ai.onnx"):
+            chain.update(o for o in node.output if types.get(o) in FLOAT_TYPES)
+            pending.extend(node.input)
+    while pending:
+        name = pending.pop()
+        node = producer.get(name)
+        if node is None or name in chain or types.get(name) not in FLOAT_TYPES:
+            continue
+        chain.add(name)
+        pending.extend(node.input)
+    return chain
+
+
 def auto_plan(model: onnx.ModelProto, ranges: Mapping[str, float]) -> list[str]:
     """Node outputs to keep in fp32, in graph order (see the module docstring for the rule)."""
     overflowing = {name for name, peak in ranges.items() if peak * SAFETY_MARGIN > FP16_MAX}
     types = value_types(model)
-    keep = set(overflowing)
+    keep = set(overflowing) | angle_chains(model, types)
     for node in model.graph.node:
         if any(name in overflowing for name in node.input):
             keep.update(o for o in node.output if types.get(o) in FLOAT_TYPES)

@@ -30,7 +30,7 @@ The peaks are exactly those of the whole graph with every value exposed (tests/t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +268,11 @@ def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
     return target is not None and types.get(node.input[0]) == target
 
 
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of every initializer of ``model`` (external data read from its metadata only)."""
+    return sum(_tensor_bytes(tensor) for tensor in model.graph.initializer)
+
+
 def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     for entry in tensor.external_data:
         if entry.key == "length":
@@ -289,6 +294,8 @@ class SlicedRecorder:
         wanted: Graph outputs :meth:`run` returns.
         slice_bytes: Initializer bytes per slice.
         threads: Intra-op threads (0 lets onnxruntime choose).
+        initializers: Replaced values of a slice's initializers (MX-rounded weights), given their
+            names; called when the slice's session is built.
     """
 
     def __init__(
@@ -301,10 +308,12 @@ class SlicedRecorder:
         *,
         slice_bytes: int = DEFAULT_SLICE_BYTES,
         threads: int = 0,
+        initializers: Callable[[Sequence[str]], Mapping[str, np.ndarray]] | None = None,
     ):
         self.graph = SlicedGraph(model, recorded, types, wanted, slice_bytes)
         self.model_dir = Path(model_dir)
         self.threads = threads
+        self.initializers = initializers
         self.ranges: dict[str, float] = dict.fromkeys(recorded, 0.0)
         # Sessions stay loaded between calls only while the whole graph's weights fit one slice.
         self.keep_sessions = sum(self.graph.weight_bytes.values()) <= slice_bytes
@@ -349,7 +358,10 @@ class SlicedRecorder:
         if session is None:
             model = self.graph.slice_model(part, inputs)
             # No arena: a kept session would hold its peak activations between calls.
-            session = session_for(model, self.model_dir, self.threads, in_graph_order=True, arena=False)
+            replaced = self.initializers(part.initializers) if self.initializers else None
+            session = session_for(
+                model, self.model_dir, self.threads, replaced, in_graph_order=True, arena=False
+            )
             if self.keep_sessions:
                 self._sessions[key] = session
         names = [o.name for o in session.get_outputs()]

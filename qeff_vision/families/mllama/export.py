@@ -29,6 +29,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import SLOT_ROLES, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.attention import use_query_chunked_attention
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, attention_masks, layer_inputs
 from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.export.state_caches import ChunkWrites, CrossKV, RetainedKVCache, layer_objects
@@ -43,12 +44,25 @@ def cross_kv(attn: nn.Module, states: torch.Tensor) -> tuple[torch.Tensor, torch
     return attn.k_norm(key), value
 
 
+def tile_rows(patches: int) -> int:
+    """Rows of one tile in the tower: its patches and class token, padded to a multiple of 8.
+
+    (ref: transformers v5 models/mllama/modeling_mllama.py, ``MllamaVisionModel.forward``:
+    ``num_padding_patches = (8 - (hidden_states.shape[-2] % 8)) % 8``.)
+    """
+    return patches + (8 - patches % 8) % 8
+
+
 class VisionKV(nn.Module):
     """pixel_values, aspect_ratio_ids, aspect_ratio_mask -> (key, value) of every cross layer."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.vision = model.model.vision_model
+        # The tower attends over every tile's rows at once (4 x 1,608 at 560 px): one tile's query
+        # rows at a time keeps the scores to a quarter (0.66 GB instead of 2.65 GB at real widths)
+        # in the trace and in the graph.
+        use_query_chunked_attention(self.vision.config, tile_rows(self.vision.num_patches))
         self.projector = model.model.multi_modal_projector
         self.hidden = model.model.hidden_size
         text = model.model.language_model
