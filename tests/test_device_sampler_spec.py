@@ -243,3 +243,31 @@ def test_validate_warns_that_the_plugin_cannot_serve_a_sampler_program(tmp_path)
     problems, warnings = api.validate(_with_sampler(tmp_path, "llava/llava-1.5-7b-hf-cb.yaml", {}))
     assert problems == []
     assert warnings[0].startswith("vLLM 0.23.0 + vllm-qaic: the plugin never feeds the on-device sampler's")
+
+
+# (sampler spec, its plain sibling, the language programs) of the golden sampler specs.
+GOLDEN_SAMPLER_SPECS = [
+    ("qwen2_5_vl-3b-instruct-cb-sampler", "qwen2_5_vl-3b-instruct-cb", ["lang"]),
+    ("gemma-3-4b-it-disaggregated-sampler", "gemma-3-4b-it-disaggregated", ["lang_prefill", "lang_decode"]),
+]
+
+
+@pytest.mark.parametrize(("name", "plain", "programs"), GOLDEN_SAMPLER_SPECS)
+def test_golden_sampler_specs_carry_the_buffers_as_qefficients_compile(name, plain, programs):
+    """A dual CB and a disaggregated golden: the specializations of the plain spec, and custom IO
+    adding exactly the two buffers and their retained outputs at the KV's precision (QEfficient's
+    dual compile gives every ``_RetainedState`` output and its input ``kv_cache_dtype``)."""
+    golden = SPECS / "golden"
+    for program in programs:
+        assert (golden / name / program / "specializations.json").read_text() == (
+            golden / plain / program / "specializations.json"
+        ).read_text()
+        sampled = yaml.safe_load((golden / name / program / "custom_io.yaml").read_text())
+        base = yaml.safe_load((golden / plain / program / "custom_io.yaml").read_text())
+        extra = {entry["IOName"]: entry["Precision"] for entry in sampled if entry not in base}
+        (kv,) = {entry["Precision"] for entry in base if entry["IOName"].startswith("past_key.")}
+        assert extra == {
+            f"past_{kind}_penalty_buffer{suffix}": kv
+            for kind in ("repetition", "presence")
+            for suffix in ("", "_RetainedState")
+        }
