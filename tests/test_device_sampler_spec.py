@@ -237,6 +237,51 @@ def test_export_cli_compiles_the_sampler_in_by_hand(tiny_checkpoint, tmp_path, c
     assert "random_numbers" in read_export(out)["programs"]["lang"]["inputs"]
 
 
+def test_export_cli_takes_every_sampler_key_as_the_spec_names_it(tiny_checkpoint, tmp_path, capsys):
+    """``--sampler KEY=VALUE``: return_pdfs adds ``probs``, guided_decoding ``token_bitmasks``."""
+    from qeff_vision.export_record import read_export
+
+    out = tmp_path / "export"
+    keys = ["max_top_k_ids=16", "return_pdfs=true", "guided_decoding=true"]
+    argv = ["export", str(tiny_checkpoint("llava")), "-o", str(out), "-q"]
+    code = main([*argv, *(arg for key in keys for arg in ("--sampler", key))])
+    assert code == 0, capsys.readouterr().err
+    record = read_export(out)
+    assert record["sampler"] == SamplerOptions(16, return_pdfs=True, guided_decoding=True).to_dict()
+    assert "token_bitmasks" in record["programs"]["lang"]["inputs"]
+    assert "probs" in record["programs"]["lang"]["outputs"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sampler", "return_pdfs=maybe"], "--sampler: return_pdfs: must be true or false (got 'maybe')"),
+        (["--sampler", "guided_decoding=1"], "--sampler: guided_decoding: must be true or false (got 1)"),
+        (["--sampler", "max_top_k_ids=0"], "--sampler: max_top_k_ids: must be a positive integer (got 0)"),
+        (
+            ["--sampler", "top_k=5"],
+            "--sampler: top_k: unknown key; allowed: max_top_k_ids, return_pdfs, guided",
+        ),
+        (["--sampler", "return_pdfs"], "--sampler return_pdfs: expected KEY=VALUE"),
+        (
+            ["--sampler", "return_pdfs=true", "--sampler", "return_pdfs=false"],
+            "--sampler return_pdfs: given twice",
+        ),
+        (
+            ["--sampler-top-k", "8", "--sampler", "max_top_k_ids=16"],
+            "--sampler-top-k and --sampler max_top_k_ids",
+        ),
+    ],
+)
+def test_export_cli_refuses_a_bad_sampler_key_in_one_line(tiny_checkpoint, tmp_path, capsys, args, message):
+    out = tmp_path / "export"
+    code = main(["export", str(tiny_checkpoint("llava")), "-o", str(out), "-q", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"qeff-vision: error: {message}"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()  # refused before anything is written
+
+
 def test_validate_warns_that_the_plugin_cannot_serve_a_sampler_program(tmp_path):
     from qeff_vision import api
 
