@@ -282,6 +282,32 @@ def test_export_cli_refuses_a_bad_sampler_key_in_one_line(tiny_checkpoint, tmp_p
     assert not out.exists()  # refused before anything is written
 
 
+def test_a_stale_export_is_refused_with_the_flags_the_spec_needs(tiny_checkpoint, tmp_path, capsys):
+    """A spec's sampler and its export's differ: the message names the ``export`` flags to use."""
+    export = tmp_path / "export"
+    checkpoint = str(tiny_checkpoint("llava"))
+    assert main(["export", checkpoint, "-o", str(export), "-q", "--sampler", "max_top_k_ids=16"]) == 0
+    data = yaml.safe_load((SPECS / "llava/llava-1.5-7b-hf.yaml").read_text())
+    data.pop("config")
+    data.update(model=checkpoint, ctx_len=256, prefill={"seq_lens": [32]})
+    data["compile"] = {"language": {"sampler": {"max_top_k_ids": 16, "return_pdfs": True}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    args = [
+        "compile",
+        str(path),
+        "-o",
+        str(tmp_path / "out"),
+        "--backend",
+        "onnxruntime",
+        "--export",
+        str(export),
+    ]
+    assert main(args) == 2
+    flags = "--sampler max_top_k_ids=16 --sampler return_pdfs=true --sampler guided_decoding=false"
+    assert f"(`qeff-vision export {flags}`)" in capsys.readouterr().err
+
+
 def test_validate_warns_that_the_plugin_cannot_serve_a_sampler_program(tmp_path):
     from qeff_vision import api
 
