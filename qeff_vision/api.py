@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from qeff_vision.families import all_families
 
 
@@ -50,6 +53,7 @@ def export(
     continuous_batching: bool = False,
     retain_full_kv: bool = False,
     sampler_top_k: int | None = None,
+    sampler: Mapping[str, Any] | None = None,
     quiet: bool = False,
     revision: str | None = None,
 ):
@@ -66,16 +70,17 @@ def export(
     ``full_batch_size`` KV slots (for specs with ``full_batch_size``); ``retain_full_kv`` gives
     ring layers ``ctx_len`` caches (for specs with ``retain_full_kv``). ``sampler_top_k`` compiles
     QEfficient's on-device sampler into the language program with that ``max_top_k_ids`` (for
-    specs with ``compile.language.sampler``; its other keys at their defaults).
+    specs with ``compile.language.sampler``; its other keys at their defaults); ``sampler`` gives
+    any of the spec's keys (``max_top_k_ids``, ``return_pdfs``, ``guided_decoding``) by name.
 
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
     """
     from qeff_vision import hub
-    from qeff_vision.contract.sampler_io import SamplerOptions
     from qeff_vision.errors import UserError
     from qeff_vision.exporter import export_model, stderr_progress
 
+    sampler_options = _export_sampler(sampler_top_k, sampler)  # bad keys refused before any work
     source = None
     if hub.is_hub_id(model_dir):
         if not quiet:
@@ -93,10 +98,28 @@ def export(
         patch_buckets=patch_buckets,
         continuous_batching=continuous_batching,
         retain_full_kv=retain_full_kv,
-        sampler=SamplerOptions(sampler_top_k) if sampler_top_k is not None else None,
+        sampler=sampler_options,
         progress=None if quiet else stderr_progress,
         hub=source,
     )
+
+
+def _export_sampler(top_k: int | None, keys: Mapping[str, Any] | None):
+    """The export's :class:`SamplerOptions` from ``--sampler-top-k`` and ``--sampler`` keys, or None."""
+    from qeff_vision.errors import UserError
+    from qeff_vision.spec.compile_options import sampler_options
+
+    if top_k is None and keys is None:
+        return None
+    keys = dict(keys or {})
+    if top_k is not None:
+        if keys.get("max_top_k_ids", top_k) != top_k:
+            raise UserError("--sampler-top-k and --sampler max_top_k_ids disagree; give one")
+        keys["max_top_k_ids"] = top_k
+    try:
+        return sampler_options(keys)
+    except ValueError as exc:
+        raise UserError(f"--sampler: {exc}") from None
 
 
 def compile(spec, out_dir, **options):  # noqa: A001 - the verb's name, as on the command line

@@ -129,6 +129,8 @@ def plugin_serve_lines(plugin_serve: str) -> list[tuple[str, list[str]]]:
     """(VLLM_QAIC_QPC_PATH, ``vllm serve`` words) of each printed plugin endpoint."""
     lines = []
     for line in plugin_serve.splitlines():
+        if line.startswith("#"):  # a note line (SAMPLER_NOT_SERVED), no endpoint
+            continue
         words = shlex.split(line.removesuffix(" &"))
         env, _, value = words[0].partition("=")
         assert env == "VLLM_QAIC_QPC_PATH"
@@ -147,6 +149,13 @@ def check_plugin_serve(plugin_serve: str, seq_lens) -> None:
     assert len(threshold) == 1 and int(threshold.pop()) in seq_lens, "one compiled prefill length"
     assert all("--no-enable-prefix-caching" in words for words in (vision, language))
     assert vision[vision.index("--port") + 1] != language[language.index("--port") + 1]
+
+
+def heredoc_body(script: str) -> str:
+    """The Python of a printed ``python3 - <<'PY'`` form (note lines before it skipped)."""
+    lines = script.splitlines()
+    start = lines.index("python3 - <<'PY'")
+    return "\n".join(lines[start + 1 : lines.index("PY", start)])
 
 
 def sections(text: str) -> dict[str, str]:

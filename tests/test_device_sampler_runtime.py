@@ -42,9 +42,12 @@ def compiled(tmp_path_factory, tiny_checkpoint):
     """``compiled(family, deployment="dual") -> root`` holding OUT (``out``) and its image (``image.png``)."""
     built = {}
 
-    def build(family: str, deployment: str = "dual"):
-        if (family, deployment) not in built:
+    def build(family: str, deployment: str = "dual", seq_lens: tuple[int, ...] | None = None, sampler=True):
+        key = (family, deployment, seq_lens, sampler)
+        if key not in built:
             (height, width), keys = CASES[family]
+            if seq_lens is not None:
+                keys = {**keys, "prefill": {"seq_lens": list(seq_lens)}}
             root = tmp_path_factory.mktemp(f"sampler-{family}-{deployment}")
             vision = {"images": [{"height": height, "width": width}], "max_images": 1}
             if family != "mllama":  # a cross-attention family has no image rows in its chunks
@@ -56,15 +59,15 @@ def compiled(tmp_path_factory, tiny_checkpoint):
                 "deployment": deployment,
                 **keys,
                 "vision": vision,
-                "compile": {"language": {"sampler": {"max_top_k_ids": 32}}},
+                "compile": {"language": {"sampler": {"max_top_k_ids": 32}} if sampler else {}},
             }
             (root / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
             api.compile(
                 root / "spec.yaml", root / "out", backend="onnxruntime", progress=None, status_stream=None
             )
             helpers.image(height, width, 0).save(root / "image.png")
-            built[family, deployment] = root
-        return built[family, deployment]
+            built[key] = root
+        return built[key]
 
     return build
 
@@ -174,3 +177,31 @@ def test_disaggregated_samples_the_tokens_dual_does(compiled, capsys):
     dual = _request_tokens(capsys, compiled("qwen2_5_vl"), entries, "sampled.jsonl")
     split = _request_tokens(capsys, compiled("qwen2_5_vl", "disaggregated"), entries, "sampled.jsonl")
     assert dual == split
+
+
+@pytest.mark.parametrize("sampler", [True, False], ids=["device-sampler", "host-sampler"])
+def test_a_seed_gives_the_same_tokens_whatever_the_chunking(compiled, sampler, capsys):
+    """Only calls whose token is used take a draw: one chunk or several, alone or not, same tokens."""
+    request = {
+        "prompt": "Describe this picture in a few words, please.",
+        "images": [str(compiled("qwen2_5_vl") / "image.png")],
+        "max_new_tokens": 8,
+        "temperature": 1.1,
+        "top_k": 12,
+        "repetition_penalty": 1.3,
+        "seed": 7,
+    }
+    neighbour = {"prompt": "Tell me a story.", "max_new_tokens": 8, "temperature": 0.8, "seed": 2}
+    tokens, chunks = [], []
+    for seq_lens in ((128,), (16,)):
+        root = compiled("qwen2_5_vl", seq_lens=seq_lens, sampler=sampler)
+        code, out, err = _run(
+            capsys, root / "out", "--requests", _requests(root, "one.jsonl", [request]), "--json"
+        )
+        assert code == 0, err
+        result = json.loads(out)["requests"][0]
+        chunks.append(len(result["chunks"]))
+        tokens.append(result["token_ids"])
+        tokens.append(_request_tokens(capsys, root, [neighbour, request], "two.jsonl")[1])
+    assert chunks[0] == 1 and chunks[1] > 1, chunks  # the two bucket sets chunk the prompt differently
+    assert all(run == tokens[0] for run in tokens), tokens

@@ -237,9 +237,108 @@ def test_export_cli_compiles_the_sampler_in_by_hand(tiny_checkpoint, tmp_path, c
     assert "random_numbers" in read_export(out)["programs"]["lang"]["inputs"]
 
 
+def test_export_cli_takes_every_sampler_key_as_the_spec_names_it(tiny_checkpoint, tmp_path, capsys):
+    """``--sampler KEY=VALUE``: return_pdfs adds ``probs``, guided_decoding ``token_bitmasks``."""
+    from qeff_vision.export_record import read_export
+
+    out = tmp_path / "export"
+    keys = ["max_top_k_ids=16", "return_pdfs=true", "guided_decoding=true"]
+    argv = ["export", str(tiny_checkpoint("llava")), "-o", str(out), "-q"]
+    code = main([*argv, *(arg for key in keys for arg in ("--sampler", key))])
+    assert code == 0, capsys.readouterr().err
+    record = read_export(out)
+    assert record["sampler"] == SamplerOptions(16, return_pdfs=True, guided_decoding=True).to_dict()
+    assert "token_bitmasks" in record["programs"]["lang"]["inputs"]
+    assert "probs" in record["programs"]["lang"]["outputs"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--sampler", "return_pdfs=maybe"], "--sampler: return_pdfs: must be true or false (got 'maybe')"),
+        (["--sampler", "guided_decoding=1"], "--sampler: guided_decoding: must be true or false (got 1)"),
+        (["--sampler", "max_top_k_ids=0"], "--sampler: max_top_k_ids: must be a positive integer (got 0)"),
+        (
+            ["--sampler", "top_k=5"],
+            "--sampler: top_k: unknown key; allowed: max_top_k_ids, return_pdfs, guided",
+        ),
+        (["--sampler", "return_pdfs"], "--sampler return_pdfs: expected KEY=VALUE"),
+        (
+            ["--sampler", "return_pdfs=true", "--sampler", "return_pdfs=false"],
+            "--sampler return_pdfs: given twice",
+        ),
+        (
+            ["--sampler-top-k", "8", "--sampler", "max_top_k_ids=16"],
+            "--sampler-top-k and --sampler max_top_k_ids",
+        ),
+    ],
+)
+def test_export_cli_refuses_a_bad_sampler_key_in_one_line(tiny_checkpoint, tmp_path, capsys, args, message):
+    out = tmp_path / "export"
+    code = main(["export", str(tiny_checkpoint("llava")), "-o", str(out), "-q", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"qeff-vision: error: {message}"), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()  # refused before anything is written
+
+
+def test_a_stale_export_is_refused_with_the_flags_the_spec_needs(tiny_checkpoint, tmp_path, capsys):
+    """A spec's sampler and its export's differ: the message names the ``export`` flags to use."""
+    export = tmp_path / "export"
+    checkpoint = str(tiny_checkpoint("llava"))
+    assert main(["export", checkpoint, "-o", str(export), "-q", "--sampler", "max_top_k_ids=16"]) == 0
+    data = yaml.safe_load((SPECS / "llava/llava-1.5-7b-hf.yaml").read_text())
+    data.pop("config")
+    data.update(model=checkpoint, ctx_len=256, prefill={"seq_lens": [32]})
+    data["compile"] = {"language": {"sampler": {"max_top_k_ids": 16, "return_pdfs": True}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    args = [
+        "compile",
+        str(path),
+        "-o",
+        str(tmp_path / "out"),
+        "--backend",
+        "onnxruntime",
+        "--export",
+        str(export),
+    ]
+    assert main(args) == 2
+    flags = "--sampler max_top_k_ids=16 --sampler return_pdfs=true --sampler guided_decoding=false"
+    assert f"(`qeff-vision export {flags}`)" in capsys.readouterr().err
+
+
 def test_validate_warns_that_the_plugin_cannot_serve_a_sampler_program(tmp_path):
     from qeff_vision import api
 
     problems, warnings = api.validate(_with_sampler(tmp_path, "llava/llava-1.5-7b-hf-cb.yaml", {}))
     assert problems == []
     assert warnings[0].startswith("vLLM 0.23.0 + vllm-qaic: the plugin never feeds the on-device sampler's")
+
+
+# (sampler spec, its plain sibling, the language programs) of the golden sampler specs.
+GOLDEN_SAMPLER_SPECS = [
+    ("qwen2_5_vl-3b-instruct-cb-sampler", "qwen2_5_vl-3b-instruct-cb", ["lang"]),
+    ("gemma-3-4b-it-disaggregated-sampler", "gemma-3-4b-it-disaggregated", ["lang_prefill", "lang_decode"]),
+]
+
+
+@pytest.mark.parametrize(("name", "plain", "programs"), GOLDEN_SAMPLER_SPECS)
+def test_golden_sampler_specs_carry_the_buffers_as_qefficients_compile(name, plain, programs):
+    """A dual CB and a disaggregated golden: the specializations of the plain spec, and custom IO
+    adding exactly the two buffers and their retained outputs at the KV's precision (QEfficient's
+    dual compile gives every ``_RetainedState`` output and its input ``kv_cache_dtype``)."""
+    golden = SPECS / "golden"
+    for program in programs:
+        assert (golden / name / program / "specializations.json").read_text() == (
+            golden / plain / program / "specializations.json"
+        ).read_text()
+        sampled = yaml.safe_load((golden / name / program / "custom_io.yaml").read_text())
+        base = yaml.safe_load((golden / plain / program / "custom_io.yaml").read_text())
+        extra = {entry["IOName"]: entry["Precision"] for entry in sampled if entry not in base}
+        (kv,) = {entry["Precision"] for entry in base if entry["IOName"].startswith("past_key.")}
+        assert extra == {
+            f"past_{kind}_penalty_buffer{suffix}": kv
+            for kind in ("repetition", "presence")
+            for suffix in ("", "_RetainedState")
+        }

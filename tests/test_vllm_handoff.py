@@ -13,7 +13,14 @@ import ast
 import yaml
 
 from qeff_vision import api
-from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, QPC_PLACEHOLDER, golden_serve_text, plugin_prefill
+from qeff_vision.compile.serve_fit import serving_warnings
+from qeff_vision.compile.vllm_handoff import (
+    GOLDEN_FILE,
+    QPC_PLACEHOLDER,
+    SAMPLER_NOT_SERVED,
+    golden_serve_text,
+    plugin_prefill,
+)
 from qeff_vision.families import all_families
 from qeff_vision.spec import build_specializations, find_specs, load_spec
 from tests import serve_form_rules as rules
@@ -24,7 +31,7 @@ VISION_QPC, LANGUAGE_QPC = f"vision/{QPC_PLACEHOLDER}", f"lang/{QPC_PLACEHOLDER}
 
 def _script_llms(script: str) -> dict[str, dict]:
     """``name = LLM(**{...})`` assignments of a printed Python form (the here-document body)."""
-    body = "\n".join(script.splitlines()[1:-1])
+    body = rules.heredoc_body(script)
     calls = {}
     for node in ast.walk(ast.parse(body)):
         if (
@@ -50,6 +57,15 @@ def test_every_golden_spec_prints_forms_its_launchers_accept():
         seq_len, _ = plugin_prefill(language)
         decode_batch = spec.full_batch_size or spec.batch_size
         stills = [image for image in spec.vision.images if not image.video]
+
+        # A sampler program: the plugin's forms say first that the plugin cannot serve it, as
+        # validate warns (tests/vllm_tier asserts the refusal); the fork's forms are unchanged.
+        sampler = spec.compile.language.sampler is not None
+        for role, command in forms.items():
+            noted = command.startswith(SAMPLER_NOT_SERVED + "\n")
+            assert noted == (sampler and role.startswith("plugin_")), (spec.name, role)
+        warned = any("cannot serve" in w for w in serving_warnings(build_specializations(spec)))
+        assert warned == sampler, spec.name
 
         # vLLM 0.23 + plugin: one QPC path, vision (pooling) first; the same engine args offline.
         rules.check_plugin_serve(forms["plugin_serve"], spec.prefill.seq_lens)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
+import yaml
 
 from qeff_vision import api
+from qeff_vision.errors import UserError
 
 
 @click.command()
@@ -54,6 +58,15 @@ from qeff_vision import api
     "(specs with compile.language.sampler need it; the spec's compile exports it by itself).",
 )
 @click.option(
+    "--sampler",
+    "sampler",
+    metavar="KEY=VALUE",
+    multiple=True,
+    help="Compile the on-device sampler with this compile.language.sampler key, named and valued as "
+    "in a spec: max_top_k_ids=N, return_pdfs=true|false, guided_decoding=true|false (repeatable; "
+    "the others at their defaults).",
+)
+@click.option(
     "--revision",
     metavar="REV",
     help="Branch, tag or commit of a Hugging Face id (default: main); the commit is recorded.",
@@ -69,6 +82,7 @@ def export(
     cb: bool,
     full_kv: bool,
     sampler_top_k: int | None,
+    sampler: tuple[str, ...],
     revision: str | None,
     quiet: bool,
 ) -> None:
@@ -88,6 +102,7 @@ def export(
         continuous_batching=cb,
         retain_full_kv=full_kv,
         sampler_top_k=sampler_top_k,
+        sampler=_sampler_keys(sampler),
         quiet=quiet,
         revision=revision,
     )
@@ -97,3 +112,21 @@ def export(
         more = f", ... ({len(inputs)} inputs)" if len(inputs) > 4 else ""
         click.echo(f"{program}: {result.program_path(program)}  {shown}{more}")
     click.echo(f"export.json: {result.out_dir / 'export.json'}")
+
+
+def _sampler_keys(pairs: tuple[str, ...]) -> dict[str, Any] | None:
+    """``--sampler KEY=VALUE`` pairs as a spec's mapping (values read as YAML scalars), or None."""
+    if not pairs:
+        return None
+    keys: dict[str, Any] = {}
+    for pair in pairs:
+        key, equals, text = pair.partition("=")
+        if not equals or not key:
+            raise UserError(f"--sampler {pair}: expected KEY=VALUE (for example max_top_k_ids=512)")
+        if key in keys:
+            raise UserError(f"--sampler {key}: given twice")
+        try:
+            keys[key] = yaml.safe_load(text) if text else None
+        except yaml.YAMLError:
+            keys[key] = text  # not a scalar: the sampler check names the key and the value
+    return keys

@@ -182,9 +182,11 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
     sampler = _sampler_of(spec)
     if manifest.get("sampler") != sampler:
         wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
-        raise UserError(
-            f"{export_dir}: the spec needs an export with {wanted} (`qeff-vision export --sampler-top-k`)"
+        flags = "".join(
+            f" --sampler {key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in (sampler or {}).items()
         )
+        raise UserError(f"{export_dir}: the spec needs an export with {wanted} (`qeff-vision export{flags}`)")
     return Export(export_dir, manifest)
 
 

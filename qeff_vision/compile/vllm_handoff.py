@@ -56,6 +56,12 @@ TITLES = {
     "fork_offline": f"# {FORK_VLLM}, offline dual QPC: an encode LLM and a decode LLM (python3 in OUT)",
     "epd": f"# {FORK_VLLM}, E-PD disaggregated: the qaic-disagg launcher in docker, OUT mounted (run in OUT)",
 }
+# The first line of the plugin's forms for a language program with the on-device sampler (the
+# plugin feeds none of its inputs; tests/vllm_tier asserts its warm-up is refused).
+SAMPLER_NOT_SERVED = (
+    f"# NOT SERVED: the language program has the on-device sampler, whose inputs {PLUGIN_VLLM} never "
+    "feeds (it samples on the host from logits), so these commands fail at warm-up; use qeff-vision run"
+)
 
 
 def plugin_prefill(language_specializations: Sequence[Mapping[str, Any]]) -> tuple[int, int | None]:
@@ -100,6 +106,7 @@ def vllm_handoff(
     language_devices: int,
     mxfp6_matmul: bool,
     kv_cache_dtype: str,
+    sampler: bool = False,
 ) -> dict[str, Any]:
     """The manifest's ``vllm`` block: both servers' arguments and the four printed forms.
 
@@ -117,6 +124,8 @@ def vllm_handoff(
         language_devices: Devices the language QPC was compiled for.
         mxfp6_matmul: The language program has MXFP6 weights.
         kv_cache_dtype: ``mxint8`` or the default.
+        sampler: The language program has the on-device sampler: the plugin's forms open with
+            :data:`SAMPLER_NOT_SERVED` (the same fact ``validate`` warns of).
     """
     qpc_path = f"{vision_qpc}:{language_qpc}"
     vision_group = list(range(vision_devices))
@@ -130,6 +139,7 @@ def vllm_handoff(
         quantized["quantization"] = "mxfp6"
     if kv_cache_dtype == "mxint8":
         quantized["kv_cache_dtype"] = "mxint8"
+    not_served = f"{SAMPLER_NOT_SERVED}\n" if sampler else ""
     # ref: vllm-qaic examples/qaic_vision_language.py main(): the two engines' arguments
     common = {
         "model": model,
@@ -165,8 +175,8 @@ def vllm_handoff(
         "plugin": {"server": PLUGIN_VLLM, "engine_args": plugin},
         "override_qaic_config": {"encode": encode, "decode": decode},
         "commands": {
-            "plugin_offline": _plugin_offline(qpc_path, plugin),
-            "plugin_serve": _plugin_serve(qpc_path, plugin),
+            "plugin_offline": not_served + _plugin_offline(qpc_path, plugin),
+            "plugin_serve": not_served + _plugin_serve(qpc_path, plugin),
             "fork_offline": _fork_offline(
                 model,
                 ctx_len,
@@ -316,6 +326,7 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
         language_devices=spec.compile.language.num_devices,
         mxfp6_matmul=spec.compile.language.mxfp6_matmul,
         kv_cache_dtype=spec.compile.language.kv_cache_dtype,
+        sampler=spec.compile.language.sampler is not None,
     )
 
 

@@ -83,6 +83,29 @@ class RequestDraws:
             return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
         return np.clip(self._rng.random(self.max_top_k_ids, dtype=np.float32), UNIFORM_LOW, UNIFORM_HIGH)
 
+    def unused(self) -> UnusedDraws:
+        """This request's row for a call whose token is discarded: its parameters, no draw taken."""
+        return UnusedDraws(self.params, self.max_top_k_ids)
+
+
+class UnusedDraws(RequestDraws):
+    """A request's row in a call whose token nobody reads: its parameters, no draw taken.
+
+    Such a call is a prefill chunk before the last or a replayed history token; it is fed
+    constant numbers and the request's generator is not advanced, so a request's sampled
+    tokens depend on its seed only, not on how many calls its prompt took (the chunking a
+    bucket set gives it).
+    """
+
+    def next(self) -> np.ndarray:
+        """Constant 0.5s (the call's token is discarded; the request's generator is not advanced)."""
+        return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
+
+
+def used_draws(draws: RequestDraws | None, used: bool) -> RequestDraws | None:
+    """``draws`` for a call whose token is used, else its :meth:`~RequestDraws.unused` row (None stays)."""
+    return draws if draws is None or used else draws.unused()
+
 
 def sampler_inputs(
     io: LanguageIO,

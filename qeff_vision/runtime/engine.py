@@ -29,7 +29,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.runtime.continuation import Continuation
-from qeff_vision.runtime.device_sampler import last_rows
+from qeff_vision.runtime.device_sampler import last_rows, used_draws
 from qeff_vision.runtime.planner import ChunkEnd, VisionProtocol
 from qeff_vision.runtime.request_state import EngineRequest, RequestState
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
@@ -279,7 +279,9 @@ class BatchedEngine:
             host = self.generator.host
             for steps, token in enumerate(history.unfed, start=history.fed_steps):
                 position = host.decode_positions(history.positions, steps)
-                self.slots.decode({slot: (token, position, history.decode_feeds, state.draws)})
+                # A replayed token's output is discarded: it takes no draw of the request's.
+                draws = used_draws(state.draws, used=False)
+                self.slots.decode({slot: (token, position, history.decode_feeds, draws)})
         # Images are prepared now and encoded when a chunk first needs them.
         state.chunks = self.generator.request_chunks(state)
 
@@ -298,18 +300,21 @@ class BatchedEngine:
         encoded = encoded if call.images_encoded is None else call.images_encoded
         state.images_encoded += encoded
         started = time.perf_counter()
+        # Only the last chunk's token is used, so only it takes a draw: the request's sampled
+        # tokens do not depend on how many chunks its prompt took (the bucket set).
+        draws = used_draws(state.draws, used=chunk.index == len(state.plan.chunks) - 1)
         if chunk.end is ChunkEnd.DECODE_SHAPED:
             # Past the last prefill CCL: the token is a decode row of the request's slot (at
             # full_batch_size on a continuous-batching program, its other rows idle).
             token = int(call.feeds[generator.io.name(Role.TOKEN_IDS)][0, 0])
             positions = call.feeds[generator.io.name(Role.POSITIONS)]
-            rows, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra, state.draws)})
+            rows, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra, draws)})
             row = rows[state.slot]
         else:
             for feeds in call.before:
                 self.slots.prefill(state.slot, feeds)
             # The on-device sampler's inputs (if any) are this request's: a chunk is one row.
-            outputs = self.slots.prefill(state.slot, generator.with_sampler_inputs(call.feeds, [state.draws]))
+            outputs = self.slots.prefill(state.slot, generator.with_sampler_inputs(call.feeds, [draws]))
             generator.check_chunk_outputs(chunk, outputs)
             row = last_rows(outputs, generator.logits_name)[0]  # logits, or the device's token
         state.records.append(

@@ -304,6 +304,18 @@ def _sampler(value: Any) -> str | None:
     return "; ".join(problems) or None
 
 
+def sampler_options(value: Mapping[str, Any]) -> SamplerOptions:
+    """``compile.language.sampler`` from a mapping of its keys as the spec names them.
+
+    Raises:
+        ValueError: One line naming what is wrong (the spec's own check).
+    """
+    problem = _sampler(value)
+    if problem:
+        raise ValueError(problem)
+    return SamplerOptions(**value)
+
+
 def _node_precision(value: Any) -> str | None:
     if isinstance(value, str) and value.strip():
         return None

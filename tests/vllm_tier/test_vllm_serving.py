@@ -239,7 +239,7 @@ def test_printed_forms_of_every_golden_spec_parse_with_vllm(tmp_path):
 def _offline_kwargs(script: str):
     import ast
 
-    body = "\n".join(script.splitlines()[1:-1])
+    body = rules.heredoc_body(script)
     for node in ast.walk(ast.parse(body)):
         call = getattr(node, "value", None)
         if (
