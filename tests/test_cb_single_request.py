@@ -47,6 +47,7 @@ def _cb_spec(family: str, model: Path, tmp_path: Path) -> tuple[Path, tuple[int,
         and spec.deployment.mode == "dual"
         and spec.full_batch_size is not None
         and spec.compile.comp_ctx_lengths is None
+        and spec.compile.language.sampler is None  # the plain CB spec, not its sampler sibling
     )
     description = Checkpoint.open(model, family).description
     sizes = [ImageSize(h, w) for h, w in load_adapter(get_family(family)).test_image_sizes]
