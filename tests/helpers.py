@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -84,3 +85,25 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def write_vision_manifest(out_dir: Path, family: str, symbols: dict[str, str]) -> Path:
+    """A compiled OUT holding only a manifest: one vision specialization of ``symbols``, no language one.
+
+    Enough for ``run`` to read what the artifact was compiled with (stale-symbol checks) before any
+    program is opened.
+    """
+    from qeff_vision.compile_record import MANIFEST_FILE, MANIFEST_FORMAT
+
+    out_dir.mkdir()
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "backend": "onnxruntime",
+        "family": family,
+        "programs": {
+            "vision": {"specializations": [{"name": "v", "symbols": symbols}]},
+            "lang": {"specializations": []},
+        },
+    }
+    (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return out_dir

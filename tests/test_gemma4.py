@@ -340,13 +340,11 @@ def test_patch_axis_is_named_max_patches_like_qefficient(exported):
 def test_exports_and_compiles_that_name_num_patches_are_refused_in_one_line(layout, tmp_path, capsys):
     """Before max_patches the axis was num_patches: ``compile --export`` of such an export and
     ``run`` of such a compile stop in one line naming the new symbol; an old OUT/export is stale."""
-    import json
     import shutil
 
     import yaml
 
     from qeff_vision.cli import main
-    from qeff_vision.compile_record import MANIFEST_FILE, MANIFEST_FORMAT
     from qeff_vision.export_record import EXPORT_FILE
 
     runtime = layout("e")
@@ -379,16 +377,9 @@ def test_exports_and_compiles_that_name_num_patches_are_refused_in_one_line(layo
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert f"{old} is stale" in captured.out + captured.err
-    entry = {"name": "v", "symbols": {"batch_size": "1", "num_patches": "54", "vision_size": "6"}}
-    compiled = tmp_path / "compiled"
-    compiled.mkdir()
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "backend": "onnxruntime",
-        "family": FAMILY,
-        "programs": {"vision": {"specializations": [entry]}, "lang": {"specializations": []}},
-    }
-    (compiled / MANIFEST_FILE).write_text(json.dumps(manifest))
+    compiled = helpers.write_vision_manifest(
+        tmp_path / "compiled", FAMILY, {"batch_size": "1", "num_patches": "54", "vision_size": "6"}
+    )
     err = one_line(["run", str(compiled), "--prompt", "Hi"])
     assert "former symbol 'num_patches' (now 'max_patches')" in err and "compile it again" in err
 

@@ -295,7 +295,6 @@ def test_exports_and_compiles_with_the_grid_carriers_are_refused_or_stale(
     import shutil
 
     from qeff_vision.cli import main
-    from qeff_vision.compile_record import MANIFEST_FILE, MANIFEST_FORMAT
     from qeff_vision.export_record import EXPORT_FILE
 
     spec = {
@@ -330,18 +329,10 @@ def test_exports_and_compiles_with_the_grid_carriers_are_refused_or_stale(
     assert main(["compile", str(path), "-o", str(tmp_path / "out"), "--dry-run"]) == 0
     captured = capsys.readouterr()
     assert f"{old} is stale" in captured.out + captured.err
-    entry = {
-        "name": "v",
-        "symbols": {"batch_size": "1", "num_patches": "5", "tile_rows": "2", "tile_cols": "2"},
-    }
-    compiled = tmp_path / "compiled"
-    compiled.mkdir()
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "backend": "onnxruntime",
-        "family": FAMILY,
-        "programs": {"vision": {"specializations": [entry]}, "lang": {"specializations": []}},
-    }
-    (compiled / MANIFEST_FILE).write_text(json.dumps(manifest))
+    compiled = helpers.write_vision_manifest(
+        tmp_path / "compiled",
+        FAMILY,
+        {"batch_size": "1", "num_patches": "5", "tile_rows": "2", "tile_cols": "2"},
+    )
     err = one_line(["run", str(compiled), "--prompt", "Hi"])
     assert "former symbol 'tile_cols' (now read from image_sizes values)" in err and "compile it again" in err
