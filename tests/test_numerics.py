@@ -173,3 +173,46 @@ def test_spec_names_missing_plan_files_and_images(tmp_path):
     text = str(error.value)
     assert "compile.language.node_precision: no such plan file 'missing.yaml'" in text
     assert "compile.calibration.images: no such image 'nowhere.png'" in text
+
+
+def test_device_session_hands_onnxruntime_the_rounded_weights_with_the_same_outputs(tmp_path):
+    """A weight only fp16 nodes read is given to onnxruntime already rounded (no fp32 original and
+    folded copy held side by side at load); one a plan node reads too keeps its fp32 value. The
+    outputs are bit-identical to the graph that rounds through Cast pairs (overflow, subnormals
+    and ties included)."""
+    rng = np.random.default_rng(0)
+    shared = rng.normal(size=(8, 8)).astype(np.float32)
+    only_fp16 = rng.normal(size=(8, 8)).astype(np.float32)
+    only_fp16[0, :4] = [7e4, -7e4, 3e-6, 1.0 + 2.0**-11]  # beyond fp16, subnormal, a tie
+    model = helper.make_model(
+        helper.make_graph(
+            [
+                helper.make_node("MatMul", ["x", "shared"], ["kept"], name="kept_mm"),
+                helper.make_node("MatMul", ["x", "shared"], ["halved"], name="halved_mm"),
+                helper.make_node("MatMul", ["x", "only_fp16"], ["third"], name="third_mm"),
+                helper.make_node("Concat", ["kept", "halved", "third"], ["y"], axis=0, name="cat"),
+            ],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+            initializer=[
+                numpy_helper.from_array(shared, "shared"),
+                numpy_helper.from_array(only_fp16, "only_fp16"),
+            ],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    plan = ["kept"]
+    feed = {"x": rng.normal(size=(1, 8)).astype(np.float32)}
+    session = device_session(path, plan)
+    given, _ = session.replaced_initializers
+    assert set(given) == {"only_fp16"}
+    with np.errstate(over="ignore"):
+        rounded = only_fp16.astype(np.float16).astype(np.float32)
+    assert np.array_equal(given["only_fp16"], rounded, equal_nan=True)
+    folded = session_for(device_graph(onnx.load(str(path), load_external_data=False), plan), tmp_path)
+    ours, theirs = session.run(None, feed)[0], folded.run(None, feed)[0]
+    assert np.array_equal(ours, theirs, equal_nan=True)
+    assert not np.isfinite(ours[2]).all() and np.isfinite(ours[:2]).all()

@@ -93,12 +93,16 @@ def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
     ]
 
 
-def device_graph(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> onnx.ModelProto:
+def device_graph(
+    model: onnx.ModelProto, fp32_values: Collection[str] = (), rounded_weights: Collection[str] = ()
+) -> onnx.ModelProto:
     """The fp16 emulation of ``model`` (an fp32 graph), keeping ``fp32_values`` in fp32.
 
     Args:
         model: The exported graph; external data may stay unloaded (initializers are not copied).
         fp32_values: Node output names kept in fp32 (the precision plan).
+        rounded_weights: Initializers whose values the session is given already rounded to fp16
+            (:func:`fp16_only_weights`): read as they are, without a rounding Cast pair.
 
     Returns:
         A new model with the same IO names and types.
@@ -109,6 +113,7 @@ def device_graph(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> o
     # Graph inputs and weights read by an fp16 node go through a rounded copy (made once).
     sources = {v.name for v in graph.input if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     sources |= {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
+    sources -= set(rounded_weights)
     rounded: dict[str, str] = {}
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
@@ -154,7 +159,8 @@ def session_for(
 ):
     """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``.
 
-    ``initializers`` replace the named initializers' values (MX-rounded weights). ``in_graph_order``
+    ``initializers`` replace the named initializers' values (rounded weights), unpacked: onnxruntime's
+    prepacked copy of a MatMul weight would sit beside the caller's buffer. ``in_graph_order``
     runs nodes in their graph order wherever it can (onnxruntime's priority-based order): its
     default order may put a value's extra readers (calibration reductions) after every other node
     and keep each value alive until then. Without ``arena`` freed buffers go back to the allocator
@@ -174,6 +180,9 @@ def session_for(
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     for name, value in values.items():
         options.add_initializer(name, value)
+    if values:
+        # A packed copy of a weight cannot replace a buffer the caller owns: both would stay.
+        options.add_session_config_entry("session.disable_prepacking", "1")
     # Constant folding would fold Cast(weight) from the model's own values, before the replacement.
     disabled = ["ConstantFolding"] if values else None
     session = ort.InferenceSession(
@@ -225,9 +234,86 @@ class MxEmulation:
 def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
-    """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats)."""
-    graph, weights = device_model(onnx_path, fp32_values, mx)
-    return session_for(graph, onnx_path.parent, threads, weights(None) if weights else None)
+    """An onnxruntime session running ``onnx_path`` as the device will (fp16, plan, MX formats).
+
+    Without MX weights, the weights only fp16 nodes read are handed to onnxruntime already rounded,
+    each read and rounded in turn: through Cast pairs onnxruntime folds them at load, holding the
+    fp32 originals beside their rounded copies (1.5x the weights at peak; the session for Mistral
+    3's 4.5 GB language graph then ran at 7.5 GB).
+    """
+    if mx is not None and mx.matmul_weights:
+        graph, weights = device_model(onnx_path, fp32_values, mx)
+        return session_for(graph, onnx_path.parent, threads, weights(None))
+    model = load_graph(onnx_path)
+    names = fp16_only_weights(model, fp32_values)
+    graph = _with_mx_state(device_graph(model, fp32_values, names), mx)
+    return session_for(graph, onnx_path.parent, threads, fp16_rounded_weights(model, onnx_path.parent, names))
+
+
+def fp16_only_weights(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> list[str]:
+    """The float32 initializers that only nodes computing in fp16 read (none in the plan, no subgraph).
+
+    A weight a plan node reads too keeps its fp32 value (and gets a rounded copy for the others).
+    """
+    keep = set(fp32_values)
+    graph = model.graph
+    excluded = {value.name for value in graph.input}
+    for node in graph.node:
+        if any(output in keep for output in node.output):
+            excluded.update(node.input)
+        for attribute in node.attribute:  # an If branch reads outer values by name
+            for subgraph in (
+                (attribute.g,) if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs
+            ):
+                excluded.update(name for inner in subgraph.node for name in inner.input)
+    read = {name for node in graph.node for name in node.input}
+    return [
+        tensor.name
+        for tensor in graph.initializer
+        if tensor.data_type == TensorProto.FLOAT and tensor.name in read and tensor.name not in excluded
+    ]
+
+
+def fp16_rounded_weights(
+    model: onnx.ModelProto, model_dir: Path, names: Collection[str]
+) -> dict[str, np.ndarray]:
+    """The initializers ``names`` rounded to fp16 (as float32 arrays), each read from disk when rounded.
+
+    Out-of-range values become infinite, as the Cast to float16 they replace makes them.
+    """
+    wanted = set(names)
+    weights = {}
+    for tensor in model.graph.initializer:
+        if tensor.name in wanted:
+            array = _float_tensor(tensor, model_dir)
+            with np.errstate(over="ignore"):
+                array[...] = array.astype(np.float16)
+            weights[tensor.name] = array
+    return weights
+
+
+def _float_tensor(tensor: onnx.TensorProto, model_dir: Path) -> np.ndarray:
+    """A float32 initializer's value as a writable array (external data read straight from its file)."""
+    from onnx.external_data_helper import uses_external_data
+
+    shape = tuple(tensor.dims)
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor).astype(np.float32, copy=True).reshape(shape)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    count = int(np.prod(shape, dtype=np.int64))
+    offset = int(info.get("offset", 0))
+    array = np.fromfile(Path(model_dir) / info["location"], dtype="<f4", count=count, offset=offset)
+    return array.astype(np.float32, copy=False).reshape(shape)
+
+
+def _with_mx_state(graph: onnx.ModelProto, mx: MxEmulation | None) -> onnx.ModelProto:
+    """``graph`` with the KV cache (MXINT8) and recurrent state (fp16) stored as ``mx`` says."""
+    mx = mx or MxEmulation()
+    if mx.kv_mxint8:
+        graph = _kv_as_mxint8(graph)
+    if mx.state_fp16:
+        graph = _state_as_fp16(graph)
+    return graph
 
 
 def device_model(onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None):
@@ -241,11 +327,7 @@ def device_model(onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmula
 
     model = load_graph(onnx_path)
     mx = mx or MxEmulation()
-    graph = device_graph(model, fp32_values)
-    if mx.kv_mxint8:
-        graph = _kv_as_mxint8(graph)
-    if mx.state_fp16:
-        graph = _state_as_fp16(graph)
+    graph = _with_mx_state(device_graph(model, fp32_values), mx)
     if not mx.matmul_weights:
         return graph, None
     element = formats.FORMATS[mx.matmul_weights]
