@@ -48,14 +48,10 @@ FP32_TOLERANCE = 1e-4
 DEVICE_TOLERANCE = 1e-2
 VERIFICATION_TOLERANCE = 5e-2
 
-# Known failures, each an open item of issue 36; strict, so a fix shows here. (Gemma 3 and 4, item 1,
-# pass since graphs keep their Constant values inline.)
-ITEM_2 = (
-    "issue 36 item 2: Llama 3.2 Vision exports, calibrates and compiles at 4.6 GB and runs at fp32 "
-    "at 6.0 GB since its tower's attention is chunked per tile, but transformers' eager reference "
-    "(2.65 GB scores per layer) passed the 7 GB cap measured; not yet run under the tier's default budget"
-)
-EXPECTED_FAILURES = {"mllama": ITEM_2}
+# Known failures, each an open item of issue 36; strict, so a fix shows here. None is left: Gemma 3
+# and 4 (item 1) pass since graphs keep their Constant values inline, Llama 3.2 Vision (item 2) since
+# its tower's attention is chunked per tile (7.2 GB peak, transformers' eager reference the largest).
+EXPECTED_FAILURES: dict[str, str] = {}
 
 
 def _family_params():
