@@ -84,6 +84,28 @@ def _rounded_constant(node: onnx.NodeProto) -> onnx.NodeProto | None:
     return None
 
 
+#: Ops whose float outputs are values of their float inputs (moved, selected or repeated): on fp16
+#: inputs their outputs are fp16 values already.
+VALUE_MOVES = frozenset(
+    {
+        "Concat",
+        "Expand",
+        "Flatten",
+        "Gather",
+        "GatherElements",
+        "GatherND",
+        "Identity",
+        "Reshape",
+        "Slice",
+        "Split",
+        "Squeeze",
+        "Tile",
+        "Transpose",
+        "Unsqueeze",
+    }
+)
+
+
 def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
     """``target`` = ``source`` rounded to fp16 (Cast there and back)."""
     half = f"{target}__fp16"
@@ -110,6 +132,7 @@ def device_graph(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> o
     sources = {v.name for v in graph.input if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     sources |= {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
     rounded: dict[str, str] = {}
+    on_grid: set[str] = set()  # values already fp16 values: an fp16 node's outputs
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
         fp32 = any(output in keep for output in node.output)
@@ -121,9 +144,18 @@ def device_graph(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> o
                         rounded[name] = f"{name}__rounded"
                         nodes.extend(_round_trip(name, rounded[name]))
                     rewritten.input[index] = rounded[name]
-        # Constants are already rounded (and clamped) in place; fp32 nodes keep their outputs.
-        exact = fp32 or node.op_type in ("Constant", "ConstantOfShape")
+        # Constants are already rounded (and clamped) in place; fp32 nodes keep their outputs; a node
+        # that only moves values already on the fp16 grid leaves them there (a round trip of read
+        # expert slices would copy them twice more: Kimi-K2.5's real-width decode, 1.4 GB).
+        moved = node.op_type in VALUE_MOVES and all(
+            name in sources or name in on_grid
+            for name in node.input
+            if name and types.get(name) == TensorProto.FLOAT
+        )
+        exact = fp32 or node.op_type in ("Constant", "ConstantOfShape") or moved
         outputs = [] if exact else [o for o in node.output if o and types.get(o) == TensorProto.FLOAT]
+        if not fp32:
+            on_grid.update(o for o in node.output if o)
         for index, name in enumerate(rewritten.output):
             if name in outputs:
                 rewritten.output[index] = f"{name}__exact"
