@@ -20,16 +20,14 @@ for ``batch`` sequences at ``kv-bytes`` per element (2: the spec's float16 KV).
 A cross-attention family's cross layers hold the vision K/V of ``--images`` image slots
 (``Family.request_symbols``), the same rows in every layout (QEfficient pins them at export too).
 
-A family with multi-head latent attention layers (Kimi-K2.5) also gets bytes per position and at
-128k positions of three layouts: ours (``compressed_kv`` + ``k_pe``, ``LayerState.bytes_per_position``),
-QEfficient's ``mla_absorption`` ``cache_compressed`` layout (the same rows), and per-head K/V as
-transformers expands it and QEfficient caches it without ``cache_compressed`` (ref:
+One table covers multi-head latent attention (Kimi-K2.5): every ``--config`` and every pinned
+config whose decoder has ``LatentAttention`` layers, read from the pinned config through the state
+classes. Per layout, bytes per position and per sequence at ``--mla-ctx`` (32k and 128k): ours
+(``compressed_kv`` + ``k_pe``, ``LayerState.bytes_per_position``), QEfficient's ``mla_absorption``
+``cache_compressed`` layout (a ``LatentAttention`` of its default geometry: the same rows), and
+per-head K/V as transformers expands it and QEfficient caches it without ``cache_compressed`` (ref:
 QEfficient transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py ``get_dummy_pkv_cache``:
 keys [heads, qk_nope_head_dim + qk_rope_head_dim], values [heads, v_head_dim] per position).
-
-A second table prints multi-head latent attention decoders (DeepSeek-V3 and Kimi-K2.5's text
-configs, :data:`MLA_CONFIGS`) at ``--mla-ctx``: ours (the ``LatentAttention`` state's bytes per
-position), QEfficient's ``cache_compressed`` layout and full per-head K/V.
 """
 
 from __future__ import annotations
@@ -40,11 +38,12 @@ from pathlib import Path
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType
 from qeff_vision.contract.states import ChunkedRing, CrossAttention, SlidingRing
-from qeff_vision.contract.states.latent import KV_LORA_RANK, QK_ROPE_HEAD_DIM, LatentAttention
+from qeff_vision.contract.states.latent import LatentAttention
 from qeff_vision.families import describe_checkpoint, family_for
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "specs" / "configs" / "gemma-3-4b-it" / "config.json"
+PINNED = ROOT / "specs" / "configs"
+DEFAULT_CONFIG = PINNED / "gemma-3-4b-it" / "config.json"
 LONG_CONTEXT = 128 * 1024
 
 
@@ -127,98 +126,62 @@ def report(config: Path, args) -> None:
 
 
 def latent_layouts(family, description, kv_bytes: int) -> dict[str, int] | None:
-    """Bytes per position over the latent layers per layout; None for a family without any."""
+    """Bytes per position over the latent layers per layout; None for a family without any.
+
+    Ours: the family's ``LatentAttention`` states (``LayerState.bytes_per_position``). QEfficient's
+    ``cache_compressed``: a ``LatentAttention`` state of its own default geometry per latent layer
+    (one latent head: ``replicate_kv_heads`` off). Per-head K/V: keys [heads, qk_nope_head_dim +
+    qk_rope_head_dim] and values [heads, v_head_dim] per position and layer.
+    """
     latent = [state for state in family.layer_caches(description) if isinstance(state, LatentAttention)]
     if not latent:
         return None
     text = family.text_config(description)
+    dims = family.language_dims(description)
     element = {DType.KV: kv_bytes, DType.STATE: 4}
-    ours = sum(state.bytes_per_position(family.language_dims(description), element) for state in latent)
+    ours = sum(state.bytes_per_position(dims, element) for state in latent)
+    qefficient = len(latent) * LatentAttention().bytes_per_position(dims, element)
     head = text["qk_nope_head_dim"] + text["qk_rope_head_dim"] + text["v_head_dim"]
     per_head = len(latent) * text["num_attention_heads"] * head * kv_bytes
-    return {"ours": ours, "QEfficient cache_compressed": ours, "per-head K/V": per_head}
+    return {"ours": ours, "QEfficient cache_compressed": qefficient, "per-head K/V": per_head}
 
 
-def latent_report(family, description, args) -> None:
-    """The latent layers' bytes per position and per 128k-position sequence, per layout."""
-    layouts = latent_layouts(family, description, args.kv_bytes)
-    if layouts is None:
+def latent_configs(configs: list[Path]) -> list[Path]:
+    """``configs`` and every pinned config (``specs/configs``) whose decoder has latent layers."""
+    found = list(configs)
+    given = {config.resolve() for config in configs}
+    for config in sorted(PINNED.glob("*/config.json")):
+        if config.resolve() in given:
+            continue
+        description = describe_checkpoint(config.parent, config)
+        if any(isinstance(s, LatentAttention) for s in family_for(description).layer_caches(description)):
+            found.append(config)
+    return found
+
+
+def latent_report(configs: list[Path], args) -> None:
+    """The one MLA table: per checkpoint with latent layers, each layout's bytes per position and
+    per sequence at each ``--mla-ctx`` (128k by default among them), from the pinned config through
+    the state classes."""
+    rows = []
+    for config in latent_configs(configs):
+        description = describe_checkpoint(config.parent, config)
+        family = family_for(description)
+        layouts = latent_layouts(family, description, args.kv_bytes)
+        if layouts is not None:
+            heads = family.text_config(description)["num_attention_heads"]
+            rows.append((f"{config.parent.name} ({heads} heads)", layouts))
+    if not rows:
         return
-    print(f"{'latent layers':<28} {'B/position':>11} {'GiB at 128k':>12} {'x ours':>7}")
-    for name, per_position in layouts.items():
-        at_long = per_position * LONG_CONTEXT * args.batch / 2**30
-        print(f"{name:<28} {per_position:>11,} {at_long:>12.2f} {per_position / layouts['ours']:>7.1f}")
-
-
-# Multi-head latent attention text configs (the published config.json values the cache depends on):
-# DeepSeek-V3 (deepseek-ai/DeepSeek-V3) and Kimi-K2.5's DeepSeek-V3 decoder (moonshotai/Kimi-K2.5
-# text_config: 64 heads instead of 128).
-MLA_CONFIGS = {
-    "DeepSeek-V3": {
-        "num_hidden_layers": 61,
-        "num_attention_heads": 128,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-    },
-    "Kimi-K2.5": {
-        "num_hidden_layers": 61,
-        "num_attention_heads": 64,
-        "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64,
-        "qk_nope_head_dim": 128,
-        "v_head_dim": 128,
-    },
-}
-
-
-def mla_bytes(text: dict, ctx_len: int, kv_bytes: int, batch: int) -> dict[str, int]:
-    """KV bytes of an MLA decoder: ours, QEfficient's two layouts, over every layer.
-
-    Ours is the ``LatentAttention`` state's rows. QEfficient with ``mla_absorption``
-    ``cache_compressed`` keeps the same ``compressed_kv.{i}`` / ``k_pe.{i}`` [batch, 1, ctx_len, width]
-    (``get_dummy_pkv_cache``); without it, per-head ``past_key.{i}`` [batch, heads, ctx_len,
-    qk_nope_head_dim + qk_rope_head_dim] and ``past_value.{i}`` [batch, heads, ctx_len, v_head_dim]:
-    the full per-head K/V.
-    """
-    state = LatentAttention()
-    values = {
-        symbols.BATCH_SIZE: batch,
-        symbols.CTX_LEN: ctx_len,
-        KV_LORA_RANK: text["kv_lora_rank"],
-        QK_ROPE_HEAD_DIM: text["qk_rope_head_dim"],
-    }
-    element = {DType.KV: kv_bytes}
-    layers = text["num_hidden_layers"]
-    ours = layers * state.state_bytes(0, values, element, symbols.BATCH_SIZE)
-    compressed = layers * batch * ctx_len * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * kv_bytes
-    key_width = text["qk_nope_head_dim"] + text["qk_rope_head_dim"]
-    per_head = (
-        layers * batch * ctx_len * text["num_attention_heads"] * (key_width + text["v_head_dim"]) * kv_bytes
-    )
-    return {"ours": ours, "QEfficient compressed": compressed, "per-head K/V": per_head}
-
-
-def mla_report(args) -> None:
-    """Print the MLA table: bytes per position and totals at each context, ours against both layouts."""
-    print(f"multi-head latent attention, {args.kv_bytes}-byte KV, batch {args.batch}")
-    header = (
-        f"{'model':>12} {'ctx_len':>8} {'B/pos/layer':>12} {'B/pos':>8} {'ours MiB':>10} "
-        f"{'QEff compressed MiB':>20} {'per-head K/V MiB':>17} {'per-head/ours':>14}"
-    )
-    print(header)
-    for name, text in MLA_CONFIGS.items():
-        per_position = mla_bytes(text, 1, args.kv_bytes, args.batch)["ours"]  # every layer
-        per_layer = per_position // text["num_hidden_layers"]
-        for ctx_len in args.mla_ctx:
-            sizes = mla_bytes(text, ctx_len, args.kv_bytes, args.batch)
-            mib = {key: count / 2**20 for key, count in sizes.items()}
-            assert sizes["ours"] == sizes["QEfficient compressed"] < sizes["per-head K/V"], sizes
+    print(f"multi-head latent attention layers, {args.kv_bytes}-byte KV, batch {args.batch}")
+    at = "".join(f" {f'GiB at {ctx // 1024}k':>13}" for ctx in args.mla_ctx)
+    print(f"{'checkpoint':<28} {'layout':<28} {'B/position':>11}{at} {'x ours':>7}")
+    for name, layouts in rows:
+        assert layouts["ours"] <= layouts["QEfficient cache_compressed"] < layouts["per-head K/V"], layouts
+        for layout, per_position in layouts.items():
+            sizes = "".join(f" {per_position * ctx * args.batch / 2**30:>13.2f}" for ctx in args.mla_ctx)
             print(
-                f"{name:>12} {ctx_len:>8} {per_layer:>12,} {per_position:>8,} {mib['ours']:>10,.1f} "
-                f"{mib['QEfficient compressed']:>20,.1f} {mib['per-head K/V']:>17,.1f} "
-                f"{sizes['per-head K/V'] / sizes['ours']:>14.1f}"
+                f"{name:<28} {layout:<28} {per_position:>11,}{sizes} {per_position / layouts['ours']:>7.1f}"
             )
 
 
@@ -229,17 +192,15 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
-    parser.add_argument("--mla-ctx", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--mla-ctx", type=int, nargs="+", default=[32768, LONG_CONTEXT])
     parser.add_argument("--smoke", action="store_true", help="One context length (a quick check).")
     args = parser.parse_args()
     if args.smoke:
-        args.ctx, args.mla_ctx = args.ctx[:1], args.mla_ctx[:1]
+        args.ctx, args.mla_ctx = args.ctx[:1], args.mla_ctx[-1:]
     for config in args.config:
         report(config, args)
-        description = describe_checkpoint(config.parent, config)
-        latent_report(family_for(description), description, args)
         print()
-    mla_report(args)
+    latent_report(args.config, args)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ Usage:
    initializer is read whole, or only the rows its ``Gather`` nodes return, at the
    specialization's shapes after the shape arithmetic is folded as a compiler does). For each
    pinned MoE checkpoint (``specs/configs``) a random-weight checkpoint at the real widths is
-   written in float16 with the text depth cut to one period of its layer pattern, the experts cut
-   to ``F x top_k + 4`` (so a CB decode at F rows still takes the routed form), the vocabulary cut
-   to 1,000 (special token ids remapped below it) and the vision tower cut to a layer or three;
+   written in float16, its config cut by the real-width tier's rule (``qeff_vision.real_width``):
+   the text depth cut to one period of its layer pattern, the experts cut to ``F x top_k + 4`` (so
+   a CB decode at F rows still takes the routed form), the vocabulary cut to 1,000 (the tiny
+   checkpoint's special token ids, all below it) and the vision tower cut to two layers (or its
+   deepstack count);
    it is exported in float16 and each specialization of the pinned spec (its prefill buckets and
    decode at batch 1) plus a decode at batch ``--full-batch-size`` is counted. Scaling to the full
    checkpoint: the layers' bytes times (layers / period); the expert slices read per sparse layer
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,46 +85,18 @@ def _get(config: dict, keys) -> int:
     return next(_text(config)[key] for key in keys if _text(config).get(key))
 
 
-def _remap_token_ids(node, mapping: dict[int, int]) -> None:
-    """Every ``*token_id*`` / ``*token_index*`` at or above the cut vocabulary moved below it (in place)."""
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        if isinstance(value, dict):
-            _remap_token_ids(value, mapping)
-        elif "token_id" in key or "token_index" in key:
-            ids = value if isinstance(value, list) else [value]
-            moved = []
-            for i in ids:
-                if isinstance(i, int) and i >= CUT_VOCAB:
-                    i = mapping.setdefault(i, CUT_VOCAB - 1 - len(mapping))
-                moved.append(i)
-            node[key] = moved if isinstance(value, list) else moved[0]
+def cut_config(pinned: Pinned, experts: int) -> dict:
+    """The pinned config cut as the real-width tier cuts it (``real_width.cut_pinned_config``): every
+    width kept, one period of text layers, ``experts`` experts, the cut vocabulary (the tiny
+    checkpoint's token ids, all below it), the tier's short vision tower."""
+    from qeff_vision.families import describe_checkpoint, family_for
+    from qeff_vision.real_width import cut_pinned_config
 
-
-def cut_config(config: dict, period: int, experts: int) -> dict:
-    """``config`` with ``period`` text layers, ``experts`` experts, the cut vocabulary, a short tower."""
-    config = json.loads(json.dumps(config))
-    text = _text(config)
-    layers = text["num_hidden_layers"]
-    text["num_hidden_layers"] = period
-    for key, value in list(text.items()):
-        if isinstance(value, list) and len(value) == layers:  # per-layer lists (layer_types, no_rope_layers)
-            text[key] = value[:period]
-        elif key.endswith("_layers") and isinstance(value, list):  # layer indices (moe_layers)
-            text[key] = [i for i in value if isinstance(i, int) and i < period]
-    for key in EXPERT_KEYS:
-        if text.get(key):
-            text[key] = experts
-    text["vocab_size"] = CUT_VOCAB
-    _remap_token_ids(config, {})
-    vision = config.get("vision_config", {})
-    if vision.get("deepstack_visual_indexes"):
-        vision["deepstack_visual_indexes"] = list(range(len(vision["deepstack_visual_indexes"])))
-    for key in ("depth", "num_hidden_layers"):
-        if key in vision:
-            vision[key] = max(1, len(vision.get("deepstack_visual_indexes") or []))
-    return config
+    source = ROOT / "specs" / "configs" / pinned.config
+    family = family_for(describe_checkpoint(source)).name
+    return cut_pinned_config(
+        family, source, text_layers=pinned.period, num_experts=experts, vocab_size=CUT_VOCAB
+    )
 
 
 # Runs in a fresh interpreter per checkpoint: writes the cut checkpoint tensor by tensor (float16,
@@ -181,7 +156,7 @@ def _export_cut(pinned: Pinned, experts: int, work: Path) -> Path:
     for path in source.iterdir():
         if path.name != "config.json":
             (out / path.name).write_bytes(path.read_bytes())
-    config = cut_config(json.loads((source / "config.json").read_text()), pinned.period, experts)
+    config = cut_config(pinned, experts)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     export_dir = work / f"{pinned.config}-export"
     done = subprocess.run(
@@ -250,6 +225,10 @@ def count_bytes(pinned: Pinned, full_batch_size: int, work: Path) -> list[dict]:
                 "limit": others + depth * slice_bytes * min(tokens * top_k, experts),
             }
         )
+    # The cut checkpoint and its export are several GB each (Qwen3.5-122B-A10B's: 2.7 GB): gone
+    # before the next checkpoint is written.
+    shutil.rmtree(export_dir.parent / f"{pinned.config}-cut")
+    shutil.rmtree(export_dir)
     return rows
 
 

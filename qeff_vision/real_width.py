@@ -15,7 +15,10 @@ memory a stage needs. A real-width checkpoint starts from a pinned ``config.json
 * experts: ``top_k + 2`` experts (at least 4), so routing still chooses among experts.
 
 Weights are random (seeded): every all-zero parameter is made random, then the family tiny
-module's ``finish_random_weights`` runs if it has one (mllama's opened gates). Tokenizer and
+module's ``finish_random_weights`` runs if it has one (mllama's opened gates). The model is built
+in ``dtype`` (float32 by default; a published checkpoint's own dtype, e.g. bfloat16, halves the
+build's memory) and saved in shards of :data:`SHARD_SIZE`, so the build holds the model once plus
+one shard's serialized copy (a single-file save would add a second copy of every weight). Tokenizer and
 processor are the tiny checkpoint's, with the pinned ``preprocessor_config.json`` over the image
 processor, so images are resized and tokenized as the real checkpoint does. The result is saved
 like a real checkpoint (config, safetensors, tokenizer, processor) and loads with
@@ -70,6 +73,10 @@ _PROCESSOR_FILE = "processor_config.json"
 _PREPROCESSOR_FILE = "preprocessor_config.json"
 # Image-processor keys that are the processor's own, not the image processor's.
 _PROCESSOR_ONLY_KEYS = ("processor_class", "image_seq_length")
+#: Largest safetensors shard the build writes: ``save_pretrained`` serializes a shard in memory
+#: before writing it, so this bounds what the save adds to the model's own size.
+SHARD_SIZE = "256MB"
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 _MIN_TEXT_LAYERS = 2
 _VISION_LAYERS = 2
 _OTHER_TOWER_LAYERS = 1
@@ -118,6 +125,7 @@ def build_real_width_checkpoint(
     vision_layers: int | None = None,
     num_experts: int | None = None,
     vocab_size: int | None = None,
+    dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
     """Write a real-width random checkpoint of ``family`` to ``out_dir`` (absent or empty), atomically.
@@ -132,6 +140,8 @@ def build_real_width_checkpoint(
         num_experts: Experts per MoE layer (``top_k + 2``, at least 4, by default).
         vocab_size: Vocabulary size; the tiny tokenizer's by default. A larger one pads the
             embedding with ids no tokenizer produces; it may not be smaller than the tokenizer.
+        dtype: Floating dtype the weights are drawn and saved in (``float32``, ``bfloat16`` or
+            ``float16``). Export and transformers' reference load them in float32 either way.
         seed: Seed of the random weights.
 
     Returns:
@@ -142,6 +152,8 @@ def build_real_width_checkpoint(
     from qeff_vision.fsutil import is_nonempty_dir, staged_directory
 
     quiet_transformers()
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_FLOAT_DTYPES)}, not {dtype!r}")
     family_obj = get_family(family)
     config_path = Path(config) if config is not None else smallest_pinned_config(family)
     if config_path.is_dir():
@@ -151,13 +163,45 @@ def build_real_width_checkpoint(
         raise FileExistsError(f"{out_dir} is not empty")
     with staged_directory(out_dir) as staging:
         _write_checkpoint(
-            family_obj, config_path, staging, text_layers, vision_layers, num_experts, vocab_size, seed
+            family_obj, config_path, staging, text_layers, vision_layers, num_experts, vocab_size, dtype, seed
         )
     return out_dir
 
 
+def cut_pinned_config(family: str, config: str | Path, **cuts: int | None) -> dict[str, Any]:
+    """The cut ``config.json`` of a pinned config (a path to it or its directory) as a dict.
+
+    What :func:`build_real_width_checkpoint` writes beside its weights, for callers that write
+    their own weights (``benchmarks/moe_decode.py`` streams float16 tensors): the pinned config
+    through transformers' config class (its defaults filled in), cut by :func:`cut_config` with
+    ``cuts`` (``text_layers``, ``vision_layers``, ``num_experts``, ``vocab_size``), the token ids
+    those of ``family``'s tiny checkpoint.
+    """
+    from qeff_vision.checkpoint import quiet_transformers
+    from qeff_vision.families import get_family
+
+    quiet_transformers()
+    config_path = Path(config)
+    directory = config_path if config_path.is_dir() else config_path.parent
+    with tempfile.TemporaryDirectory(prefix="qeff-real-width-") as scratch:
+        tiny_dir = Path(scratch) / "tiny"
+        get_family(family).write_tiny_checkpoint(tiny_dir, 0)
+        tiny_config = json.loads((tiny_dir / "config.json").read_text())
+    return _cut_pinned(directory, tiny_config, **cuts)[1]
+
+
+def _cut_pinned(
+    directory: Path, tiny_config: dict[str, Any], **cuts
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pinned config in ``directory`` through transformers' config class, and its cut."""
+    import transformers
+
+    full = transformers.AutoConfig.from_pretrained(directory).to_dict()
+    return full, cut_config(full, tiny_config, **cuts)
+
+
 def _write_checkpoint(
-    family_obj, config_path, out_dir, text_layers, vision_layers, num_experts, vocab_size, seed
+    family_obj, config_path, out_dir, text_layers, vision_layers, num_experts, vocab_size, dtype, seed
 ):
     """:func:`build_real_width_checkpoint`'s writing, into the staging directory ``out_dir``."""
     import torch
@@ -167,9 +211,8 @@ def _write_checkpoint(
         tiny_dir = Path(scratch) / "tiny"
         family_obj.write_tiny_checkpoint(tiny_dir, seed)
         tiny_config = json.loads((tiny_dir / "config.json").read_text())
-        full = transformers.AutoConfig.from_pretrained(config_path.parent).to_dict()
-        cut = cut_config(
-            full,
+        full, cut = _cut_pinned(
+            config_path.parent,
             tiny_config,
             text_layers=text_layers,
             vision_layers=vision_layers,
@@ -184,12 +227,13 @@ def _write_checkpoint(
             transformers, tiny_config["architectures"][0]
         )
         torch.manual_seed(seed)
-        model = architecture(model_config).eval()
+        # Drawn in ``dtype`` directly: a float32 model cast afterwards would be held twice.
+        model = architecture._from_config(model_config, dtype=getattr(torch, dtype)).eval()
         randomize_zero_parameters(model, std=float(full.get("initializer_range") or 0.02))
         finish = _family_finish(family_obj)
         if finish is not None:
             finish(model)
-        model.save_pretrained(out_dir, safe_serialization=True)
+        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=SHARD_SIZE)
         del model
         for item in tiny_dir.iterdir():
             if not _MODEL_FILES.match(item.name) and item.name not in (_PROCESSOR_FILE, _PREPROCESSOR_FILE):

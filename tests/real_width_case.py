@@ -34,8 +34,9 @@ CTX_LEN = 2048
 # image tokens attend both ways (Gemma 3: 256 tokens and markers).
 SEQ_LENS = [128, 512]
 # Cuts beyond the defaults: Kimi-K2.5 keeps one MoonViT layer (its decoder already cuts to one dense
-# and one MoE layer of 10 experts: 1.1B parameters, 4.4 GB in fp32).
-CUTS = {"kimi_k25": {"vision_layers": 1}}
+# and one MoE layer of 10 experts: 1.1B parameters, 4.4 GB in fp32) and is drawn and saved in its
+# published dtype, bfloat16 (2.2 GB), as the real checkpoint is; export and transformers read fp32.
+CUTS = {"kimi_k25": {"vision_layers": 1, "dtype": "bfloat16"}}
 
 
 def write_spec(path: Path, checkpoint: Path, name: str, family: str) -> Path:

@@ -158,11 +158,16 @@ def test_continuous_batching_writes_only_the_named_slot():
 
 def test_kv_memory_benchmark_mla_rows_at_128k():
     """benchmarks/kv_memory.py's MLA table: Kimi-K2.5 at 128k, ours = QEfficient compressed < per-head."""
+    from qeff_vision.families import describe_checkpoint, family_for
     from tests import helpers
 
     kv_memory = helpers.load_benchmark("kv_memory")
-    sizes = kv_memory.mla_bytes(kv_memory.MLA_CONFIGS["Kimi-K2.5"], 131072, kv_bytes=2, batch=1)
-    assert sizes["ours"] == sizes["QEfficient compressed"] == 61 * 1152 * 131072
+    config = kv_memory.PINNED / "Kimi-K2.5" / "config.json"
+    assert config in kv_memory.latent_configs([])  # the table finds it without --config
+    description = describe_checkpoint(config.parent, config)
+    per_position = kv_memory.latent_layouts(family_for(description), description, kv_bytes=2)
+    sizes = {layout: count * 131072 for layout, count in per_position.items()}
+    assert sizes["ours"] == sizes["QEfficient cache_compressed"] == 61 * 1152 * 131072
     assert sizes["per-head K/V"] == 61 * 131072 * 64 * (192 + 128) * 2
 
 

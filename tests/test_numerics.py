@@ -216,3 +216,52 @@ def test_device_session_hands_onnxruntime_the_rounded_weights_with_the_same_outp
     ours, theirs = session.run(None, feed)[0], folded.run(None, feed)[0]
     assert np.array_equal(ours, theirs, equal_nan=True)
     assert not np.isfinite(ours[2]).all() and np.isfinite(ours[:2]).all()
+def test_a_session_on_large_weights_runs_without_the_arena(tmp_path, monkeypatch):
+    """session_for keeps onnxruntime's CPU arena for a graph whose weights fit ARENA_WEIGHT_BYTES and
+    drops it above (weight-sized values stay in an arena at its grown size: Kimi-K2.5's real-width
+    fp32 run 8.34 -> 6.06 GB); an explicit ``arena`` wins, and the results are the same."""
+    from qeff_vision.numerics import device
+
+    model = _graph()
+    small = session_for(model, tmp_path)
+    assert small.get_session_options().enable_cpu_mem_arena
+    monkeypatch.setattr(device, "ARENA_WEIGHT_BYTES", 4)  # the graph's two float32 scalars are 8 bytes
+    large = session_for(model, tmp_path)
+    assert not large.get_session_options().enable_cpu_mem_arena
+    assert session_for(model, tmp_path, arena=True).get_session_options().enable_cpu_mem_arena
+    np.testing.assert_array_equal(small.run(None, FEED)[0], large.run(None, FEED)[0])
+
+
+def test_moving_fp16_values_adds_no_rounding(tmp_path):
+    """A Gather of a rounded weight (read expert slices) is not rounded again: its values are fp16
+    values already, and a round trip would copy it twice. A Gather of a value the plan keeps in fp32
+    is rounded, as the device computes it in fp16. Results equal rounding everything."""
+    weight = numpy_helper.from_array(np.linspace(-3, 3, 12, dtype=np.float32).reshape(4, 3) / 7, "w")
+    ids = numpy_helper.from_array(np.array([2, 0, 3], dtype=np.int64), "ids")
+    nodes = [
+        helper.make_node("Gather", ["w", "ids"], ["slices"], name="read"),
+        helper.make_node("Mul", ["x", "x"], ["kept"], name="kept_mul"),
+        helper.make_node("Gather", ["kept", "ids_x"], ["picked"], name="pick", axis=1),
+        helper.make_node("MatMul", ["picked", "slices"], ["y"], name="matmul"),
+    ]
+    ids_x = numpy_helper.from_array(np.array([0, 1, 2], dtype=np.int64), "ids_x")
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+        initializer=[weight, ids, ids_x],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    emulated = device_graph(model, ["kept"])
+    cast_inputs = {n.input[0] for n in emulated.graph.node if n.op_type == "Cast"}
+    assert "slices__exact" not in cast_inputs and "picked__exact" in cast_inputs
+    feed = {"x": np.array([[1.1, -0.3, 0.7]], dtype=np.float32)}
+    got = session_for(emulated, tmp_path).run(None, feed)[0]
+
+    def half(array):
+        return array.astype(np.float16).astype(np.float32)
+
+    slices = half(numpy_helper.to_array(weight))[[2, 0, 3]]
+    picked = half(feed["x"] * feed["x"])  # kept in fp32, then rounded where the fp16 Gather reads it
+    np.testing.assert_allclose(got, half(picked @ slices), rtol=1e-3)

@@ -136,3 +136,35 @@ def test_a_built_checkpoint_loads_like_a_real_one(tmp_path):
     with pytest.raises(FileExistsError):
         build_real_width_checkpoint("qwen2_5_vl", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # nothing staged left behind
+
+
+def test_a_build_in_the_published_dtype_is_drawn_and_saved_in_it(tmp_path):
+    """``dtype="bfloat16"`` (Kimi-K2.5's real-width case): every floating tensor is saved as bf16, in
+    shards no larger than ``SHARD_SIZE`` (so the save holds one shard's copy, not the model's), the
+    config says so, and the config beside the weights is ``cut_pinned_config``'s."""
+    from safetensors import safe_open
+
+    from qeff_vision.real_width import (
+        SHARD_SIZE,
+        build_real_width_checkpoint,
+        cut_pinned_config,
+    )
+
+    out = build_real_width_checkpoint("qwen2_5_vl", tmp_path / "checkpoint", dtype="bfloat16")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists()
+    limit = int(SHARD_SIZE.removesuffix("MB")) * 10**6
+    dtypes = set()
+    for shard in shards:
+        assert shard.stat().st_size <= limit + 2**20, shard  # the header's few KiB over at most
+        with safe_open(str(shard), "pt") as tensors:
+            dtypes |= {str(tensors.get_slice(name).get_dtype()) for name in tensors.keys()}
+    assert dtypes == {"BF16"}
+    written = json.loads((out / "config.json").read_text())
+    assert written["dtype"] == "bfloat16"
+    expected = cut_pinned_config("qwen2_5_vl", smallest_pinned_config("qwen2_5_vl"))
+    assert written["text_config"]["num_hidden_layers"] == expected["text_config"]["num_hidden_layers"]
+    assert written["text_config"]["hidden_size"] == expected["text_config"]["hidden_size"] == 2048
+    assert written["image_token_id"] == expected["image_token_id"]
+    with pytest.raises(ValueError, match="dtype"):
+        build_real_width_checkpoint("qwen2_5_vl", tmp_path / "other", dtype="int8")
