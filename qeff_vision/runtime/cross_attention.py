@@ -68,8 +68,7 @@ class CrossAttentionGenerator(Generator):
         self, processed: Mapping[str, Any], prepared: tuple | None = None
     ) -> tuple[list[str], list[tuple[int, int]]]:
         """Content keys and ``<|image|>`` token spans of the prompt's images (see :meth:`keys_and_spans`)."""
-        _, keys, spans = self.keys_and_spans(processed)
-        return keys, spans
+        return self.keys_and_spans(processed)[1:]
 
     def keys_and_spans(self, processed: Mapping[str, Any]) -> tuple[list, list[str], list]:
         """Per image of the prompt: its inputs, content key and ``<|image|>`` token span."""
@@ -113,11 +112,9 @@ class CrossAttentionGenerator(Generator):
         evicted past the bound, so a server's memory stays flat however many images it sees).
         The request's own copy is the concatenation below, held only while it runs.
         """
-        per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
+        per_image, keys, _ = self.keys_and_spans(processed)
         states, encoded = [], 0
-        for inputs in per_image:
-            arrays = list(inputs.values())
-            key = content_key(arrays[0], tuple(int(d) for a in arrays for d in a.shape))
+        for inputs, key in zip(per_image, keys):
             found = self.cache.get(key)
             if found is None:
                 outputs = self.vision.run(inputs)

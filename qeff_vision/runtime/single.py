@@ -27,20 +27,16 @@ from typing import Any
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.generator import Generator
 from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.retained_prefix import segments_after, served_notes
 from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-exported
-    EncoderCount,
     EncoderInside,
     batched_images,
     image_groups,
     placeholder_feeds,
-    single_image_inputs,
 )
-from qeff_vision.spec.deployment import SINGLE
 
 
 class SingleGenerator(EncoderInside, Generator):
@@ -55,12 +51,7 @@ class SingleGenerator(EncoderInside, Generator):
     """
 
     def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
-        self.encoder = EncoderCount()
-        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
-        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
-        #: The composed graph's image inputs (the vision graph's), with their axes.
-        self.image_inputs = single_image_inputs(program, self.io.input_names)
-        self.vision_input = " + ".join(self.image_inputs)  # pixels, not embedding rows
+        super().__init__(checkpoint, program, shape, cache, **kwargs)
         #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
         self._row_inputs = self.io.rows(Role.VISION_ROWS)
         self._buffers: dict[str, np.ndarray] | None = None

@@ -32,19 +32,15 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
-from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.kept_prefix import PrefixKeeping
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, served_notes
 from qeff_vision.runtime.single_io import (
-    EncoderCount,
     EncoderInside,
     batched_images,
     placeholder_feeds,
-    single_image_inputs,
 )
-from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
@@ -71,15 +67,9 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
         image_slots: int | None = None,
         **kwargs: Any,
     ):
-        self.encoder = EncoderCount()
-        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
-        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
+        super().__init__(checkpoint, program, shape, cache, **kwargs)
         if image_slots is not None:
             self.image_slots = image_slots
-        #: The composed graph's image inputs (pixels, aspect-ratio ids and mask), with their axes.
-        self.image_inputs = single_image_inputs(program, self.io.input_names)
-        self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
-        self.vision_input = " + ".join(self.image_inputs)
         #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
         self._retained: dict[str, np.ndarray] = {}
 
