@@ -129,9 +129,7 @@ class CrossAttentionGenerator(Generator):
         return {name: np.concatenate([s[name] for s in states], axis=2) for name in self.cross_names}, encoded
 
     def _zero_states(self) -> dict[str, np.ndarray]:
-        dims = self.dims
-        symbol = next(s for s in self.states_per_image if s != symbols.CTX_LEN)
-        shape = (1, dims.num_kv_heads, self.states_per_image[symbol], dims.head_dim)
+        shape = (1, self.dims.num_kv_heads, self._rows_per_image(), self.dims.head_dim)
         return {name: np.zeros(shape, np.float32) for name in self.cross_names}
 
     def _cross_mask(self, processed: Mapping[str, Any], length: int) -> np.ndarray:
@@ -292,15 +290,3 @@ class CrossAttentionGenerator(Generator):
 
     def _rows_per_image(self) -> int:
         return next(v for k, v in self.states_per_image.items() if k != symbols.CTX_LEN)
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One language call. A device keeps retained inputs resident: send the cross states once."""
-        feeds = self._with_kv_slot(feeds)
-        outputs = self.language.run({**feeds, **past})
-        retained = self.io.retained_outputs()
-        for name in list(past):
-            if self.language.retains_state and name in self.cross_names:
-                del past[name]  # resident on the device from now on
-            else:
-                past[name] = outputs[retained[name]]
-        return outputs

@@ -69,38 +69,25 @@ def parameter_row(params: SamplingParams, max_top_k_ids: int) -> dict[str, float
 class RequestDraws:
     """One request's random numbers: ``max_top_k_ids`` uniforms per step from its seeded generator."""
 
-    def __init__(self, params: SamplingParams, max_top_k_ids: int):
+    def __init__(self, params: SamplingParams, max_top_k_ids: int, *, used: bool = True):
         self.params, self.max_top_k_ids = params, max_top_k_ids
-        self._rng = np.random.default_rng(params.seed)
+        self._rng = np.random.default_rng(params.seed) if used else None
 
     def next(self) -> np.ndarray:
-        """This step's [max_top_k_ids] float32 uniforms (a greedy request's are never read: 0.5)."""
-        if self.params.greedy:
+        """This step's [max_top_k_ids] float32 uniforms (0.5s when never read: greedy, or unused)."""
+        if self.params.greedy or self._rng is None:
             return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
         return np.clip(self._rng.random(self.max_top_k_ids, dtype=np.float32), UNIFORM_LOW, UNIFORM_HIGH)
 
-    def unused(self) -> UnusedDraws:
-        """This request's row for a call whose token is discarded: its parameters, no draw taken."""
-        return UnusedDraws(self.params, self.max_top_k_ids)
-
-
-class UnusedDraws(RequestDraws):
-    """A request's row in a call whose token nobody reads: its parameters, no draw taken.
-
-    Such a call is a prefill chunk before the last or a replayed history token; it is fed
-    constant numbers and the request's generator is not advanced, so a request's sampled
-    tokens depend on its seed only, not on how many calls its prompt took (the chunking a
-    bucket set gives it).
-    """
-
-    def next(self) -> np.ndarray:
-        """Constant 0.5s (the call's token is discarded; the request's generator is not advanced)."""
-        return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
-
 
 def used_draws(draws: RequestDraws | None, used: bool) -> RequestDraws | None:
-    """``draws`` for a call whose token is used, else its :meth:`~RequestDraws.unused` row (None stays)."""
-    return draws if draws is None or used else draws.unused()
+    """``draws`` for a call whose token is used, else the request's row that takes no draw (None stays).
+
+    A call whose token nobody reads (a prefill chunk before the last, a replayed history token) is
+    fed the request's parameters and constant numbers, and its generator is not advanced: a
+    request's sampled tokens depend on its seed only, not on how many calls its prompt took.
+    """
+    return draws if draws is None or used else RequestDraws(draws.params, draws.max_top_k_ids, used=False)
 
 
 def sampler_inputs(

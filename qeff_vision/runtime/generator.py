@@ -221,13 +221,22 @@ class Generator(ImageEncoding, PrefixKeeping):
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             self.ccl_history.append(ccl)
-        feeds = self._with_kv_slot(feeds)
-        retained = self.io.retained_outputs()
         if in_place and past:
-            return self.language.run_retained(feeds, past, retained)
-        outputs = self.language.run({**feeds, **past})
-        for name in past:
-            past[name] = outputs[retained[name]]
+            return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
+        return self._run(feeds, past)
+
+    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One language call; ``past``'s entries are replaced by the returned caches.
+
+        A device keeps retained inputs resident: what ``past`` sent is dropped from it (sent once).
+        """
+        outputs = self.language.run({**self._with_kv_slot(feeds), **past})
+        retained = self.io.retained_outputs()
+        for name in list(past):
+            if self.language.retains_state:
+                del past[name]  # resident on the device from now on
+            else:
+                past[name] = outputs[retained[name]]
         return outputs
 
     def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -84,10 +84,6 @@ class SingleGenerator(EncoderInside, Generator):
         kept = request.resume.images
         return served_notes(kept + len(request.images), kept, "KV")
 
-    def _placeholder(self) -> dict[str, np.ndarray]:
-        """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
-        return placeholder_feeds(self.language, self.image_inputs)
-
     def _rows_feed(self) -> dict[Role, dict[str, np.ndarray]]:
         """The retained buffers on onnxruntime, by name (a device keeps them resident)."""
         if self.language.retains_state:

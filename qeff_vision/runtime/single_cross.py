@@ -39,7 +39,6 @@ from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_re
 from qeff_vision.runtime.single_io import (
     EncoderInside,
     batched_images,
-    placeholder_feeds,
 )
 
 SLOT = symbols.FIRST_IMAGE_SLOT
@@ -140,10 +139,7 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
 
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (the slot unread there: 0)."""
-        return {
-            **placeholder_feeds(self.language, self.image_inputs),
-            SLOT: np.zeros(1, np.int64),
-        }
+        return {**super()._placeholder(), SLOT: np.zeros(1, np.int64)}
 
     def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
         """A decode call: tokens, positions, the mask row and the keep placeholder; no encoder."""

@@ -173,6 +173,10 @@ class EncoderInside:
             )
         return super().begin(request)
 
+    def _placeholder(self) -> dict[str, np.ndarray]:
+        """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
+        return placeholder_feeds(self.language, self.image_inputs)
+
     def keeps_prefix(self, request: RequestState) -> bool:
         """Always: the program holds what it was fed."""
         return True
