@@ -28,6 +28,7 @@ from qeff_vision.contract.deployment_programs import KEEP_SIDE
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
+from qeff_vision.graph_file import described_values
 from qeff_vision.runtime.disaggregated import PhaseRouter, phase_programs
 from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
 from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
@@ -298,17 +299,7 @@ def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any
         graph = onnx.load(str(path), load_external_data=False).graph
     except Exception as exc:  # onnx raises DecodeError, OSError, ...
         raise UserError(f"{path}: cannot read the single program's graph ({exc})") from None
-
-    def described(values) -> dict[str, dict[str, Any]]:
-        return {
-            value.name: {
-                "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
-                "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
-            }
-            for value in values
-        }
-
-    return {"inputs": described(graph.input), "outputs": described(graph.output)}
+    return {"inputs": described_values(graph.input), "outputs": described_values(graph.output)}
 
 
 #: Every deployment mode the runtime runs, by its spec name. A new mode registers here.
