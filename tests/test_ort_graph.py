@@ -19,8 +19,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from qeff_vision.numerics.device import session_for
-from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from qeff_vision.numerics.ort_graph import prepared_for_onnxruntime, share_constants
+from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from tests import helpers
 from tests.family_runtime import FamilyRuntime
 
