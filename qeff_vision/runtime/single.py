@@ -50,11 +50,18 @@ class SingleGenerator(EncoderInside, Generator):
         **kwargs: :class:`Generator`'s keyword arguments.
     """
 
-    def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
-        super().__init__(checkpoint, program, shape, cache, **kwargs)
-        #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
-        self._row_inputs = self.io.rows(Role.VISION_ROWS)
-        self._buffers: dict[str, np.ndarray] | None = None
+    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
+        """:meth:`Generator.empty_cache` plus the retained row buffers (onnxruntime; a device keeps them).
+
+        ``vision_embeds`` (and any stacked rows, Qwen3-VL's deepstack) is retained state like a KV
+        cache: a call's feeds take it from the cache and the call returns it there, so a kept
+        prefix holds its images' rows with its KV.
+        """
+        past = super().empty_cache(slots)
+        if not self.language.retains_state:
+            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
+            past.update(self._vision_feeds_of_rows(zeros))
+        return past
 
     def plan(
         self,
@@ -84,43 +91,18 @@ class SingleGenerator(EncoderInside, Generator):
         kept = request.resume.images
         return served_notes(kept + len(request.images), kept, "KV")
 
-    def _rows_feed(self) -> dict[Role, dict[str, np.ndarray]]:
-        """The retained buffers on onnxruntime, by name (a device keeps them resident)."""
-        if self.language.retains_state:
-            return {}
-        if self._buffers is None:
-            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
-            self._buffers = self._vision_feeds_of_rows(zeros)
-        return {Role.VISION_ROWS: self._buffers}
-
     def _call_feeds(self, by_role: dict, images: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {**self.io.feeds({**by_role, **self._rows_feed()}), **images}
+        return {**self.io.feeds(by_role), **images}
 
     def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
-        """A decode call: the retained rows (onnxruntime) and the keep placeholder; no encoder."""
+        """A decode call: tokens, positions and the keep placeholder (the rows come with the cache)."""
         by_role = {
             Role.TOKEN_IDS: token_ids,
             Role.POSITIONS: positions,
             Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
-            **self._rows_feed(),
             **(extra or {}),
         }
         return {**self.io.feeds(by_role), **self._placeholder()}
-
-    def step(self, feeds, past, in_place=False):
-        """:meth:`Generator.step` with the retained rows as the last call left them (onnxruntime).
-
-        The rows are read at the call, so feeds made before an earlier call (a prompt's encode
-        calls) take that call's rows too.
-        """
-        if not self.language.retains_state and self._buffers is not None:
-            feeds = {**feeds, **{name: rows for name, rows in self._buffers.items() if name in feeds}}
-        outputs = super().step(feeds, past, in_place)
-        if not self.language.retains_state and self._buffers is not None:
-            for row in self._row_inputs:
-                if row.name in feeds:
-                    self._buffers[row.name] = outputs[self.io.output_of(row)]
-        return outputs
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """Every chunk of the plan (after the kept prefix); the first encodes the images after it.

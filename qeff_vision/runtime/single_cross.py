@@ -26,6 +26,7 @@ encodes each image of a conversation once, counted by
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -69,20 +70,20 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
         super().__init__(checkpoint, program, shape, cache, **kwargs)
         if image_slots is not None:
             self.image_slots = image_slots
-        #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
-        self._retained: dict[str, np.ndarray] = {}
 
     def kept_resume(self, resume: Resume, held: HeldPrefix | None, keys) -> Resume:
         """A prefix kept only while the prompt's images are the held ones; the leading held images stay.
 
         Only the images after the kept ones are encoded, into the next slots (a changed image set
-        still keeps the leading held images in their slots).
+        still keeps the leading held images in their slots: the held cross K/V are restored, on
+        onnxruntime; a device keeps them resident).
         """
-        return image_set_resume(resume, held, keys)
-
-    def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
-        """A fresh cache with the cross K/V the program retains and the kept prefix's caches."""
-        return {**self.empty_cache(), **self._retained_feeds(), **request.resume.restore}
+        resume = image_set_resume(resume, held, keys)
+        if resume.images and not resume.start:
+            return replace(
+                resume, restore={name: held.past[name] for name in self.cross_names if name in held.past}
+            )
+        return resume
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """The prompt's chunks after the kept prefix; the first sends the images after the kept ones.
@@ -120,15 +121,6 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
             )
         return result
 
-    def _retained_feeds(self) -> dict[str, np.ndarray]:
-        """The cross K/V last returned (zeros before the first call); none on a device."""
-        if self.language.retains_state:
-            return {}
-        if not self._retained:
-            cache = self.empty_cache()
-            self._retained = {name: cache[name] for name in self.cross_names if name in cache}
-        return dict(self._retained)
-
     def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
         """:meth:`CrossAttentionGenerator.empty_cache`, without the cross K/V on a device (resident)."""
         past = super().empty_cache(slots)
@@ -145,9 +137,3 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
         """A decode call: tokens, positions, the mask row and the keep placeholder; no encoder."""
         feeds = super().decode_step_feeds(token_ids, positions, extra)
         return {**feeds, **self._placeholder()}
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One program call; the returned cross K/V are kept for the next prompt (onnxruntime)."""
-        outputs = super()._run(feeds, past)
-        self._retained = {name: past[name] for name in self.cross_names if name in past}
-        return outputs
