@@ -169,17 +169,9 @@ class CrossAttentionGenerator(Generator):
         self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
         """Language inputs of one prefill chunk: its tokens, positions and rows of the request's ``mask``."""
-        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-        token_ids[0, : chunk.tokens] = input_ids[chunk.start : chunk.stop]
         chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
-        chunk_mask[:, : chunk.tokens] = mask[:, chunk.start : chunk.stop]
-        return self.io.feeds(
-            {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                Role.CROSS_MASK: chunk_mask,
-            }
-        )
+        chunk_mask[:, : chunk.tokens] = mask[:, chunk.token_slice]
+        return self.io.feeds({**self._chunk_tokens(chunk, input_ids, positions), Role.CROSS_MASK: chunk_mask})
 
     def request_mask(self, request: RequestState) -> np.ndarray:
         """The request's cross-attention mask from its first prefilled token on.

@@ -427,16 +427,27 @@ class Generator(ImageEncoding, PrefixKeeping):
         self, chunk: Chunk, vision_embeds: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
         """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller)."""
-        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-        token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
         return self.io.feeds(
             {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                **self._chunk_tokens(chunk, input_ids, positions),
                 Role.VISION_ROWS: self._vision_feeds_of_rows(vision_embeds),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
         )
+
+    def _chunk_tokens(
+        self, chunk: Chunk, input_ids: np.ndarray, positions: np.ndarray
+    ) -> dict[Role, np.ndarray]:
+        """A chunk's token ids and position ids, padded to its ``seq_len`` (padding at position -1).
+
+        ``input_ids`` and ``positions`` start where the plan does (after a kept prefix).
+        """
+        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+        token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+        return {
+            Role.TOKEN_IDS: token_ids,
+            Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+        }
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """One call per prefill chunk of ``request`` (its tokens after a kept prefix).

@@ -28,9 +28,9 @@ import numpy as np
 
 from qeff_vision.contract.language_io import Role
 from qeff_vision.runtime.generator import Generator
-from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
+from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
-from qeff_vision.runtime.retained_prefix import segments_after, served_notes
+from qeff_vision.runtime.retained_prefix import served_notes
 from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-exported
     EncoderInside,
     batched_images,
@@ -75,16 +75,9 @@ class SingleGenerator(EncoderInside, Generator):
 
         ``image_idx`` is the running count of the prefilled part's placeholders, whose images are
         the ones the first chunk encodes (written at the buffer's front). Every token prefills
-        (``positions`` unused): a prompt past the last prefill CCL is refused by ``check_fits``.
+        (:attr:`decode_shaped_tail` off): a prompt past the last prefill CCL is refused by ``check_fits``.
         """
-        segments = segments_after(self.host.segments({**processed, "input_ids": input_ids}), start)
-        return plan_chunks(
-            len(input_ids) - start,
-            segments,
-            self.shape.buckets,
-            allow_image_split=self.family.splits_images(self.checkpoint.description),
-            protocol=VisionProtocol.FULL,
-        )
+        return super().plan(input_ids, processed, VisionProtocol.FULL, start, positions)
 
     def served_notes(self, request: RequestState) -> list[str]:
         """Per image: held from an earlier turn, or encoded inside the program (never a cache)."""
@@ -93,16 +86,6 @@ class SingleGenerator(EncoderInside, Generator):
 
     def _call_feeds(self, by_role: dict, images: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {**self.io.feeds(by_role), **images}
-
-    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
-        """A decode call: tokens, positions and the keep placeholder (the rows come with the cache)."""
-        by_role = {
-            Role.TOKEN_IDS: token_ids,
-            Role.POSITIONS: positions,
-            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
-            **(extra or {}),
-        }
-        return {**self.io.feeds(by_role), **self._placeholder()}
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """Every chunk of the plan (after the kept prefix); the first encodes the images after it.
@@ -117,8 +100,8 @@ class SingleGenerator(EncoderInside, Generator):
         wrote them (a Gated DeltaNet state would advance twice). Images whose output is padded are
         all encoded there, in row order, and the first chunk then runs as a keep call.
         """
-        start, kept, processed = request.start, request.resume.images, request.processed
-        plan, input_ids, positions = request.plan, request.input_ids, request.positions
+        kept, processed, plan = request.resume.images, request.processed, request.plan
+        input_ids, positions = request.input_ids[request.start :], request.positions[..., request.start :]
         images, _ = self._prepare_images(processed, request.prepared) if plan.segments else ([], {})
         request.images = images = images[kept:] if plan.segments else []
         # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
@@ -131,13 +114,8 @@ class SingleGenerator(EncoderInside, Generator):
         pending = groups[0][1] if groups else None
         pixel_bytes = sum(array.nbytes for _, feeds in groups for array in feeds.values())
         for chunk in plan.chunks:
-            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-            token_ids[0, : chunk.tokens] = input_ids[start + chunk.start : start + chunk.stop]
             by_role = {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(
-                    positions, start + chunk.start, start + chunk.stop, chunk.seq_len
-                ),
+                **self._chunk_tokens(chunk, input_ids, positions),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             if pending is None:

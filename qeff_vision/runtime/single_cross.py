@@ -121,19 +121,6 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
             )
         return result
 
-    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
-        """:meth:`CrossAttentionGenerator.empty_cache`, without the cross K/V on a device (resident)."""
-        past = super().empty_cache(slots)
-        if self.language.retains_state:
-            for name in self.cross_names:
-                past.pop(name, None)
-        return past
-
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (the slot unread there: 0)."""
         return {**super()._placeholder(), SLOT: np.zeros(1, np.int64)}
-
-    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
-        """A decode call: tokens, positions, the mask row and the keep placeholder; no encoder."""
-        feeds = super().decode_step_feeds(token_ids, positions, extra)
-        return {**feeds, **self._placeholder()}

@@ -155,6 +155,8 @@ class EncoderInside:
 
     #: What a prompt is to this runner: the whole conversation the program holds.
     prompt_kind = "conversation"
+    #: Every token prefills (the plan has no decode-shaped tail past the last prefill CCL).
+    decode_shaped_tail = False
 
     def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
         self.encoder = EncoderCount()
@@ -176,6 +178,14 @@ class EncoderInside:
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
         return placeholder_feeds(self.language, self.image_inputs)
+
+    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
+        """The decoder kind's decode call with the keep placeholder: no encoder runs.
+
+        Vision rows among them (token-merge, onnxruntime) are replaced at the call by the ones
+        the slot cache holds (:meth:`~qeff_vision.runtime.single.SingleGenerator.empty_cache`).
+        """
+        return {**super().decode_step_feeds(token_ids, positions, extra), **self._placeholder()}
 
     def keeps_prefix(self, request: RequestState) -> bool:
         """Always: the program holds what it was fed."""
