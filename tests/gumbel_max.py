@@ -21,8 +21,8 @@ from qeff_vision.contract.sampler_io import (
     TOP_KS,
     TOP_PS,
 )
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.device_sampler import parameter_row
-from qeff_vision.runtime.sampling import SamplingParams
 
 # QEfficient's mask value (float16's minimum).
 MASKED = np.float32(np.finfo(np.float16).min)

@@ -18,9 +18,9 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import LanguageIO, Role
 from qeff_vision.contract.sampler_io import NEXT_TOKENS, SamplerOptions, with_sampler
+from qeff_vision.inputs.sampling_params import GREEDY, SamplingParams
 from qeff_vision.runtime.device_sampler import RequestDraws, sampler_inputs
 from qeff_vision.runtime.generate import Generator
-from qeff_vision.runtime.sampling import GREEDY, SamplingParams
 from tests.cb_harness import SlotCaches
 
 

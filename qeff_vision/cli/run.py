@@ -145,7 +145,7 @@ def run(
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
     from qeff_vision import api
-    from qeff_vision.runtime.sampling import SamplingParams
+    from qeff_vision.inputs.sampling_params import SamplingParams
 
     given = {
         "temperature": temperature,

@@ -2,7 +2,7 @@
 
 A language program exported with ``compile.language.sampler`` (:mod:`qeff_vision.contract.sampler_io`)
 returns ``next_tokens`` instead of logits. Per call the host feeds, for each row, its request's
-sampling parameters (:class:`~qeff_vision.runtime.sampling.SamplingParams`, vLLM's names, as
+sampling parameters (:class:`~qeff_vision.inputs.sampling_params.SamplingParams`, vLLM's names, as
 QEfficient's inputs: ``temperatures``, ``top_ks``, ``top_ps``, ``min_ps``,
 ``repetition_penalties``, ``presence_penalties``), ``random_numbers`` drawn from the request's
 own seeded generator (so a request's tokens depend on its seed only, whatever shares its steps),
@@ -43,7 +43,7 @@ from qeff_vision.contract.sampler_io import (
     TOP_PS,
     SamplerOptions,
 )
-from qeff_vision.runtime.sampling import GREEDY, SamplingParams
+from qeff_vision.inputs.sampling_params import GREEDY, SamplingParams
 
 # Uniform draws stay inside (0, 1): -log(-log(u)) is finite at both ends.
 UNIFORM_LOW, UNIFORM_HIGH = np.float32(2.0**-24), np.float32(1 - 2.0**-24)

@@ -28,12 +28,12 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.device_sampler import last_rows, used_draws
 from qeff_vision.runtime.planner import ChunkEnd, VisionProtocol
 from qeff_vision.runtime.request_state import EngineRequest, RequestState
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
-from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
 from qeff_vision.runtime.slots import SequentialSlots

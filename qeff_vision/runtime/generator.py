@@ -22,6 +22,7 @@ from qeff_vision.contract.full_kv import keeps_full_kv
 from qeff_vision.contract.language_io import SLOT_ROLES, Role
 from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment
 from qeff_vision.runtime.device_sampler import RequestDraws, program_sampler
@@ -34,7 +35,6 @@ from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_c
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import segments_after, unpositioned_caches
-from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec.deployment import DUAL
 
@@ -397,7 +397,7 @@ class Generator(ImageEncoding, PrefixKeeping):
             keep_prefix: ``processed`` is the whole conversation: prefill only what follows the
                 prefix the program holds from the last such call (:mod:`~qeff_vision.runtime.kept_prefix`),
                 and record what it holds after this one.
-            sampling: How tokens are chosen (:class:`~qeff_vision.runtime.sampling.SamplingParams`;
+            sampling: How tokens are chosen (:class:`~qeff_vision.inputs.sampling_params.SamplingParams`;
                 greedy when None).
 
         Raises:
