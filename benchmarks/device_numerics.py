@@ -124,9 +124,9 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     """Table rows of one checkpoint."""
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.exporter import export_model
+    from qeff_vision.inputs.prompt import process_turn
     from qeff_vision.numerics.device import MxEmulation
     from qeff_vision.reference import reference_generate
-    from qeff_vision.runtime.conversation import process_turn
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket

@@ -179,7 +179,7 @@ def main() -> None:
     from qeff_vision import api
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.exporter import export_model
-    from qeff_vision.runtime.conversation import process_turn
+    from qeff_vision.inputs.prompt import process_turn
     from qeff_vision.verify import synthetic_image
 
     root = args.out or Path(tempfile.mkdtemp(prefix="recurrent-state-"))

@@ -139,7 +139,8 @@ class Bench:
         return generator
 
     def processed(self, frames) -> dict:
-        from qeff_vision.runtime.conversation import Clip, Conversation
+        from qeff_vision.media import Clip
+        from qeff_vision.runtime.conversation import Conversation
 
         chat = Conversation(self.generator(0.0), self.processor)
         return chat.prepare([], "What happens in the video?", [Clip(frames, 2.0, "clip")]).processed

@@ -288,7 +288,7 @@ def conversation(
             (fp16, the precision plan's nodes in fp32).
         video_pruning_rate: Prune clips at this rate (EVS, [0, 1), 0 = off); None: the compiled
             spec's ``vision.video_pruning_rate``.
-        sampling: Default :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn
+        sampling: Default :class:`~qeff_vision.inputs.sampling_params.SamplingParams` of every turn
             (greedy when None).
 
     Returns:
@@ -349,7 +349,7 @@ def run(
         turn_videos: Turn number -> clips that turn shows (in turn 1, after ``videos``).
         fps: Frame rate of the clips' frames (a directory) or to sample a file at.
         video_pruning_rate: Prune the clips at this rate (see :func:`conversation`).
-        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of every turn (greedy
+        sampling: :class:`~qeff_vision.inputs.sampling_params.SamplingParams` of every turn (greedy
             when None; ``compare_hf`` needs greedy).
 
     Returns:
@@ -362,7 +362,9 @@ def run(
     """
     from qeff_vision.bad_input import check_prompt
     from qeff_vision.errors import UserError
-    from qeff_vision.runtime.conversation import load_image, load_video, media_by_turn, run_turns
+    from qeff_vision.inputs.prompt import media_by_turn
+    from qeff_vision.media import load_image, load_video
+    from qeff_vision.runtime.conversation import run_turns
 
     prompts = [check_prompt(prompt) for prompt in ([prompts] if isinstance(prompts, str) else prompts)]
     if compare_hf and sampling is not None and not sampling.greedy:
@@ -415,13 +417,13 @@ def run_requests(
     Args:
         artifacts_dir: OUT of ``qeff-vision compile``.
         requests_file: One JSON object a line: ``prompt``, ``images``, ``max_new_tokens``,
-            ``arrival_step`` (see :mod:`qeff_vision.runtime.requests`).
+            ``arrival_step`` (see :mod:`qeff_vision.inputs.requests`).
         max_new_tokens: For requests that do not set it.
         protocol: ``chunk`` or ``full``.
         compare_hf: Also run transformers generate alone on each request and compare tokens.
         precision: ``fp32`` or ``device``.
         on_finish: Called with (request, result) as each request completes.
-        sampling: :class:`~qeff_vision.runtime.sampling.SamplingParams` of requests whose line
+        sampling: :class:`~qeff_vision.inputs.sampling_params.SamplingParams` of requests whose line
             sets no sampling key (each key a line sets overrides it).
 
     Returns:

@@ -61,7 +61,7 @@ from qeff_vision.fsutil import (
     release_memory,
     staged_directory,
 )
-from qeff_vision.graph_file import external_attributes, inline_attributes
+from qeff_vision.graph_file import described_values, external_attributes, inline_attributes
 from qeff_vision.progress import bar as progress_bar
 from qeff_vision.transformers_version import require_supported_transformers
 
@@ -230,21 +230,13 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -
 
 def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict]:
     """Name -> dtype, shape (ints and symbols) and symbolic axes, checked against the declaration."""
-    described = {}
-    for value in values:
-        tensor_type = value.type.tensor_type
-        shape = [dim.dim_param if dim.dim_param else dim.dim_value for dim in tensor_type.shape.dim]
-        axes = {str(i): dim for i, dim in enumerate(shape) if isinstance(dim, str)}
-        expected = {str(i): sym for i, sym in declared_axes.get(value.name, {}).items()}
+    described = described_values(values)
+    for name, entry in described.items():
+        axes = {str(i): dim for i, dim in enumerate(entry["shape"]) if isinstance(dim, str)}
+        expected = {str(i): sym for i, sym in declared_axes.get(name, {}).items()}
         if axes != expected:
-            raise RuntimeError(
-                f"{value.name}: exported symbolic axes {axes} differ from the declared {expected}"
-            )
-        described[value.name] = {
-            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name,
-            "shape": shape,
-            "axes": axes,
-        }
+            raise RuntimeError(f"{name}: exported symbolic axes {axes} differ from the declared {expected}")
+        entry["axes"] = axes
     return described
 
 

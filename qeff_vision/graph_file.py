@@ -68,6 +68,20 @@ def inline_attributes(model: onnx.ModelProto, base_dir: str | Path) -> None:
             del tensor.external_data[:]
 
 
+def described_values(values) -> dict[str, dict]:
+    """Name -> ``dtype`` (numpy name) and ``shape`` (ints and symbol names) of graph inputs or outputs.
+
+    What export.json records per program input and output (the export adds each one's axes).
+    """
+    return {
+        value.name: {
+            "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
+            "shape": [dim.dim_param or dim.dim_value for dim in value.type.tensor_type.shape.dim],
+        }
+        for value in values
+    }
+
+
 def load_graph(path: str | Path) -> onnx.ModelProto:
     """The graph at ``path`` with its node attributes in memory and its initializers' data left on disk."""
     path = Path(path)

@@ -58,8 +58,8 @@ def check_parity(
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
     from qeff_vision.exporter import load_adapter
+    from qeff_vision.inputs.prompt import as_arrays
     from qeff_vision.reference import reference_generate
-    from qeff_vision.runtime.conversation import as_arrays
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket

@@ -238,7 +238,7 @@ def test_bad_turn_media_is_one_line_and_exit_2(artifacts_dir, image_files, tmp_p
 def test_media_by_turn_keeps_command_line_order_and_refuses_a_turn_beyond_the_prompts():
     from qeff_vision.cli.run import by_turn
     from qeff_vision.errors import UserError
-    from qeff_vision.runtime.conversation import media_by_turn
+    from qeff_vision.inputs.prompt import media_by_turn
 
     grouped = by_turn([(3, "b"), (1, "x"), (3, "c")])
     assert grouped == {3: ["b", "c"], 1: ["x"]}

@@ -34,12 +34,12 @@ from qeff_vision.contract.sampler_io import (
 from qeff_vision.export_record import read_export
 from qeff_vision.families import all_families
 from qeff_vision.families.base import TOKEN_MERGE
-from qeff_vision.runtime.device_sampler import GumbelMaxSampler
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.generate import Generator
-from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.session import OnnxProgram
 from tests import helpers
 from tests.cb_harness import SlotProgram, SlotSequence, decode_step_feeds, prefill_into_slot, prefill_shape
+from tests.gumbel_max import GumbelMaxSampler
 from tests.sampler_harness import LockstepSlots
 
 FAMILIES = [f.name for f in all_families()]

@@ -36,8 +36,9 @@ from qeff_vision.contract.sampler_io import (
     SamplerOptions,
 )
 from qeff_vision.export.sampler import sample, update_buffers
-from qeff_vision.runtime.device_sampler import UNIFORM_HIGH, UNIFORM_LOW, gumbel_max_tokens
+from qeff_vision.runtime.device_sampler import UNIFORM_HIGH, UNIFORM_LOW
 from qeff_vision.spec import build_specializations, load_spec
+from tests.gumbel_max import gumbel_max_tokens
 from tests.test_continuous_batching import SPECS
 from tests.test_spec_helpers import problems_of
 

@@ -16,7 +16,8 @@ import pytest
 from qeff_vision.errors import UserError
 from qeff_vision.exporter import load_adapter
 from qeff_vision.families.base import CROSS_ATTENTION
-from qeff_vision.runtime.conversation import Conversation, assistant_message
+from qeff_vision.inputs.prompt import assistant_message
+from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from tests import helpers
 from tests.family_runtime import CTX_LEN, LOGIT_TOLERANCE, FamilyRuntime

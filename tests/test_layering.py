@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"compile"},  # compiles a loaded spec; runs the runtime for calibration
     {"exporter"},  # the export driver: a family's adapter over the export building blocks
     {"runtime"},
+    {"inputs"},  # prompts rendered and processed, request files, sampling parameters: what runtime takes
     {"reference"},  # transformers greedy generate: the tokens --compare-hf and verification compare with
     {"spec"},
     {"real_width"},  # real-width random checkpoints: a family's tiny pieces over a pinned config

@@ -27,7 +27,8 @@ from qeff_vision.exporter import load_adapter
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.molmo2 import BATCHED_NUM_PATCHES, POOLING_WINDOW
-from qeff_vision.runtime.conversation import Clip, Conversation
+from qeff_vision.media import Clip
+from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.planner import ChunkEnd, plan_chunks
 from qeff_vision.runtime.session import OnnxProgram

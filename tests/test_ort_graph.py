@@ -1,6 +1,6 @@
 """The runtime's onnxruntime graph (functions inlined, equal constants shared) computes the same bits.
 
-:func:`qeff_vision.runtime.ort_graph.prepared_for_onnxruntime` only changes how onnxruntime sees
+:func:`qeff_vision.numerics.ort_graph.prepared_for_onnxruntime` only changes how onnxruntime sees
 the graph: the index arithmetic each inlined KV call repeats becomes identical nodes, computed
 once. Every output of every call must be bit-identical to the exported file loaded as is, on the
 calls a real batched run makes (prefill chunks into different slots, decode steps at batch F),
@@ -19,8 +19,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from qeff_vision.numerics.device import session_for
+from qeff_vision.numerics.ort_graph import prepared_for_onnxruntime, share_constants
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.runtime.ort_graph import prepared_for_onnxruntime, share_constants
 from tests import helpers
 from tests.family_runtime import FamilyRuntime
 

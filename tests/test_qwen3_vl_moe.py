@@ -21,7 +21,8 @@ from qeff_vision.export_record import read_export
 from qeff_vision.families import family_for
 from qeff_vision.families.base import describe_checkpoint
 from qeff_vision.families.qwen3_vl import NUM_FEATURE_LAYERS
-from qeff_vision.runtime.conversation import Clip, Conversation
+from qeff_vision.media import Clip
+from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.spec import build_specializations, load_spec
 from tests import helpers
 from tests.family_runtime import NEW_TOKENS, FamilyRuntime

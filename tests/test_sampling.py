@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
-from qeff_vision.runtime.sampling import SamplingParams, TokenSampler, candidate_tokens, greedy_token
+from qeff_vision.runtime.sampling import TokenSampler, candidate_tokens, greedy_token
 from tests import helpers
 from tests.family_runtime import FamilyRuntime
 

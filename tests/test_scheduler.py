@@ -92,7 +92,7 @@ def test_phases_and_bad_arguments():
 
 def test_scheduler_and_request_parser_import_no_numpy_or_torch():
     code = (
-        "import sys, qeff_vision.runtime.scheduler, qeff_vision.runtime.requests; "
+        "import sys, qeff_vision.runtime.scheduler, qeff_vision.inputs.requests; "
         "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

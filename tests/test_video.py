@@ -20,7 +20,8 @@ from qeff_vision.cli import main
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, describe_checkpoint
 from qeff_vision.families.qwen2_5_vl import GRID_H, GRID_W, TIME
-from qeff_vision.runtime.conversation import Clip, Conversation
+from qeff_vision.media import Clip
+from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from tests import helpers
 from tests.compile_fixtures import write_spec
@@ -205,7 +206,7 @@ def test_video_files_decode_with_pyav_and_sample_to_fps(tmp_path):
     """An 8-frame 4 fps file: every frame at its own rate, or every second frame at --fps 2."""
     import av
 
-    from qeff_vision.runtime.conversation import load_video
+    from qeff_vision.media import load_video
 
     path = tmp_path / "clip.mp4"
     with av.open(str(path), mode="w") as container:

@@ -19,8 +19,9 @@ import pytest
 
 from qeff_vision.contract.video_pruning import KEPT_ROWS, PRUNED_POSITIONS, RETENTION, kept_rows
 from qeff_vision.errors import UserError
+from qeff_vision.media import Clip
 from qeff_vision.reference import reference_generate, reference_generate_pruned
-from qeff_vision.runtime.conversation import Clip, Conversation
+from qeff_vision.runtime.conversation import Conversation
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.engine import BatchedEngine, EngineRequest
 from tests import helpers

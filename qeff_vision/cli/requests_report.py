@@ -1,8 +1,8 @@
 """What ``qeff-vision run ART --requests FILE`` prints: the per-request table and the ``--json`` document.
 
 The presentation of a :class:`~qeff_vision.runtime.batch_run.BatchRun`, next to the one-turn
-report of :mod:`qeff_vision.cli.run`; the runtime computes the numbers, this module only lays
-them out.
+report of :mod:`qeff_vision.cli.run` (whose ``--json`` turns share :func:`result_json`); the
+runtime computes the numbers, this module only lays them out.
 """
 
 from __future__ import annotations
@@ -11,6 +11,43 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.batch_run import BatchRun
+    from qeff_vision.runtime.results import GenerationResult
+
+
+def result_json(result: GenerationResult) -> dict:
+    """A generation's reply, token ids and the counts ``run`` reports, as JSON values (``--json``)."""
+    return {
+        "text": result.text,
+        "token_ids": [int(token) for token in result.tokens],
+        "prompt_tokens": result.prompt_tokens,
+        "prefilled_tokens": result.prefilled_tokens,
+        "images": result.images,
+        "image_rows": result.image_rows,
+        "protocol": result.protocol,
+        "chunks": [
+            {
+                "tokens": chunk.tokens,
+                "seq_len": chunk.seq_len,
+                "rows": chunk.rows,
+                "vision_size": chunk.vision_size,
+                "vision_bytes": chunk.vision_bytes,
+                "images_encoded": chunk.images_encoded,
+                "encode_ms": chunk.encode_seconds * 1e3,
+                "prefill_ms": chunk.seconds * 1e3,
+            }
+            for chunk in result.chunks
+        ],
+        "encoder_calls": result.encoder_calls,
+        "images_encoded": result.images_encoded,
+        "cache_hits": result.cache_hits,
+        "vision_bytes": result.vision_bytes,
+        "vision_input": result.vision_input,
+        "ttft_ms": result.ttft * 1e3,
+        "decode_ms": result.decode_seconds * 1e3,
+        "decode_tokens_per_second": result.decode_tokens_per_second,
+        "notes": list(result.notes),
+        "served": list(result.served),
+    }
 
 
 def report_json(run: BatchRun) -> dict:
@@ -26,7 +63,7 @@ def report_json(run: BatchRun) -> dict:
             "first_token_step": done.first_token_step,
             "finished_step": done.finished_step,
             "mean_occupancy": done.mean_occupancy,
-            **done.result.summary(),
+            **result_json(done.result),
         }
         if done.number < len(run.comparisons):
             comparison = run.comparisons[done.number]

@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from qeff_vision.cli.requests_report import result_json
 from qeff_vision.runtime.planner import VisionProtocol
 
 HELP = {
@@ -144,7 +145,7 @@ def run(
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
     from qeff_vision import api
-    from qeff_vision.runtime.sampling import SamplingParams
+    from qeff_vision.inputs.sampling_params import SamplingParams
 
     given = {
         "temperature": temperature,
@@ -228,7 +229,7 @@ def run(
 
 def turn_json(index: int, turn) -> dict:
     """One turn of ``run --json``: its number, prompt, reply, token ids and counts."""
-    entry = {"turn": index + 1, "prompt": turn.prompt, **turn.result.summary()}
+    entry = {"turn": index + 1, "prompt": turn.prompt, **result_json(turn.result)}
     if turn.comparison is not None:
         entry["compare_hf"] = {"identical": turn.comparison.identical, "verdict": turn.comparison.describe()}
     return entry

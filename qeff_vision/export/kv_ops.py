@@ -335,7 +335,7 @@ def _consecutive_slot_nodes(out: str, first: str, end: str) -> list:
     Also defines ``first`` = [s] and ``end`` = [s + B] (1-D), the slot Slice's bounds. B is read
     from ``indices`` [B, K] (same rows as ``batch_index``). Only the last two checks read the
     cache's shape: the rest is the same for every read of a call, which onnxruntime computes once
-    when the functions are inlined (:mod:`qeff_vision.runtime.ort_graph`).
+    when the functions are inlined (:mod:`qeff_vision.numerics.ort_graph`).
     """
     return [
         _const("slot_ax1", [1]),

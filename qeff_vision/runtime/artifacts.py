@@ -61,12 +61,10 @@ class Artifacts:
         shape: Prefill buckets, decode vision size and ``ctx_len`` of the language program.
         resolutions: The image resolutions the spec compiled (before the processor's resize).
         patch_buckets: The patch counts of a patch-bucket vision program (empty: per resolution).
-        deployment: ``dual`` or ``disaggregated`` (``lang_prefill`` + ``lang_decode``; then
-            ``language_path`` is the decode program and ``language_specializations`` both
-            programs' specializations).
         phase_specializations: Disaggregated: (prefill, decode) specializations; else empty.
-        mode: The deployment object of ``deployment`` (:mod:`qeff_vision.runtime.deployment`):
-            how the programs open and what the mode supports.
+        mode: The deployment mode (:mod:`qeff_vision.runtime.deployment`): how the programs open
+            and what the mode supports. Disaggregated: ``language_path`` is the decode program and
+            ``language_specializations`` both programs' specializations.
         export_record: The export's ``export.json`` (empty when it cannot be read).
     """
 
@@ -84,7 +82,6 @@ class Artifacts:
     shape: LanguageShape
     resolutions: tuple[ImageSize, ...]
     patch_buckets: tuple[int, ...] = ()
-    deployment: str = "dual"
     phase_specializations: tuple[tuple[dict[str, int], ...], ...] = ()
     mode: Deployment = DEPLOYMENTS[DUAL]
     export_record: Mapping[str, Any] = field(default_factory=dict)
@@ -145,7 +142,7 @@ def _model_dir(
     if copied and (out_dir / copied / "config.json").is_file():
         return out_dir / copied
     model = _checkpoint_dir(record, manifest)
-    if not model or not (Path(model) / "config.json").is_file():
+    if _weights_dir(model) is None:
         raise UserError(
             f"{export_dir}: the checkpoint the programs were exported from ({model or 'not recorded'}) "
             "is not a checkpoint directory here; the runtime needs its config, processor and chat template"
@@ -204,7 +201,6 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
         shape=LanguageShape.from_specializations(language),
         resolutions=tuple(ImageSize(int(i["height"]), int(i["width"])) for i in images),
         patch_buckets=tuple(int(count) for count in buckets),
-        deployment=mode.name,
         phase_specializations=phases,
         mode=mode,
         export_record=record,

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.requests import Request, read_requests
+from qeff_vision.inputs.sampling_params import GREEDY, SamplingParams
 from qeff_vision.runtime.engine import BatchedEngine, EngineReport, EngineRequest, RequestResult
 from qeff_vision.runtime.planner import VisionProtocol
-from qeff_vision.runtime.requests import Request, read_requests
-from qeff_vision.runtime.sampling import GREEDY, SamplingParams
 
 
 @dataclass
@@ -60,7 +60,7 @@ def run_requests(
 
     Args:
         artifacts_dir: OUT of ``qeff-vision compile``.
-        requests_file: The JSON-lines request file (see :mod:`qeff_vision.runtime.requests`).
+        requests_file: The JSON-lines request file (see :mod:`qeff_vision.inputs.requests`).
         max_new_tokens: ``max_new_tokens`` of requests that do not set it.
         protocol: ``chunk`` or ``full``.
         compare_hf: Also run transformers generate alone on each request and compare tokens.
@@ -74,7 +74,8 @@ def run_requests(
         UserError: A bad request file or image (checked before the programs are loaded), a
             request that does not fit the compiled shapes, no manifest.
     """
-    from qeff_vision.runtime.conversation import load_image, open_conversation
+    from qeff_vision.media import load_image
+    from qeff_vision.runtime.conversation import open_conversation
 
     requests = read_requests(requests_file, max_new_tokens, sampling)
     sampled = [request.index for request in requests if not request.sampling.greedy]

@@ -68,8 +68,7 @@ class CrossAttentionGenerator(Generator):
         self, processed: Mapping[str, Any], prepared: tuple | None = None
     ) -> tuple[list[str], list[tuple[int, int]]]:
         """Content keys and ``<|image|>`` token spans of the prompt's images (see :meth:`keys_and_spans`)."""
-        _, keys, spans = self.keys_and_spans(processed)
-        return keys, spans
+        return self.keys_and_spans(processed)[1:]
 
     def keys_and_spans(self, processed: Mapping[str, Any]) -> tuple[list, list[str], list]:
         """Per image of the prompt: its inputs, content key and ``<|image|>`` token span."""
@@ -113,11 +112,9 @@ class CrossAttentionGenerator(Generator):
         evicted past the bound, so a server's memory stays flat however many images it sees).
         The request's own copy is the concatenation below, held only while it runs.
         """
-        per_image = self.host.vision_inputs(processed) if self.host.has_images(processed) else []
+        per_image, keys, _ = self.keys_and_spans(processed)
         states, encoded = [], 0
-        for inputs in per_image:
-            arrays = list(inputs.values())
-            key = content_key(arrays[0], tuple(int(d) for a in arrays for d in a.shape))
+        for inputs, key in zip(per_image, keys):
             found = self.cache.get(key)
             if found is None:
                 outputs = self.vision.run(inputs)
@@ -132,9 +129,7 @@ class CrossAttentionGenerator(Generator):
         return {name: np.concatenate([s[name] for s in states], axis=2) for name in self.cross_names}, encoded
 
     def _zero_states(self) -> dict[str, np.ndarray]:
-        dims = self.dims
-        symbol = next(s for s in self.states_per_image if s != symbols.CTX_LEN)
-        shape = (1, dims.num_kv_heads, self.states_per_image[symbol], dims.head_dim)
+        shape = (1, self.dims.num_kv_heads, self._rows_per_image(), self.dims.head_dim)
         return {name: np.zeros(shape, np.float32) for name in self.cross_names}
 
     def _cross_mask(self, processed: Mapping[str, Any], length: int) -> np.ndarray:
@@ -174,17 +169,9 @@ class CrossAttentionGenerator(Generator):
         self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
         """Language inputs of one prefill chunk: its tokens, positions and rows of the request's ``mask``."""
-        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-        token_ids[0, : chunk.tokens] = input_ids[chunk.start : chunk.stop]
         chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
-        chunk_mask[:, : chunk.tokens] = mask[:, chunk.start : chunk.stop]
-        return self.io.feeds(
-            {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
-                Role.CROSS_MASK: chunk_mask,
-            }
-        )
+        chunk_mask[:, : chunk.tokens] = mask[:, chunk.token_slice]
+        return self.io.feeds({**self._chunk_tokens(chunk, input_ids, positions), Role.CROSS_MASK: chunk_mask})
 
     def request_mask(self, request: RequestState) -> np.ndarray:
         """The request's cross-attention mask from its first prefilled token on.
@@ -295,15 +282,3 @@ class CrossAttentionGenerator(Generator):
 
     def _rows_per_image(self) -> int:
         return next(v for k, v in self.states_per_image.items() if k != symbols.CTX_LEN)
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One language call. A device keeps retained inputs resident: send the cross states once."""
-        feeds = self._with_kv_slot(feeds)
-        outputs = self.language.run({**feeds, **past})
-        retained = self.io.retained_outputs()
-        for name in list(past):
-            if self.language.retains_state and name in self.cross_names:
-                del past[name]  # resident on the device from now on
-            else:
-                past[name] = outputs[retained[name]]
-        return outputs

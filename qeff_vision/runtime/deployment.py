@@ -22,15 +22,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qeff_vision import symbols
 from qeff_vision.compile_record import QAIC
+from qeff_vision.contract.deployment_programs import KEEP_SIDE
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
+from qeff_vision.graph_file import described_values
 from qeff_vision.runtime.disaggregated import PhaseRouter, phase_programs
 from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
-from qeff_vision.runtime.single_io import image_specializations
 from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
 from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL, SINGLE
+from qeff_vision.spec.table import LANGUAGE_SYMBOLS
+from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.artifacts import Artifacts
@@ -53,6 +57,39 @@ def read_symbols(entries: Any, where: str) -> Specializations:
 
 def _program_symbols(manifest: Mapping[str, Any], program: str, where: str) -> Specializations:
     return read_symbols(manifest["programs"][program].get("specializations") or [], where)
+
+
+def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:
+    """The image symbols of a single program's encode entries, named as the vision program's.
+
+    ``num_images`` is the vision graph's image count (``family.vision_images_symbol``); keep
+    entries (every image symbol 1) and duplicates are dropped. With ``family``, only symbols of
+    its vision inputs count (mllama's entries also bind the mask's ``max_num_images`` and the
+    K/V's ``cross_states``, both language symbols there). What the image fitter checks a
+    resolution against.
+    """
+    count = family.vision_images_symbol if family is not None else symbols.BATCH_SIZE
+    wanted = None
+    if family is not None:
+        on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
+        wanted = (on_inputs - {count}) | {NUM_IMAGES, PIXEL_SIDE}
+    found: list[dict[str, int]] = []
+    for entry in specializations:
+        images = {
+            name: value
+            for name, value in entry.items()
+            if name not in LANGUAGE_SYMBOLS and (wanted is None or name in wanted)
+        }
+        if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
+            continue
+        vision = {
+            (count if name == NUM_IMAGES else name): value
+            for name, value in images.items()
+            if name != PIXEL_SIDE
+        }
+        if vision not in found:
+            found.append(vision)
+    return tuple(found)
 
 
 class Deployment:
@@ -262,17 +299,7 @@ def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any
         graph = onnx.load(str(path), load_external_data=False).graph
     except Exception as exc:  # onnx raises DecodeError, OSError, ...
         raise UserError(f"{path}: cannot read the single program's graph ({exc})") from None
-
-    def described(values) -> dict[str, dict[str, Any]]:
-        return {
-            value.name: {
-                "dtype": onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name,
-                "shape": [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim],
-            }
-            for value in values
-        }
-
-    return {"inputs": described(graph.input), "outputs": described(graph.output)}
+    return {"inputs": described_values(graph.input), "outputs": described_values(graph.output)}
 
 
 #: Every deployment mode the runtime runs, by its spec name. A new mode registers here.

@@ -2,27 +2,25 @@
 
 A language program exported with ``compile.language.sampler`` (:mod:`qeff_vision.contract.sampler_io`)
 returns ``next_tokens`` instead of logits. Per call the host feeds, for each row, its request's
-sampling parameters (:class:`~qeff_vision.runtime.sampling.SamplingParams`, vLLM's names, as
+sampling parameters (:class:`~qeff_vision.inputs.sampling_params.SamplingParams`, vLLM's names, as
 QEfficient's inputs: ``temperatures``, ``top_ks``, ``top_ps``, ``min_ps``,
 ``repetition_penalties``, ``presence_penalties``), ``random_numbers`` drawn from the request's
 own seeded generator (so a request's tokens depend on its seed only, whatever shares its steps),
 and ``last_accepted_output_tokens`` (the call's token ids, as QEfficient's generation feeds it).
 The penalty buffers live on the device; for a program run on the host (onnxruntime) they are
 part of the call's state beside the KV cache (:meth:`ProgramSampler.empty_buffers`, so a
-disaggregated hand-off copies them too), or :class:`HostPenaltyBuffers` for a caller driving a
-program by hand. The program starts a slot's repetition buffer afresh when a request's prompt
-starts there (position 0) and clears its presence buffer on every prefill chunk, so a reused slot
-keeps nothing of its previous occupant; a turn resuming a kept prefix in its slot adds to the
-repetition buffer (the prefix is part of its prompt).
+disaggregated hand-off copies them too). The program starts a slot's repetition buffer afresh
+when a request's prompt starts there (position 0) and clears its presence buffer on every
+prefill chunk, so a reused slot keeps nothing of its previous occupant; a turn resuming a kept
+prefix in its slot adds to the repetition buffer (the prefix is part of its prompt).
 
 Feeding conventions (QEfficient's sampler has no "all tokens" top-k): ``top_k`` 0 or -1 is fed
 as ``max_top_k_ids``, a larger one is clipped to it; a greedy request (temperature below vLLM's
 epsilon) is fed temperature 0; an idle row greedy with neutral parameters.
 
-:func:`gumbel_max_tokens` is QEfficient's sampler math on the host (numpy, float32, the same
-order and tie-breaking as the graph), and :class:`GumbelMaxSampler` a request's host sampler that
-consumes the same random numbers: given equal logits and ``random_numbers`` it picks the token
-the compiled sampler picks.
+The host copy of QEfficient's sampler math that the tests hold the graph to (same random
+numbers, same token) is ``tests/gumbel_max.py``; the drivers of a program by hand are
+``tests/sampler_harness.py``'s.
 """
 
 from __future__ import annotations
@@ -45,10 +43,8 @@ from qeff_vision.contract.sampler_io import (
     TOP_PS,
     SamplerOptions,
 )
-from qeff_vision.runtime.sampling import GREEDY, SamplingParams
+from qeff_vision.inputs.sampling_params import GREEDY, SamplingParams
 
-# QEfficient's mask value (float16's minimum).
-MASKED = np.float32(np.finfo(np.float16).min)
 # Uniform draws stay inside (0, 1): -log(-log(u)) is finite at both ends.
 UNIFORM_LOW, UNIFORM_HIGH = np.float32(2.0**-24), np.float32(1 - 2.0**-24)
 
@@ -73,38 +69,25 @@ def parameter_row(params: SamplingParams, max_top_k_ids: int) -> dict[str, float
 class RequestDraws:
     """One request's random numbers: ``max_top_k_ids`` uniforms per step from its seeded generator."""
 
-    def __init__(self, params: SamplingParams, max_top_k_ids: int):
+    def __init__(self, params: SamplingParams, max_top_k_ids: int, *, used: bool = True):
         self.params, self.max_top_k_ids = params, max_top_k_ids
-        self._rng = np.random.default_rng(params.seed)
+        self._rng = np.random.default_rng(params.seed) if used else None
 
     def next(self) -> np.ndarray:
-        """This step's [max_top_k_ids] float32 uniforms (a greedy request's are never read: 0.5)."""
-        if self.params.greedy:
+        """This step's [max_top_k_ids] float32 uniforms (0.5s when never read: greedy, or unused)."""
+        if self.params.greedy or self._rng is None:
             return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
         return np.clip(self._rng.random(self.max_top_k_ids, dtype=np.float32), UNIFORM_LOW, UNIFORM_HIGH)
 
-    def unused(self) -> UnusedDraws:
-        """This request's row for a call whose token is discarded: its parameters, no draw taken."""
-        return UnusedDraws(self.params, self.max_top_k_ids)
-
-
-class UnusedDraws(RequestDraws):
-    """A request's row in a call whose token nobody reads: its parameters, no draw taken.
-
-    Such a call is a prefill chunk before the last or a replayed history token; it is fed
-    constant numbers and the request's generator is not advanced, so a request's sampled
-    tokens depend on its seed only, not on how many calls its prompt took (the chunking a
-    bucket set gives it).
-    """
-
-    def next(self) -> np.ndarray:
-        """Constant 0.5s (the call's token is discarded; the request's generator is not advanced)."""
-        return np.full(self.max_top_k_ids, 0.5, dtype=np.float32)
-
 
 def used_draws(draws: RequestDraws | None, used: bool) -> RequestDraws | None:
-    """``draws`` for a call whose token is used, else its :meth:`~RequestDraws.unused` row (None stays)."""
-    return draws if draws is None or used else draws.unused()
+    """``draws`` for a call whose token is used, else the request's row that takes no draw (None stays).
+
+    A call whose token nobody reads (a prefill chunk before the last, a replayed history token) is
+    fed the request's parameters and constant numbers, and its generator is not advanced: a
+    request's sampled tokens depend on its seed only, not on how many calls its prompt took.
+    """
+    return draws if draws is None or used else RequestDraws(draws.params, draws.max_top_k_ids, used=False)
 
 
 def sampler_inputs(
@@ -136,156 +119,6 @@ def sampler_inputs(
     if io.has(Role.TOKEN_BITMASK):  # no grammar: every token allowed
         feeds[TOKEN_BITMASKS] = np.ones((len(rows), vocab_size), dtype=bool)
     return feeds
-
-
-class DeviceSampler:
-    """Sampler feeds of a program driven by hand, from the request admitted to each slot.
-
-    The runtime keeps each request's draws in its request state instead
-    (:class:`ProgramSampler`); this is for callers that drive a program's calls themselves.
-
-    Args:
-        io: The program's table (with the sampler's rows).
-        options: The sampler's options (``max_top_k_ids`` sizes ``random_numbers``).
-        vocab_size: The vocabulary (sizes ``token_bitmasks`` with guided decoding).
-    """
-
-    def __init__(self, io: LanguageIO, options: SamplerOptions, vocab_size: int):
-        self.io, self.options, self.vocab_size = io, options, vocab_size
-        self.next_tokens_name = io.name(Role.NEXT_TOKENS, output=True)
-        self._requests: dict[int, RequestDraws] = {}
-
-    def admit(self, slot: int, params: SamplingParams | None) -> None:
-        """A request takes ``slot``: its parameters and a generator seeded from its ``seed``."""
-        self._requests[slot] = RequestDraws(params or GREEDY, self.options.max_top_k_ids)
-
-    def feeds(self, input_ids: np.ndarray, row_slots: Sequence[int | None]) -> dict[str, np.ndarray]:
-        """The sampler inputs of one call.
-
-        Args:
-            input_ids: [rows, seq] the call's token ids (``last_accepted_output_tokens``).
-            row_slots: Each row's slot, None for an idle row (greedy, neutral parameters).
-        """
-        rows = [self._requests.get(slot) if slot is not None else None for slot in row_slots]
-        return sampler_inputs(self.io, self.options, self.vocab_size, input_ids, rows)
-
-    def tokens(self, outputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        """[rows] the token each row's call returned."""
-        return np.asarray(outputs[self.next_tokens_name])[:, -1, 0].astype(np.int64)
-
-
-class HostPenaltyBuffers:
-    """The penalty buffers of a program that keeps no state itself (onnxruntime), per slot.
-
-    Args:
-        io: The program's table (with the sampler's rows).
-        slots: Slots (``full_batch_size``, or the batch).
-        vocab_size: The vocabulary.
-    """
-
-    def __init__(self, io: LanguageIO, slots: int, vocab_size: int):
-        self.rows = io.rows(Role.PENALTY_BUFFER)
-        self.buffers = {row.name: np.zeros((slots, vocab_size), dtype=bool) for row in self.rows}
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        """The buffers as inputs of the next call."""
-        return dict(self.buffers)
-
-    def update(self, outputs: Mapping[str, np.ndarray]) -> None:
-        """Keep the buffers a call returned."""
-        for row in self.rows:
-            self.buffers[row.name] = np.asarray(outputs[row.retained])
-
-    def reset(self, slot: int) -> None:
-        """Clear ``slot`` for a new request."""
-        for buffer in self.buffers.values():
-            buffer[slot] = False
-
-
-def gumbel_max_tokens(
-    logits: np.ndarray,
-    repetition_seen: np.ndarray,
-    presence_seen: np.ndarray,
-    feeds: Mapping[str, np.ndarray],
-    max_top_k_ids: int,
-    token_bitmasks: np.ndarray | None = None,
-) -> np.ndarray:
-    """QEfficient's sampler on the host: [rows] tokens from logits [rows, vocab] (float32 throughout).
-
-    Args:
-        logits: [rows, vocab] the last position's logits of each row.
-        repetition_seen: [rows, vocab] the row's slot's repetition buffer (prompt and output).
-        presence_seen: [rows, vocab] the row's slot's presence buffer (output).
-        feeds: The sampler inputs by name (:meth:`DeviceSampler.feeds`).
-        max_top_k_ids: The sampler's top-k width.
-        token_bitmasks: [rows, vocab] allowed tokens (guided decoding), or None.
-    """
-    logits = np.asarray(logits, dtype=np.float32)
-    if token_bitmasks is not None:
-        logits = np.where(token_bitmasks, logits, MASKED)
-    penalty = np.where(repetition_seen, feeds[REPETITION_PENALTIES], np.float32(1.0)).astype(np.float32)
-    logits = logits * np.power(penalty, -np.sign(logits)).astype(np.float32)
-    logits = logits - feeds[PRESENCE_PENALTIES] * presence_seen.astype(np.float32)
-    greedy = np.argmax(logits, axis=1)
-    temperatures = feeds[TEMPERATURES].astype(np.float32)
-    safe = np.where(temperatures != 0, temperatures, np.float32(1.0))
-    logits = np.where(temperatures != 0, logits / safe, logits).astype(np.float32)
-    k = max_top_k_ids
-    order = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # descending, ties to the lower id
-    indices = order[:, ::-1]  # ascending
-    values = np.take_along_axis(logits, indices, axis=1)
-    top_ks = np.minimum(feeds[TOP_KS].astype(np.int64), k)
-    columns = np.arange(k).reshape(1, -1)
-    values = np.where(columns < k - top_ks, MASKED, values)
-    shifted = np.exp(values - values.max(axis=1, keepdims=True))
-    probs = (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
-    top_p_mask = (np.cumsum(probs, axis=1, dtype=np.float32) <= 1 - feeds[TOP_PS]) & (columns < k - 1)
-    values = np.where(top_p_mask, MASKED, values)
-    values = np.where(probs < feeds[MIN_PS] * probs[:, k - 1 :], MASKED, values)
-    gumbel = -np.log(-np.log(np.asarray(feeds[RANDOM_NUMBERS], dtype=np.float32)))
-    drawn = np.take_along_axis(indices, np.argmax(values + gumbel, axis=1).reshape(-1, 1), axis=1)[:, 0]
-    return np.where(temperatures[:, 0] == 0, greedy, drawn).astype(np.int64)
-
-
-class GumbelMaxSampler:
-    """One request's host sampler in the compiled sampler's form: same inputs, same token.
-
-    It keeps the request's prompt and output tokens as the device keeps its penalty buffers, and
-    takes the ``random_numbers`` row the device is fed.
-
-    Args:
-        params: The request's parameters.
-        prompt_ids: The prompt's token ids (the repetition buffer's start).
-        vocab_size: The vocabulary.
-        max_top_k_ids: The sampler's top-k width.
-    """
-
-    def __init__(self, params: SamplingParams, prompt_ids, vocab_size: int, max_top_k_ids: int):
-        self.params, self.max_top_k_ids = params, max_top_k_ids
-        self.repetition = np.zeros(vocab_size, dtype=bool)
-        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
-        self.repetition[ids[ids < vocab_size]] = True  # an input-only placeholder id is no logit
-        self.presence = np.zeros(vocab_size, dtype=bool)
-
-    def next_token(self, logits: np.ndarray, random_numbers: np.ndarray) -> int:
-        """The token for one logits row and its random numbers [max_top_k_ids]; recorded as output."""
-        row = parameter_row(self.params, self.max_top_k_ids)
-        feeds = {
-            name: np.array([[value]], dtype=np.int32 if name == TOP_KS else np.float32)
-            for name, value in row.items()
-        }
-        feeds[RANDOM_NUMBERS] = np.asarray(random_numbers, dtype=np.float32).reshape(1, -1)
-        logits = np.asarray(logits).reshape(1, -1)
-        return int(
-            gumbel_max_tokens(logits, self.repetition[None], self.presence[None], feeds, self.max_top_k_ids)[
-                0
-            ]
-        )
-
-    def accept(self, token: int) -> None:
-        """``token`` was generated: the next step penalizes it (QEfficient marks the fed token)."""
-        self.repetition[token] = True
-        self.presence[token] = True
 
 
 class ProgramSampler:

@@ -150,13 +150,7 @@ class DisaggregatedSlots:
         past = self.staging.pop(slot)
         self.router.handoffs += 1
         self.router.handoff_bytes += sum(array.nbytes for array in past.values())
-        if self.batched:
-            cache = self.decode_slots.past
-            for name, rows in past.items():
-                # Assigned into the existing arrays: the decode calls bind them in place.
-                cache[name][slot : slot + 1] = rows
-        else:
-            self.decode_slots.past[slot] = past
+        self.decode_slots.load(slot, past)  # a batched cache's row is written in place
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One decode step on the decode program (see the decode slots' ``decode``)."""

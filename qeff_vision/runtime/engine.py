@@ -28,12 +28,12 @@ from typing import Any
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.device_sampler import last_rows, used_draws
 from qeff_vision.runtime.planner import ChunkEnd, VisionProtocol
 from qeff_vision.runtime.request_state import EngineRequest, RequestState
 from qeff_vision.runtime.results import ChunkRecord, GenerationResult
-from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.scheduler import Scheduler, StepPlan
 from qeff_vision.runtime.sequence_runner import SequenceRunner
 from qeff_vision.runtime.slots import SequentialSlots
@@ -143,9 +143,13 @@ class BatchedEngine:
     ):
         self.generator = generator
         self.protocol = protocol
-        batched = generator.io.has(Role.KV_SLOT)  # the program takes batch_index
-        if full_batch_size is None:
-            full_batch_size = compiled_full_batch_size(_decode_specializations(generator)) if batched else 1
+        if full_batch_size is None and generator.io.has(Role.KV_SLOT):  # the program takes batch_index
+            values = sorted(_full_batch_sizes(generator))
+            if len(values) != 1:
+                found = f"several full_batch_size values {values}" if values else "no full_batch_size"
+                raise UserError(f"the language program's specializations record {found}")
+            full_batch_size = values[0]
+        full_batch_size = 1 if full_batch_size is None else full_batch_size
         if full_batch_size < 1:
             raise UserError(f"full_batch_size must be at least 1, got {full_batch_size}")
         if one_sequence and full_batch_size == 1:
@@ -407,29 +411,11 @@ def compiled_slots(generator: SequenceRunner) -> int:
     export runs a sequence at batch 1). Above 1, the program decodes only at batch
     ``full_batch_size``: one request runs as a batch of one through :class:`BatchedEngine`.
     """
-    if not generator.io.has(Role.KV_SLOT):
-        return 1
+    return max(_full_batch_sizes(generator), default=1) if generator.io.has(Role.KV_SLOT) else 1
+
+
+def _full_batch_sizes(generator: SequenceRunner) -> set[int]:
+    """The ``full_batch_size`` values of the decoding program (a disaggregated pair's decode program)."""
     key = symbols.FULL_BATCH_SIZE
-    values = {int(entry[key]) for entry in _decode_specializations(generator) or () if key in entry}
-    return max(values, default=1)
-
-
-def _decode_specializations(generator: SequenceRunner) -> Sequence[Mapping[str, Any]] | None:
-    """The specializations of the program that decodes (a disaggregated pair's decode program)."""
-    return generator.deployment.decode_specializations(generator.language)
-
-
-def compiled_full_batch_size(specializations: Sequence[Mapping[str, int]] | None) -> int:
-    """The ``full_batch_size`` of compiled language specializations.
-
-    Raises:
-        UserError: None is recorded (a bare export: pass it), or several differ.
-    """
-    key = symbols.FULL_BATCH_SIZE
-    values = {int(s[key]) for s in specializations or () if key in s}
-    if len(values) != 1:
-        raise UserError(
-            "the language program's specializations record "
-            + ("no full_batch_size" if not values else f"several full_batch_size values {sorted(values)}")
-        )
-    return values.pop()
+    specializations = generator.deployment.decode_specializations(generator.language) or ()
+    return {int(entry[key]) for entry in specializations if key in entry}

@@ -22,8 +22,8 @@ from qeff_vision.contract.full_kv import keeps_full_kv
 from qeff_vision.contract.language_io import SLOT_ROLES, Role
 from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.continuation import Continuation
-from qeff_vision.runtime.decoding import TokenDecoding
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment
 from qeff_vision.runtime.device_sampler import RequestDraws, program_sampler
 from qeff_vision.runtime.embedding_cache import EmbeddingCache, feed_chunks
@@ -35,19 +35,20 @@ from qeff_vision.runtime.planner import Chunk, ChunkPlan, VisionProtocol, plan_c
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import segments_after, unpositioned_caches
-from qeff_vision.runtime.sampling import SamplingParams
 from qeff_vision.runtime.session import OnnxProgram
 from qeff_vision.spec.deployment import DUAL
 
 DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
-class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
+class Generator(ImageEncoding, PrefixKeeping):
     """Runs prompts through a vision program and a language program with the chunk protocol.
 
-    Its vision half is :class:`~qeff_vision.runtime.image_encoding.ImageEncoding`, its decode half
-    (one-token calls after the prompt) :class:`~qeff_vision.runtime.decoding.TokenDecoding`, the
-    prefix a conversation keeps between turns :class:`~qeff_vision.runtime.kept_prefix.PrefixKeeping`.
+    Its vision half is :class:`~qeff_vision.runtime.image_encoding.ImageEncoding`, the prefix a
+    conversation keeps between turns :class:`~qeff_vision.runtime.kept_prefix.PrefixKeeping`. After
+    the prompt, each decode call feeds one token at its position and takes no image row (a
+    seq_len-1 call merges none), so a placeholder id the model generates keeps its token
+    embedding, as in transformers; the engine makes the calls, one row per slot.
 
     Args:
         checkpoint: The checkpoint the programs were exported from (config, family, end ids).
@@ -220,13 +221,22 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             self.ccl_history.append(ccl)
-        feeds = self._with_kv_slot(feeds)
-        retained = self.io.retained_outputs()
         if in_place and past:
-            return self.language.run_retained(feeds, past, retained)
-        outputs = self.language.run({**feeds, **past})
-        for name in past:
-            past[name] = outputs[retained[name]]
+            return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
+        return self._run(feeds, past)
+
+    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One language call; ``past``'s entries are replaced by the returned caches.
+
+        A device keeps retained inputs resident: what ``past`` sent is dropped from it (sent once).
+        """
+        outputs = self.language.run({**self._with_kv_slot(feeds), **past})
+        retained = self.io.retained_outputs()
+        for name in list(past):
+            if self.language.retains_state:
+                del past[name]  # resident on the device from now on
+            else:
+                past[name] = outputs[retained[name]]
         return outputs
 
     def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -239,6 +249,56 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             batch = feeds[self.io.name(Role.TOKEN_IDS)].shape[0]
             feeds = {**feeds, self.io.name(Role.KV_SLOT): np.zeros((batch, 1), np.int64)}
         return feeds
+
+    def feed_token(
+        self,
+        token: int,
+        position: np.ndarray,
+        past: dict[str, np.ndarray],
+        extra: Mapping[Role, np.ndarray] | None = None,
+        draws: RequestDraws | None = None,
+    ) -> dict:
+        """One decode-shaped :meth:`step` of one sequence: ``token`` at ``position``, taking no image row.
+
+        A seq_len-1 step merges no row (:func:`qeff_vision.export.decoder.vision_row_index`), so a
+        placeholder id the model generated keeps its token embedding, as in transformers.
+
+        Args:
+            token: The token fed (the last one generated).
+            position: Its position ids
+                (:meth:`~qeff_vision.families.host.Host.decode_positions`).
+            past: The sequence's batch-1 KV cache, updated by the call.
+            extra: Further inputs of every decode step by role (:meth:`decode_extra`).
+            draws: The sequence's request draws, for a program with the on-device sampler.
+
+        Returns:
+            The program's outputs by name; the next token's logits are ``[0, -1]`` of the logits.
+        """
+        feeds = self.decode_step_feeds(np.array([[token]], dtype=np.int64), position, extra)
+        return self.step(self.with_sampler_inputs(feeds, [draws]), past)
+
+    def decode_step_feeds(
+        self, token_ids: np.ndarray, positions: np.ndarray, extra: Mapping[Role, Any] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Inputs of a decode-shaped call (seq_len 1, one row per sequence), the KV cache excluded.
+
+        ``image_idx`` points past the decode rows (the call merges none); the decode rows are
+        zeros sent on onnxruntime only (a device keeps the last chunk's vision_embeds resident).
+        ``extra`` adds inputs by role (a cross-attention family's mask row).
+        """
+        by_role = {
+            Role.TOKEN_IDS: token_ids,
+            Role.POSITIONS: positions,
+            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
+        }
+        if not self.language.retains_state:
+            by_role[Role.VISION_ROWS] = self.decode_vision_feeds()
+        by_role.update(extra or {})
+        return self.io.feeds(by_role)
+
+    def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
+        """Inputs by role every decode step of this request adds, one row (none for this kind)."""
+        return {}
 
     def check_fits(self, length: int, max_new_tokens: int, used: int = 0) -> None:
         """Raise :class:`UserError` unless ``used`` KV slots, ``length`` prompt and the new tokens fit.
@@ -337,7 +397,7 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
             keep_prefix: ``processed`` is the whole conversation: prefill only what follows the
                 prefix the program holds from the last such call (:mod:`~qeff_vision.runtime.kept_prefix`),
                 and record what it holds after this one.
-            sampling: How tokens are chosen (:class:`~qeff_vision.runtime.sampling.SamplingParams`;
+            sampling: How tokens are chosen (:class:`~qeff_vision.inputs.sampling_params.SamplingParams`;
                 greedy when None).
 
         Raises:
@@ -367,16 +427,27 @@ class Generator(ImageEncoding, TokenDecoding, PrefixKeeping):
         self, chunk: Chunk, vision_embeds: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
         """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller)."""
-        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-        token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
         return self.io.feeds(
             {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+                **self._chunk_tokens(chunk, input_ids, positions),
                 Role.VISION_ROWS: self._vision_feeds_of_rows(vision_embeds),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
         )
+
+    def _chunk_tokens(
+        self, chunk: Chunk, input_ids: np.ndarray, positions: np.ndarray
+    ) -> dict[Role, np.ndarray]:
+        """A chunk's token ids and position ids, padded to its ``seq_len`` (padding at position -1).
+
+        ``input_ids`` and ``positions`` start where the plan does (after a kept prefix).
+        """
+        token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
+        token_ids[0, : chunk.tokens] = input_ids[chunk.token_slice]
+        return {
+            Role.TOKEN_IDS: token_ids,
+            Role.POSITIONS: self._positions(positions, chunk.start, chunk.stop, chunk.seq_len),
+        }
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """One call per prefill chunk of ``request`` (its tokens after a kept prefix).

@@ -117,9 +117,9 @@ class Chunk:
     image_idx: int
     images: tuple[int, ...]
     pieces: tuple[ImagePiece, ...]
-    first_use: tuple[int, ...]
-    last_use: tuple[int, ...]
     end: ChunkEnd
+    first_use: tuple[int, ...] = ()
+    last_use: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -322,12 +322,8 @@ def _check_images_fit(
         if allow_split and segment.divisible:
             continue
         tokens = segment.stop - segment.start
-        if not any(
-            bucket.seq_len >= tokens and (not per_chunk_rows or bucket.vision_size >= segment.rows)
-            for bucket in buckets
-        ):
-            need = f"seq_len >= {tokens}" + (f" and vision_size >= {segment.rows}" if per_chunk_rows else "")
-            compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+        need = _missing_bucket(buckets, tokens, segment.rows, per_chunk_rows)
+        if need:
             why = (
                 "its tokens and rows differ, so it is never split"
                 if allow_split
@@ -335,7 +331,7 @@ def _check_images_fit(
             )
             raise PlanError(
                 f"{segment.modality} {number} has {tokens} tokens ({segment.rows} rows), more than any "
-                f"prefill bucket holds (seq_len/vision_size: {compiled}); {why}: compile a bucket with {need}"
+                f"prefill bucket holds {need[0]}; {why}: compile a bucket with {need[1]}"
             )
 
 
@@ -344,17 +340,24 @@ def _check_groups_fit(
 ) -> None:
     """Joined segments (one chunk for several images) need one bucket for all their tokens (and rows)."""
     for start, stop, rows in placeholders.groups:
-        if not any(
-            bucket.seq_len >= stop - start and (not per_chunk_rows or bucket.vision_size >= rows)
-            for bucket in buckets
-        ):
-            need = f"seq_len >= {stop - start}" + (f" and vision_size >= {rows}" if per_chunk_rows else "")
-            compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+        need = _missing_bucket(buckets, stop - start, rows, per_chunk_rows)
+        if need:
             raise PlanError(
                 f"the images at tokens [{start}, {stop}) attend to each other and share one chunk, "
-                f"more than any prefill bucket holds (seq_len/vision_size: {compiled}): compile a "
-                f"bucket with {need}"
+                f"more than any prefill bucket holds {need[0]}: compile a bucket with {need[1]}"
             )
+
+
+def _missing_bucket(
+    buckets: Sequence[PrefillBucket], tokens: int, rows: int, per_chunk_rows: bool
+) -> tuple[str, str] | None:
+    """None when a bucket holds ``tokens`` (and ``rows``); else (the compiled buckets, what is needed)."""
+    if any(b.seq_len >= tokens and (not per_chunk_rows or b.vision_size >= rows) for b in buckets):
+        return None
+    compiled = ", ".join(f"{b.seq_len}/{b.vision_size}" for b in buckets)
+    return f"(seq_len/vision_size: {compiled})", f"seq_len >= {tokens}" + (
+        f" and vision_size >= {rows}" if per_chunk_rows else ""
+    )
 
 
 def plan_chunks(
@@ -391,20 +394,20 @@ def plan_chunks(
     except ValueError as exc:
         choices = ", ".join(p.value for p in VisionProtocol)
         raise PlanError(f"unknown vision protocol {protocol!r}; expected one of {choices}") from exc
+    segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
+    unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
+    all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
+    _validate(prompt_len, segments, all_buckets)
     if prefill_stop is not None and max(prefill_stop, 0) < prompt_len:
         return _with_decode_tail(
             prompt_len,
             segments,
-            buckets,
+            all_buckets,
             allow_image_split,
             protocol,
             max(prefill_stop, 0),
             decode_vision_size,
         )
-    segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
-    unique = {PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets}
-    all_buckets = sorted(unique, key=lambda b: (b.seq_len, b.vision_size))
-    _validate(prompt_len, segments, all_buckets)
     placeholders = _Placeholders(segments, prompt_len)
     total_rows = placeholders.offsets[-1]
     per_chunk_rows = protocol is VisionProtocol.CHUNK
@@ -456,8 +459,6 @@ def plan_chunks(
                 image_idx=image_idx,
                 images=images,
                 pieces=pieces,
-                first_use=(),
-                last_use=(),
                 end=end,
             )
         )
@@ -467,16 +468,14 @@ def plan_chunks(
 
 def _with_decode_tail(
     prompt_len: int,
-    segments: Sequence[Segment | tuple[int, int]],
-    buckets: Sequence[PrefillBucket | tuple[int, int]],
+    segments: tuple[Segment, ...],
+    buckets: Sequence[PrefillBucket],
     allow_image_split: bool,
     protocol: VisionProtocol,
     prefill_stop: int,
     decode_vision_size: int,
 ) -> ChunkPlan:
     """The plan of [0, ``prefill_stop``), then one decode-shaped chunk per later token (no rows)."""
-    segments = tuple(Segment(*segment) if isinstance(segment, tuple) else segment for segment in segments)
-    _validate(prompt_len, segments, [PrefillBucket(*b) if isinstance(b, tuple) else b for b in buckets])
     late = [number for number, segment in enumerate(segments) if segment.stop > prefill_stop]
     if late:
         segment = segments[late[0]]
@@ -508,8 +507,6 @@ def _with_decode_tail(
                 image_idx=image_idx,
                 images=(),
                 pieces=(),
-                first_use=(),
-                last_use=(),
                 end=ChunkEnd.DECODE_SHAPED,
             )
         )

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
+from qeff_vision.inputs.sampling_params import SamplingParams
 from qeff_vision.runtime.continuation import Continuation, continued_positions
 from qeff_vision.runtime.device_sampler import RequestDraws, pick
 from qeff_vision.runtime.planner import Chunk, ChunkPlan
 from qeff_vision.runtime.results import ChunkRecord
 from qeff_vision.runtime.retained_prefix import Resume
-from qeff_vision.runtime.sampling import SamplingParams, TokenSampler
+from qeff_vision.runtime.sampling import TokenSampler
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -88,41 +88,6 @@ class GenerationResult:
     served: list[str] = field(default_factory=list)
     vision_input: str = "vision_embeds"
 
-    def summary(self) -> dict:
-        """The reply, its token ids and the counts ``run`` reports, as JSON values (``run --json``)."""
-        return {
-            "text": self.text,
-            "token_ids": [int(token) for token in self.tokens],
-            "prompt_tokens": self.prompt_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "images": self.images,
-            "image_rows": self.image_rows,
-            "protocol": self.protocol,
-            "chunks": [
-                {
-                    "tokens": chunk.tokens,
-                    "seq_len": chunk.seq_len,
-                    "rows": chunk.rows,
-                    "vision_size": chunk.vision_size,
-                    "vision_bytes": chunk.vision_bytes,
-                    "images_encoded": chunk.images_encoded,
-                    "encode_ms": chunk.encode_seconds * 1e3,
-                    "prefill_ms": chunk.seconds * 1e3,
-                }
-                for chunk in self.chunks
-            ],
-            "encoder_calls": self.encoder_calls,
-            "images_encoded": self.images_encoded,
-            "cache_hits": self.cache_hits,
-            "vision_bytes": self.vision_bytes,
-            "vision_input": self.vision_input,
-            "ttft_ms": self.ttft * 1e3,
-            "decode_ms": self.decode_seconds * 1e3,
-            "decode_tokens_per_second": self.decode_tokens_per_second,
-            "notes": list(self.notes),
-            "served": list(self.served),
-        }
-
     @property
     def decode_tokens_per_second(self) -> float:
         """Generated tokens after the first, per second of decode."""

@@ -181,7 +181,7 @@ class OnnxProgram(CompiledProgram):
         mx=None,
     ):
         from qeff_vision.numerics.device import device_session, session_for
-        from qeff_vision.runtime.ort_graph import prepared_for_onnxruntime
+        from qeff_vision.numerics.ort_graph import prepared_for_onnxruntime
 
         super().__init__()
         try:

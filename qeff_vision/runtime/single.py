@@ -27,20 +27,16 @@ from typing import Any
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.generator import Generator
-from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol, plan_chunks
+from qeff_vision.runtime.planner import ChunkPlan, VisionProtocol
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
-from qeff_vision.runtime.retained_prefix import segments_after, served_notes
+from qeff_vision.runtime.retained_prefix import served_notes
 from qeff_vision.runtime.single_io import (  # noqa: F401 - batched_images re-exported
-    EncoderCount,
     EncoderInside,
     batched_images,
     image_groups,
     placeholder_feeds,
-    single_image_inputs,
 )
-from qeff_vision.spec.deployment import SINGLE
 
 
 class SingleGenerator(EncoderInside, Generator):
@@ -54,16 +50,18 @@ class SingleGenerator(EncoderInside, Generator):
         **kwargs: :class:`Generator`'s keyword arguments.
     """
 
-    def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
-        self.encoder = EncoderCount()
-        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
-        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
-        #: The composed graph's image inputs (the vision graph's), with their axes.
-        self.image_inputs = single_image_inputs(program, self.io.input_names)
-        self.vision_input = " + ".join(self.image_inputs)  # pixels, not embedding rows
-        #: The retained row buffers (``vision_embeds`` and any stacked rows, Qwen3-VL's deepstack).
-        self._row_inputs = self.io.rows(Role.VISION_ROWS)
-        self._buffers: dict[str, np.ndarray] | None = None
+    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
+        """:meth:`Generator.empty_cache` plus the retained row buffers (onnxruntime; a device keeps them).
+
+        ``vision_embeds`` (and any stacked rows, Qwen3-VL's deepstack) is retained state like a KV
+        cache: a call's feeds take it from the cache and the call returns it there, so a kept
+        prefix holds its images' rows with its KV.
+        """
+        past = super().empty_cache(slots)
+        if not self.language.retains_state:
+            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
+            past.update(self._vision_feeds_of_rows(zeros))
+        return past
 
     def plan(
         self,
@@ -77,63 +75,17 @@ class SingleGenerator(EncoderInside, Generator):
 
         ``image_idx`` is the running count of the prefilled part's placeholders, whose images are
         the ones the first chunk encodes (written at the buffer's front). Every token prefills
-        (``positions`` unused): a prompt past the last prefill CCL is refused by ``check_fits``.
+        (:attr:`decode_shaped_tail` off): a prompt past the last prefill CCL is refused by ``check_fits``.
         """
-        segments = segments_after(self.host.segments({**processed, "input_ids": input_ids}), start)
-        return plan_chunks(
-            len(input_ids) - start,
-            segments,
-            self.shape.buckets,
-            allow_image_split=self.family.splits_images(self.checkpoint.description),
-            protocol=VisionProtocol.FULL,
-        )
+        return super().plan(input_ids, processed, VisionProtocol.FULL, start, positions)
 
     def served_notes(self, request: RequestState) -> list[str]:
         """Per image: held from an earlier turn, or encoded inside the program (never a cache)."""
         kept = request.resume.images
         return served_notes(kept + len(request.images), kept, "KV")
 
-    def _placeholder(self) -> dict[str, np.ndarray]:
-        """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
-        return placeholder_feeds(self.language, self.image_inputs)
-
-    def _rows_feed(self) -> dict[Role, dict[str, np.ndarray]]:
-        """The retained buffers on onnxruntime, by name (a device keeps them resident)."""
-        if self.language.retains_state:
-            return {}
-        if self._buffers is None:
-            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
-            self._buffers = self._vision_feeds_of_rows(zeros)
-        return {Role.VISION_ROWS: self._buffers}
-
     def _call_feeds(self, by_role: dict, images: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {**self.io.feeds({**by_role, **self._rows_feed()}), **images}
-
-    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
-        """A decode call: the retained rows (onnxruntime) and the keep placeholder; no encoder."""
-        by_role = {
-            Role.TOKEN_IDS: token_ids,
-            Role.POSITIONS: positions,
-            Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
-            **self._rows_feed(),
-            **(extra or {}),
-        }
-        return {**self.io.feeds(by_role), **self._placeholder()}
-
-    def step(self, feeds, past, in_place=False):
-        """:meth:`Generator.step` with the retained rows as the last call left them (onnxruntime).
-
-        The rows are read at the call, so feeds made before an earlier call (a prompt's encode
-        calls) take that call's rows too.
-        """
-        if not self.language.retains_state and self._buffers is not None:
-            feeds = {**feeds, **{name: rows for name, rows in self._buffers.items() if name in feeds}}
-        outputs = super().step(feeds, past, in_place)
-        if not self.language.retains_state and self._buffers is not None:
-            for row in self._row_inputs:
-                if row.name in feeds:
-                    self._buffers[row.name] = outputs[self.io.output_of(row)]
-        return outputs
+        return {**self.io.feeds(by_role), **images}
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """Every chunk of the plan (after the kept prefix); the first encodes the images after it.
@@ -148,8 +100,8 @@ class SingleGenerator(EncoderInside, Generator):
         wrote them (a Gated DeltaNet state would advance twice). Images whose output is padded are
         all encoded there, in row order, and the first chunk then runs as a keep call.
         """
-        start, kept, processed = request.start, request.resume.images, request.processed
-        plan, input_ids, positions = request.plan, request.input_ids, request.positions
+        kept, processed, plan = request.resume.images, request.processed, request.plan
+        input_ids, positions = request.input_ids[request.start :], request.positions[..., request.start :]
         images, _ = self._prepare_images(processed, request.prepared) if plan.segments else ([], {})
         request.images = images = images[kept:] if plan.segments else []
         # The planner already refused a prompt whose new rows exceed the buffer (every bucket's V).
@@ -162,13 +114,8 @@ class SingleGenerator(EncoderInside, Generator):
         pending = groups[0][1] if groups else None
         pixel_bytes = sum(array.nbytes for _, feeds in groups for array in feeds.values())
         for chunk in plan.chunks:
-            token_ids = np.zeros((1, chunk.seq_len), dtype=np.int64)
-            token_ids[0, : chunk.tokens] = input_ids[start + chunk.start : start + chunk.stop]
             by_role = {
-                Role.TOKEN_IDS: token_ids,
-                Role.POSITIONS: self._positions(
-                    positions, start + chunk.start, start + chunk.stop, chunk.seq_len
-                ),
+                **self._chunk_tokens(chunk, input_ids, positions),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
             if pending is None:

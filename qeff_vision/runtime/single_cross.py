@@ -26,25 +26,21 @@ encodes each image of a conversation once, counted by
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.runtime.cross_attention import CrossAttentionGenerator
-from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.kept_prefix import PrefixKeeping
 from qeff_vision.runtime.request_state import ChunkCall, RequestState
 from qeff_vision.runtime.results import GenerationResult
 from qeff_vision.runtime.retained_prefix import HeldPrefix, Resume, image_set_resume, served_notes
 from qeff_vision.runtime.single_io import (
-    EncoderCount,
     EncoderInside,
     batched_images,
-    placeholder_feeds,
-    single_image_inputs,
 )
-from qeff_vision.spec.deployment import SINGLE
 
 SLOT = symbols.FIRST_IMAGE_SLOT
 
@@ -71,29 +67,23 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
         image_slots: int | None = None,
         **kwargs: Any,
     ):
-        self.encoder = EncoderCount()
-        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
-        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
+        super().__init__(checkpoint, program, shape, cache, **kwargs)
         if image_slots is not None:
             self.image_slots = image_slots
-        #: The composed graph's image inputs (pixels, aspect-ratio ids and mask), with their axes.
-        self.image_inputs = single_image_inputs(program, self.io.input_names)
-        self.image_inputs.pop(SLOT, None)  # fed beside the images, not batched per image
-        self.vision_input = " + ".join(self.image_inputs)
-        #: The cross K/V the program retains between calls (onnxruntime; a device keeps them).
-        self._retained: dict[str, np.ndarray] = {}
 
     def kept_resume(self, resume: Resume, held: HeldPrefix | None, keys) -> Resume:
         """A prefix kept only while the prompt's images are the held ones; the leading held images stay.
 
         Only the images after the kept ones are encoded, into the next slots (a changed image set
-        still keeps the leading held images in their slots).
+        still keeps the leading held images in their slots: the held cross K/V are restored, on
+        onnxruntime; a device keeps them resident).
         """
-        return image_set_resume(resume, held, keys)
-
-    def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
-        """A fresh cache with the cross K/V the program retains and the kept prefix's caches."""
-        return {**self.empty_cache(), **self._retained_feeds(), **request.resume.restore}
+        resume = image_set_resume(resume, held, keys)
+        if resume.images and not resume.start:
+            return replace(
+                resume, restore={name: held.past[name] for name in self.cross_names if name in held.past}
+            )
+        return resume
 
     def request_chunks(self, request: RequestState) -> Iterator[ChunkCall]:
         """The prompt's chunks after the kept prefix; the first sends the images after the kept ones.
@@ -131,37 +121,6 @@ class SingleCrossGenerator(EncoderInside, CrossAttentionGenerator):
             )
         return result
 
-    def _retained_feeds(self) -> dict[str, np.ndarray]:
-        """The cross K/V last returned (zeros before the first call); none on a device."""
-        if self.language.retains_state:
-            return {}
-        if not self._retained:
-            cache = self.empty_cache()
-            self._retained = {name: cache[name] for name in self.cross_names if name in cache}
-        return dict(self._retained)
-
-    def empty_cache(self, slots: int = 1) -> dict[str, np.ndarray]:
-        """:meth:`CrossAttentionGenerator.empty_cache`, without the cross K/V on a device (resident)."""
-        past = super().empty_cache(slots)
-        if self.language.retains_state:
-            for name in self.cross_names:
-                past.pop(name, None)
-        return past
-
     def _placeholder(self) -> dict[str, np.ndarray]:
         """The keep specializations' image inputs (the slot unread there: 0)."""
-        return {
-            **placeholder_feeds(self.language, self.image_inputs),
-            SLOT: np.zeros(1, np.int64),
-        }
-
-    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
-        """A decode call: tokens, positions, the mask row and the keep placeholder; no encoder."""
-        feeds = super().decode_step_feeds(token_ids, positions, extra)
-        return {**feeds, **self._placeholder()}
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One program call; the returned cross K/V are kept for the next prompt (onnxruntime)."""
-        outputs = super()._run(feeds, past)
-        self._retained = {name: past[name] for name in self.cross_names if name in past}
-        return outputs
+        return {**super()._placeholder(), SLOT: np.zeros(1, np.int64)}

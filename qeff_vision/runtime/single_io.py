@@ -1,10 +1,10 @@
 """The composed single program's image inputs, as the host sends them (no runner state).
 
 What both single-program runners (:mod:`qeff_vision.runtime.single`,
-:mod:`qeff_vision.runtime.single_cross`) and the artifacts reader share: the encode entries'
-image symbols, the image inputs and their keep placeholder, one batch per encode call, and the
-count of encoder runs inside the program, and what both runners do alike with the conversation
-the program holds (:class:`EncoderInside`). See :mod:`qeff_vision.runtime.single` for the protocol.
+:mod:`qeff_vision.runtime.single_cross`) share: the image inputs and their keep placeholder,
+one batch per encode call, the count of encoder runs inside the program, and what both runners
+do alike with the conversation the program holds (:class:`EncoderInside`).
+See :mod:`qeff_vision.runtime.single` for the protocol.
 """
 
 from __future__ import annotations
@@ -17,46 +17,14 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.contract.deployment_programs import KEEP_SIDE
 from qeff_vision.errors import UserError
+from qeff_vision.runtime.deployment import DEPLOYMENTS
 from qeff_vision.runtime.session import CompiledProgram
-from qeff_vision.spec.table import LANGUAGE_SYMBOLS
-from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
+from qeff_vision.spec.deployment import SINGLE
+from qeff_vision.symbols import NUM_IMAGES
 
 if TYPE_CHECKING:
     from qeff_vision.runtime.request_state import RequestState
     from qeff_vision.runtime.retained_prefix import Resume
-
-
-def image_specializations(specializations, family: Any = None) -> tuple[dict[str, int], ...]:
-    """The image symbols of a single program's encode entries, named as the vision program's.
-
-    ``num_images`` is the vision graph's image count (``family.vision_images_symbol``); keep
-    entries (every image symbol 1) and duplicates are dropped. With ``family``, only symbols of
-    its vision inputs count (mllama's entries also bind the mask's ``max_num_images`` and the
-    K/V's ``cross_states``, both language symbols there). What the image fitter checks a
-    resolution against.
-    """
-    count = family.vision_images_symbol if family is not None else symbols.BATCH_SIZE
-    wanted = None
-    if family is not None:
-        on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
-        wanted = (on_inputs - {count}) | {NUM_IMAGES, PIXEL_SIDE}
-    found: list[dict[str, int]] = []
-    for entry in specializations:
-        images = {
-            name: value
-            for name, value in entry.items()
-            if name not in LANGUAGE_SYMBOLS and (wanted is None or name in wanted)
-        }
-        if not images or all(value == KEEP_SIDE for name, value in images.items() if name != NUM_IMAGES):
-            continue
-        vision = {
-            (count if name == NUM_IMAGES else name): value
-            for name, value in images.items()
-            if name != PIXEL_SIDE
-        }
-        if vision not in found:
-            found.append(vision)
-    return tuple(found)
 
 
 def single_image_inputs(program: CompiledProgram, language_inputs: Any) -> dict[str, list]:
@@ -187,6 +155,17 @@ class EncoderInside:
 
     #: What a prompt is to this runner: the whole conversation the program holds.
     prompt_kind = "conversation"
+    #: Every token prefills (the plan has no decode-shaped tail past the last prefill CCL).
+    decode_shaped_tail = False
+
+    def __init__(self, checkpoint: Any, program: Any, shape: Any, cache: Any = None, **kwargs: Any):
+        self.encoder = EncoderCount()
+        kwargs.setdefault("deployment", DEPLOYMENTS[SINGLE])  # the batched engine refuses it
+        super().__init__(checkpoint, self.encoder, program, shape, cache, **kwargs)
+        #: The composed graph's image inputs (the vision graph's), with their axes.
+        self.image_inputs = single_image_inputs(program, self.io.input_names)
+        self.image_inputs.pop(symbols.FIRST_IMAGE_SLOT, None)  # mllama's: fed beside the images
+        self.vision_input = " + ".join(self.image_inputs)  # pixels, not embedding rows
 
     def begin(self, request: RequestState) -> Resume:
         """The decoder kind's :meth:`begin`, after refusing a history."""
@@ -195,6 +174,18 @@ class EncoderInside:
                 "deployment single continues a conversation from the prompt it holds; pass no history"
             )
         return super().begin(request)
+
+    def _placeholder(self) -> dict[str, np.ndarray]:
+        """The keep specializations' image inputs (see :func:`placeholder_feeds`)."""
+        return placeholder_feeds(self.language, self.image_inputs)
+
+    def decode_step_feeds(self, token_ids, positions, extra=None) -> dict[str, np.ndarray]:
+        """The decoder kind's decode call with the keep placeholder: no encoder runs.
+
+        Vision rows among them (token-merge, onnxruntime) are replaced at the call by the ones
+        the slot cache holds (:meth:`~qeff_vision.runtime.single.SingleGenerator.empty_cache`).
+        """
+        return {**super().decode_step_feeds(token_ids, positions, extra), **self._placeholder()}
 
     def keeps_prefix(self, request: RequestState) -> bool:
         """Always: the program holds what it was fed."""

@@ -4,7 +4,7 @@ Keys: ``prompt`` (the user's text, required), ``images`` (image paths, possibly 
 paths are relative to the file), ``max_new_tokens`` (a positive integer; the command's
 ``--max-new-tokens`` when absent) and ``arrival_step`` (the engine step at which the request
 arrives, a non-negative integer; 0 when absent), and the sampling parameters of
-:class:`~qeff_vision.runtime.sampling.SamplingParams` under vLLM's names (``temperature``,
+:class:`~qeff_vision.inputs.sampling_params.SamplingParams` under vLLM's names (``temperature``,
 ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``presence_penalty``, ``seed``), each
 overriding the command's value for that request. Blank lines are skipped. Any other key, a wrong
 type or value, or a missing image file is a user error naming the file and line.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qeff_vision.errors import UserError
-from qeff_vision.runtime.sampling import GREEDY, SamplingParams
+from qeff_vision.inputs.sampling_params import GREEDY, SamplingParams
 
 SAMPLING_KEYS = SamplingParams.names()
 KEYS = ("prompt", "images", "max_new_tokens", "arrival_step", *SAMPLING_KEYS)

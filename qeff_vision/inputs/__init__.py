@@ -1,0 +1,1 @@
+"""What a user hands the runtime: prompts rendered and processed, request files, sampling parameters."""
