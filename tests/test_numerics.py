@@ -216,6 +216,8 @@ def test_device_session_hands_onnxruntime_the_rounded_weights_with_the_same_outp
     ours, theirs = session.run(None, feed)[0], folded.run(None, feed)[0]
     assert np.array_equal(ours, theirs, equal_nan=True)
     assert not np.isfinite(ours[2]).all() and np.isfinite(ours[:2]).all()
+
+
 def test_a_session_on_large_weights_runs_without_the_arena(tmp_path, monkeypatch):
     """session_for keeps onnxruntime's CPU arena for a graph whose weights fit ARENA_WEIGHT_BYTES and
     drops it above (weight-sized values stay in an arena at its grown size: Kimi-K2.5's real-width
