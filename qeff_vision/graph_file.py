@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 
@@ -88,3 +90,36 @@ def load_graph(path: str | Path) -> onnx.ModelProto:
     model = onnx.load(str(path), load_external_data=False)
     inline_attributes(model, path.parent)
     return model
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of every initializer of ``model`` (external data read from its metadata only)."""
+    return sum(tensor_bytes(tensor) for tensor in model.graph.initializer)
+
+
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of one initializer's value, from its external-data length when stored outside."""
+    for entry in tensor.external_data:
+        if entry.key == "length":
+            return int(entry.value)
+    if tensor.raw_data:
+        return len(tensor.raw_data)
+    count = int(np.prod(tensor.dims)) if tensor.dims else 1
+    return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
+
+def initializer_array(tensor: onnx.TensorProto, model_dir: str | Path) -> np.ndarray:
+    """An initializer's value as a new writable array; external data is read straight from its file.
+
+    Reading the file region directly holds the value once (loading it into the ``TensorProto``
+    first would hold its bytes and the array side by side).
+    """
+    shape = tuple(tensor.dims)
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor).copy().reshape(shape)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
+    count = int(np.prod(shape, dtype=np.int64))
+    offset = int(info.get("offset", 0))
+    path = Path(model_dir) / info["location"]
+    return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)

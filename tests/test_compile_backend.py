@@ -155,6 +155,7 @@ def test_a_graph_larger_than_a_slice_is_verified_slice_by_slice(exported, monkey
     quarter of them (real widths: Mistral 3's 4.7 GB language graph verifies within the memory
     of one slice's weights and its activations instead of three copies of the whole graph).
     """
+    from qeff_vision import graph_file
     from qeff_vision.graph_file import load_graph
     from qeff_vision.numerics import recording
     from qeff_vision.numerics.device import MxEmulation
@@ -177,7 +178,7 @@ def test_a_graph_larger_than_a_slice_is_verified_slice_by_slice(exported, monkey
         slices.append(len(self.slices))
         return run(self, feeds)
 
-    monkeypatch.setattr(recording, "DEFAULT_SLICE_BYTES", recording.weight_bytes(model) // 4)
+    monkeypatch.setattr(recording, "DEFAULT_SLICE_BYTES", graph_file.weight_bytes(model) // 4)
     monkeypatch.setattr(recording.SlicedRecorder, "run", counted)
     sliced = verify()
     assert len(slices) == 3 * len(specializations) and min(slices) >= 4  # fp32, fp16, MX

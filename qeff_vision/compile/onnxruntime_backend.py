@@ -346,8 +346,9 @@ class _GraphRunner:
     """
 
     def __init__(self, model, model_dir: Path, names: Sequence[str], weights=None):
+        from qeff_vision.graph_file import weight_bytes
         from qeff_vision.numerics.device import session_for, value_types
-        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder, weight_bytes
+        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder
 
         self.names = list(names)
         self.session = self.recorder = None
@@ -375,8 +376,8 @@ def _fp32_runner(onnx_path: Path, names: Sequence[str]):
     """
     import onnxruntime
 
-    from qeff_vision.graph_file import load_graph
-    from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, weight_bytes
+    from qeff_vision.graph_file import load_graph, weight_bytes
+    from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES
 
     model = load_graph(onnx_path)
     if weight_bytes(model) > DEFAULT_SLICE_BYTES:

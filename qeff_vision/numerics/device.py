@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
-from qeff_vision.graph_file import load_graph
+from qeff_vision.graph_file import initializer_array, load_graph, weight_bytes
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -186,12 +186,6 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
 ARENA_WEIGHT_BYTES = 512 * 2**20
 
 
-def _weight_bytes(model: onnx.ModelProto) -> int:
-    from qeff_vision.numerics.recording import weight_bytes  # recording builds on this module
-
-    return weight_bytes(model)
-
-
 def session_for(
     model: onnx.ModelProto,
     model_dir: Path,
@@ -215,7 +209,7 @@ def session_for(
     import onnxruntime as ort
 
     if arena is None:
-        arena = _weight_bytes(model) <= ARENA_WEIGHT_BYTES
+        arena = weight_bytes(model) <= ARENA_WEIGHT_BYTES
     options = ort.SessionOptions()
     if in_graph_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
@@ -333,25 +327,11 @@ def fp16_rounded_weights(
     weights = {}
     for tensor in model.graph.initializer:
         if tensor.name in wanted:
-            array = _float_tensor(tensor, model_dir)
+            array = initializer_array(tensor, model_dir).astype(np.float32, copy=False)
             with np.errstate(over="ignore"):
                 array[...] = array.astype(np.float16)
             weights[tensor.name] = array
     return weights
-
-
-def _float_tensor(tensor: onnx.TensorProto, model_dir: Path) -> np.ndarray:
-    """A float32 initializer's value as a writable array (external data read straight from its file)."""
-    from onnx.external_data_helper import uses_external_data
-
-    shape = tuple(tensor.dims)
-    if not uses_external_data(tensor):
-        return numpy_helper.to_array(tensor).astype(np.float32, copy=True).reshape(shape)
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    count = int(np.prod(shape, dtype=np.int64))
-    offset = int(info.get("offset", 0))
-    array = np.fromfile(Path(model_dir) / info["location"], dtype="<f4", count=count, offset=offset)
-    return array.astype(np.float32, copy=False).reshape(shape)
 
 
 def _with_mx_state(graph: onnx.ModelProto, mx: MxEmulation | None) -> onnx.ModelProto:

@@ -24,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from qeff_vision.graph_file import initializer_array
+
 BLOCK = 32
 SCALE_EXPONENT_RANGE = (-127, 127)  # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
 
@@ -114,18 +116,12 @@ def rounded_weights(
     Each is read from its external data when rounded: a caller running the graph slice by slice
     asks for one slice's weights at a time.
     """
-    from onnx.external_data_helper import uses_external_data
-
     weights = {}
     by_name = {t.name: t for t in model.graph.initializer}
     for name, axis in matmul_weights(model).items():
         if names is not None and name not in names:
             continue
-        tensor = onnx.TensorProto()
-        tensor.CopyFrom(by_name[name])
-        if uses_external_data(tensor):
-            onnx.external_data_helper.load_external_data_for_tensor(tensor, str(model_dir))
-        weights[name] = mx_round(numpy_helper.to_array(tensor), element, axis=axis)
+        weights[name] = mx_round(initializer_array(by_name[name], model_dir), element, axis=axis)
     return weights
 
 

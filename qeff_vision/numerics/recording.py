@@ -39,6 +39,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from qeff_vision.fsutil import release_memory
+from qeff_vision.graph_file import tensor_bytes
 from qeff_vision.numerics.device import session_for
 
 # Initializer bytes per slice: a real-width decoder layer is a few slices, a tiny graph one.
@@ -121,7 +122,7 @@ class SlicedGraph:
         self.wanted = list(wanted)
         self.exposed: set[str] = set()
         self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
-        self.weight_bytes = {name: _tensor_bytes(tensor) for name, tensor in self.initializers.items()}
+        self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
         self.cuts = self._weight_cuts(slice_bytes)
         self.slices = self._slices()
 
@@ -266,21 +267,6 @@ def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
         return False
     target = next((attribute.i for attribute in node.attribute if attribute.name == "to"), None)
     return target is not None and types.get(node.input[0]) == target
-
-
-def weight_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of every initializer of ``model`` (external data read from its metadata only)."""
-    return sum(_tensor_bytes(tensor) for tensor in model.graph.initializer)
-
-
-def _tensor_bytes(tensor: onnx.TensorProto) -> int:
-    for entry in tensor.external_data:
-        if entry.key == "length":
-            return int(entry.value)
-    if tensor.raw_data:
-        return len(tensor.raw_data)
-    count = int(np.prod(tensor.dims)) if tensor.dims else 1
-    return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
 class SlicedRecorder:
