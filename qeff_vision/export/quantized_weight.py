@@ -54,9 +54,10 @@ class QuantizedWeight:
         if scale.dim() > 0:
             axis = self.axis % self.data.dim()
             if self.block_size:
-                scale = scale.repeat_interleave(self.block_size, dim=axis).narrow(axis, 0, values.shape[axis])
+                length = values.shape[axis]
+                scale = scale.repeat_interleave(self.block_size, dim=axis).narrow(axis, 0, length)
                 if zero is not None:
-                    zero = zero.repeat_interleave(self.block_size, dim=axis).narrow(axis, 0, values.shape[axis])
+                    zero = zero.repeat_interleave(self.block_size, dim=axis).narrow(axis, 0, length)
             else:
                 shape = [1] * values.dim()
                 shape[axis] = -1
