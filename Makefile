@@ -6,14 +6,14 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo test test-all test-realwidth test-vllm test-vllm-evs vllm-qaic-src lint golden clean
+.PHONY: install demo docs test test-all test-realwidth test-vllm test-vllm-evs vllm-qaic-src lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install --quiet --upgrade pip
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install --quiet -e '.[test]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip install --quiet -e '.[test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,13 +25,19 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(BIN)/qeff-vision specialize --check specs/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet -d $(CURDIR)/build/site-check
+
+# The documentation site (mkdocs.yml, sources under docs/; family and spec-key pages generated at
+# build time by tools/docs_site/hooks.py) into site/.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 test-all: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not realwidth" tests
 
 # Real-width tier (tests/test_real_width.py): every family's pinned config with every width kept and
 # only depth, vocabulary and experts cut, compiled with --backend onnxruntime and the default
-# precision plan and run against transformers, one process per family (cost in README).
+# precision plan and run against transformers, one process per family (cost in docs/guide/testing.md).
 test-realwidth: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py
 
@@ -43,7 +49,7 @@ golden: install
 	$(BIN)/qeff-vision specialize --update-golden specs/
 
 clean:
-	rm -rf $(DEMO_DIR) build *.egg-info
+	rm -rf $(DEMO_DIR) build site *.egg-info
 
 # Opt-in tier: the real vLLM 0.23.0 + Qualcomm's vllm-qaic plugin serving our onnxruntime-compiled
 # artifacts over the device-runtime stand-in (tests/device_double). VLLM_QAIC_SRC is a checkout of

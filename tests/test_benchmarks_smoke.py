@@ -1,11 +1,12 @@
-"""Every benchmark the README names runs as written from the repository root (issue 36 item 7).
+"""Every benchmark the docs name runs as written from the repository root (issue 36 item 7).
 
-The README's benchmark commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
+The benchmark commands of the documentation site's pages (docs/benchmarks/ and docs/guide/, where
+the README's benchmark narratives moved in issue 55) (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
 an inline code span or a code block) run in a subprocess from the repository root with
 ``--smoke`` appended: each benchmark's smallest arguments that still take every code path. Each
 must exit 0 and print a table. A benchmark that imports ``tests`` (or anything but the package and
 its sibling scripts) fails here as it fails for a user. Every ``benchmarks/*.py`` must be named in
-the README, and one the README names without a command runs as ``python benchmarks/NAME.py``.
+those pages, and one they name without a command runs as ``python benchmarks/NAME.py``.
 
 Cost: one subprocess per command, most of it exports of tiny checkpoints; ``slow`` (about 5 min
 on this 2-core machine), so ``make test-all`` runs it.
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+DOCS = REPO / "docs"
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
 
@@ -51,12 +52,18 @@ def readme_commands(text: str) -> list[tuple[str, str]]:
     return [(name, command) for command, name in found.items()]
 
 
+def docs_text() -> str:
+    """The benchmark and user-guide pages of the site, in path order, as one text."""
+    pages = sorted((DOCS / "benchmarks").glob("*.md")) + sorted((DOCS / "guide").glob("*.md"))
+    return "\n".join(page.read_text(encoding="utf-8") for page in pages)
+
+
 def benchmark_files() -> list[str]:
     return sorted(path.stem for path in (REPO / "benchmarks").glob("*.py"))
 
 
 def _cases() -> list[tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
+    text = docs_text()
     commands = readme_commands(text)
     named = {name for name, _ in commands}
     # Named without a command (only the path): run as the plain command.
@@ -82,10 +89,10 @@ def has_table(output: str) -> bool:
     return rows or ruled
 
 
-def test_every_benchmark_is_named_in_the_readme():
-    text = README.read_text(encoding="utf-8")
+def test_every_benchmark_is_named_in_the_docs():
+    text = docs_text()
     missing = [name for name in benchmark_files() if f"benchmarks/{name}.py" not in text]
-    assert not missing, f"benchmarks not named in README.md: {missing}"
+    assert not missing, f"benchmarks not named in docs/benchmarks or docs/guide: {missing}"
 
 
 def test_readme_commands_are_found():
