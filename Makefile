@@ -42,8 +42,8 @@ test-realwidth: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py
 
 lint: install
-	$(BIN)/ruff check qeff_vision tests benchmarks
-	$(BIN)/ruff format --check qeff_vision tests benchmarks
+	$(BIN)/ruff check qeff_vision tests benchmarks tools
+	$(BIN)/ruff format --check qeff_vision tests benchmarks tools
 
 golden: install
 	$(BIN)/qeff-vision specialize --update-golden specs/

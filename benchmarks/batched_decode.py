@@ -36,6 +36,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
+
 FAMILY = "qwen2_5_vl"
 FULL_BATCH_SIZES = (1, 4, 8)
 SEQ_LEN = 128
@@ -285,35 +288,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="F = 1 and 8, 4 tokens, one run (a quick check of every path)."
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.full_batch_sizes, args.new_tokens, args.repeats = [1, 8], 4, 1
-    work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    batched_export, single_export = ensure_exports(work, args.export)
-    setups = [
-        Setup(batched_export, f, args.new_tokens, args.threads, "batched") for f in args.full_batch_sizes
-    ]
-    if single_export is not None:
-        largest = max(args.full_batch_sizes)
-        setups.append(Setup(single_export, largest, args.new_tokens, args.threads, "sequential"))
-    for _ in range(args.repeats):  # in turns, so load on the shared machine hits every setup alike
-        for setup in setups:
-            setup.run()
-    rows = [setup.row() for setup in setups]
-    print(
-        f"Batched decode, tiny random Qwen2.5-VL ({args.new_tokens} new tokens per request, one 224x224 "
-        f"image each, all arriving at step 0; S = V = {SEQ_LEN}, ctx_len {CTX_LEN}, CCLs {list(CCLS)}; "
-        "onnxruntime CPU, "
-        f"{args.threads or 'default'} thread(s); best of {args.repeats}; decode steps only, prefill "
-        "steps and the first token not counted)"
-    )
-    print(table(rows))
-    print(verdict(rows))
-    path = args.plot or work / "batched_decode.png"
-    plot(rows, path)
-    print(f"plot: {path}")
-    return 0
+    with recording(args, "batched_decode", argv):
+        if args.smoke:
+            args.full_batch_sizes, args.new_tokens, args.repeats = [1, 8], 4, 1
+        work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
+        work.mkdir(parents=True, exist_ok=True)
+        batched_export, single_export = ensure_exports(work, args.export)
+        setups = [
+            Setup(batched_export, f, args.new_tokens, args.threads, "batched") for f in args.full_batch_sizes
+        ]
+        if single_export is not None:
+            largest = max(args.full_batch_sizes)
+            setups.append(Setup(single_export, largest, args.new_tokens, args.threads, "sequential"))
+        for _ in range(args.repeats):  # in turns, so load on the shared machine hits every setup alike
+            for setup in setups:
+                setup.run()
+        rows = [setup.row() for setup in setups]
+        print(
+            f"Batched decode, tiny random Qwen2.5-VL ({args.new_tokens} new tokens per request, one 224x224 "
+            f"image each, all arriving at step 0; S = V = {SEQ_LEN}, ctx_len {CTX_LEN}, CCLs {list(CCLS)}; "
+            "onnxruntime CPU, "
+            f"{args.threads or 'default'} thread(s); best of {args.repeats}; decode steps only, prefill "
+            "steps and the first token not counted)"
+        )
+        print(table(rows))
+        print(verdict(rows))
+        path = plot_path(args, "batched_decode", args.plot or work / "batched_decode.png")
+        plot(rows, path)
+        print(f"plot: {path}")
+        return 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "specs" / "configs"
 GB = 1e9
@@ -232,21 +235,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=Path("calibration_memory.png"), help="plot file")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     parser.add_argument("--case", action="append", help="only the case(s) with this label (repeatable)")
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    cases = SMOKE if args.smoke else FULL
-    if args.case:
-        cases = [case for case in FULL if case.label in args.case]
-    with tempfile.TemporaryDirectory(prefix="calibration-memory-", dir=args.work) as scratch:
-        rows = []
-        for case in cases:
-            rows.append(measure(case, Path(scratch)))
-            print(f"measured {case.label}: {rows[-1]['peak_rss'] / GB:.2f} GB", file=sys.stderr, flush=True)
-    print(table(rows))
-    plot(rows, args.png)
-    print(f"plot: {args.png}")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    return 0
+    with recording(args, "calibration_memory", argv):
+        cases = SMOKE if args.smoke else FULL
+        if args.case:
+            cases = [case for case in FULL if case.label in args.case]
+        with tempfile.TemporaryDirectory(prefix="calibration-memory-", dir=args.work) as scratch:
+            rows = []
+            for case in cases:
+                rows.append(measure(case, Path(scratch)))
+                print(
+                    f"measured {case.label}: {rows[-1]['peak_rss'] / GB:.2f} GB", file=sys.stderr, flush=True
+                )
+        print(table(rows))
+        png = plot_path(args, "calibration_memory", args.png)
+        plot(rows, png)
+        print(f"plot: {png}")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
 
 from qeff_vision import symbols
 
@@ -418,40 +420,42 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="224x224 and 1080p at S=128, two turns, one run (a quick check of every path).",
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.images, args.seq_lens, args.turns, args.repeats = [(224, 224), (1080, 1920)], [128], 2, 1
-    work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    bench = Bench(ensure_export(work, args.export), args.threads)
+    with recording(args, "chunked_vision", argv):
+        if args.smoke:
+            args.images, args.seq_lens, args.turns, args.repeats = [(224, 224), (1080, 1920)], [128], 2, 1
+        work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-bench-"))
+        work.mkdir(parents=True, exist_ok=True)
+        bench = Bench(ensure_export(work, args.export), args.threads)
 
-    print(
-        "Part 1: vision rows per prefill chunk, chunk vs full (tiny random Qwen2.5-VL, text hidden "
-        f"{bench.hidden}; image rows SYNTHETIC: a stand-in vision program returns random rows, the "
-        "language program is the real onnxruntime export)"
-    )
-    prefill = prefill_sweep(bench, args.images, args.seq_lens, args.repeats)
-    print(prefill_table(prefill, bench.hidden))
-    print(
-        "prefill ms is the language program alone on this CPU; the vision rows are a memcpy here, so it "
-        "shows the compute, not the host-to-device transfer the bytes columns measure"
-    )
-    print()
-    turns: list[TurnRow] = []
-    if args.turns:
         print(
-            f"Part 2: {args.turns}-turn conversation, one new 224x224 image per turn (64 tokens; real vision "
-            "and language programs), with the per-image embedding cache and without it"
+            "Part 1: vision rows per prefill chunk, chunk vs full (tiny random Qwen2.5-VL, text hidden "
+            f"{bench.hidden}; image rows SYNTHETIC: a stand-in vision program returns random rows, the "
+            "language program is the real onnxruntime export)"
         )
-        turns = conversation_turns(bench, args.turns, min(args.seq_lens))
-        print(turns_table(turns))
+        prefill = prefill_sweep(bench, args.images, args.seq_lens, args.repeats)
+        print(prefill_table(prefill, bench.hidden))
+        print(
+            "prefill ms is the language program alone on this CPU; the vision rows are a memcpy here, so it "
+            "shows the compute, not the host-to-device transfer the bytes columns measure"
+        )
         print()
-    for line in verdicts(prefill, turns):
-        print(line)
-    path = args.plot or work / "chunked_vision.png"
-    plot(prefill, turns, path)
-    print(f"plot: {path}")
-    return 0
+        turns: list[TurnRow] = []
+        if args.turns:
+            print(
+                f"Part 2: {args.turns}-turn conversation, one new 224x224 image per turn (64 tokens; "
+                "real vision and language programs), with the per-image embedding cache and without it"
+            )
+            turns = conversation_turns(bench, args.turns, min(args.seq_lens))
+            print(turns_table(turns))
+            print()
+        for line in verdicts(prefill, turns):
+            print(line)
+        path = plot_path(args, "chunked_vision", args.plot or work / "chunked_vision.png")
+        plot(prefill, turns, path)
+        print(f"plot: {path}")
+        return 0
 
 
 if __name__ == "__main__":

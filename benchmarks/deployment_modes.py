@@ -39,6 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
+
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, describe_checkpoint
 from qeff_vision.runtime.planner import plan_chunks
@@ -256,63 +259,65 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="Measure only tiny LLaVA and Llama 3.2 Vision (both decoder kinds; the others from the design).",
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as work:
-        measured = {
-            case.family: measure_single(case.family, Path(work))
-            for case in CASES
-            if family_of(case.family).features.deployment("single").supported
-            and (not args.smoke or case.family in SMOKE_FAMILIES)
-        }
-    header = (
-        "family",
-        "prompt",
-        "tokens/image",
-        "QEff single: encoder runs",
-        "MiB in",
-        "ours dual: encoder runs",
-        "MiB in",
-        "ours single: images encoded",
-        "MiB in",
-        "QEff / ours runs",
-    )
-    rows = [header] + [row for case in CASES for row in count(case, measured.get(case.family))]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
-    print(
-        "MiB in: bytes sent into the programs per prompt (pixels; for ours dual also the embedding rows "
-        "each chunk carries, or mllama's cross states once). ours single: the runtime's count on the "
-        "tiny checkpoint for the same prompt kind, or (design) where the mode is not built."
-    )
-    print()
-    table = [
-        (
-            "family (tiny)",
+    with recording(args, "deployment_modes", argv):
+        with tempfile.TemporaryDirectory() as work:
+            measured = {
+                case.family: measure_single(case.family, Path(work))
+                for case in CASES
+                if family_of(case.family).features.deployment("single").supported
+                and (not args.smoke or case.family in SMOKE_FAMILIES)
+            }
+        header = (
+            "family",
             "prompt",
-            "QEff form: encoder runs",
-            "tokens prefilled",
-            "ours single: encoder calls",
-            "images encoded",
-            "tokens prefilled",
-            "ours dual: tokens prefilled",
+            "tokens/image",
+            "QEff single: encoder runs",
+            "MiB in",
+            "ours dual: encoder runs",
+            "MiB in",
+            "ours single: images encoded",
+            "MiB in",
+            "QEff / ours runs",
         )
-    ]
-    for family, kinds in measured.items():
-        table += [
-            (family, kind, str(q), str(t), str(c), str(e), str(f), str(d))
-            for kind, (q, c, e, t, f, d) in kinds.items()
+        rows = [header] + [row for case in CASES for row in count(case, measured.get(case.family))]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        print(
+            "MiB in: bytes sent into the programs per prompt (pixels; for ours dual also the embedding rows "
+            "each chunk carries, or mllama's cross states once). ours single: the runtime's count on the "
+            "tiny checkpoint for the same prompt kind, or (design) where the mode is not built."
+        )
+        print()
+        table = [
+            (
+                "family (tiny)",
+                "prompt",
+                "QEff form: encoder runs",
+                "tokens prefilled",
+                "ours single: encoder calls",
+                "images encoded",
+                "tokens prefilled",
+                "ours dual: tokens prefilled",
+            )
         ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for row in table:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
-    print(
-        "Measured on the tiny checkpoints (24-token chunks): QEff form = the chunks of each prefill x "
-        "its images (QEfficient's single QPC encodes in every prefill call) and every turn's whole "
-        "conversation prefilled; ours = what the runtime counted (a turn prefills what the program "
-        "does not hold, single program or dual language program; mllama prefills a turn's text again "
-        "when it adds an image)."
-    )
+        for family, kinds in measured.items():
+            table += [
+                (family, kind, str(q), str(t), str(c), str(e), str(f), str(d))
+                for kind, (q, c, e, t, f, d) in kinds.items()
+            ]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        for row in table:
+            print("  ".join(cell.rjust(width) for cell, width in zip(row, widths)))
+        print(
+            "Measured on the tiny checkpoints (24-token chunks): QEff form = the chunks of each prefill x "
+            "its images (QEfficient's single QPC encodes in every prefill call) and every turn's whole "
+            "conversation prefilled; ours = what the runtime counted (a turn prefills what the program "
+            "does not hold, single program or dual language program; mllama prefills a turn's text again "
+            "when it adds an image)."
+        )
 
 
 if __name__ == "__main__":

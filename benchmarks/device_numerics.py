@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
 
 from qeff_vision import symbols
 from qeff_vision.families import all_families
@@ -182,22 +184,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="Keep checkpoints and exports here.")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    add_docs_arguments(parser)
     args = parser.parse_args()
-    if args.smoke:  # one plain and one scaled checkpoint (the QEfficient Gemma 4 rule column too)
-        args.families, args.tokens = ["llava", "gemma4-scaled"], 2
-    root = args.out or Path(tempfile.mkdtemp(prefix="device-numerics-"))
-    header = (
-        "checkpoint",
-        "emulation",
-        "fp32 nodes",
-        "QEff Gemma 4 rule",
-        "max |dlogit| / range",
-        "tokens = HF",
-    )
-    rows = [row for name in args.families for row in measure(name, root, args.tokens)]
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    for row in (header, *rows):
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    with recording(args, "device_numerics", None):
+        if args.smoke:  # one plain and one scaled checkpoint (the QEfficient Gemma 4 rule column too)
+            args.families, args.tokens = ["llava", "gemma4-scaled"], 2
+        root = args.out or Path(tempfile.mkdtemp(prefix="device-numerics-"))
+        header = (
+            "checkpoint",
+            "emulation",
+            "fp32 nodes",
+            "QEff Gemma 4 rule",
+            "max |dlogit| / range",
+            "tokens = HF",
+        )
+        rows = [row for name in args.families for row in measure(name, root, args.tokens)]
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"qwen2_5_vl-3b-full": ROOT / "specs" / "configs" / "Qwen2.5-VL-3B-Instruct"}
 PROMPT_TOKENS = 12
@@ -206,18 +209,20 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="The tiny config in float32 only (a quick check of every path)."
     )
+    add_docs_arguments(parser)
     args = parser.parse_args()
-    if args.smoke:
-        args.config, args.dtypes = "tiny", ["float32"]
-    work = args.work or Path(tempfile.mkdtemp(prefix="qeff-export-bench-"))
-    writer, rows = measure(args.config, args.dtypes, work, args.keep)
-    print(
-        f"{args.config}: {writer['weight_params'] / 1e9:.3f} B parameters; random checkpoint writer "
-        f"peak RSS {writer['peak_rss'] / 2**30:.2f} GiB"
-    )
-    print(table(rows))
-    if not args.keep and args.work is None:
-        shutil.rmtree(work)
+    with recording(args, "export_memory", None):
+        if args.smoke:
+            args.config, args.dtypes = "tiny", ["float32"]
+        work = args.work or Path(tempfile.mkdtemp(prefix="qeff-export-bench-"))
+        writer, rows = measure(args.config, args.dtypes, work, args.keep)
+        print(
+            f"{args.config}: {writer['weight_params'] / 1e9:.3f} B parameters; random checkpoint writer "
+            f"peak RSS {writer['peak_rss'] / 2**30:.2f} GiB"
+        )
+        print(table(rows))
+        if not args.keep and args.work is None:
+            shutil.rmtree(work)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
+
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType
 from qeff_vision.contract.states import ChunkedRing, CrossAttention, SlidingRing
@@ -194,13 +197,15 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1, help="image slots (cross-attention families)")
     parser.add_argument("--mla-ctx", type=int, nargs="+", default=[32768, LONG_CONTEXT])
     parser.add_argument("--smoke", action="store_true", help="One context length (a quick check).")
+    add_docs_arguments(parser)
     args = parser.parse_args()
-    if args.smoke:
-        args.ctx, args.mla_ctx = args.ctx[:1], args.mla_ctx[-1:]
-    for config in args.config:
-        report(config, args)
-        print()
-    latent_report(args.config, args)
+    with recording(args, "kv_memory", None):
+        if args.smoke:
+            args.ctx, args.mla_ctx = args.ctx[:1], args.mla_ctx[-1:]
+        for config in args.config:
+            report(config, args)
+            print()
+        latent_report(args.config, args)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
+
 ROOT = Path(__file__).resolve().parents[1]
 CUT_VOCAB = 1000
 
@@ -379,8 +382,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    decode = [r for r in rows if r["call"] == "Decode"]
-    names = [r["checkpoint"] for r in decode]
+    # Bytes per decode step against the expert count: dense grows with the experts, ours stays at
+    # the routed limit (top_k slices per sparse layer) whatever the count.
+    decode = sorted((r for r in rows if r["call"] == "Decode"), key=lambda r: (r["experts"], r["checkpoint"]))
+    names = [f"{r['checkpoint']}\n{r['experts']} experts, {r['slices']} read" for r in decode]
     positions = range(len(decode))
     figure, axes = plt.subplots(figsize=(9, 4))
     for offset, key, label in (
@@ -392,6 +397,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     axes.set_xticks(list(positions), names, rotation=15, fontsize=7)
     axes.set_yscale("log")
     axes.set_ylabel("language weight GB read per decode step (batch 1)")
+    axes.set_xlabel("checkpoint, by routed experts per sparse layer")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -404,24 +410,27 @@ def main() -> None:
     parser.add_argument("--full-batch-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="Qwen3-VL-30B-A3B bytes; timing at width 256")
+    add_docs_arguments(parser)
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    pinned = PINNED[:1] if args.smoke else PINNED
-    families = list(TIMED)[:2] if args.smoke else list(TIMED)
-    with tempfile.TemporaryDirectory(dir=args.out) as work:
-        rows = []
-        for checkpoint in pinned:  # each checkpoint's rows as soon as they are counted
-            counted = count_bytes(checkpoint, args.full_batch_size, Path(work))
-            print(bytes_table(counted), flush=True)
-            rows += counted
-        print(bytes_table(rows), flush=True)
-        timed = time_rows(
-            families, 256 if args.smoke else 2048, 3 if args.smoke else args.repeats, Path(work)
-        )
-    print()
-    print(time_table(timed))
-    if plot(rows, args.out / "moe_decode.png"):
-        print(f"\nplot: {args.out / 'moe_decode.png'}")
+    with recording(args, "moe_decode", None):
+        args.out.mkdir(parents=True, exist_ok=True)
+        pinned = PINNED[:1] if args.smoke else PINNED
+        families = list(TIMED)[:2] if args.smoke else list(TIMED)
+        with tempfile.TemporaryDirectory(dir=args.out) as work:
+            rows = []
+            for checkpoint in pinned:  # each checkpoint's rows as soon as they are counted
+                counted = count_bytes(checkpoint, args.full_batch_size, Path(work))
+                print(bytes_table(counted), file=sys.stderr, flush=True)  # progress; the whole table below
+                rows += counted
+            print(bytes_table(rows), flush=True)
+            timed = time_rows(
+                families, 256 if args.smoke else 2048, 3 if args.smoke else args.repeats, Path(work)
+            )
+        print()
+        print(time_table(timed))
+        png = plot_path(args, "moe_decode", args.out / "moe_decode.png")
+        if plot(rows, png):
+            print(f"\nplot: {png}")
 
 
 if __name__ == "__main__":

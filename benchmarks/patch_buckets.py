@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
 
 # A sibling benchmark (the script's directory is on sys.path): the published block pattern.
 from window_attention import VISION
@@ -268,33 +270,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="Seven sizes (a full prompt and a partial one), one run each."
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    sizes = SIZES[: PER_PROMPT + 2] if args.smoke else SIZES
-    if args.smoke:
-        args.reps = 1
-    if args.plot is None:  # a smoke run leaves nothing in the working directory
-        args.plot = (
-            Path(tempfile.mkdtemp(prefix="patch-buckets-")) / "patch_buckets.png"
-            if args.smoke
-            else Path("patch_buckets.png")
-        )
-    from qeff_vision.families import get_family
+    with recording(args, "patch_buckets", argv):
+        sizes = SIZES[: PER_PROMPT + 2] if args.smoke else SIZES
+        if args.smoke:
+            args.reps = 1
+        if args.plot is None:  # a smoke run leaves nothing in the working directory
+            args.plot = (
+                Path(tempfile.mkdtemp(prefix="patch-buckets-")) / "patch_buckets.png"
+                if args.smoke
+                else Path("patch_buckets.png")
+            )
+        from qeff_vision.families import get_family
 
-    family, model = get_family("qwen2_5_vl"), _model()
-    with tempfile.TemporaryDirectory() as work:
-        paths = _export(Path(work))
-        results = {
-            f"resolution list ({len(RESOLUTIONS)})": run_resolutions(
-                _session(paths["resolutions"]), family, model, args.reps, sizes
-            ),
-            f"patch buckets ({len(BUCKETS)})": run_buckets(
-                _session(paths["buckets"]), family, model, args.reps, sizes
-            ),
-        }
-    print("\n".join(table(results)))
-    plot(results, args.plot, sizes)
-    print(f"\nplot: {args.plot}")
-    return 0
+        family, model = get_family("qwen2_5_vl"), _model()
+        with tempfile.TemporaryDirectory() as work:
+            paths = _export(Path(work))
+            results = {
+                f"resolution list ({len(RESOLUTIONS)})": run_resolutions(
+                    _session(paths["resolutions"]), family, model, args.reps, sizes
+                ),
+                f"patch buckets ({len(BUCKETS)})": run_buckets(
+                    _session(paths["buckets"]), family, model, args.reps, sizes
+                ),
+            }
+        print("\n".join(table(results)))
+        args.plot = plot_path(args, "patch_buckets", args.plot)
+        plot(results, args.plot, sizes)
+        print(f"\nplot: {args.plot}")
+        return 0
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
 
 from qeff_vision import symbols
 
@@ -173,44 +175,46 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="8 steps, two positions and lengths timed once (a quick check)."
     )
+    add_docs_arguments(parser)
     args = parser.parse_args()
-    if args.smoke:
-        args.steps = 8
-    from qeff_vision import api
-    from qeff_vision.checkpoint import Checkpoint
-    from qeff_vision.exporter import export_model
-    from qeff_vision.inputs.prompt import process_turn
-    from qeff_vision.verify import synthetic_image
+    with recording(args, "recurrent_state", None):
+        if args.smoke:
+            args.steps = 8
+        from qeff_vision import api
+        from qeff_vision.checkpoint import Checkpoint
+        from qeff_vision.exporter import export_model
+        from qeff_vision.inputs.prompt import process_turn
+        from qeff_vision.verify import synthetic_image
 
-    root = args.out or Path(tempfile.mkdtemp(prefix="recurrent-state-"))
-    checkpoint = root / "checkpoint"
-    if not checkpoint.exists():
-        api.tiny(FAMILY, checkpoint)
-    export = root / "export"
-    if not export.exists():
-        export_model(checkpoint, export, progress=None)
-    processor = Checkpoint.open(checkpoint).processor
-    processed = process_turn(processor, [synthetic_image(100, 150)], "Tell me a long story.")
-    header = (
-        "emulation",
-        "fp32 nodes",
-        "max |dlogit| / range",
-        "first differing step",
-        "state rel. error",
-        "steps",
-    )
-    rows = _precision_rows(export, processed, args.steps)
-    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    for row in (header, *rows):
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    decode, prefill, (ours, chunked) = _timing_rows(export, args.smoke)
-    print("\ndecode position  ms/call")
-    for position, seconds in decode:
-        print(f"{position:>15}  {seconds * 1e3:.2f}")
-    print("\nprefill tokens  ms/call  us/token")
-    for tokens, seconds in prefill:
-        print(f"{tokens:>14}  {seconds * 1e3:7.2f}  {seconds * 1e6 / tokens:8.1f}")
-    print(f"\ndecode call: 1x1 chunk {ours * 1e3:.2f} ms, padded 64-token chunk {chunked * 1e3:.2f} ms")
+        root = args.out or Path(tempfile.mkdtemp(prefix="recurrent-state-"))
+        checkpoint = root / "checkpoint"
+        if not checkpoint.exists():
+            api.tiny(FAMILY, checkpoint)
+        export = root / "export"
+        if not export.exists():
+            export_model(checkpoint, export, progress=None)
+        processor = Checkpoint.open(checkpoint).processor
+        processed = process_turn(processor, [synthetic_image(100, 150)], "Tell me a long story.")
+        header = (
+            "emulation",
+            "fp32 nodes",
+            "max |dlogit| / range",
+            "first differing step",
+            "state rel. error",
+            "steps",
+        )
+        rows = _precision_rows(export, processed, args.steps)
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        decode, prefill, (ours, chunked) = _timing_rows(export, args.smoke)
+        print("\ndecode position  ms/call")
+        for position, seconds in decode:
+            print(f"{position:>15}  {seconds * 1e3:.2f}")
+        print("\nprefill tokens  ms/call  us/token")
+        for tokens, seconds in prefill:
+            print(f"{tokens:>14}  {seconds * 1e3:7.2f}  {seconds * 1e6 / tokens:8.1f}")
+        print(f"\ndecode call: 1x1 chunk {ours * 1e3:.2f} ms, padded 64-token chunk {chunked * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

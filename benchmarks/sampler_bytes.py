@@ -22,6 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import plot_path, recording
+
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_sampler
@@ -136,19 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-top-k-ids", type=int, default=SamplerOptions().max_top_k_ids)
     parser.add_argument("--out", type=Path, default=None, help="Directory of the PNG (default: a temp dir).")
     parser.add_argument("--smoke", action="store_true", help=f"Only {', '.join(SMOKE_FAMILIES)}.")
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    options = SamplerOptions(max_top_k_ids=args.max_top_k_ids)
-    configs = pinned_configs()
-    known = [family.name for family in all_families()]
-    chosen = [name for name in known if name in configs and (not args.smoke or name in SMOKE_FAMILIES)]
-    rows = [measure(configs[name], args.full_batch_size, options) for name in chosen]
-    print(table(rows, args.full_batch_size))
-    out = args.out or Path(tempfile.mkdtemp(prefix="sampler-bytes-"))
-    out.mkdir(parents=True, exist_ok=True)
-    png = out / "sampler_bytes.png"
-    plot(rows, args.full_batch_size, png)
-    print(f"\nplot: {png}")
-    return 0
+    with recording(args, "sampler_bytes", argv):
+        options = SamplerOptions(max_top_k_ids=args.max_top_k_ids)
+        configs = pinned_configs()
+        known = [family.name for family in all_families()]
+        chosen = [name for name in known if name in configs and (not args.smoke or name in SMOKE_FAMILIES)]
+        rows = [measure(configs[name], args.full_batch_size, options) for name in chosen]
+        print(table(rows, args.full_batch_size))
+        out = args.out or Path(tempfile.mkdtemp(prefix="sampler-bytes-"))
+        out.mkdir(parents=True, exist_ok=True)
+        png = plot_path(args, "sampler_bytes", out / "sampler_bytes.png")
+        plot(rows, args.full_batch_size, png)
+        print(f"\nplot: {png}")
+        return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_SECONDS = 1.0
 
@@ -43,22 +46,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--specs", type=Path, default=ROOT / "specs")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="One repeat (a quick check).")
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.repeats = 1
-    from qeff_vision.spec import find_specs
+    with recording(args, "specialize_speed", argv):
+        if args.smoke:
+            args.repeats = 1
+        from qeff_vision.spec import find_specs
 
-    paths = find_specs(args.specs)
-    rows = [(path.relative_to(args.specs).as_posix(), *measure(path, args.repeats)) for path in paths]
-    width = max(len(name) for name, *_ in rows)
-    print(f"{'spec':<{width}}  {'load ms':>8}  {'build ms':>8}  {'files':>5}")
-    for name, load, build, files in rows:
-        print(f"{name:<{width}}  {load:>8.1f}  {build:>8.1f}  {files:>5}")
-    total = sum(load + build for _, load, build, _ in rows) / 1000
-    verdict = "meets" if total < TARGET_SECONDS else "misses"
-    summary = f"{len(rows)} specs: {total:.3f} s in total (medians of {args.repeats})"
-    print(f"{summary}; {verdict} the {TARGET_SECONDS:g} s target")
-    return 0
+        paths = find_specs(args.specs)
+        rows = [(path.relative_to(args.specs).as_posix(), *measure(path, args.repeats)) for path in paths]
+        width = max(len(name) for name, *_ in rows)
+        print(f"{'spec':<{width}}  {'load ms':>8}  {'build ms':>8}  {'files':>5}")
+        for name, load, build, files in rows:
+            print(f"{name:<{width}}  {load:>8.1f}  {build:>8.1f}  {files:>5}")
+        total = sum(load + build for _, load, build, _ in rows) / 1000
+        verdict = "meets" if total < TARGET_SECONDS else "misses"
+        summary = f"{len(rows)} specs: {total:.3f} s in total (medians of {args.repeats})"
+        print(f"{summary}; {verdict} the {TARGET_SECONDS:g} s target")
+        return 0
 
 
 if __name__ == "__main__":

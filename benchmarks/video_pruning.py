@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
 
 RATES = (0.0, 0.5, 0.75)
 FRAMES = 16
@@ -216,23 +218,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="Qwen2.5-VL, rates 0 and 0.5, one run (a quick check)."
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.families, args.rates, args.repeats = ["qwen2_5_vl"], [0.0, 0.5], 1
-    work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-evs-"))
-    work.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for family in args.families:
-        bench = Bench(family, work)
-        for name, frames in clips(family).items():
-            for rate in args.rates:
-                rows.append(measure(bench, name, frames, rate, args.repeats))
-    print(
-        f"EVS video pruning, tiny random checkpoints, {FRAMES}-frame synthetic clips, chunks of "
-        f"{'/'.join(map(str, SEQ_LENS))} tokens, onnxruntime 1 thread, median of {args.repeats}"
-    )
-    print(table(rows))
-    return 0
+    with recording(args, "video_pruning", argv):
+        if args.smoke:
+            args.families, args.rates, args.repeats = ["qwen2_5_vl"], [0.0, 0.5], 1
+        work = args.work or Path(tempfile.mkdtemp(prefix="qeff-vision-evs-"))
+        work.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for family in args.families:
+            bench = Bench(family, work)
+            for name, frames in clips(family).items():
+                for rate in args.rates:
+                    rows.append(measure(bench, name, frames, rate, args.repeats))
+        print(
+            f"EVS video pruning, tiny random checkpoints, {FRAMES}-frame synthetic clips, chunks of "
+            f"{'/'.join(map(str, SEQ_LENS))} tokens, onnxruntime 1 thread, median of {args.repeats}"
+        )
+        print(table(rows))
+        return 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
 
 RESOLUTIONS = ((224, 224), (480, 640), (720, 1280), (1080, 1920))
 FULL_BLOCKS = (3, 7)
@@ -201,54 +203,57 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="The two smallest resolutions, one run each; targets printed, not judged (a quick check).",
     )
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
-    if args.one:
-        form, height, width = args.one
-        print(json.dumps(_one(form, int(height), int(width), args.reps, args.rows)))
-        return 0
-    header = (
-        f"{'resolution':>10} {'patches':>7} | {'masked s':>9} {'windowed s':>10} {'speedup':>7} | "
-        f"{'win-block us/patch m/w':>22} | {'peak RSS MB m/w':>15} | {'max |diff|':>10}"
-    )
-    print(header)
-    print("-" * len(header))
-    per_patch, speedups, diffs = [], [], []
-    resolutions = RESOLUTIONS[:2] if args.smoke else RESOLUTIONS
-    if args.smoke:
-        args.reps = 1
-    with tempfile.TemporaryDirectory() as work:
-        for height, width in resolutions:
-            runs = {}
-            for form in ("masked", "windowed"):
-                runs[form] = _spawn(form, height, width, args.reps, Path(work) / f"{form}.npy")
-            masked, windowed = runs["masked"], runs["windowed"]
-            diff = float(
-                np.abs(np.load(Path(work) / "masked.npy") - np.load(Path(work) / "windowed.npy")).max()
-            )
-            speedup = masked["total_s"] / windowed["total_s"]
-            per_patch.append(windowed["window_block_us_per_patch"])
-            speedups.append(speedup)
-            diffs.append(diff)
-            block_us = masked["window_block_us_per_patch"], windowed["window_block_us_per_patch"]
-            print(
-                f"{masked['resolution']:>10} {masked['patches']:>7} | {masked['total_s']:>9.3f} "
-                f"{windowed['total_s']:>10.3f} {speedup:>6.1f}x | "
-                f"{block_us[0]:>10.2f} / {block_us[1]:<9.2f} | "
-                f"{masked['peak_rss_mb']:>6.0f} / {windowed['peak_rss_mb']:<6.0f} | {diff:>10.2e}",
-                flush=True,
-            )
-    flat = max(per_patch) / min(per_patch)
-    checks = {
-        f"outputs equal (max |diff| {max(diffs):.1e} <= {TOLERANCE:g})": max(diffs) <= TOLERANCE,
-        f"window-block time/patch flat ({flat:.2f}x <= {FLAT_RATIO}x)": flat <= FLAT_RATIO,
-        f"{resolutions[-1][0]}p tower speedup ({speedups[-1]:.1f}x >= {SPEEDUP}x)": speedups[-1] >= SPEEDUP,
-    }
-    print()
-    for text, ok in checks.items():
-        print(f"{'PASS' if ok else 'FAIL'}  {text}")
-    if args.smoke:  # the targets are about the largest resolutions, which a smoke run skips
-        return 0
-    return 0 if all(checks.values()) else 1
+    with recording(args, "window_attention", argv):
+        if args.one:
+            form, height, width = args.one
+            print(json.dumps(_one(form, int(height), int(width), args.reps, args.rows)))
+            return 0
+        header = (
+            f"{'resolution':>10} {'patches':>7} | {'masked s':>9} {'windowed s':>10} {'speedup':>7} | "
+            f"{'win-block us/patch m/w':>22} | {'peak RSS MB m/w':>15} | {'max |diff|':>10}"
+        )
+        print(header)
+        print("-" * len(header))
+        per_patch, speedups, diffs = [], [], []
+        resolutions = RESOLUTIONS[:2] if args.smoke else RESOLUTIONS
+        if args.smoke:
+            args.reps = 1
+        with tempfile.TemporaryDirectory() as work:
+            for height, width in resolutions:
+                runs = {}
+                for form in ("masked", "windowed"):
+                    runs[form] = _spawn(form, height, width, args.reps, Path(work) / f"{form}.npy")
+                masked, windowed = runs["masked"], runs["windowed"]
+                diff = float(
+                    np.abs(np.load(Path(work) / "masked.npy") - np.load(Path(work) / "windowed.npy")).max()
+                )
+                speedup = masked["total_s"] / windowed["total_s"]
+                per_patch.append(windowed["window_block_us_per_patch"])
+                speedups.append(speedup)
+                diffs.append(diff)
+                block_us = masked["window_block_us_per_patch"], windowed["window_block_us_per_patch"]
+                print(
+                    f"{masked['resolution']:>10} {masked['patches']:>7} | {masked['total_s']:>9.3f} "
+                    f"{windowed['total_s']:>10.3f} {speedup:>6.1f}x | "
+                    f"{block_us[0]:>10.2f} / {block_us[1]:<9.2f} | "
+                    f"{masked['peak_rss_mb']:>6.0f} / {windowed['peak_rss_mb']:<6.0f} | {diff:>10.2e}",
+                    flush=True,
+                )
+        flat = max(per_patch) / min(per_patch)
+        checks = {
+            f"outputs equal (max |diff| {max(diffs):.1e} <= {TOLERANCE:g})": max(diffs) <= TOLERANCE,
+            f"window-block time/patch flat ({flat:.2f}x <= {FLAT_RATIO}x)": flat <= FLAT_RATIO,
+            f"{resolutions[-1][0]}p tower speedup ({speedups[-1]:.1f}x >= {SPEEDUP}x)": speedups[-1]
+            >= SPEEDUP,
+        }
+        print()
+        for text, ok in checks.items():
+            print(f"{'PASS' if ok else 'FAIL'}  {text}")
+        if args.smoke:  # the targets are about the largest resolutions, which a smoke run skips
+            return 0
+        return 0 if all(checks.values()) else 1
 
 
 if __name__ == "__main__":

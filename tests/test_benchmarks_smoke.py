@@ -1,12 +1,14 @@
 """Every benchmark the docs name runs as written from the repository root (issue 36 item 7).
 
 The benchmark commands of the documentation site's pages (docs/benchmarks/ and docs/guide/, where
-the README's benchmark narratives moved in issue 55) (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
-an inline code span or a code block) run in a subprocess from the repository root with
-``--smoke`` appended: each benchmark's smallest arguments that still take every code path. Each
-must exit 0 and print a table. A benchmark that imports ``tests`` (or anything but the package and
-its sibling scripts) fails here as it fails for a user. Every ``benchmarks/*.py`` must be named in
-those pages, and one they name without a command runs as ``python benchmarks/NAME.py``.
+the README's benchmark narratives moved in issue 55; ``python benchmarks/NAME.py ...`` or
+``.venv/bin/python ...`` in an inline code span or a code block) run in a subprocess from the
+repository root with ``--smoke --write-docs`` appended, into a copy of docs/: each benchmark's
+smallest arguments that still take every code path. Each must exit 0, print a table and rewrite
+its page's region with tables of the committed page's shape. A benchmark that imports ``tests``
+(or anything but the package and its sibling scripts) fails here as it fails for a user. Every
+``benchmarks/*.py`` must be named in those pages, and one they name without a command runs as
+``python benchmarks/NAME.py``.
 
 Cost: one subprocess per command, most of it exports of tiny checkpoints; ``slow`` (about 5 min
 on this 2-core machine), so ``make test-all`` runs it.
@@ -17,16 +19,23 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.test_benchmark_docs import _docs_page, check_region_shape
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
+
+
+def region(text: str, name: str) -> str:
+    return _docs_page().region(text, name)
 
 
 def readme_commands(text: str) -> list[tuple[str, str]]:
@@ -47,7 +56,8 @@ def readme_commands(text: str) -> list[tuple[str, str]]:
         match = COMMAND.match(candidate.strip())
         if match:
             command = re.sub(r"\s+#.*$", "", match.group(1))
-            command = " ".join(re.sub(r"\[[^\]]*\]", "", command).split())
+            # A page's `--write-docs` line is its plain command (every run here writes the docs).
+            command = " ".join(re.sub(r"\[[^\]]*\]", "", command).replace("--write-docs", "").split())
             found.setdefault(command, match.group(2))
     return [(name, command) for command, name in found.items()]
 
@@ -55,7 +65,9 @@ def readme_commands(text: str) -> list[tuple[str, str]]:
 def docs_text() -> str:
     """The benchmark and user-guide pages of the site, in path order, as one text."""
     pages = sorted((DOCS / "benchmarks").glob("*.md")) + sorted((DOCS / "guide").glob("*.md"))
-    return "\n".join(page.read_text(encoding="utf-8") for page in pages)
+    text = "\n".join(page.read_text(encoding="utf-8") for page in pages)
+    # A region a benchmark wrote names the run that wrote it; the commands are the pages' own.
+    return re.sub(r"(?s)<!-- benchmark-output:(\w+) -->.*?<!-- /benchmark-output:\1 -->", "", text)
 
 
 def benchmark_files() -> list[str]:
@@ -122,8 +134,12 @@ def test_readme_benchmark_command_runs_with_smoke(name, command, tmp_path):
         "MPLBACKEND": "Agg",
         "TMPDIR": str(tmp_path),  # temporary checkpoints and plots go away with the test
     }
+    # Into a copy of docs/: the run rewrites its page's marked region (tests/test_benchmark_docs.py).
+    docs = tmp_path / "docs"
+    shutil.copytree(REPO / "docs", docs)
+    committed = (docs / "benchmarks" / f"{name}.md").read_text(encoding="utf-8")
     done = subprocess.run(
-        ["bash", "-c", f"{argv} --smoke"],
+        ["bash", "-c", f"{argv} --smoke --write-docs --docs-dir {shlex.quote(str(docs))}"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -133,3 +149,6 @@ def test_readme_benchmark_command_runs_with_smoke(name, command, tmp_path):
     tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
     assert done.returncode == 0, f"{command} --smoke exited {done.returncode}:\n{tail}"
     assert has_table(done.stdout), f"{command} --smoke printed no table:\n{tail}"
+    page = docs / "benchmarks" / f"{name}.md"
+    check_region_shape(page, name, region(committed, name))
+    assert f"python benchmarks/{name}.py" in region(page.read_text(encoding="utf-8"), name)
