@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(_one(form, int(height), int(width), args.reps, args.rows)))
             return 0
         header = (
-            f"{'resolution':>10} {'patches':>7} | {'masked s':>9} {'windowed s':>10} {'speedup':>7} | "
+            f"{'resolution':>10}  {'patches':>7} | {'masked s':>9}  {'windowed s':>10}  {'speedup':>7} | "
             f"{'win-block us/patch m/w':>22} | {'peak RSS MB m/w':>15} | {'max |diff|':>10}"
         )
         print(header)
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 diffs.append(diff)
                 block_us = masked["window_block_us_per_patch"], windowed["window_block_us_per_patch"]
                 print(
-                    f"{masked['resolution']:>10} {masked['patches']:>7} | {masked['total_s']:>9.3f} "
-                    f"{windowed['total_s']:>10.3f} {speedup:>6.1f}x | "
+                    f"{masked['resolution']:>10}  {masked['patches']:>7} | {masked['total_s']:>9.3f}  "
+                    f"{windowed['total_s']:>10.3f}  {speedup:>6.1f}x | "
                     f"{block_us[0]:>10.2f} / {block_us[1]:<9.2f} | "
                     f"{masked['peak_rss_mb']:>6.0f} / {windowed['peak_rss_mb']:<6.0f} | {diff:>10.2e}",
                     flush=True,

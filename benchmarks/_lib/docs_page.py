@@ -29,7 +29,7 @@ DOCS = REPO / "docs"
 BEGIN = "<!-- benchmark-output:{name} -->"
 END = "<!-- /benchmark-output:{name} -->"
 # Cells of an aligned table are separated by two or more spaces (or Markdown pipes).
-CELL_SPLIT = re.compile(r"\s{2,}|\s\|\s")
+CELL_SPLIT = re.compile(r"\s+\|\s+|\s{2,}")
 MARKDOWN_RULE = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+$")
 # A line of rule characters under an aligned header carries no data.
 TEXT_RULE = re.compile(r"^[-=+ ]{3,}$")
@@ -70,7 +70,6 @@ def cells(line: str) -> list[str]:
     if stripped.startswith("|") and stripped.endswith("|"):
         return [cell.strip().replace("\\|", "|") for cell in re.split(r"(?<!\\)\|", stripped[1:-1])]
     return [cell for cell in CELL_SPLIT.split(stripped) if cell]
-
 
 
 def _markdown_row(row: list[str]) -> str:
