@@ -6,9 +6,10 @@ For each spec under ``--specs`` (recursively, the golden directory skipped): the
 ``--repeats`` runs of loading and checking it (``load_spec``: schema, pinned config, token math)
 and of building every generated file (``build_specializations(...).files()``: specializations,
 custom IO, compile commands, vLLM forms), in milliseconds. The last line sums the medians and
-says whether the whole set stays under the README's target (specializing every spec in
-``specs/`` takes well under a second). No torch is imported. This replaces a timed assertion in
-the test suite (speed targets are measured here, not asserted under a loaded test run).
+says whether the whole set stays under the target (specializing every spec in ``specs/`` takes
+well under a second; docs/benchmarks/specialize_speed.md). No torch is imported. This replaces a
+timed assertion in the test suite (speed targets are measured here, not asserted under a loaded
+test run).
 """
 
 from __future__ import annotations

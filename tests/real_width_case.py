@@ -8,7 +8,7 @@ tokens and logits deviations of both runs, each stage's seconds and the process'
 
 The fp32 run decodes freely; the device-precision run is teacher-forced on transformers' tokens.
 A process per family keeps one family's memory from the next and makes its peak RSS its own
-(tests/test_real_width.py runs it; the README quotes its figures).
+(tests/test_real_width.py runs it; docs/guide/testing.md quotes its figures).
 """
 
 from __future__ import annotations

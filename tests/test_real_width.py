@@ -16,8 +16,7 @@ instead of starving the machine):
 
 Tiny defaults hide what only real widths show (constants stored out of line, head dims, rope
 tables, vocabulary-sized buffers, the memory of each stage); this tier is where they show. It is
-not in the default ``make test``: it costs about a minute or more per family (README, "Test
-tiers").
+not in the default ``make test``: it costs about a minute or more per family (docs/guide/testing.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ files for the vision and the language program::
     result.language.specializations[0].symbols                        # {"batch_size": "1", ...}
     write_specializations(result, "out/")   # out/{vision,lang}/{specializations.json,custom_io.yaml}
 
-See the README section "Specs" for the file format.
+See docs/guide/specs.md for the file format (docs/guide/spec-keys.md, generated, lists every key).
 """
 
 from qeff_vision.spec.loader import find_specs, load_spec, spec_from_data

@@ -7,7 +7,8 @@ transformers' own ``generate`` on the same processor outputs. The stand-in runti
 (tests/device_double) computes with onnxruntime and rejects any buffer shape no specialization
 allows, so a token match also proves every call the plugin made fit the compiled contract.
 
-Run with ``make test-vllm`` (see the README); it sets QEFF_VLLM_TIER, VLLM_VENV and VLLM_QAIC_SRC.
+Run with ``make test-vllm`` (see docs/guide/serving-vllm.md); it sets QEFF_VLLM_TIER, VLLM_VENV and
+VLLM_QAIC_SRC.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SERVED = (
     "qwen3_5_moe",
     "gemma4",
 )
-# Families the plugin does not serve from our artifacts, and why (the README lists them too).
+# Families the plugin does not serve from our artifacts, and why (docs/guide/serving-vllm.md lists them too).
 NOT_SERVED = {
     "gemma3": "the plugin's Gemma 3 processor calls Gemma3ProcessingInfo._resolve_image_kwargs, "
     "which vLLM 0.23.0 does not have (AttributeError before any request reaches the device)",
@@ -251,7 +252,7 @@ def _offline_kwargs(script: str):
 
 
 # An artifact with the on-device sampler (compile.language.sampler) served with the plugin's
-# aic_include_sampler: what stops it (the README names it too).
+# aic_include_sampler: what stops it (docs/guide/serving-vllm.md names it too).
 SAMPLER_NOT = (
     "the plugin parses aic_include_sampler (and max_top_k_ids) into its compile config but never "
     "feeds the sampler's inputs (last_accepted_output_tokens, the sampling parameters, "
