@@ -9,6 +9,7 @@ cannot describe a family that is not registered.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Iterable
@@ -43,11 +44,16 @@ class Checkpoint:
     continuous_batching: bool
 
 
+@functools.lru_cache(maxsize=4)
+def _specs(specs_root: Path) -> tuple:
+    """Every spec under ``specs_root``, loaded once per build: (path, spec) in file order."""
+    return tuple((path, load_spec(path)) for path in find_specs(specs_root))
+
+
 def checkpoints(family: Family, specs_root: Path = SPECS) -> list[Checkpoint]:
     """The checkpoints of ``family``'s pinned specs, in spec-file order."""
     found: dict[str, list] = {}
-    for path in find_specs(specs_root):
-        spec = load_spec(path)
+    for path, spec in _specs(specs_root):
         if spec.family != family.name:
             continue
         entry = found.setdefault(spec.model, [spec.model_description, [], set(), False])
