@@ -162,6 +162,8 @@ def _table_rows(families: Iterable[Family], link: str, specs_root: Path) -> list
         found = checkpoints(family, specs_root)
         models = ", ".join(ckpt.model.split("/")[-1] for ckpt in found) or "-"
         counts = sorted({tokens(family, c.description, README_RESOLUTION) for c in found}) or ["-"]
+        if not family.decoder_kind.merges_vision_rows:  # the image reaches the decoder as K/V
+            counts = [f"{count} (an image token; the image is cross-attention K/V)" for count in counts]
         splits = {family.splits_images(ckpt.description) for ckpt in found}
         split = "yes" if splits == {True} else "no" if splits == {False} else "per checkpoint"
         name = f"[`{family.name}`]({link.format(name=family.name)})"
