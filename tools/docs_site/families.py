@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,18 @@ def vision_program_summary(family: Family) -> str:
     return inspect.cleandoc(module.__doc__ or "").splitlines()[0] if module.__doc__ else ""
 
 
+def rst_to_markdown(text: str) -> str:
+    """A docstring's reST roles (``:class:`~a.B```, ``:meth:`x <a.b.x>```) as plain code spans."""
+
+    def role(match: re.Match) -> str:
+        target = match.group(1)
+        if "<" in target:  # an explicit title: :meth:`title <target>`
+            return f"`{target.split('<')[0].strip()}`"
+        return f"`{target.lstrip('~').split('.')[-1] if target.startswith('~') else target}`"
+
+    return re.sub(r":\w+:`([^`]+)`", role, text).replace("``", "`")
+
+
 def _axes(axes: dict[int, str]) -> str:
     return "[" + ", ".join(str(axes[i]) for i in sorted(axes)) + "]"
 
@@ -98,7 +111,7 @@ def family_page(family: Family, specs_root: Path = SPECS) -> str:
         "*Generated at build time from the family's registration (`qeff_vision/families/"
         f"{family.name}/`) and its pinned specs; `qeff-vision families` prints the same feature matrix.*",
         "",
-        inspect.cleandoc(module.__doc__ or ""),
+        rst_to_markdown(inspect.cleandoc(module.__doc__ or "")),
         "",
         "| | |",
         "| --- | --- |",
