@@ -78,10 +78,13 @@ def _markdown_row(row: list[str]) -> str:
 
 def to_markdown(text: str) -> str:
     """Printed output as Markdown: tables as tables (header, rule, rows), other lines as text blocks."""
+    local = (tempfile.gettempdir() + os.sep, str(REPO) + os.sep)
     lines = [
         line.rstrip()
         for line in text.splitlines()
-        if not TEXT_RULE.match(line.strip()) and not LOCAL_LINE.match(line.strip())
+        if not TEXT_RULE.match(line.strip())
+        and not LOCAL_LINE.match(line.strip())
+        and not any(path in line for path in local)  # where this run kept its files
     ]
     out: list[str] = []
     prose: list[str] = []
