@@ -195,13 +195,13 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Peak RSS and fp32 weights against text layers, one line pair per family (real widths)."""
+    """Against text layers, per family (real widths): peak RSS and fp32 weights; calibration seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, (axis, timing) = plt.subplots(1, 2, figsize=(11, 4))
     for family in sorted({row["family"] for row in rows}):
         real = sorted(
             (r for r in rows if r["family"] == family and r["width"] == "real"),
@@ -220,6 +220,11 @@ def plot(rows: list[dict], path: Path) -> None:
             color=line.get_color(),
             label=f"{family}: fp32 weights",
         )
+        timing.plot(layers, [r["seconds"] for r in chosen], marker="o", color=line.get_color(), label=family)
+    timing.set_xlabel("text layers")
+    timing.set_ylabel("calibration seconds")
+    timing.set_title("Calibration time vs depth")
+    timing.legend(fontsize=7)
     axis.set_xlabel("text layers")
     axis.set_ylabel("GB")
     axis.set_title("Calibration memory vs depth (real widths)")
