@@ -55,7 +55,7 @@ def check_region_shape(page: Path, name: str, committed: str | None = None) -> l
 
 @pytest.mark.parametrize("name", benchmark_names())
 def test_every_benchmark_has_a_page_it_writes(name):
-    page = DOCS / "benchmarks" / f"{name}.md"
+    page = _docs_page().page(DOCS, name)
     assert page.is_file(), f"benchmarks/{name}.py has no page docs/benchmarks/{name}.md"
     check_region_shape(page, name)
     source = (REPO / "benchmarks" / f"{name}.py").read_text(encoding="utf-8")

@@ -137,7 +137,7 @@ def test_readme_benchmark_command_runs_with_smoke(name, command, tmp_path):
     # Into a copy of docs/: the run rewrites its page's marked region (tests/test_benchmark_docs.py).
     docs = tmp_path / "docs"
     shutil.copytree(REPO / "docs", docs)
-    committed = (docs / "benchmarks" / f"{name}.md").read_text(encoding="utf-8")
+    committed = _docs_page().page(docs, name).read_text(encoding="utf-8")
     done = subprocess.run(
         ["bash", "-c", f"{argv} --smoke --write-docs --docs-dir {shlex.quote(str(docs))}"],
         cwd=REPO,
@@ -149,7 +149,7 @@ def test_readme_benchmark_command_runs_with_smoke(name, command, tmp_path):
     tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
     assert done.returncode == 0, f"{command} --smoke exited {done.returncode}:\n{tail}"
     assert has_table(done.stdout), f"{command} --smoke printed no table:\n{tail}"
-    page = docs / "benchmarks" / f"{name}.md"
+    page = _docs_page().page(docs, name)
     # The committed tables are the shape to keep when the page was written by this same command.
     stamp = re.search(r"Written by `([^`]*)`", region(committed, name))
     ran = re.sub(r"^(\.venv/bin/)?python ", "python ", command)

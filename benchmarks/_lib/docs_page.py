@@ -53,8 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def page(docs_dir: Path, name: str) -> Path:
-    """The page of benchmark ``name`` under ``docs_dir``."""
-    return Path(docs_dir) / "benchmarks" / f"{name}.md"
+    """The page of benchmark ``name`` under ``docs_dir``: ``<name>.md``, or its hyphenated spelling.
+
+    ``activation_memory.py`` may document itself on ``activation-memory.md``; the underscore
+    spelling wins when both exist.
+    """
+    folder = Path(docs_dir) / "benchmarks"
+    hyphenated = folder / f"{name.replace('_', '-')}.md"
+    plain = folder / f"{name}.md"
+    return hyphenated if hyphenated.exists() and not plain.exists() else plain
 
 
 def plot_path(args: argparse.Namespace, name: str, default: Path | None) -> Path | None:
