@@ -183,8 +183,8 @@ def measure(config: str, dtypes, work: Path, keep: bool = False) -> tuple[dict, 
 def table(rows: list[dict]) -> str:
     """The printed table: one line per dtype."""
     lines = [
-        f"{'dtype':<8} {'weights GiB':>11} {'peak RSS GiB':>12} {'RSS/weights':>11}  "
-        f"{'stage seconds':<72} {'lang logits vs transformers'}"
+        f"{'dtype':<8}  {'weights GiB':>11}  {'peak RSS GiB':>12}  {'RSS/weights':>11}  "
+        f"{'stage seconds':<72}  {'lang logits vs transformers'}"
     ]
     for row in rows:
         stages = " ".join(f"{k} {v:.1f}" for k, v in row["timings"].items())
@@ -194,8 +194,8 @@ def table(rows: list[dict]) -> str:
             f"top-1 {'same' if parity['top1_same'] else 'DIFFERS'}"
         )
         lines.append(
-            f"{row['dtype']:<8} {row['weight_bytes'] / 2**30:>11.2f} {row['peak_rss'] / 2**30:>12.2f} "
-            f"{row['peak_rss'] / row['weight_bytes']:>11.2f}  {stages:<72} {check}"
+            f"{row['dtype']:<8}  {row['weight_bytes'] / 2**30:>11.2f}  {row['peak_rss'] / 2**30:>12.2f}  "
+            f"{row['peak_rss'] / row['weight_bytes']:>11.2f}  {stages:<72}  {check}"
         )
     return "\n".join(lines)
 
