@@ -207,7 +207,7 @@ def _command(name: str, argv: list[str]) -> str:
             continue
         if arg == "--write-docs" or arg.startswith("--docs-dir="):
             continue
-        kept.append(arg)
+        kept.append("DIR" if os.path.isabs(arg) else arg)  # a path of this machine says nothing
     return " ".join([f"python benchmarks/{name}.py", *kept])
 
 
