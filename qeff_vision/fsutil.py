@@ -188,7 +188,7 @@ def staged_directory(
         lock: Makes a context manager held from before the staging directory is made until
             ``final`` is replaced or left (a lock beside ``final``; its parent exists by then).
     """
-    from qeff_vision.interrupts import deferred, raise_if_interrupted
+    from qeff_vision.interrupts import deferred, raise_if_interrupted, removed_on_exit
 
     final = check_output_dir(final)
     created = _make_parents(final)
@@ -198,10 +198,11 @@ def staged_directory(
         with lock() if lock else contextlib.nullcontext():
             staging = _stage(final, start_from_final, shared)
             present = {name: _files(final / name) for name in shared if (staging / name).is_symlink()}
-            yield staging
-            raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
-            with deferred():  # the renames of the commit are not cut in half
-                _commit(staging, final, force or start_from_final, shared)
+            with removed_on_exit(staging):
+                yield staging
+                raise_if_interrupted()  # a stop signal whose exception was lost stops here
+                with deferred():  # the renames of the commit are not cut in half
+                    _commit(staging, final, force or start_from_final, shared)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)  # a symlink is removed, not followed
