@@ -1,0 +1,186 @@
+"""A long run does not grow (issue 53): ``run --requests`` soaks on continuous-batching tiny artifacts.
+
+Mixed requests (text only, one and two images of three resolutions, prompts of 2-24 words,
+arrivals spread over the run) through :func:`qeff_vision.api.run_requests`, the ``run --requests``
+path. After the run: RSS after the first requests and at the end within 5 % (measured after
+``malloc_trim``; printed), every per-request structure of the engine, its slots and its generator
+empty (:func:`tests.soak.leftovers`), and a sample of requests served again one at a time (each
+arriving after the previous one finished) gives the same tokens.
+
+A request failing mid-prefill is reported failed (``--json``: ``failed``, ``error``) and the
+engine serves the others: an image whose pixels no compiled vision specialization takes (the
+vision program refuses it at the request's first chunk, after admission) and a language-program
+call that fails (what ``QaicProgram`` raises when the device rejects a call).
+
+Default tier: 300 requests on the dual deployment (about a minute on 2 cores). Slow tier: 2,000
+requests on the dual, disaggregated and single deployments (single serves one sequence at a
+time: its requests go one by one through ``Generator.generate``, as ``run --prompt`` does) and on
+the cross-attention family (mllama).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qeff_vision.runtime.conversation import Conversation
+from tests import soak
+
+SAMPLE = 12  # requests served again alone and compared
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_checkpoint, tmp_path_factory):
+    """``artifacts(family, deployment) -> OUT``: compiled once per module."""
+    built = {}
+
+    def build(family: str, deployment: str):
+        if (family, deployment) not in built:
+            root = tmp_path_factory.mktemp(f"soak-{family}-{deployment}")
+            fbs = None if deployment == "single" else 4
+            built[family, deployment] = soak.compile_tiny(root, tiny_checkpoint(family), deployment, fbs)
+        return built[family, deployment]
+
+    return build
+
+
+def _alone(out, lines, sample, tmp_path):
+    """The sampled requests served again, one at a time (each arrives long after the previous one)."""
+    alone = [{**lines[i], "arrival_step": 10_000 * n} for n, i in enumerate(sample)]
+    again = soak.serve(out, soak.write_requests(tmp_path / "alone.jsonl", alone), first=1)
+    return [done.result.tokens for done in again.run.report.requests]
+
+
+def _check(result: soak.Soak, label: str, out, lines, tmp_path, failing=()) -> None:
+    print(result.describe(label))
+    assert abs(result.growth) <= 0.05, result.describe(label)
+    assert soak.leftovers(result.run) == [], label
+    report = result.run.report
+    assert [done.number for done in report.requests if done.failed] == sorted(failing)
+    served = [i for i in range(len(lines)) if i not in failing]
+    step = max(1, len(served) // SAMPLE)
+    sample = served[::step][:SAMPLE]
+    assert _alone(out, lines, sample, tmp_path) == [report.requests[i].result.tokens for i in sample]
+
+
+@pytest.fixture
+def bad_requests(monkeypatch):
+    """Requests whose prompt holds a marker fail mid-prefill, each its own way.
+
+    ``BAD-IMAGE``: its first image's pixels are cut to a size no vision specialization was
+    compiled for; the vision program refuses them when the first chunk needs the image (after
+    admission). ``DEVICE-ERROR``: the language program's call for its first chunk fails.
+    """
+    prepare = Conversation.prepare
+
+    def marked(self, images, text, videos=()):
+        inputs = prepare(self, images, text, videos)
+        if "BAD-IMAGE" in text:
+            pixels = inputs.processed["pixel_values"]
+            inputs.processed["pixel_values"] = np.ascontiguousarray(pixels[..., : pixels.shape[-1] // 2])
+        if "DEVICE-ERROR" in text:
+            inputs.processed["input_ids"] = inputs.processed["input_ids"].copy()
+            inputs.processed["input_ids"][0, 0] = DEVICE_ERROR_TOKEN
+        return inputs
+
+    monkeypatch.setattr(Conversation, "prepare", marked)
+
+
+DEVICE_ERROR_TOKEN = 3  # a request starting with it is refused by the wrapped language program
+
+
+def _failing_device(monkeypatch):
+    """The language program fails a prefill call whose first token is DEVICE_ERROR_TOKEN at position 0.
+
+    Wraps the shape check every call of a program makes before it runs (``run`` and the in-place
+    ``run_retained`` alike), raising what ``QaicProgram`` raises for a call the device failed.
+    """
+    from qeff_vision.runtime.session import CompiledProgram
+
+    checked = CompiledProgram._checked
+
+    def failing(self, feeds):
+        ids, positions = feeds.get("input_ids"), feeds.get("position_ids")
+        if (
+            ids is not None
+            and ids.shape[0] == 1
+            and ids.shape[1] > 1
+            and int(ids[0, 0]) == DEVICE_ERROR_TOKEN
+        ):
+            if int(np.asarray(positions).reshape(-1)[0]) == 0:
+                raise RuntimeError(
+                    f"{self.path.parent.name}: the device rejected or failed the call (injected)"
+                )
+        return checked(self, feeds)
+
+    monkeypatch.setattr(CompiledProgram, "_checked", failing)
+
+
+def test_soak_one_minute_dual(artifacts, bad_requests, monkeypatch, tmp_path, capsys):
+    out = artifacts("llava", "dual")
+    _failing_device(monkeypatch)
+    lines = soak.request_lines(tmp_path, 300)
+    failing = (40, 41, 150)
+    lines[40]["prompt"] += " BAD-IMAGE"
+    lines[40]["images"] = lines[40]["images"] or ["img0.png"]
+    lines[41]["prompt"] += " DEVICE-ERROR"
+    lines[150]["prompt"] += " BAD-IMAGE"
+    lines[150]["images"] = ["img2.png", "img4.png"]
+    result = soak.serve(out, soak.write_requests(tmp_path / "requests.jsonl", lines), first=100)
+    for number in failing:
+        assert result.run.report.requests[number].error, number
+    from qeff_vision.cli.requests_report import report_json
+
+    document = json.loads(json.dumps(report_json(result.run)))
+    assert [entry["request"] for entry in document["requests"] if entry["failed"]] == list(failing)
+    assert "injected" in document["requests"][41]["error"]
+    assert document["engine"]["failed_requests"] == len(failing)
+    with capsys.disabled():
+        _check(result, "dual (300 requests)", out, lines, tmp_path, failing)
+
+
+SLOW = [("llava", "dual"), ("llava", "disaggregated"), ("mllama", "dual")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,deployment", SLOW)
+def test_soak_2000_requests(family, deployment, artifacts, tmp_path, capsys):
+    out = artifacts(family, deployment)
+    lines = soak.request_lines(tmp_path, 2000, seed=1)
+    result = soak.serve(out, soak.write_requests(tmp_path / "requests.jsonl", lines), first=200)
+    with capsys.disabled():
+        _check(result, f"{family} {deployment} (2000 requests)", out, lines, tmp_path)
+
+
+@pytest.mark.slow
+def test_soak_2000_lone_requests_single(artifacts, tmp_path, capsys):
+    """Deployment single serves one sequence: 2,000 lone generations on one generator."""
+    from qeff_vision.runtime.conversation import open_conversation
+
+    out = artifacts("llava", "single")
+    lines = soak.request_lines(tmp_path, 2000, seed=2)
+    chat = open_conversation(out)
+    generator = chat.generator
+    tokens, figures = [], {}
+    for number, line in enumerate(lines):
+        prepared = chat.prepare([tmp_path / name for name in line["images"]], line["prompt"])
+        tokens.append(generator.generate(prepared.processed, line["max_new_tokens"]).tokens)
+        if number + 1 in (200, len(lines)):
+            figures[number + 1] = soak.rss()
+    growth = figures[len(lines)] / figures[200] - 1
+    with capsys.disabled():
+        print(
+            f"soak llava single (2000 lone requests): RSS after 200 {figures[200] / 2**20:.1f} MiB, "
+            f"after 2000 {figures[len(lines)] / 2**20:.1f} MiB ({growth * 100:+.2f} %)"
+        )
+    assert abs(growth) <= 0.05
+    assert len(generator.ccl_history) <= 2 * 256  # one request's calls at most
+    assert not generator.cache._pins
+    sample = list(range(0, len(lines), len(lines) // SAMPLE))[:SAMPLE]
+    fresh = open_conversation(out)
+    for number in sample:
+        line = lines[number]
+        prepared = fresh.prepare([tmp_path / name for name in line["images"]], line["prompt"])
+        assert fresh.generator.generate(prepared.processed, line["max_new_tokens"]).tokens == tokens[number]
