@@ -2,8 +2,8 @@
 
 Mixed requests (text only, one and two images of three resolutions, prompts of 2-24 words,
 arrivals spread over the run) through :func:`qeff_vision.api.run_requests`, the ``run --requests``
-path. After the run: RSS after the first requests and at the end within 5 % (measured after
-``malloc_trim``; printed), every per-request structure of the engine, its slots and its generator
+path. After the run: RSS at the end at most 5 % above RSS after the first requests (measured
+after ``malloc_trim``; printed; it falls as finished requests' state is dropped), every per-request structure of the engine, its slots and its generator
 empty (:func:`tests.soak.leftovers`), and a sample of requests served again one at a time (each
 arriving after the previous one finished) gives the same tokens.
 
@@ -55,7 +55,9 @@ def _alone(out, lines, sample, tmp_path):
 
 def _check(result: soak.Soak, label: str, out, lines, tmp_path, failing=()) -> None:
     print(result.describe(label))
-    assert abs(result.growth) <= 0.05, result.describe(label)
+    # Not above 5 % more. It may be well below: each request's state (prompt arrays, chunk plan)
+    # is dropped as it finishes, so the run holds less and less of what the file made up front.
+    assert result.growth <= 0.05, result.describe(label)
     assert soak.leftovers(result.run) == [], label
     report = result.run.report
     assert [done.number for done in report.requests if done.failed] == sorted(failing)
@@ -175,7 +177,7 @@ def test_soak_2000_lone_requests_single(artifacts, tmp_path, capsys):
             f"soak llava single (2000 lone requests): RSS after 200 {figures[200] / 2**20:.1f} MiB, "
             f"after 2000 {figures[len(lines)] / 2**20:.1f} MiB ({growth * 100:+.2f} %)"
         )
-    assert abs(growth) <= 0.05
+    assert growth <= 0.05
     assert len(generator.ccl_history) <= 2 * 256  # one request's calls at most
     assert not generator.cache._pins
     sample = list(range(0, len(lines), len(lines) // SAMPLE))[:SAMPLE]
