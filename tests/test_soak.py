@@ -3,8 +3,9 @@
 Mixed requests (text only, one and two images of three resolutions, prompts of 2-24 words,
 arrivals spread over the run) through :func:`qeff_vision.api.run_requests`, the ``run --requests``
 path. After the run: RSS at the end at most 5 % above RSS after the first requests (measured
-after ``malloc_trim``; printed; it falls as finished requests' state is dropped), every per-request structure of the engine, its slots and its generator
-empty (:func:`tests.soak.leftovers`), and a sample of requests served again one at a time (each
+after ``malloc_trim``; printed; it falls as finished requests' state is dropped), every
+per-request structure of the engine, its slots and its generator empty
+(:func:`tests.soak.leftovers`), and a sample of requests served again one at a time (each
 arriving after the previous one finished) gives the same tokens.
 
 A request failing mid-prefill is reported failed (``--json``: ``failed``, ``error``) and the
