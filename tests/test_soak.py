@@ -10,10 +10,12 @@ arriving after the previous one finished) gives the same tokens.
 
 A request failing mid-prefill is reported failed (``--json``: ``failed``, ``error``) and the
 engine serves the others: an image whose pixels no compiled vision specialization takes (the
-vision program refuses it at the request's first chunk, after admission) and a language-program
-call that fails (what ``QaicProgram`` raises when the device rejects a call).
+vision program refuses it at the request's first chunk, after admission), a language-program call
+that fails (what ``QaicProgram`` raises when the device rejects a call), and, on QPCs of the
+stand-in compiler, a prefill call the device-runtime double (tests/device_double) fails.
 
-Default tier: 300 requests on the dual deployment (about a minute on 2 cores). Slow tier: 2,000
+Default tier: 300 requests on the dual deployment and 12 on the device-runtime double (about a
+minute on 2 cores). Slow tier: 2,000
 requests on the dual, disaggregated and single deployments (single serves one sequence at a
 time: its requests go one by one through ``Generator.generate``, as ``run --prompt`` does) and on
 the cross-attention family (mllama).
@@ -21,10 +23,14 @@ the cross-attention family (mllama).
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from qeff_vision.runtime.conversation import Conversation
 from tests import soak
@@ -187,3 +193,69 @@ def test_soak_2000_lone_requests_single(artifacts, tmp_path, capsys):
         line = lines[number]
         prepared = fresh.prepare([tmp_path / name for name in line["images"]], line["prompt"])
         assert fresh.generator.generate(prepared.processed, line["max_new_tokens"]).tokens == tokens[number]
+
+
+DOUBLE = Path(__file__).with_name("device_double")
+
+
+@pytest.fixture
+def device_runtime(monkeypatch):
+    """The SDK-runtime double importable as ``qaicrt`` for one test (its fault hook reset after)."""
+    monkeypatch.syspath_prepend(str(DOUBLE))
+    for name in ("qaicrt", "QAicApi_pb2"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    qaicrt = importlib.import_module("qaicrt")
+    yield qaicrt
+    qaicrt.FAIL = None
+    for name in ("qaicrt", "QAicApi_pb2"):
+        sys.modules.pop(name, None)
+
+
+def test_a_device_call_error_fails_one_request_and_the_others_are_served(
+    tiny_checkpoint, cb_exported, device_runtime, tmp_path
+):
+    """QPCs of the stand-in compiler on the device-runtime double, which fails one prefill call."""
+    from qeff_vision import api
+    from tests.compile_fixtures import stand_in
+
+    compiler, _ = stand_in(tmp_path)
+    spec = {
+        "name": "soak-qaic",
+        "model": str(tiny_checkpoint("llava")),
+        "ctx_len": 256,
+        "full_batch_size": 2,
+        "prefill": {"seq_lens": [32, 128]},
+        "vision": {"images": [{"height": 336, "width": 336}], "max_images": 2},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    api.compile(
+        tmp_path / "spec.yaml",
+        out,
+        compiler=str(compiler),
+        export_dir=cb_exported("llava"),
+        progress=None,
+        status_stream=None,
+    )
+    lines = soak.request_lines(tmp_path, 12, seed=3)
+    requests = soak.write_requests(tmp_path / "requests.jsonl", lines)
+    healthy = api.run_requests(out, requests)
+    assert not any(done.failed for done in healthy.report.requests)
+    prefills = []
+
+    def fail_the_fifth_prefill(inputs):
+        ids = inputs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # a prefill chunk (batch 1, its own slot)
+            prefills.append(int(inputs["batch_index"].reshape(-1)[0]))
+            if len(prefills) == 5:
+                return "injected: the device failed the call"
+        return None
+
+    device_runtime.FAIL = fail_the_fifth_prefill
+    run = api.run_requests(out, requests)
+    failed = [done for done in run.report.requests if done.failed]
+    assert len(failed) == 1 and "the device rejected or failed the call" in failed[0].error
+    for before, after in zip(healthy.report.requests, run.report.requests):
+        if not after.failed:  # served on, in the slot the failed one freed too
+            assert after.result.tokens == before.result.tokens, after.number
+    assert soak.leftovers(run) == []
