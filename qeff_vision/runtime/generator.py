@@ -11,6 +11,7 @@ conversation's turn prefills only what follows the prefix the language program a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,9 +125,8 @@ class Generator(ImageEncoding, PrefixKeeping):
         self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
         self._unpositioned = unpositioned_caches(self.io)
-        #: The compute-context length fed to each language call of the last :meth:`generate` (empty
-        #: without CCL specializations). Recorded only inside generate(): a served request stream
-        #: (the batched engine's run) makes calls forever, and nothing per call stays on the generator.
+        #: The compute-context length of each language call in the last :meth:`recording_ccl` block
+        #: (each generate() is one); empty without CCL specializations.
         self.ccl_history: list[int] = []
         self._recording_ccl = False
         self._ccl_feeds: dict[int, np.ndarray] = {}
@@ -409,9 +409,7 @@ class Generator(ImageEncoding, PrefixKeeping):
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
-        self.ccl_history = []
-        self._recording_ccl = True
-        try:
+        with self.recording_ccl():
             return self.engine.generate(
                 processed,
                 max_new_tokens,
@@ -422,6 +420,17 @@ class Generator(ImageEncoding, PrefixKeeping):
                 history=history,
                 keep_prefix=keep_prefix,
             )
+
+    @contextlib.contextmanager
+    def recording_ccl(self) -> Iterator[list[int]]:
+        """Record each language call's compute-context length in :attr:`ccl_history` (emptied first).
+
+        Only inside such a block (:meth:`generate` opens one): a served stream keeps nothing per call.
+        """
+        self.ccl_history = []
+        self._recording_ccl = True
+        try:
+            yield self.ccl_history
         finally:
             self._recording_ccl = False
 
