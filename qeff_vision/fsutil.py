@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -174,7 +175,10 @@ def staged_directory(
 
     On any exception (Ctrl-C included) the staging directory and any parent this made are
     removed and ``final`` is left as it was, so a failed or interrupted command never leaves a
-    directory that looks complete, nor changes one that was.
+    directory that looks complete, nor changes one that was. Every command that writes goes
+    through here, so this is also the one guard against a full disk: whatever raised it (an
+    ``OSError``, safetensors' or onnx's own error type), a disk-full or quota error becomes one
+    ``UserError`` naming ``final``, after the staging directory is gone.
 
     Args:
         final: The directory the finished content should live in (checked by
@@ -188,7 +192,7 @@ def staged_directory(
         lock: Makes a context manager held from before the staging directory is made until
             ``final`` is replaced or left (a lock beside ``final``; its parent exists by then).
     """
-    from qeff_vision.interrupts import deferred, raise_if_interrupted
+    from qeff_vision.interrupts import deferred, raise_if_interrupted, removed_on_exit
 
     final = check_output_dir(final)
     created = _make_parents(final)
@@ -198,18 +202,74 @@ def staged_directory(
         with lock() if lock else contextlib.nullcontext():
             staging = _stage(final, start_from_final, shared)
             present = {name: _files(final / name) for name in shared if (staging / name).is_symlink()}
-            yield staging
-            raise_if_interrupted()  # a Ctrl-C whose exception was lost stops here
-            with deferred():  # the renames of the commit are not cut in half
-                _commit(staging, final, force or start_from_final, shared)
-    except BaseException:
+            with removed_on_exit(staging):
+                yield staging
+                raise_if_interrupted()  # a stop signal whose exception was lost stops here
+                with deferred():  # the renames of the commit are not cut in half
+                    _commit(staging, final, force or start_from_final, shared)
+    except BaseException as exc:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)  # a symlink is removed, not followed
         for name, before in present.items():  # files derived into a shared directory (single.onnx)
             for added in _files(final / name) - before:
                 added.unlink(missing_ok=True)
         _remove_empty(created)
+        if isinstance(exc, Exception) and not isinstance(exc, UserError) and disk_full(exc):
+            raise UserError(f"{final}: {_full_text(exc)} while writing it ({_first_line(exc)})") from exc
         raise
+
+
+# What a full disk (or an exhausted quota) raises, by errno, and the text libraries that wrap it
+# in their own exception keep: safetensors' SafetensorError "I/O error: No space left on device
+# (os error 28)", protobuf's and onnxruntime's messages, torch's RuntimeError.
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def disk_full(exc: BaseException) -> bool:
+    """True when ``exc`` (or one it was raised from) is a full disk or an exhausted quota."""
+    for link in _chain(exc):
+        if isinstance(link, OSError) and link.errno in _FULL_ERRNOS:
+            return True
+        if disk_full_text(str(link)):
+            return True
+    return False
+
+
+def disk_full_text(text: str) -> bool:
+    """True when ``text`` (an error message, a line of a compiler's log) reports a full disk or quota."""
+    return any(os.strerror(code) in text for code in _FULL_ERRNOS)
+
+
+def no_space_left(path: str | os.PathLike) -> bool:
+    """True when the file system holding ``path`` (or its nearest existing parent) has no free block."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
+
+
+def _full_text(exc: BaseException) -> str:
+    quota = any(
+        (isinstance(link, OSError) and link.errno == errno.EDQUOT) or os.strerror(errno.EDQUOT) in str(link)
+        for link in _chain(exc)
+    )
+    return "disk quota exceeded" if quota else "no space left on device"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def _files(directory: Path) -> set[Path]:

@@ -9,7 +9,10 @@ attribute stored externally is resolved against the process's working directory 
 of TensorProto ... should be stored in model.onnx.data, but it is not regular file").
 
 :func:`load_graph` is how every stage reads a graph: structure and attributes in memory, weights
-left on disk. It also reads graphs exported before attributes were kept inline.
+left on disk. It also reads graphs exported before attributes were kept inline. It checks every
+external-data reference against its file first (:func:`check_external_data`): a truncated
+``model.onnx.data`` (a copy cut short, a full disk) is one line naming the file, the tensor and
+both sizes, not onnxruntime's traceback from deep inside session creation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+from qeff_vision.errors import UserError
 
 
 def _graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:
@@ -85,11 +90,90 @@ def described_values(values) -> dict[str, dict]:
 
 
 def load_graph(path: str | Path) -> onnx.ModelProto:
-    """The graph at ``path`` with its node attributes in memory and its initializers' data left on disk."""
+    """The graph at ``path`` with its node attributes in memory and its initializers' data left on disk.
+
+    Raises:
+        UserError: An external-data reference its file cannot serve (:func:`check_external_data`).
+    """
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
+    check_external_data(model, path)
     inline_attributes(model, path.parent)
     return model
+
+
+def _external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    for graph in _graphs(model):
+        for tensor in graph.initializer:
+            if uses_external_data(tensor):
+                yield tensor
+    for _, tensor in attribute_tensors(model):
+        if uses_external_data(tensor):
+            yield tensor
+
+
+def _value_bytes(tensor: onnx.TensorProto) -> int | None:
+    """Bytes the tensor's shape and type need in raw little-endian form (``None``: not fixed-width)."""
+    if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return None
+    try:
+        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return None
+    count = int(np.prod(tensor.dims, dtype=np.int64)) if tensor.dims else 1
+    if tensor.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return (count + 1) // 2  # two 4-bit values a byte
+    return count * itemsize
+
+
+def check_external_data(model: onnx.ModelProto, graph_path: str | Path) -> None:
+    """Refuse a graph whose external data its files cannot serve, before any reader trips on it.
+
+    Each externally stored tensor names a file (``location``, relative to the graph), an
+    ``offset`` and a ``length``. The file must exist and hold ``offset + length`` bytes, and
+    ``length`` must be what the tensor's shape and type need (onnx's own reader takes the bytes
+    it is told to, so a wrong length is the graph and its data out of step). Only file sizes are
+    read, never the data.
+
+    Args:
+        model: The graph, loaded without its external data.
+        graph_path: Where it was read from (locations are relative to its directory).
+
+    Raises:
+        UserError: One line naming the data file, the tensor and the sizes.
+    """
+    base = Path(graph_path).parent
+    sizes: dict[str, int] = {}
+    for tensor in _external_tensors(model):
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
+        path = base / location
+        if location not in sizes:
+            try:
+                sizes[location] = path.stat().st_size
+            except OSError as exc:
+                raise UserError(
+                    f"{path}: cannot read the external data of {graph_path} ({exc.strerror or exc})"
+                ) from None
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else None
+        except ValueError:
+            raise UserError(
+                f"{graph_path}: tensor {tensor.name!r} has a malformed external-data entry"
+            ) from None
+        needed = _value_bytes(tensor)
+        if length is not None and needed is not None and length != needed:
+            raise UserError(
+                f"{path}: tensor {tensor.name!r} is stored as {length:,} bytes but its shape "
+                f"{list(tensor.dims)} needs {needed:,} ({graph_path} and its data do not match)"
+            )
+        size = length if length is not None else needed
+        if size is not None and offset + size > sizes[location]:
+            raise UserError(
+                f"{path}: truncated: tensor {tensor.name!r} needs bytes {offset:,}..{offset + size:,} "
+                f"but the file holds {sizes[location]:,} bytes"
+            )
 
 
 def weight_bytes(model: onnx.ModelProto) -> int:

@@ -201,7 +201,8 @@ def test_a_spec_whose_buckets_cannot_hold_a_whole_image_is_rejected(tmp_path):
     )
     problems, _ = api.validate(spec)
     assert len(problems) == 1
-    assert "256 image tokens do not fit one chunk" in problems[0] and "both ways" in problems[0]
+    assert "896x896 is 256 tokens (256 image rows)" in problems[0] and "both ways" in problems[0]
+    assert "add a bucket with seq_len >= 256 and vision_size >= 256" in problems[0]
     spec.write_text(spec.read_text().replace("[128]", "[128, 512]"))
     problems, warnings = api.validate(spec)
     # Valid; only the vLLM 0.23 plugin cannot serve it (it cuts chunks inside images: serve_fit).

@@ -308,7 +308,7 @@ def test_a_second_clip_in_a_conversation_is_refused_in_one_line(runtime, exporte
 
 @pytest.mark.parametrize(("max_images", "fits"), [(3, True), (4, False)])
 def test_spec_checks_that_a_prompts_joined_images_fit_one_bucket(tmp_path, capsys, max_images, fits):
-    """3 x 1,203 + 2 tokens fit the 4096 bucket; 4 x 1,203 + 3 do not: one line naming max_images."""
+    """3 x 1,203 + 2 x 7 tokens fit the 4096 bucket; 4 x 1,203 + 3 x 7 do not: one line naming max_images."""
     import yaml
 
     from qeff_vision.cli import main
@@ -326,5 +326,7 @@ def test_spec_checks_that_a_prompts_joined_images_fit_one_bucket(tmp_path, capsy
         return
     assert code == 2 and "Traceback" not in err
     (line,) = [line for line in err.splitlines() if "vision.max_images" in line]
-    assert "4 images of 1080x1920 are one run of 4815 tokens (4648 image rows)" in line, line
-    assert "the largest bucket holds 4096 tokens" in line
+    # Between two images the template writes "Image N": 7 bytes, its bound without a tokenizer.
+    images = " + ".join(["1080x1920"] * 4)
+    assert f"4 images ({images}) are one run of 4833 tokens (4648 image rows)" in line, line
+    assert "add a bucket with seq_len >= 4833 and vision_size >= 4648" in line

@@ -180,7 +180,8 @@ def test_family_that_cannot_split_images_needs_a_bucket_holding_the_whole_image(
 ):
     data = spec_data(model="test/cross", config=str(cross_attention_config), prefill={"seq_lens": [128, 512]})
     problem = one(problems_of(write_spec(tmp_path, data)), "vision.images[0]:")
-    assert "1601 image tokens do not fit one chunk (at most 512 placeholders)" in problem
+    assert "(1601 image rows)" in problem and "cannot split an image across chunks" in problem
+    assert "(seq_len: 128, 512)" in problem and problem.endswith("add a bucket with seq_len >= 1601")
 
 
 # ---- schema strictness ----

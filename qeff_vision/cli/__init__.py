@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -82,7 +83,10 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; user errors become one stderr line and exit code 2, Ctrl-C "interrupted" and 130."""
+    """Run the CLI; user errors become one stderr line and exit code 2; a stop signal one line and 128 + N.
+
+    Ctrl-C: "interrupted", 130; SIGTERM 143; SIGHUP 129 (:mod:`qeff_vision.interrupts`).
+    """
     interrupts.install()
     try:
         # Without standalone mode click returns ctx.exit(code)'s code (or the command's value).
@@ -90,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return _error(str(exc))
     except (Interrupted, click.exceptions.Abort, KeyboardInterrupt):
-        # click turns Ctrl-C (and EOF at a prompt) into Abort.
-        click.echo("qeff-vision: interrupted", err=True)
-        return 130
+        # click turns Ctrl-C (and EOF at a prompt) into Abort. SIGTERM and SIGHUP arrive as
+        # KeyboardInterrupt too (qeff_vision.interrupts); the line and the code name the signal.
+        return _interrupted()
     except click.ClickException as exc:
         return _error(exc.format_message())
     except click.exceptions.Exit as exc:
@@ -101,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         # An operating-system refusal the checks before it did not foresee (a disk that filled,
         # a directory removed underneath us): still the environment, still one line.
         return _error(os_error_text(exc))
-    if interrupts.interrupted():  # a Ctrl-C whose KeyboardInterrupt a library swallowed
-        click.echo("qeff-vision: interrupted", err=True)
-        return 130
+    if interrupts.interrupted():  # a stop signal whose KeyboardInterrupt a library swallowed
+        return _interrupted()
     return result if isinstance(result, int) else 0
+
+
+def _interrupted() -> int:
+    with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+        click.echo(f"qeff-vision: {interrupts.exit_line()}", err=True)
+    return interrupts.exit_code()
 
 
 def _error(message: str) -> int:

@@ -63,8 +63,11 @@ def report_json(run: BatchRun) -> dict:
             "first_token_step": done.first_token_step,
             "finished_step": done.finished_step,
             "mean_occupancy": done.mean_occupancy,
+            "failed": done.failed,
             **result_json(done.result),
         }
+        if done.failed:
+            entry["error"] = done.error
         if done.number < len(run.comparisons):
             comparison = run.comparisons[done.number]
             entry["compare_hf"] = {"identical": comparison.identical, "verdict": comparison.describe()}
@@ -79,6 +82,7 @@ def report_json(run: BatchRun) -> dict:
         "decode_tokens_per_second": report.decode_tokens_per_second,
         "vision_bytes": report.vision_bytes,
         "encoder_calls": report.encoder_calls,
+        "failed_requests": sum(done.failed for done in report.requests),
     }
     if run.handoffs is not None:
         engine["handoffs"], engine["handoff_bytes"] = run.handoffs

@@ -53,7 +53,9 @@ HELP = {
     "a line with keys prompt, images (paths relative to the file, may be empty), max_new_tokens and "
     "arrival_step (the engine step it arrives at), and any sampling option by its name (temperature, top_k, "
     "top_p, min_p, repetition_penalty, presence_penalty, seed), overriding the command's for that request. "
-    "Requests share the program's full_batch_size KV slots.",
+    "Requests share the program's full_batch_size KV slots. A request that fails while it prefills (an image "
+    "refused, a device call's error) is reported (error line; --json: failed, error) and the others are "
+    "served; the exit code is then 1.",
 }
 
 
@@ -290,7 +292,9 @@ def _run_requests(
     from qeff_vision.cli.requests_report import report_json, report_table
 
     def on_finish(request, done) -> None:
-        if not as_json:
+        if done.failed:  # the engine served the others; the request's one line says why
+            click.echo(f"error: request {request.index} failed: {done.error}", err=True)
+        elif not as_json:
             click.echo(f"[request {request.index}] {done.result.text}")
         for note in done.result.notes:
             click.echo(f"note: request {request.index}: {note}", err=True)
@@ -311,5 +315,5 @@ def _run_requests(
         click.echo(line, err=True)
     for request, comparison in zip(batch.requests, batch.comparisons):
         click.echo(f"compare-hf: request {request.index}: {comparison.describe()}", err=True)
-    if compare_hf and not batch.identical:
-        click.get_current_context().exit(1)
+    if (compare_hf and not batch.identical) or any(done.failed for done in batch.report.requests):
+        click.get_current_context().exit(1)  # a failed request: reported above, the others served

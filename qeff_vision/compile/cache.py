@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from qeff_vision.fsutil import atomic_write_json, read_record_json
+from qeff_vision.interrupts import removed_on_exit
 
 RECORD_FILE = "qeff_program.json"
 QPC_FILE = "programqpc.bin"
@@ -43,6 +44,8 @@ def sha256_file(path: Path) -> str:
 def external_data_files(onnx_path: Path) -> list[Path]:
     """Every external-data file an ONNX model refers to (sorted, relative to the model's directory)."""
     import onnx
+
+    from qeff_vision.graph_file import check_external_data
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     locations: set[str] = set()
@@ -74,6 +77,9 @@ def external_data_files(onnx_path: Path) -> list[Path]:
     visit_graph(model.graph)
     for function in model.functions:
         visit_nodes(function.node)
+    # Every compile hashes its graphs first: a truncated data file is refused here in one line,
+    # before the compiler or onnxruntime reads it.
+    check_external_data(model, onnx_path)
     return sorted(onnx_path.parent / location for location in locations)
 
 
@@ -202,12 +208,15 @@ def output_lock(out_dir: Path, on_wait: Callable[[str], None] | None = None) -> 
                 current = None
             if current != os.fstat(handle.fileno()).st_ino:
                 continue  # the previous holder removed this file: lock the current one
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()}\n")
-            handle.flush()
             try:
-                yield
+                with removed_on_exit(path):  # a second stop signal skips the finally below
+                    handle.seek(0)
+                    handle.truncate()
+                    # Who holds it, for a waiter. Unbuffered, so a full disk refuses it here and
+                    # not again when the handle closes.
+                    with contextlib.suppress(OSError):
+                        os.write(handle.fileno(), f"pid {os.getpid()}\n".encode())
+                    yield
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()

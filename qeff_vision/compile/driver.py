@@ -65,7 +65,13 @@ from qeff_vision.compile_record import (
     tool_name,
 )
 from qeff_vision.errors import UserError
-from qeff_vision.fsutil import atomic_write_json, check_output_dir, staged_directory
+from qeff_vision.fsutil import (
+    atomic_write_json,
+    check_output_dir,
+    disk_full_text,
+    no_space_left,
+    staged_directory,
+)
 from qeff_vision.hub import HubCheckpoint, hub_record
 from qeff_vision.hub import cached as hub_cached
 from qeff_vision.spec import build_specializations, load_spec, resolve_layout
@@ -425,7 +431,7 @@ def _run_compilers(run: _Run, jobs: list[Job], binary_dirs, records, entries, st
     try:
         stream = sys.stderr if status_stream is STDERR else status_stream  # resolved now, not at import
         results = run_jobs(jobs, StatusLine(stream), run.env)
-        _finish(results, jobs, binary_dirs, records, entries)
+        _finish(results, jobs, binary_dirs, records, entries, run.final_dir)
     except CompileFailed:
         raise
     except BaseException:
@@ -483,13 +489,18 @@ def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]
     return handoff_for_spec(spec, entries["vision"]["path"], entries["lang"]["path"], model)
 
 
-def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries) -> None:
+def _finish(results: Mapping[str, JobResult], jobs, binary_dirs, records, entries, final_dir: Path) -> None:
     """Record every program (the record is its last write), or raise for the first failure."""
     failures = [result for result in results.values() if not result.ok]
     if failures:
         first = next((r for r in failures if r.state in ("failed", "timeout", "error")), failures[0])
         timeout = next(job.timeout for job in jobs if job.program == first.program)
-        raise CompileFailed(first.describe(timeout), first.tail, first.log_path)
+        message = first.describe(timeout)
+        if any(disk_full_text(line) for line in first.tail) or no_space_left(binary_dirs[first.program]):
+            # The compiler wrote into OUT's staging directory until the disk filled: say that first
+            # (the one guard's wording, fsutil.staged_directory), the log says how it failed.
+            message = f"{final_dir}: no space left on device while compiling ({message})"
+        raise CompileFailed(message, first.tail, first.log_path)
     for job in jobs:
         binary_dir = binary_dirs[job.program]
         if not (binary_dir / cache.QPC_FILE).is_file():

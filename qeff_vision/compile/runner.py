@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from qeff_vision import interrupts
 from qeff_vision.interrupts import raise_if_interrupted
 from qeff_vision.progress import bar as progress_bar
 from qeff_vision.progress import on_terminal
@@ -28,6 +29,9 @@ from qeff_vision.progress import on_terminal
 TAIL_LINES = 30
 POLL_SECONDS = 0.1
 REFRESH_SECONDS = 0.5
+# After a stop signal the compilers get SIGTERM and this long to exit (a compiler may remove its
+# own temporary files) before SIGKILL; a second stop signal does not wait (qeff_vision.interrupts).
+TERM_GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,9 @@ class _Running:
             self.result.tail = list(self.tail)
             self.reader = None
             return
+        # With start_new_session its pid is its process-group id: a second stop signal, which ends
+        # us at once, still kills it (qeff_vision.interrupts).
+        interrupts.track_child(self.process.pid)
         self.reader = threading.Thread(target=self._read, name=f"compile-log-{job.program}", daemon=True)
         self.reader.start()
 
@@ -199,17 +206,27 @@ class _Running:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def kill(self, state: str) -> None:
+    def kill(self, state: str, how: signal.Signals = signal.SIGKILL) -> None:
         if self.process is None or self.process.poll() is not None:
             return
         if self.result.state == "running":  # a timed-out job stays "timeout" when its sibling stops it
             self.result.state = state
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.process.pid, how)
+
+    def terminate(self, deadline: float) -> None:
+        """Wait for a process group sent SIGTERM until ``deadline`` (monotonic), then SIGKILL it."""
+        if self.process is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # what is left of the group, the leader included
 
     def finish(self) -> JobResult:
         if self.process is not None:
             self.process.wait()
+            interrupts.untrack_child(self.process.pid)
             if self.reader is not None:
                 self.reader.join()
             self.result.returncode = self.process.returncode
@@ -256,11 +273,14 @@ def run_jobs(
             time.sleep(POLL_SECONDS)
             raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt was lost must not wait forever
     except BaseException:
-        # Ctrl-C or an internal error: the compilers run in their own process groups, so they
-        # would outlive us; stop them before giving up.
+        # A stop signal or an internal error: the compilers run in their own process groups, so
+        # they would outlive us; terminate and reap them before giving up.
         status.close()
+        deadline = time.monotonic() + TERM_GRACE_SECONDS
         for run in runs:
-            run.kill("stopped")
+            run.kill("stopped", signal.SIGTERM)
+        for run in runs:
+            run.terminate(deadline)
             run.finish()
         raise
     status.close()

@@ -228,6 +228,19 @@ class Family(FamilyConfig, FamilyLanguageIO):
         """
         return self.image_tokens(model, image)
 
+    def tokens_before_image(self, model: ModelDescription, number: int) -> int:
+        """Most prompt tokens the processor puts between image ``number - 1``'s span and image ``number``'s.
+
+        What the spec checks add between joined images (:attr:`joins_images`): by default
+        :attr:`tokens_between_images`. A family whose separator is text (Molmo2's ``Image N``)
+        counts it with the checkpoint's tokenizer, or bounds it without one.
+
+        Args:
+            model: The checkpoint.
+            number: The later image's number in the prompt, from 2.
+        """
+        return self.tokens_between_images
+
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """Prompt tokens from an image's first placeholder to its last.
 

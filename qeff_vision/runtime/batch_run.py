@@ -31,6 +31,7 @@ class BatchRun:
         notes: Per request, things worth telling the user (e.g. an image resized).
         comparisons: Per request, tokens against transformers alone (with ``compare_hf``).
         handoffs: Disaggregated artifacts: (prefill KV hand-offs to a decode slot, their bytes).
+        engine: The engine that served them (its slots and generator, for inspection after the run).
     """
 
     requests: list[Request]
@@ -38,6 +39,7 @@ class BatchRun:
     notes: list[list[str]] = field(default_factory=list)
     comparisons: list[Any] = field(default_factory=list)
     handoffs: tuple[int, int] | None = None
+    engine: BatchedEngine | None = None
 
     @property
     def identical(self) -> bool:
@@ -111,7 +113,7 @@ def run_requests(
         ],
         on_finish=finished,
     )
-    run = BatchRun(requests, report, [p.notes for p in prepared])
+    run = BatchRun(requests, report, [p.notes for p in prepared], engine=engine)
     run.handoffs = chat.generator.deployment.handoffs(chat.generator.language)
     if compare_hf:
         from qeff_vision.reference import TokenComparison, load_reference_model, reference_generate

@@ -152,6 +152,11 @@ class DisaggregatedSlots:
         self.router.handoff_bytes += sum(array.nbytes for array in past.values())
         self.decode_slots.load(slot, past)  # a batched cache's row is written in place
 
+    def release(self, slot: int) -> None:
+        """A request failed in ``slot`` (mid-prefill): its prefill cache goes with it."""
+        self.staging.pop(slot, None)
+        self.decode_slots.release(slot)
+
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One decode step on the decode program (see the decode slots' ``decode``)."""
         return self.decode_slots.decode(tokens)

@@ -56,6 +56,8 @@ class RequestResult:
             ``ttft`` counts from the arrival (queueing included), ``decode_seconds`` from the
             first token to the last.
         decode_batches: Requests served by each decode call this request was part of.
+        error: Why the request failed (one line), None when it completed. A failed request
+            freed its slot where it failed; the others were served on.
     """
 
     number: int
@@ -66,6 +68,12 @@ class RequestResult:
     finished_step: int
     result: GenerationResult
     decode_batches: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        """True when the request failed before completing (see :attr:`error`)."""
+        return self.error is not None
 
     @property
     def mean_occupancy(self) -> float:
@@ -232,7 +240,7 @@ class BatchedEngine:
         generator = self.generator
         started = time.perf_counter()
         vision_calls = generator.vision.calls
-        states = []
+        states: list[RequestState | None] = []
         for number, request in enumerate(requests):
             try:
                 states.append(RequestState(number, request, generator, self.protocol))
@@ -248,17 +256,31 @@ class BatchedEngine:
             step = scheduler.plan_step()
             now = time.perf_counter()
             for state in states:
-                if not state.arrived_at and state.request.arrival_step <= step.step:
+                if state is not None and not state.arrived_at and state.request.arrival_step <= step.step:
                     state.arrived_at = now
+            failed: dict[int, str] = {}
             for number, slot in step.admitted:
-                self._admit(states[number], slot, step.step)
+                try:
+                    self._admit(states[number], slot, step.step)
+                except Exception as exc:  # noqa: BLE001 - one request's failure, see _failure
+                    failed[number] = self._failure(states[number], exc, lone)
             finished = []
-            if step.prefill is not None:
-                complete = self._prefill(states[step.prefill], step, report, keep_logits)
-                if complete is not None:  # the prompt's last chunk ran
-                    scheduler.prefill_finished(step.prefill)
-                if complete:
-                    finished.append(step.prefill)
+            if step.prefill is not None and step.prefill not in failed:
+                try:
+                    complete = self._prefill(states[step.prefill], step, report, keep_logits)
+                except Exception as exc:  # noqa: BLE001 - one request's failure, see _failure
+                    failed[step.prefill] = self._failure(states[step.prefill], exc, lone)
+                else:
+                    if complete is not None:  # the prompt's last chunk ran
+                        scheduler.prefill_finished(step.prefill)
+                    if complete:
+                        finished.append(step.prefill)
+            for number, error in failed.items():
+                scheduler.finish(number)
+                results[number] = self._failed_result(states[number], step.step, error)
+                states[number] = None  # nothing of a finished request stays with the engine
+                if on_finish:
+                    on_finish(results[number])
             if step.decode:
                 finished += self._decode([states[n] for n in step.decode], report, keep_logits)
             if step.prefill is not None or step.decode:
@@ -266,12 +288,53 @@ class BatchedEngine:
             for number in finished:
                 scheduler.finish(number)
                 results[number] = self._result(states[number], step.step)
+                states[number] = None  # its prompt arrays, chunk plan and caches go now, not at the end
                 if on_finish:
                     on_finish(results[number])
             scheduler.advance()
         report.requests = [results[n] for n in range(len(requests))]
         report.encoder_calls = generator.vision.calls - vision_calls
         return report
+
+    def _failure(self, state: RequestState, exc: Exception, lone: bool) -> str:
+        """One request failed mid-prefill (an image refused when prepared, a device call's error).
+
+        A lone request's error is the caller's (raised as it is). Among many, the request's slot
+        is released (its prefill cache, its pinned images) and the engine serves the others; the
+        error becomes the request's one-line report.
+        """
+        if lone:
+            raise exc
+        if state.chunks is not None:
+            state.chunks.close()  # unpins the images its chunks held
+        if state.slot >= 0:
+            self.slots.release(state.slot)
+        text = str(exc).strip().splitlines()
+        return text[0] if text else type(exc).__name__
+
+    def _failed_result(self, state: RequestState, step: int, error: str) -> RequestResult:
+        result = GenerationResult(
+            prompt_tokens=len(state.input_ids),
+            tokens=[],
+            chunks=state.records,
+            ttft=0.0,
+            decode_seconds=0.0,
+            encoder_calls=state.encoder_calls,
+            cache_hits=state.cache_hits,
+            protocol=state.plan.protocol.value,
+            images_encoded=state.images_encoded,
+            vision_input=self.generator.vision_input,
+        )
+        return RequestResult(
+            number=state.number,
+            arrival_step=state.request.arrival_step,
+            slot=state.slot,
+            admitted_step=state.admitted_step,
+            first_token_step=-1,
+            finished_step=step,
+            result=result,
+            error=error,
+        )
 
     def _admit(self, state: RequestState, slot: int, step: int) -> None:
         """Give ``state`` its slot and cache; a history's unfed tokens are fed there first."""

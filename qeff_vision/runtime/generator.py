@@ -11,6 +11,7 @@ conversation's turn prefills only what follows the prefix the language program a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -124,8 +125,10 @@ class Generator(ImageEncoding, PrefixKeeping):
         self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
         self._unpositioned = unpositioned_caches(self.io)
-        #: The compute-context length fed to each language call (empty without CCL specializations).
+        #: The compute-context length of each language call in the last :meth:`recording_ccl` block
+        #: (each generate() is one); empty without CCL specializations.
         self.ccl_history: list[int] = []
+        self._recording_ccl = False
         self._ccl_feeds: dict[int, np.ndarray] = {}
         #: Patch-bucket mode: the vision specializations (symbol values), smallest bucket first;
         #: the encoder packs images into them. None: one program per resolution.
@@ -220,7 +223,8 @@ class Generator(ImageEncoding, PrefixKeeping):
             if ccl not in self._ccl_feeds:  # one array per length, so a bound input stays bound
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
-            self.ccl_history.append(ccl)
+            if self._recording_ccl:
+                self.ccl_history.append(ccl)
         if in_place and past:
             return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
         return self._run(feeds, past)
@@ -405,17 +409,30 @@ class Generator(ImageEncoding, PrefixKeeping):
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
+        with self.recording_ccl():
+            return self.engine.generate(
+                processed,
+                max_new_tokens,
+                protocol,
+                on_token,
+                keep_logits,
+                sampling,
+                history=history,
+                keep_prefix=keep_prefix,
+            )
+
+    @contextlib.contextmanager
+    def recording_ccl(self) -> Iterator[list[int]]:
+        """Record each language call's compute-context length in :attr:`ccl_history` (emptied first).
+
+        Only inside such a block (:meth:`generate` opens one): a served stream keeps nothing per call.
+        """
         self.ccl_history = []
-        return self.engine.generate(
-            processed,
-            max_new_tokens,
-            protocol,
-            on_token,
-            keep_logits,
-            sampling,
-            history=history,
-            keep_prefix=keep_prefix,
-        )
+        self._recording_ccl = True
+        try:
+            yield self.ccl_history
+        finally:
+            self._recording_ccl = False
 
     def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
         """The cache a lone request starts from: its history's, else fresh with a kept prefix's caches."""

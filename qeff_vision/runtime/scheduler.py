@@ -127,8 +127,9 @@ class Scheduler:
         """``request`` is complete: its slot is free for the next step's admissions."""
         if self.phase[request] not in (Phase.PREFILL, Phase.DECODE):
             raise ValueError(f"request {request} is {self.phase[request].value}, not running")
-        self.slots[self.slot_of[request]] = None
+        self.slots[self.slot_of.pop(request)] = None
         self.phase[request] = Phase.DONE
+        self._admission.remove(request)  # a long run keeps only the running requests here
 
     def advance(self) -> None:
         """Move the clock to the next step, or straight to the next arrival when nothing runs."""

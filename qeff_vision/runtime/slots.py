@@ -62,7 +62,7 @@ class SlotProvider(ABC):
 
         Returns:
             An object with the slots' members (``batched``, ``full_batch_size``, ``prefill``,
-            ``finish_prefill``, ``decode``), like :class:`BatchedSlots`.
+            ``finish_prefill``, ``release``, ``decode``), like :class:`BatchedSlots`.
         """
 
 
@@ -105,6 +105,10 @@ class SequentialSlots:
 
     def finish_prefill(self, slot: int) -> None:
         """Nothing to do: the request's prefill wrote its slot's cache, which it decodes from."""
+
+    def release(self, slot: int) -> None:
+        """A request failed in ``slot``: its next occupant starts from a fresh cache."""
+        self.past[slot] = self.generator.empty_cache()
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One lone decode step per running slot, given slot -> (last token, its positions, extra, draws).
@@ -162,6 +166,13 @@ class BatchedSlots:
 
     def finish_prefill(self, slot: int) -> None:
         """Nothing to do: the request's prefill wrote row ``slot`` of the cache it decodes from."""
+
+    def release(self, slot: int) -> None:
+        """A request failed in ``slot``: nothing to drop.
+
+        Its row is the next occupant's to overwrite: positions restart at 0 and the masks read
+        only what that occupant writes.
+        """
 
     def decode(self, tokens: Mapping[int, DecodeRow]) -> tuple[dict[int, np.ndarray], int]:
         """One call at batch ``full_batch_size`` for slot -> (last token, its position ids, extra).

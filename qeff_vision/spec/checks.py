@@ -6,6 +6,7 @@ in another.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from qeff_vision import families, hub
@@ -13,7 +14,7 @@ from qeff_vision.contract.video_pruning import OPTION
 from qeff_vision.errors import UserError, shown
 from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
 from qeff_vision.hub import HUB_ID_PATTERN, cached_config
-from qeff_vision.spec.policy import FIXED, chunk_span
+from qeff_vision.spec.policy import FIXED, WholeImages
 from qeff_vision.spec.schema import Reader, VisionInput, image_label
 from qeff_vision.spec.strict_yaml import yaml_path
 
@@ -200,42 +201,95 @@ def check_images(
                 f"{here}: {image_label(labels[index])} becomes {count} image tokens, more than vision_size "
                 f"{policy.size}: its placeholders must be split over several chunks (chunking required)"
             )
-    if not (seq_lens and tokens and policy and max_images) or family.splits_images(model):
+    if not (seq_lens and tokens and policy and max_images):
         return
-    request = max(tokens.values()) * max_images
-    capacity = max(min(s, policy.for_bucket(s, request)) for s in seq_lens)
-    for index, count in tokens.items():
-        if chunk_span(count, capacity)[0] > 1:
-            reader.add(
-                yaml_path("vision.images", index),
-                f"{count} image tokens do not fit one chunk (at most {capacity} placeholders) and "
-                f"{family.name} cannot split an image across chunks ({family.features.chunk_split.note})",
-            )
-    if family.joins_images and max_images > 1:
-        _check_joined_images(reader, family, model, labels, tokens, max_images, max(seq_lens), capacity)
+    check_chunk_rules(reader, family, model, labels, tokens, policy, max_images, seq_lens)
 
 
-def _check_joined_images(reader, family, model, labels, tokens, max_images, longest, capacity) -> None:
-    """``max_images`` of the widest listed image, one joined run, must fit one bucket.
+def _bucket_text(buckets: dict[int, int], rows: bool = True) -> str:
+    if not rows:
+        return "seq_len: " + ", ".join(str(s) for s in sorted(buckets))
+    return "seq_len/vision_size: " + ", ".join(f"{s}/{v}" for s, v in sorted(buckets.items()))
 
-    The planner keeps a family's joined images and the tokens between them in one chunk; a
-    prompt holding them otherwise fails at run time (one ``PlanError`` line). Clips are not joined.
+
+def _needed(span: int, rows: int, per_chunk_rows: bool) -> str:
+    return f"seq_len >= {span}" + (f" and vision_size >= {rows}" if per_chunk_rows else "")
+
+
+def check_chunk_rules(reader, family, model, labels, tokens, policy, max_images, seq_lens) -> None:
+    """What a family keeps in one chunk must fit one prefill bucket, for every declared combination.
+
+    The run-time planner (:mod:`qeff_vision.runtime.planner`, ``_check_images_fit`` and
+    ``_check_groups_fit``) refuses a prompt whose whole image (a family that cannot split one:
+    Gemma 3's and Gemma 4's bidirectional images, mllama's tiles) or joined images (Molmo2: every
+    image token attends to every other, so a prompt's images and the text between them are one
+    chunk) need more tokens or rows than any bucket holds. A spec declaring such a prompt would
+    validate and compile, then refuse requests it declared: so each listed image, and for a
+    joining family every combination of up to ``max_images`` listed images, needs one bucket S
+    with S >= its tokens (its extent: placeholders plus the tokens between them) and V(S) >= its
+    rows, V as the specializations compute it. Clips are neither split nor joined here.
     """
-    still = [i for i in tokens if not labels[i].video]
-    if not still:
-        return
-    index = max(still, key=lambda i: family.image_extent(model, labels[i]))
-    extent = family.image_extent(model, labels[index])
-    span = extent * max_images + family.tokens_between_images * (max_images - 1)
-    rows = tokens[index] * max_images
-    if span > longest or rows > capacity:
-        reader.add(
-            "vision.max_images",
-            f"{max_images} images of {image_label(labels[index])} are one run of {span} tokens "
-            f"({rows} image rows) and {family.name} keeps a prompt's images in one chunk, but the "
-            f"largest bucket holds {longest} tokens ({capacity} image rows): lower max_images or add "
-            "a larger prefill bucket",
+    splits = family.splits_images(model)
+    if splits and not family.joins_images:
+        return  # nothing is kept whole: any prompt chunks at any bucket
+    request = max(tokens.values()) * max_images
+    whole = None
+    if not splits:
+        whole = WholeImages(tuple(tokens.values()), max_images, family.tokens_between_images)
+    buckets = {s: policy.for_bucket(s, request, whole) for s in seq_lens}
+    # A decoder without vision_size (cross-attention) takes a chunk's images whatever their rows.
+    rows_per_chunk = family.features.dynamic_vision_size.supported
+    if not rows_per_chunk:
+        buckets = {s: request for s in seq_lens}
+
+    def fits(span: int, rows: int) -> bool:
+        return any(s >= span and (v >= rows or not rows_per_chunk) for s, v in buckets.items())
+
+    extents = {index: family.image_extent(model, labels[index]) for index in tokens}
+    if not splits:
+        for index, count in tokens.items():
+            if not fits(extents[index], count):
+                reader.add(
+                    yaml_path("vision.images", index),
+                    f"{image_label(labels[index])} is {extents[index]} tokens ({count} image rows) and "
+                    f"{family.name} cannot split an image across chunks "
+                    f"({family.features.chunk_split.note}), "
+                    f"but no prefill bucket holds it ({_bucket_text(buckets, rows_per_chunk)}): add a "
+                    f"bucket with {_needed(extents[index], count, rows_per_chunk)}",
+                )
+                return
+    if family.joins_images and max_images > 1:
+        text = _bucket_text(buckets, rows_per_chunk)
+        _check_joined_images(
+            reader, family, model, labels, tokens, extents, max_images, text, fits, rows_per_chunk
         )
+
+
+def _check_joined_images(
+    reader, family, model, labels, tokens, extents, max_images, text, fits, per_chunk_rows
+):
+    """Every combination of 2..``max_images`` listed images, one joined run, must fit one bucket."""
+    still = sorted(i for i in tokens if not labels[i].video)
+    worst = None
+    for count in range(2, max_images + 1):
+        between = sum(family.tokens_before_image(model, number) for number in range(2, count + 1))
+        for combination in itertools.combinations_with_replacement(still, count):
+            span = sum(extents[i] for i in combination) + between
+            rows = sum(tokens[i] for i in combination)
+            if not fits(span, rows) and (worst is None or (span, rows) > worst[:2]):
+                worst = (span, rows, combination)
+        if worst is not None:
+            break  # the fewest images that fail: the combination a user meets first
+    if worst is None:
+        return
+    span, rows, combination = worst
+    shown_images = " + ".join(image_label(labels[i]) for i in combination)
+    reader.add(
+        "vision.max_images",
+        f"{len(combination)} images ({shown_images}) are one run of {span} tokens ({rows} image rows): "
+        f"{family.name} keeps a prompt's images in one chunk, but no prefill bucket holds it "
+        f"({text}): add a bucket with {_needed(span, rows, per_chunk_rows)}, or lower max_images",
+    )
 
 
 def video_pruning_notes(family: Family, model: ModelDescription, vision) -> list[str]:

@@ -49,6 +49,9 @@ ONNX_TYPES = {
 GRAPH_NUMPY = {"tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 SUFFIX = "_RetainedState"
 LOG: list[dict] = []  # what the host sent per call: {binding name: shape} (for assertions)
+# Fault injection for tests: called with each call's inputs {binding name: array}; a message it
+# returns fails that call as the device would (waitForCompletion's error status), None runs it.
+FAIL = None
 ERRORS: list[str] = []  # every rejected call's message (also printed to stderr, as the runtime logs it)
 
 
@@ -258,6 +261,10 @@ class ExecObj:
                     f"{binding['name']}: buffer dtype {array.dtype}, binding is {NUMPY[binding['type']]}"
                 )
             given[index] = array
+        if FAIL is not None:
+            message = FAIL({self.bindings[i]["name"]: a for i, a in given.items()})
+            if message:
+                return self._reject(message)
         LOG.append(
             {
                 self.bindings[i]["name"]: list(a.shape)

@@ -12,10 +12,14 @@ the partition file lists ``numCores`` equal to ``-aic-num-cores``.
 
 Environment (set by the test wrapper script):
     STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow,
-        signal (killed by SIGKILL after a partial output), no-program (exits 0, writes no program).
+        signal (killed by SIGKILL after a partial output), no-program (exits 0, writes no program),
+        stubborn (hangs as ``hang`` does but ignores SIGTERM, as a compiler busy in a system call
+        may: only SIGKILL ends it).
         ``hang`` hangs right after parsing its flags, before any check (see :func:`hang`).
-    STAND_IN_RECORD: file to append one JSON line per invocation (argv, mode), and one
-        ``{"event": "hanging"}`` line when a hanging stand-in has its partial output in place.
+    STAND_IN_RECORD: file to append one JSON line per invocation (argv, mode), one
+        ``{"event": "hanging", "pid": N}`` line when a hanging stand-in has its partial output in
+        place, and a ``{"event": "ignored", "signal": 15, "pid": N}`` line per SIGTERM a stubborn
+        one ignored.
     STAND_IN_LAYOUT: accept ``any`` layout (default) or only ``flat`` (an old SDK).
     STAND_IN_SLEEP: seconds the ``slow`` mode sleeps before compiling (default 1).
 """
@@ -197,16 +201,23 @@ def check_partition(path: Path, num_cores: int) -> int:
     return len(devices)
 
 
-def hang(binary_dir: Path) -> NoReturn:
+def hang(binary_dir: Path, stubborn: bool = False) -> NoReturn:
     """Leave a partial output, then say so and sleep until killed.
 
     The line comes after the partial file, so a log that shows it proves the driver had a
-    half-written directory to remove.
+    half-written directory to remove. ``stubborn`` ignores SIGTERM (recording each one).
     """
+    if stubborn:
+
+        def ignore(signum, frame):
+            _record({"event": "ignored", "signal": signum, "pid": os.getpid()})
+
+        signal.signal(signal.SIGTERM, ignore)
     binary_dir.mkdir(parents=True, exist_ok=True)
     (binary_dir / "partial.bin").write_bytes(b"partial")
     print("stand-in: hanging", flush=True)
-    _record({"event": "hanging", "binary_dir": str(binary_dir)})  # the marker tests wait for
+    # the marker tests wait for
+    _record({"event": "hanging", "binary_dir": str(binary_dir), "pid": os.getpid()})
     while True:
         time.sleep(60)
 
@@ -214,11 +225,11 @@ def hang(binary_dir: Path) -> NoReturn:
 def compile_program(argv: list[str]) -> int:
     mode = os.environ.get("STAND_IN_MODE", "ok")
     values, switches = parse(argv)
-    if mode == "hang":
+    if mode in ("hang", "stubborn"):
         # Before the checks: they import onnx and read the graphs, which takes seconds on a loaded
         # machine, and the timeout tests give the compiler 1-1.5 s. Hanging first puts the output
         # and the partial file in place within that whatever the load.
-        hang(Path(values["-aic-binary-dir"]))
+        hang(Path(values["-aic-binary-dir"]), stubborn=mode == "stubborn")
     inputs, outputs = graph_interface(Path(values["-m"]))
     count = check_specializations(
         Path(values["-network-specialization-config"]),

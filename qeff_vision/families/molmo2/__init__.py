@@ -274,6 +274,15 @@ class Molmo2(Family):
         side = vision.frame_size // vision.patch_size
         return math.ceil(side / vision.frame_pooling[0]), math.ceil(side / vision.frame_pooling[1])
 
+    def tokens_before_image(self, model: ModelDescription, number: int) -> int:
+        """Tokens of ``Image N``, which Molmo2's chat template writes before each of several images.
+
+        Counted with the checkpoint's ``tokenizer.json`` when it sits beside the config; a pinned
+        config snapshot has none, and the text's UTF-8 bytes bound it (a byte-level BPE, Molmo2's
+        Qwen tokenizer, never makes more tokens than bytes).
+        """
+        return _text_tokens(model.source, f"Image {number}")
+
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """Tokens of an image's span: each view's rows (a column token after each) between start and end.
 
@@ -337,3 +346,27 @@ def _export_adapter():
 
 
 register(Molmo2, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(source: str):
+    from pathlib import Path
+
+    path = Path(source)
+    path = path if path.is_dir() else path.parent
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 - an unreadable tokenizer: fall back to the bound
+        return None
+
+
+def _text_tokens(source: str, text: str) -> int:
+    """Tokens of ``text`` by the tokenizer beside ``source``, else its UTF-8 bytes (an upper bound)."""
+    tokenizer = _tokenizer(str(source))
+    if tokenizer is None:
+        return len(text.encode("utf-8"))
+    return len(tokenizer.encode(text, add_special_tokens=False).ids)
