@@ -53,6 +53,15 @@ HOST_CHUNK = 1 << 22
 _MAX, _MIN, _SUM = "__rec_max", "__rec_min", "__rec_sum"
 
 
+class SliceRunError(RuntimeError):
+    """onnxruntime failed on call ``index`` of a :meth:`SlicedRecorder.run_many` pass."""
+
+    def __init__(self, index: int, error: Exception):
+        super().__init__(str(error))
+        self.index = index
+        self.error = error
+
+
 def masked_peak(array: np.ndarray) -> float:
     """Largest magnitude below :data:`MASK_SENTINEL` (NaN and infinities left out; 0 when none)."""
     flat = array.reshape(-1)
@@ -304,6 +313,7 @@ class SlicedRecorder:
         # Sessions stay loaded between calls only while the whole graph's weights fit one slice.
         self.keep_sessions = sum(self.graph.weight_bytes.values()) <= slice_bytes
         self._sessions: dict[tuple, object] = {}
+        self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
 
     @property
     def slices(self) -> list[GraphSlice]:
@@ -312,35 +322,76 @@ class SlicedRecorder:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run every slice on ``feeds``; the ``wanted`` outputs by name."""
-        values = dict(feeds)
+        try:
+            return self.run_many([feeds])[0]
+        except SliceRunError as exc:  # one call: onnxruntime's own error, as a plain run raises it
+            raise exc.error from None
+
+    def run_many(
+        self,
+        feeds: Sequence[Mapping[str, np.ndarray]],
+        on_slice: Callable[[int, int], None] | None = None,
+    ) -> list[dict[str, np.ndarray]]:
+        """Run independent calls in one pass over the slices; each call's ``wanted`` outputs.
+
+        Slice-major: each slice's session is built once and runs every call before the next slice
+        is built, so each weight is read once for all the calls (not once per call), and only the
+        values crossing the current slice boundary are held, per call. The results are those of
+        :meth:`run` on each call in turn (the same sessions on the same values).
+
+        Args:
+            feeds: The calls' inputs (shapes may differ: slice inputs have symbolic dims).
+            on_slice: Called with (slices done, slices) after each slice, for progress.
+
+        Raises:
+            SliceRunError: onnxruntime failed on one call (its index and the error).
+        """
+        values = [dict(feed) for feed in feeds]
         number = 0
         while number < len(self.graph.slices):
             part = self.graph.slices[number]
-            if self.graph.release_early(part, {name: values[name].nbytes for name in part.inputs}):
+            sizes = {name: max(v[name].nbytes for v in values) for name in part.inputs} if values else {}
+            if self.graph.release_early(part, sizes):
                 continue
-            outputs = self._run_slice(part, values)
-            found = self._record(part, outputs)
-            if found:  # mask-carrying values: cut after each and run the slice again
+            found: list[str] = []
+            wanted = set(self.graph.wanted)
+            sessions: dict[tuple, object] = {}
+            for index, call in enumerate(values):
+                outputs = self._run_slice(part, call, sessions, index)
+                found = self._record(part, outputs)
+                if found:
+                    break
+                for name in part.exposed:
+                    self.ranges[name] = max(self.ranges.get(name, 0.0), masked_peak(outputs[name]))
+                # The slice's inputs stay until every call ran it (a cut found later reruns it).
+                kept = [n for n in part.outputs if n in wanted or self.graph.last_reader.get(n, -1) > number]
+                call.update({name: outputs[name] for name in kept})
+                del outputs
+            sessions.clear()
+            if not self.keep_sessions:
+                release_memory(collect=False)  # the slice's weights and arena go now
+            if found:  # mask-carrying values: cut after each and run the slice again for every call
                 self.graph.cut_after(found)
                 bounds = {(part.start, part.stop) for part in self.graph.slices}
                 self._sessions = {key: s for key, s in self._sessions.items() if key[:2] in bounds}
                 continue
-            values.update({name: outputs[name] for name in part.outputs})
-            for name in part.exposed:
-                self.ranges[name] = max(self.ranges.get(name, 0.0), masked_peak(outputs[name]))
-            del outputs
-            wanted = set(self.graph.wanted)
-            for name in [
-                n for n in values if n not in wanted and self.graph.last_reader.get(n, -1) <= number
-            ]:
-                del values[name]
+            for call in values:
+                for name in [
+                    n for n in call if n not in wanted and self.graph.last_reader.get(n, -1) <= number
+                ]:
+                    del call[name]
             number += 1
-        return {name: values[name] for name in self.graph.wanted}
+            if on_slice is not None:
+                on_slice(number, len(self.graph.slices))
+        return [{name: call[name] for name in self.graph.wanted} for call in values]
 
-    def _run_slice(self, part: GraphSlice, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run_slice(
+        self, part: GraphSlice, values: Mapping[str, np.ndarray], sessions: dict, index: int = 0
+    ) -> dict[str, np.ndarray]:
+        """``part`` on one call's values; ``sessions`` holds this pass's sessions of the slice."""
         inputs = {name: values[name] for name in part.inputs}
         key = (part.start, part.stop, tuple(part.exposed), *(a.dtype.str for a in inputs.values()))
-        session = self._sessions.get(key)
+        session = self._sessions.get(key) or sessions.get(key)
         if session is None:
             model = self.graph.slice_model(part, inputs)
             # No arena: a kept session would hold its peak activations between calls.
@@ -348,14 +399,13 @@ class SlicedRecorder:
             session = session_for(
                 model, self.model_dir, self.threads, replaced, in_graph_order=True, arena=False
             )
-            if self.keep_sessions:
-                self._sessions[key] = session
+            self.sessions_built += 1
+            (self._sessions if self.keep_sessions else sessions)[key] = session
         names = [o.name for o in session.get_outputs()]
-        results = dict(zip(names, session.run(names, inputs)))
-        if not self.keep_sessions:
-            del session  # its weights and arena go now (the session holds no reference cycle)
-            release_memory(collect=False)
-        return results
+        try:
+            return dict(zip(names, session.run(names, inputs)))
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise SliceRunError(index, exc) from exc
 
     def _record(self, part: GraphSlice, outputs: Mapping[str, np.ndarray]) -> list[str]:
         """Raise the ranges of ``part``'s reduced values; those holding a sentinel or NaN, if any.
@@ -374,8 +424,11 @@ class SlicedRecorder:
         return found
 
 
-def record_ranges(recorder: SlicedRecorder, feeds: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
-    """Run ``recorder`` on every feed; its ranges."""
-    for feed in feeds:
-        recorder.run(feed)
+def record_ranges(
+    recorder: SlicedRecorder,
+    feeds: Iterable[Mapping[str, np.ndarray]],
+    on_slice: Callable[[int, int], None] | None = None,
+) -> dict[str, float]:
+    """Run ``recorder`` on every feed, in one pass over its slices; its ranges."""
+    recorder.run_many(list(feeds), on_slice)
     return recorder.ranges
