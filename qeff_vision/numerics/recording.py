@@ -30,6 +30,7 @@ The peaks are exactly those of the whole graph with every value exposed (tests/t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,6 +314,7 @@ class SlicedRecorder:
         # Sessions stay loaded between calls only while the whole graph's weights fit one slice.
         self.keep_sessions = sum(self.graph.weight_bytes.values()) <= slice_bytes
         self._sessions: dict[tuple, object] = {}
+        self.call_seconds: list[float] = []  # per call of the last pass: seconds in its sessions' runs
         self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
 
     @property
@@ -347,6 +349,7 @@ class SlicedRecorder:
             SliceRunError: onnxruntime failed on one call (its index and the error).
         """
         values = [dict(feed) for feed in feeds]
+        self.call_seconds = [0.0] * len(values)
         number = 0
         while number < len(self.graph.slices):
             part = self.graph.slices[number]
@@ -402,10 +405,13 @@ class SlicedRecorder:
             self.sessions_built += 1
             (self._sessions if self.keep_sessions else sessions)[key] = session
         names = [o.name for o in session.get_outputs()]
+        start = time.perf_counter()
         try:
-            return dict(zip(names, session.run(names, inputs)))
+            results = dict(zip(names, session.run(names, inputs)))
         except Exception as exc:  # onnxruntime raises its own exception types
             raise SliceRunError(index, exc) from exc
+        self.call_seconds[index] += time.perf_counter() - start
+        return results
 
     def _record(self, part: GraphSlice, outputs: Mapping[str, np.ndarray]) -> list[str]:
         """Raise the ranges of ``part``'s reduced values; those holding a sentinel or NaN, if any.
