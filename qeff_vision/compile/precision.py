@@ -305,33 +305,45 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
 
 
 def _remember(directory: Path, key: str, precision: PrecisionPlan) -> None:
+    from qeff_vision.compile import plan_store
     from qeff_vision.fsutil import atomic_write_json
 
     overflow = precision.overflow
-    atomic_write_json(
-        directory / RECORD_FILE,
-        {
-            "key": key,
-            "mode": precision.mode,
-            "names": precision.names,
-            "non_matmul_outputs": precision.non_matmul_outputs,
-            "overflow": [overflow.node, overflow.output, overflow.peak] if overflow else None,
-            "source": str(precision.source) if precision.source else None,
-        },
-    )
+    record = {
+        "key": key,
+        "mode": precision.mode,
+        "names": precision.names,
+        "non_matmul_outputs": precision.non_matmul_outputs,
+        "overflow": [overflow.node, overflow.output, overflow.peak] if overflow else None,
+        "source": str(precision.source) if precision.source else None,
+    }
+    atomic_write_json(directory / RECORD_FILE, record)
+    plan_store.save(key, record)
 
 
 def _reuse(plan, key: str) -> PrecisionPlan | None:
-    """The recorded result when its key matches and the plan file it wrote is still there."""
-    from qeff_vision.fsutil import read_record_json
+    """The recorded result when its key matches and the plan file it wrote is still there.
 
-    record = read_record_json(plan.directory / RECORD_FILE)
-    if record is None:
-        return None
+    Without one in OUT, a record of the same key in the plan store (another OUT's calibration of
+    the same program) writes the plan file and OUT's record again.
+    """
+    from qeff_vision.compile import plan_store
+    from qeff_vision.fsutil import atomic_write_json, read_record_json
+
     target = plan.directory / PLAN_FILE
-    names = record.get("names")
-    if record.get("key") != key or names is None or (bool(names) and not target.is_file()):
-        return None
+    record = read_record_json(plan.directory / RECORD_FILE)
+    names = record.get("names") if record else None
+    if record is None or record.get("key") != key or names is None or (bool(names) and not target.is_file()):
+        record = plan_store.load(key)
+        names = record.get("names") if record else None
+        if record is None or not isinstance(names, list):
+            return None
+        plan.directory.mkdir(parents=True, exist_ok=True)
+        if names:
+            write_plan(target, names)
+        else:
+            target.unlink(missing_ok=True)
+        atomic_write_json(plan.directory / RECORD_FILE, record)
     if names and read_plan(target) != names:
         return None
     overflow = Overflow(*record["overflow"]) if record.get("overflow") else None
