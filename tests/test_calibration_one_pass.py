@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from qeff_vision import symbols
 from qeff_vision.compile.inputs import given_export, plan_inputs
 from qeff_vision.compile.precision import calibration_feeds
 from qeff_vision.families import all_families
@@ -77,3 +78,49 @@ def test_one_pass_over_the_slices_records_the_ranges_of_one_pass_per_input(
         # Each slice's session is built once for all the inputs, not once per input.
         assert one_pass.sessions_built < per_call.sessions_built, where
         assert len(one_pass.slices) >= 2, where
+
+
+BUCKET = 32
+
+
+def _prompt_ranges(export, monkeypatch, deferred: bool, parts: int = 8):
+    """The calibration prompts' ranges, language calls deferred or run one by one, and the tape."""
+    from qeff_vision.compile import calibration
+
+    init = calibration.RecordingProgram.__init__
+    tapes = []
+
+    def sliced(self, path, specs=None, deferred_calls=False, **_):
+        weights = sum(data.stat().st_size for data in path.parent.glob("*.data"))
+        init(self, path, specs, slice_bytes=max(1, weights // parts), deferred=deferred and deferred_calls)
+        tapes.append(self.tape)
+
+    monkeypatch.setattr(
+        calibration.RecordingProgram,
+        "__init__",
+        lambda self, path, specs=None, slice_bytes=None, deferred=False: sliced(self, path, specs, deferred),
+    )
+    bucket = {
+        symbols.BATCH_SIZE: 1,
+        symbols.SEQ_LEN: BUCKET,
+        symbols.VISION_SIZE: BUCKET,
+        symbols.CTX_LEN: 512,
+    }
+    ranges = calibration.prompt_ranges(export, None, [bucket, {**bucket, symbols.SEQ_LEN: 1}], [(100, 150)])
+    monkeypatch.setattr(calibration.RecordingProgram, "__init__", init)
+    return ranges, [tape for tape in tapes if tape is not None]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_prompt_calls_record_the_ranges_of_calls_run_one_by_one(family, exported, monkeypatch):
+    """A prompt's prefill chunks in one pass (each chunk's cache handed on inside the slice that
+    writes it), decode steps one pass each: the ranges and plans of the calls run one by one."""
+    export = exported(family)
+    eager, _ = _prompt_ranges(export, monkeypatch, deferred=False)
+    deferred, tapes = _prompt_ranges(export, monkeypatch, deferred=True)
+    for program in ("vision", "lang"):
+        assert deferred[program] == pytest.approx(eager[program], rel=1e-6, abs=0), program
+        model = load_graph(export / program / "model.onnx")
+        assert auto_plan(model, deferred[program]) == auto_plan(model, eager[program]), program
+    (tape,) = tapes
+    assert tape.calls > tape.passes, (tape.calls, tape.passes)  # fewer passes over the weights than calls

@@ -54,6 +54,32 @@ HOST_CHUNK = 1 << 22
 _MAX, _MIN, _SUM = "__rec_max", "__rec_min", "__rec_sum"
 
 
+@dataclass(frozen=True)
+class Ref:
+    """Output ``name`` of call ``call`` of the same :meth:`SlicedRecorder.run_many` pass, as an input."""
+
+    call: int
+    name: str
+
+
+def _nbytes(value) -> int:
+    return value.nbytes if isinstance(value, np.ndarray) else 0
+
+
+def _referenced(values: Sequence[Mapping[str, object]]) -> set[tuple[int, str]]:
+    """(call, output) pairs a call's remaining inputs still refer to."""
+    return {(v.call, v.name) for call in values for v in call.values() if isinstance(v, Ref)}
+
+
+def _resolved(call: Mapping[str, object], names: Iterable[str], values) -> dict[str, np.ndarray]:
+    """``call``'s inputs ``names`` as arrays (references followed)."""
+    inputs = {}
+    for name in names:
+        value = call[name]
+        inputs[name] = values[value.call][value.name] if isinstance(value, Ref) else value
+    return inputs
+
+
 class SliceRunError(RuntimeError):
     """onnxruntime failed on call ``index`` of a :meth:`SlicedRecorder.run_many` pass."""
 
@@ -157,6 +183,29 @@ class SlicedGraph:
             self._cut_after_last_reader(name)
         self.cuts = sorted({cut for cut in self.cuts if cut < len(self.nodes)})
         self.slices = self._slices()
+
+    def chained_prefix(self, calls: Sequence[Mapping[str, object]]) -> int:
+        """How many leading ``calls`` run slice-major together: up to the first that cannot.
+
+        A call whose input is an earlier call's output (a :class:`Ref`) can run in the same pass
+        when that output's producer comes no later in the graph than the input's first reader:
+        the slice that reads it then runs the earlier call first, whatever cuts are added later.
+        """
+        first_reader: dict[str, int] = {}
+        for index, reads in enumerate(self.reads):
+            for name in reads:
+                first_reader.setdefault(name, index)
+        for number, call in enumerate(calls):
+            for name, value in call.items():
+                if not isinstance(value, Ref) or value.call >= number:
+                    if isinstance(value, Ref):
+                        raise ValueError(
+                            f"call {number} input {name} refers to call {value.call}, not an earlier one"
+                        )
+                    continue
+                if self.producer.get(value.name, len(self.nodes)) > first_reader.get(name, len(self.nodes)):
+                    return max(number, 1)
+        return len(calls)
 
     def release_early(self, part: GraphSlice, sizes: Mapping[str, int]) -> bool:
         """Cut ``part`` after the last reader of each large input; True when the slices changed.
@@ -331,45 +380,66 @@ class SlicedRecorder:
 
     def run_many(
         self,
-        feeds: Sequence[Mapping[str, np.ndarray]],
+        feeds: Sequence[Mapping[str, np.ndarray | Ref]],
         on_slice: Callable[[int, int], None] | None = None,
+        keep: Sequence[Iterable[str]] | None = None,
     ) -> list[dict[str, np.ndarray]]:
-        """Run independent calls in one pass over the slices; each call's ``wanted`` outputs.
+        """Run calls in one pass over the slices; each call's kept outputs.
 
         Slice-major: each slice's session is built once and runs every call before the next slice
         is built, so each weight is read once for all the calls (not once per call), and only the
         values crossing the current slice boundary are held, per call. The results are those of
         :meth:`run` on each call in turn (the same sessions on the same values).
 
+        A call may take an earlier call's output as an input (a :class:`Ref`: the KV cache a
+        prefill chunk leaves for the next). The pass stays slice-major as long as each such output
+        is produced no later than the slice that reads it (a KV update reads and writes the cache
+        in one node); a call that needs one sooner ends the pass there, and it and the calls after
+        it run in a further pass.
+
         Args:
             feeds: The calls' inputs (shapes may differ: slice inputs have symbolic dims).
             on_slice: Called with (slices done, slices) after each slice, for progress.
+            keep: Per call, the outputs to return (default: the recorder's ``wanted``).
 
         Raises:
             SliceRunError: onnxruntime failed on one call (its index and the error).
         """
+        keep_sets = [set(self.graph.wanted)] * len(feeds) if keep is None else [set(k) for k in keep]
+        originals = [dict(feed) for feed in feeds]
         values = [dict(feed) for feed in feeds]
         self.call_seconds = [0.0] * len(values)
+        active = self.graph.chained_prefix(values)
         number = 0
         while number < len(self.graph.slices):
             part = self.graph.slices[number]
-            sizes = {name: max(v[name].nbytes for v in values) for name in part.inputs} if values else {}
+            sizes = {
+                name: max((_nbytes(v.get(name)) for v in values[:active]), default=0) for name in part.inputs
+            }
             if self.graph.release_early(part, sizes):
                 continue
             found: list[str] = []
-            wanted = set(self.graph.wanted)
+            referenced = _referenced(values)
             sessions: dict[tuple, object] = {}
-            for index, call in enumerate(values):
-                outputs = self._run_slice(part, call, sessions, index)
+            for index in range(active):
+                call = values[index]
+                inputs = _resolved(call, part.inputs, values)
+                outputs = self._run_slice(part, inputs, sessions, index)
                 found = self._record(part, outputs)
                 if found:
                     break
                 for name in part.exposed:
                     self.ranges[name] = max(self.ranges.get(name, 0.0), masked_peak(outputs[name]))
                 # The slice's inputs stay until every call ran it (a cut found later reruns it).
-                kept = [n for n in part.outputs if n in wanted or self.graph.last_reader.get(n, -1) > number]
+                kept = [
+                    name
+                    for name in part.outputs
+                    if name in keep_sets[index]
+                    or (index, name) in referenced
+                    or self.graph.last_reader.get(name, -1) > number
+                ]
                 call.update({name: outputs[name] for name in kept})
-                del outputs
+                del outputs, inputs
             sessions.clear()
             if not self.keep_sessions:
                 release_memory(collect=False)  # the slice's weights and arena go now
@@ -378,15 +448,37 @@ class SlicedRecorder:
                 bounds = {(part.start, part.stop) for part in self.graph.slices}
                 self._sessions = {key: s for key, s in self._sessions.items() if key[:2] in bounds}
                 continue
-            for call in values:
-                for name in [
-                    n for n in call if n not in wanted and self.graph.last_reader.get(n, -1) <= number
-                ]:
-                    del call[name]
+            # Values past their last reader go: a reference once its reader ran, an output once no
+            # call refers to it and it is not kept.
+            for call in values[:active]:
+                for name in [n for n, v in call.items() if isinstance(v, Ref)]:
+                    if self.graph.last_reader.get(name, -1) <= number:
+                        del call[name]
+            referenced = _referenced(values)
+            for index, call in enumerate(values[:active]):
+                for name in [n for n in call if self.graph.last_reader.get(n, -1) <= number]:
+                    if name not in keep_sets[index] and (index, name) not in referenced:
+                        del call[name]
             number += 1
             if on_slice is not None:
                 on_slice(number, len(self.graph.slices))
-        return [{name: call[name] for name in self.graph.wanted} for call in values]
+        done = [{name: values[i][name] for name in keep_sets[i]} for i in range(active)]
+        if active == len(values):
+            return done
+        # The rest in a further pass; their references to this pass's calls are arrays by now.
+        rest = [
+            {
+                name: (values[v.call][v.name] if v.call < active else Ref(v.call - active, v.name))
+                if isinstance(v, Ref)
+                else v
+                for name, v in feed.items()
+            }
+            for feed in originals[active:]
+        ]
+        seconds = self.call_seconds
+        later = self.run_many(rest, on_slice, keep_sets[active:])
+        self.call_seconds = seconds[:active] + self.call_seconds
+        return done + later
 
     def _run_slice(
         self, part: GraphSlice, values: Mapping[str, np.ndarray], sessions: dict, index: int = 0
