@@ -40,7 +40,7 @@ class Tape:
         self.recorder = recorder
         self.on_pass = on_pass
         self.calls = 0  # calls added so far (a call's number is its index in that order)
-        self.passes = 0  # passes over the slices run so far
+        self.evaluations = 0  # times the pending calls ran (each one or more passes)
         self._pending: list[tuple[int, dict[str, Any]]] = []
         self._results: dict[tuple[int, str], np.ndarray] = {}
         self._live: dict[tuple[int, str], int] = {}  # (call, output) -> Pending objects alive
@@ -70,6 +70,7 @@ class Tape:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        self.evaluations += 1
         local = {number: index for index, (number, _) in enumerate(pending)}
         feeds = [
             {name: self._as_feed(value, local) for name, value in call_feeds.items()}
@@ -86,7 +87,6 @@ class Tape:
                 self.on_pass(total, done, slices)
 
         results = self.recorder.run_many(feeds, on_slice, keep)
-        self.passes += 1
         for number, outputs in zip(numbers, results):
             for name, array in outputs.items():
                 if (number, name) in self._live:
@@ -97,7 +97,7 @@ class Tape:
         if not isinstance(value, Pending):
             return value
         if value.call in local:
-            return Ref(local[value.call], value.name)
+            return Ref(local[value.call], value.name, value._shape, value._dtype)
         return value.array()
 
     def _born(self, key: tuple[int, str]) -> None:

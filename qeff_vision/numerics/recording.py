@@ -60,6 +60,8 @@ class Ref:
 
     call: int
     name: str
+    shape: tuple[int, ...] | None = None  # known for a retained state: a slice that only reads
+    dtype: object = None  # its shape (Shape nodes) runs on a placeholder before it is produced
 
 
 def _nbytes(value) -> int:
@@ -71,12 +73,23 @@ def _referenced(values: Sequence[Mapping[str, object]]) -> set[tuple[int, str]]:
     return {(v.call, v.name) for call in values for v in call.values() if isinstance(v, Ref)}
 
 
-def _resolved(call: Mapping[str, object], names: Iterable[str], values) -> dict[str, np.ndarray]:
-    """``call``'s inputs ``names`` as arrays (references followed)."""
+def _resolved(call: Mapping[str, object], part, graph, values) -> dict[str, np.ndarray]:
+    """``call``'s inputs of ``part`` as arrays, references followed.
+
+    A placeholder of the referred output's shape stands in where ``part`` reads only the shape
+    (the output comes in a later slice).
+    """
     inputs = {}
-    for name in names:
+    for name in part.inputs:
         value = call[name]
-        inputs[name] = values[value.call][value.name] if isinstance(value, Ref) else value
+        if isinstance(value, Ref):
+            produced = values[value.call].get(value.name)
+            if produced is None and value.shape is not None and graph.shape_only(part, name):
+                produced = np.zeros(value.shape, value.dtype)  # pages never touched: no memory
+            if produced is None:
+                raise RuntimeError(f"{name}: call {value.call}'s {value.name} is not produced yet")
+            value = produced
+        inputs[name] = value
     return inputs
 
 
@@ -160,6 +173,11 @@ class SlicedGraph:
         self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
         self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
         self.cuts = self._weight_cuts(slice_bytes)
+        self.protected: list[tuple[int, int]] = []  # node ranges no cut may split (chained calls)
+        self.readers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
+        for index, reads in enumerate(self.reads):
+            for name in reads:
+                self.readers.setdefault(name, []).append(index)
         self.slices = self._slices()
 
     def _weight_cuts(self, slice_bytes: int) -> list[int]:
@@ -181,31 +199,62 @@ class SlicedGraph:
             self.exposed.add(name)
             self.cuts.append(self.producer[name] + 1)
             self._cut_after_last_reader(name)
-        self.cuts = sorted({cut for cut in self.cuts if cut < len(self.nodes)})
+        self.cuts = sorted({cut for cut in self._allowed(self.cuts) if cut < len(self.nodes)})
         self.slices = self._slices()
 
     def chained_prefix(self, calls: Sequence[Mapping[str, object]]) -> int:
-        """How many leading ``calls`` run slice-major together: up to the first that cannot.
+        """How many leading ``calls`` run slice-major together; protects their hand-overs from cuts.
 
-        A call whose input is an earlier call's output (a :class:`Ref`) can run in the same pass
-        when that output's producer comes no later in the graph than the input's first reader:
-        the slice that reads it then runs the earlier call first, whatever cuts are added later.
+        A call whose input X is an earlier call's output (a :class:`Ref`) runs in the same pass when
+        the slice producing that output comes no later than the first slice reading X's values
+        (slices before it that only read X's shape, with ``Shape``, get a placeholder of the
+        Ref's shape). Cuts added during the pass never fall between those two nodes
+        (:attr:`protected`), so what holds now holds to the end of the pass.
         """
-        first_reader: dict[str, int] = {}
-        for index, reads in enumerate(self.reads):
-            for name in reads:
-                first_reader.setdefault(name, index)
+        self.protected = []
+        slice_of = self._slice_index()
         for number, call in enumerate(calls):
             for name, value in call.items():
-                if not isinstance(value, Ref) or value.call >= number:
-                    if isinstance(value, Ref):
-                        raise ValueError(
-                            f"call {number} input {name} refers to call {value.call}, not an earlier one"
-                        )
+                if not isinstance(value, Ref):
                     continue
-                if self.producer.get(value.name, len(self.nodes)) > first_reader.get(name, len(self.nodes)):
+                if value.call >= number:
+                    raise ValueError(
+                        f"call {number} input {name} refers to call {value.call}, not an earlier one"
+                    )
+                produced = self.producer.get(value.name)
+                readers = self.readers.get(name, [])
+                if produced is None or not readers:
+                    continue
+                values_read = [i for i in readers if not self._shape_only(i, name)]
+                first_value = values_read[0] if values_read else len(self.nodes)
+                before = readers[0] < produced and slice_of[readers[0]] < slice_of[produced]
+                if (values_read and slice_of[produced] > slice_of[first_value]) or (
+                    before and value.shape is None
+                ):
+                    self.protected = []
                     return max(number, 1)
+                if produced > first_value:
+                    self.protected.append((first_value, produced))
         return len(calls)
+
+    def _shape_only(self, index: int, name: str) -> bool:
+        node = self.nodes[index]
+        return node.op_type == "Shape" and node.domain in ("", "ai.onnx") and list(node.input) == [name]
+
+    def shape_only(self, part: GraphSlice, name: str) -> bool:
+        """Every node of ``part`` reading ``name`` reads only its shape."""
+        return all(self._shape_only(i, name) for i in range(part.start, part.stop) if name in self.reads[i])
+
+    def _slice_index(self) -> list[int]:
+        bounds = [*self.cuts, len(self.nodes)]
+        index = [0] * len(self.nodes)
+        for number, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+            index[start:stop] = [number] * (stop - start)
+        return index
+
+    def _allowed(self, cuts: Iterable[int]) -> list[int]:
+        """``cuts`` without those that would fall inside a protected hand-over (see chained_prefix)."""
+        return [c for c in cuts if not any(first < c <= last for first, last in self.protected)]
 
     def release_early(self, part: GraphSlice, sizes: Mapping[str, int]) -> bool:
         """Cut ``part`` after the last reader of each large input; True when the slices changed.
@@ -216,7 +265,7 @@ class SlicedGraph:
         for name in part.inputs:
             if sizes[name] >= LARGE_VALUE:
                 self._cut_after_last_reader(name, part.start, part.stop - 1)
-        self.cuts = sorted(set(self.cuts))
+        self.cuts = sorted(set(self._allowed(self.cuts)))
         if len(self.cuts) == before:
             return False
         self.slices = self._slices()
@@ -364,6 +413,7 @@ class SlicedRecorder:
         self.keep_sessions = sum(self.graph.weight_bytes.values()) <= slice_bytes
         self._sessions: dict[tuple, object] = {}
         self.call_seconds: list[float] = []  # per call of the last pass: seconds in its sessions' runs
+        self.passes = 0  # passes over the slices (run_many calls, a further pass counted apart)
         self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
 
     @property
@@ -423,7 +473,7 @@ class SlicedRecorder:
             sessions: dict[tuple, object] = {}
             for index in range(active):
                 call = values[index]
-                inputs = _resolved(call, part.inputs, values)
+                inputs = _resolved(call, part, self.graph, values)
                 outputs = self._run_slice(part, inputs, sessions, index)
                 found = self._record(part, outputs)
                 if found:
@@ -462,13 +512,19 @@ class SlicedRecorder:
             number += 1
             if on_slice is not None:
                 on_slice(number, len(self.graph.slices))
+        self.graph.protected = []
+        self.passes += 1
         done = [{name: values[i][name] for name in keep_sets[i]} for i in range(active)]
         if active == len(values):
             return done
         # The rest in a further pass; their references to this pass's calls are arrays by now.
         rest = [
             {
-                name: (values[v.call][v.name] if v.call < active else Ref(v.call - active, v.name))
+                name: (
+                    values[v.call][v.name]
+                    if v.call < active
+                    else Ref(v.call - active, v.name, v.shape, v.dtype)
+                )
                 if isinstance(v, Ref)
                 else v
                 for name, v in feed.items()
