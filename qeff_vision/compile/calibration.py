@@ -117,6 +117,7 @@ def prompt_ranges(
     prompts: Sequence[str] = (),
     say: Callable[[str], None] | None = None,
     processor_options: Mapping[str, int] | None = None,
+    on_slice: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -130,6 +131,7 @@ def prompt_ranges(
         say: Called with one note when a prompt was shortened or a run skipped to fit ``ctx_len``.
         processor_options: The spec's image-processor options (``vision.image_processor``), set on
             the checkpoint's image processor so the prompts' images match the compiled shapes.
+        on_slice: Called after each slice of each pass over a graph (progress).
     """
     from PIL import Image
 
@@ -148,6 +150,7 @@ def prompt_ranges(
     language = RecordingProgram(
         export_dir / manifest["programs"]["lang"]["path"], language_specializations, deferred=True
     )
+    vision.recorder.on_slice = language.recorder.on_slice = on_slice
     shape = LanguageShape.from_specializations(language_specializations)
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
     generator = make_generator(checkpoint, vision, language, shape, eos_token_ids=())

@@ -216,13 +216,53 @@ def verify_program(
         UserError: onnxruntime fails on a specialization, an output shape differs, or device
             precision overflows.
     """
-    from qeff_vision.fsutil import release_memory
-
     onnx_path = Path(onnx_path)
     graph = read_graph_io(onnx_path)
     check_program_symbols(graph, specializations, program, source or str(onnx_path))
     names = [tensor.name for tensor in graph.outputs]
     session = _fp32_runner(onnx_path, names)
+    stage = None
+    if isinstance(session, _GraphRunner):  # passes over slices: minutes at full depth
+        from qeff_vision.progress import SliceCounter, StageProgress
+
+        stage = StageProgress(f"{program} check", 0, unit="slices", say=progress)
+        session.on_slice = SliceCounter(stage)
+    try:
+        return _verify(
+            program,
+            onnx_path,
+            graph,
+            specializations,
+            session,
+            names,
+            seed,
+            progress,
+            device_values,
+            mx,
+            image_sizes,
+        )
+    finally:
+        if stage is not None:
+            stage.close()
+
+
+def _verify(
+    program,
+    onnx_path,
+    graph,
+    specializations,
+    session,
+    names,
+    seed,
+    progress,
+    device_values,
+    mx,
+    image_sizes,
+) -> list[SpecializationRun]:
+    """:func:`verify_program` once its fp32 runner is made (a sliced one reports its passes)."""
+    from qeff_vision.fsutil import release_memory
+
+    on_slice = session.on_slice if isinstance(session, _GraphRunner) else None
 
     def cases():
         return _generated_cases(graph, specializations, program, seed, image_sizes)
@@ -239,11 +279,11 @@ def verify_program(
     compared = with_mx = [None] * len(references)
     if device_values is not None:
         compared = _device_deviations(
-            program, onnx_path, cases, names, references, device_values, None, progress
+            program, onnx_path, cases, names, references, device_values, None, progress, on_slice
         )
         if mx is not None and (mx.matmul_weights or mx.kv_mxint8):
             with_mx = _device_deviations(
-                program, onnx_path, cases, names, references, device_values, mx, None
+                program, onnx_path, cases, names, references, device_values, mx, None, on_slice
             )
     label = mx.label() if mx is not None else ""
     return [
@@ -333,6 +373,7 @@ def _device_deviations(
     device_values: Sequence[str],
     mx: MxEmulation | None,
     progress: Callable[[str], None] | None,
+    on_slice: Callable[[int, int], None] | None = None,
 ) -> list[DeviceDeviation]:
     """Each specialization at device precision (``mx`` formats on top, if any) against its fp32 outputs.
 
@@ -344,6 +385,7 @@ def _device_deviations(
 
     graph, weights = device_model(onnx_path, device_values, mx)
     session = _GraphRunner(graph, onnx_path.parent, names, weights)
+    session.on_slice = on_slice
     del graph
     found = []
     for (index, _, where, feeds), results, _ in _runs(session, names, cases()):

@@ -413,6 +413,7 @@ class SlicedRecorder:
         self.keep_sessions = sum(self.graph.weight_bytes.values()) <= slice_bytes
         self._sessions: dict[tuple, object] = {}
         self.call_seconds: list[float] = []  # per call of the last pass: seconds in its sessions' runs
+        self.on_slice: Callable[[int, int], None] | None = None  # progress, when a pass names none
         self.passes = 0  # passes over the slices (run_many calls, a further pass counted apart)
         self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
 
@@ -455,6 +456,7 @@ class SlicedRecorder:
         Raises:
             SliceRunError: onnxruntime failed on one call (its index and the error).
         """
+        on_slice = on_slice or self.on_slice
         keep_sets = [set(self.graph.wanted)] * len(feeds) if keep is None else [set(k) for k in keep]
         originals = [dict(feed) for feed in feeds]
         values = [dict(feed) for feed in feeds]
