@@ -476,7 +476,11 @@ class SlicedRecorder:
             for index in range(active):
                 call = values[index]
                 inputs = _resolved(call, part, self.graph, values)
-                outputs = self._run_slice(part, inputs, sessions, index)
+                # A slice nobody reads from (integer arithmetic only its own nodes use) has no
+                # outputs: onnxruntime cannot build a session for it, and there is nothing to run.
+                outputs = (
+                    self._run_slice(part, inputs, sessions, index) if part.outputs or part.recorded else {}
+                )
                 found = self._record(part, outputs)
                 if found:
                     break
