@@ -1,6 +1,6 @@
 """Every benchmark the README names runs as written from the repository root (issue 36 item 7).
 
-The README's benchmark commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
+The README's (and the docs pages') benchmark commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
 an inline code span or a code block) run in a subprocess from the repository root with
 ``--smoke`` appended: each benchmark's smallest arguments that still take every code path. Each
 must exit 0 and print a table. A benchmark that imports ``tests`` (or anything but the package and
@@ -24,6 +24,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+
+
+def documented_text() -> str:
+    """The README and every docs page: a benchmark documented on its own page is named there."""
+    pages = [README, *sorted(DOCS.rglob("*.md"))] if DOCS.is_dir() else [README]
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in pages)
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
 
@@ -56,7 +63,7 @@ def benchmark_files() -> list[str]:
 
 
 def _cases() -> list[tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
+    text = documented_text()
     commands = readme_commands(text)
     named = {name for name, _ in commands}
     # Named without a command (only the path): run as the plain command.
@@ -83,9 +90,9 @@ def has_table(output: str) -> bool:
 
 
 def test_every_benchmark_is_named_in_the_readme():
-    text = README.read_text(encoding="utf-8")
+    text = documented_text()
     missing = [name for name in benchmark_files() if f"benchmarks/{name}.py" not in text]
-    assert not missing, f"benchmarks not named in README.md: {missing}"
+    assert not missing, f"benchmarks not named in README.md or a docs page: {missing}"
 
 
 def test_readme_commands_are_found():
