@@ -174,6 +174,14 @@ class SlicedGraph:
         self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
         self.cuts = self._weight_cuts(slice_bytes)
         self.protected: list[tuple[int, int]] = []  # node ranges no cut may split (chained calls)
+        inputs = {value.name for value in graph.input}
+        # Outputs that are an input passed through (mllama's cross-attention states): a later call
+        # reading one reads the earlier call's input, not something it computes.
+        self.passthrough = {
+            node.output[0]: node.input[0]
+            for node in self.nodes
+            if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.input[0] in inputs
+        }
         self.readers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
         for index, reads in enumerate(self.reads):
             for name in reads:
@@ -458,8 +466,10 @@ class SlicedRecorder:
         """
         on_slice = on_slice or self.on_slice
         keep_sets = [set(self.graph.wanted)] * len(feeds) if keep is None else [set(k) for k in keep]
-        originals = [dict(feed) for feed in feeds]
-        values = [dict(feed) for feed in feeds]
+        originals = []
+        for feed in feeds:  # a reference to an input passed through is that input
+            originals.append({name: self._followed(value, originals) for name, value in feed.items()})
+        values = [dict(feed) for feed in originals]
         self.call_seconds = [0.0] * len(values)
         active = self.graph.chained_prefix(values)
         number = 0
@@ -541,6 +551,11 @@ class SlicedRecorder:
         later = self.run_many(rest, on_slice, keep_sets[active:])
         self.call_seconds = seconds[:active] + self.call_seconds
         return done + later
+
+    def _followed(self, value, calls: Sequence[Mapping[str, object]]):
+        while isinstance(value, Ref) and value.name in self.graph.passthrough:
+            value = calls[value.call][self.graph.passthrough[value.name]]
+        return value
 
     def _run_slice(
         self, part: GraphSlice, values: Mapping[str, np.ndarray], sessions: dict, index: int = 0
