@@ -124,7 +124,26 @@ if code:
 result = {}
 """
 
-COMPILE = """
+# Counts the calls of the sliced graphs, the passes over their weights and the sessions built.
+COUNTERS = """
+from qeff_vision.numerics import recording
+recorders = []
+init = recording.SlicedRecorder.__init__
+def counted(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    recorders.append(self)
+recording.SlicedRecorder.__init__ = counted
+def work():
+    return {
+        "calls": sum(r.calls_run for r in recorders),
+        "passes": sum(r.passes for r in recorders),
+        "sessions": sum(r.sessions_built for r in recorders),
+    }
+"""
+
+COMPILE = (
+    COUNTERS
+    + """
 from pathlib import Path
 from qeff_vision.compile import precision
 from qeff_vision.compile.driver import compile_spec
@@ -141,19 +160,23 @@ import qeff_vision.compile.driver as driver
 driver.resolve_plans = resolve_plans
 spec, out, export, compiler = sys.argv[1:5]
 compile_spec(Path(spec), Path(out), compiler=compiler, export_dir=Path(export))
-result = {"calibration": timed["calibration"]}
+result = {"calibration": timed["calibration"], **work()}
 """
+)
 
 # The calibration's calls with nothing recorded: no node output is a recorded value.
-PLAIN = """
+PLAIN = (
+    COUNTERS
+    + """
 from pathlib import Path
 import qeff_vision.numerics.device as device
 import qeff_vision.numerics.plan as plan
 device.float_outputs = plan.float_outputs = lambda *args, **kwargs: []
 from qeff_vision.compile.precision import calibrate
 calibrate(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
-result = {}
+result = work()
 """
+)
 
 
 def disk_bytes(path: Path) -> int:
@@ -211,9 +234,14 @@ def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=
     def compile_rows(spec: Path, out: str, label: str, cache: Path | None) -> list[dict]:
         result = _child(COMPILE, str(spec), str(work / out), str(export), str(compiler), cache=cache)
         rows = [entry(label, result, work / out)]
-        rows[0]["calibration"] = result["calibration"]
+        for key in ("calibration", "calls", "passes", "sessions"):
+            rows[0][key] = result[key]
         rows[0]["calibration_in_log"] = "calibrating device precision" in result["log"]
         return rows
+
+    def plain_row() -> dict:
+        result = _child(PLAIN, str(auto), str(export), str(work / "out-plain"))
+        return {**entry("plain fp32 run", result), **{k: result[k] for k in ("calls", "passes", "sessions")}}
 
     steps = {
         "build": lambda: [
@@ -278,7 +306,10 @@ def _summary(done: dict[str, list[dict]]) -> dict:
 
 def table(rows: list[dict]) -> str:
     """Markdown table of the stages, then the ratios the issue bounds."""
-    lines = ["| stage | seconds | peak RSS (GB) | on disk (GB) |", "|---|---:|---:|---:|"]
+    lines = [
+        "| stage | seconds | peak RSS (GB) | on disk (GB) | sliced calls / passes / sessions |",
+        "|---|---:|---:|---:|---:|",
+    ]
     summary = {}
     for entry in rows:
         if "summary" in entry:
@@ -286,7 +317,8 @@ def table(rows: list[dict]) -> str:
             continue
         rss = f"{entry['peak_rss'] / GB:.2f}" if entry.get("peak_rss") else ""
         disk = f"{entry['disk'] / GB:.2f}" if entry.get("disk") is not None else ""
-        lines.append(f"| {entry['stage']} | {entry['seconds']:.1f} | {rss} | {disk} |")
+        work = f"{entry['calls']} / {entry['passes']} / {entry['sessions']}" if entry.get("calls") else ""
+        lines.append(f"| {entry['stage']} | {entry['seconds']:.1f} | {rss} | {disk} | {work} |")
     lines += ["", "| measure | value | target |", "|---|---:|---:|"]
     targets = {
         "calibration / plain run": "<= 1.5",

@@ -422,6 +422,7 @@ class SlicedRecorder:
         self._sessions: dict[tuple, object] = {}
         self.call_seconds: list[float] = []  # per call of the last pass: seconds in its sessions' runs
         self.on_slice: Callable[[int, int], None] | None = None  # progress, when a pass names none
+        self.calls_run = 0  # calls run so far (over all passes)
         self.passes = 0  # passes over the slices (run_many calls, a further pass counted apart)
         self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
 
@@ -530,6 +531,7 @@ class SlicedRecorder:
                 on_slice(number, len(self.graph.slices))
         self.graph.protected = []
         self.passes += 1
+        self.calls_run += active
         done = [{name: values[i][name] for name in keep_sets[i]} for i in range(active)]
         if active == len(values):
             return done
