@@ -227,13 +227,16 @@ def verify_program(
 
         stage = StageProgress(f"{program} check", 0, unit="slices", say=progress)
         session.on_slice = SliceCounter(stage)
+    # Handed over in a list, so this frame keeps no reference once _verify lets the fp32 weights go.
+    held = [session]
+    del session
     try:
         return _verify(
             program,
             onnx_path,
             graph,
             specializations,
-            session,
+            held,
             names,
             seed,
             progress,
@@ -251,7 +254,7 @@ def _verify(
     onnx_path,
     graph,
     specializations,
-    session,
+    held,
     names,
     seed,
     progress,
@@ -259,9 +262,10 @@ def _verify(
     mx,
     image_sizes,
 ) -> list[SpecializationRun]:
-    """:func:`verify_program` once its fp32 runner is made (a sliced one reports its passes)."""
+    """:func:`verify_program` once its fp32 runner is made (``held``: a list holding only it)."""
     from qeff_vision.fsutil import release_memory
 
+    session = held.pop()
     on_slice = session.on_slice if isinstance(session, _GraphRunner) else None
 
     def cases():
