@@ -273,14 +273,10 @@ def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=
     for stage in STAGES:
         for row in done.get(stage, []):
             if stage == "compile":  # the calibration and the rest of the compile, apart
-                rows.append({**row, "stage": "calibration", "seconds": row["calibration"], "disk": None})
+                apart = {"disk": None, "calls": None}  # the counts are the whole compile's
+                rows.append({**row, **apart, "stage": "calibration", "seconds": row["calibration"]})
                 rows.append(
-                    {
-                        **row,
-                        "stage": "compile other",
-                        "seconds": row["seconds"] - row["calibration"],
-                        "disk": None,
-                    }
+                    {**row, **apart, "stage": "compile other", "seconds": row["seconds"] - row["calibration"]}
                 )
             rows.append(row)
     rows.append({"summary": _summary(done)})
@@ -343,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-len", type=int, default=4096)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--smoke", action="store_true", help="the tiny checkpoint, small images")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the tiny checkpoint with the given shapes (call counts)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and artifacts")
     parser.add_argument(
         "--resume", type=Path, help="a work directory of an earlier --keep run: measure only what it lacks"
@@ -360,11 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"full_depth.py: unknown stage {unknown[0]!r} (one of {', '.join(STAGES)})", file=sys.stderr)
         return 2
     try:
-        rows = measure(work, images, ctx_len, seq_len, args.smoke, stages)
+        rows = measure(work, images, ctx_len, seq_len, args.smoke or args.tiny, stages)
     finally:
         if not (args.keep or args.resume):
             shutil.rmtree(work, ignore_errors=True)
-    label = "tiny qwen2_5_vl" if args.smoke else f"Qwen2.5-VL-3B full depth, {CONFIG.name}"
+    label = "tiny qwen2_5_vl" if args.smoke or args.tiny else f"Qwen2.5-VL-3B full depth, {CONFIG.name}"
     print(f"{label}: images {', '.join(f'{h}x{w}' for h, w in images)}, ctx_len {ctx_len}, prefill {seq_len}")
     print(table(rows))
     if args.json:
