@@ -260,9 +260,7 @@ def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=
         "compile": lambda: compile_rows(auto, "out-auto", "compile (auto)", store),
         "recompile": lambda: compile_rows(auto, "out-again", "recompile (plan reused)", store),
         "reference": lambda: compile_rows(none, "out-none", "compile (none)", None),
-        "plain": lambda: [
-            entry("plain fp32 run", _child(PLAIN, str(auto), str(export), str(work / "out-plain")))
-        ],
+        "plain": lambda: [plain_row()],
     }
     for stage in STAGES:
         if stage in stages and stage not in done:
