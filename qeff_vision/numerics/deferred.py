@@ -32,13 +32,11 @@ class Tape:
     """Calls of one sliced graph waiting to run, and the outputs computed so far that are still used.
 
     Args:
-        recorder: Runs the calls (and records their peaks).
-        on_pass: Called with (calls, slices done, slices) during a pass, for progress.
+        recorder: Runs the calls (and records their peaks; its ``on_slice`` reports progress).
     """
 
-    def __init__(self, recorder: SlicedRecorder, on_pass: Callable[[int, int, int], None] | None = None):
+    def __init__(self, recorder: SlicedRecorder):
         self.recorder = recorder
-        self.on_pass = on_pass
         self.calls = 0  # calls added so far (a call's number is its index in that order)
         self.evaluations = 0  # times the pending calls ran (each one or more passes)
         self._pending: list[tuple[int, dict[str, Any]]] = []
@@ -80,13 +78,7 @@ class Tape:
         # The queued feeds' Pending objects go now: an output only the next chunk reads is not kept.
         del pending
         keep = [{name for (call, name) in self._live if call == number} for number in numbers]
-        total = len(feeds)
-
-        def on_slice(done: int, slices: int) -> None:
-            if self.on_pass is not None:
-                self.on_pass(total, done, slices)
-
-        results = self.recorder.run_many(feeds, on_slice, keep)
+        results = self.recorder.run_many(feeds, None, keep)
         for number, outputs in zip(numbers, results):
             for name, array in outputs.items():
                 if (number, name) in self._live:
