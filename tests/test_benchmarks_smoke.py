@@ -2,10 +2,11 @@
 
 The benchmark commands of the README and the docs pages (``python benchmarks/NAME.py ...`` or
 ``.venv/bin/python ...`` in an inline code span or a code block) run in a subprocess from the
-repository root with ``--smoke`` appended: each benchmark's smallest arguments that still take every code path. Each
-must exit 0 and print a table. A benchmark that imports ``tests`` (or anything but the package and
-its sibling scripts) fails here as it fails for a user. Every ``benchmarks/*.py`` must be named in
-the README, and one the README names without a command runs as ``python benchmarks/NAME.py``.
+repository root with ``--smoke`` appended: each benchmark's smallest arguments that still take
+every code path. Each must exit 0 and print a table. A benchmark that imports ``tests`` (or
+anything but the package and its sibling scripts) fails here as it fails for a user. Every
+``benchmarks/*.py`` must be named in the README or a docs page, and one named without a command
+runs as ``python benchmarks/NAME.py``.
 
 Cost: one subprocess per command, most of it exports of tiny checkpoints; ``slow`` (about 5 min
 on this 2-core machine), so ``make test-all`` runs it.
