@@ -32,6 +32,8 @@ def documented_text() -> str:
     """The README and every docs page: a benchmark documented on its own page is named there."""
     pages = [README, *sorted(DOCS.rglob("*.md"))] if DOCS.is_dir() else [README]
     return "\n\n".join(page.read_text(encoding="utf-8") for page in pages)
+
+
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
 
