@@ -6,7 +6,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed-stamp
 DEMO_DIR ?= demo-out
 
-.PHONY: install demo docs test test-all test-realwidth test-vllm test-vllm-evs vllm-qaic-src lint golden clean
+.PHONY: install demo docs test test-all test-realwidth test-realwidth-ci test-vllm test-vllm-evs vllm-qaic-src lint golden clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,15 @@ test-all: install
 # precision plan and run against transformers, one process per family (cost in docs/guide/testing.md).
 test-realwidth: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py
+
+# The real-width subset proposed for CI (issue 48; not in .ci/run, the lead decides): one family per
+# state kind and decoder kind the tier covers. gemma4: full attention, sliding ring and shared KV;
+# llama4: chunked ring and routed experts; qwen3_5_moe: recurrent (Gated DeltaNet) and experts;
+# mllama: cross-attention; kimi_k25: latent (MLA). Figures in docs/benchmarks/full-depth.md.
+REALWIDTH_CI ?= gemma4 or llama4 or qwen3_5_moe or mllama or kimi_k25
+
+test-realwidth-ci: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py -k "$(REALWIDTH_CI)"
 
 lint: install
 	$(BIN)/ruff check qeff_vision tests benchmarks tools

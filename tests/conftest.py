@@ -13,6 +13,13 @@ import pytest
 from tests import helpers
 
 
+@pytest.fixture(autouse=True)
+def _plan_store(tmp_path_factory, monkeypatch):
+    """Each test its own precision-plan store (qeff_vision/compile/plan_store.py): a plan one
+    test calibrated is never another test's cache hit, and nothing is written under ~/.cache."""
+    monkeypatch.setenv("QEFF_VISION_CACHE", str(tmp_path_factory.mktemp("qeff-cache")))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """``tiny_checkpoint(family) -> Path``: a tiny checkpoint per family, built once per session."""

@@ -171,17 +171,21 @@ def test_a_graph_larger_than_a_slice_is_verified_slice_by_slice(exported, monkey
         return verify_program("lang", path, specializations, device_values=plan, mx=mx)
 
     whole = verify()
-    slices = []
-    run = recording.SlicedRecorder.run
+    passes = []
+    run_many = recording.SlicedRecorder.run_many
 
-    def counted(self, feeds):
-        slices.append(len(self.slices))
-        return run(self, feeds)
+    def counted(self, feeds, on_slice=None):
+        results = run_many(self, feeds, on_slice)
+        passes.append((len(feeds), len(self.slices), self.sessions_built))
+        return results
 
     monkeypatch.setattr(recording, "DEFAULT_SLICE_BYTES", graph_file.weight_bytes(model) // 4)
-    monkeypatch.setattr(recording.SlicedRecorder, "run", counted)
+    monkeypatch.setattr(recording.SlicedRecorder, "run_many", counted)
     sliced = verify()
-    assert len(slices) == 3 * len(specializations) and min(slices) >= 4  # fp32, fp16, MX
+    # fp32, fp16, MX: one pass each over the slices for every specialization, each slice's
+    # session built once (not once per specialization).
+    assert [feeds for feeds, _, _ in passes] == [len(specializations)] * 3
+    assert all(slices >= 4 and built == slices for _, slices, built in passes), passes
     for one, other in zip(whole, sliced):
         assert one.output_shapes == other.output_shapes
         assert other.device.max_relative == pytest.approx(one.device.max_relative, rel=0.05, abs=1e-6)

@@ -49,7 +49,13 @@ class RecordingProgram(CompiledProgram):
     produced, so memory does not grow with depth.
     """
 
-    def __init__(self, onnx_path: str | Path, specializations=None, slice_bytes: int | None = None):
+    def __init__(
+        self,
+        onnx_path: str | Path,
+        specializations=None,
+        slice_bytes: int | None = None,
+        deferred: bool = False,
+    ):
         from onnx.helper import tensor_dtype_to_np_dtype
 
         from qeff_vision.graph_file import load_graph
@@ -76,6 +82,11 @@ class RecordingProgram(CompiledProgram):
             self.output_names,
             slice_bytes=slice_bytes or DEFAULT_SLICE_BYTES,
         )
+        self.tape = None
+        if deferred:
+            from qeff_vision.numerics.deferred import Tape
+
+            self.tape = Tape(self.recorder)
 
     @property
     def ranges(self) -> dict[str, float]:
@@ -83,6 +94,8 @@ class RecordingProgram(CompiledProgram):
         return self.recorder.ranges
 
     def _execute(self, feeds, bound):
+        if self.tape is not None:  # outputs computed when first read, many calls in one pass
+            return self.tape.add(feeds, self.output_names)
         return self.recorder.run(feeds)
 
 
@@ -104,6 +117,7 @@ def prompt_ranges(
     prompts: Sequence[str] = (),
     say: Callable[[str], None] | None = None,
     processor_options: Mapping[str, int] | None = None,
+    on_slice: Callable[[int, int], None] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -117,6 +131,7 @@ def prompt_ranges(
         say: Called with one note when a prompt was shortened or a run skipped to fit ``ctx_len``.
         processor_options: The spec's image-processor options (``vision.image_processor``), set on
             the checkpoint's image processor so the prompts' images match the compiled shapes.
+        on_slice: Called after each slice of each pass over a graph (progress).
     """
     from PIL import Image
 
@@ -132,10 +147,14 @@ def prompt_ranges(
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
     vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
     language_specializations = [single_sequence(values) for values in language_specializations]
-    language = RecordingProgram(export_dir / manifest["programs"]["lang"]["path"], language_specializations)
+    language = RecordingProgram(
+        export_dir / manifest["programs"]["lang"]["path"], language_specializations, deferred=True
+    )
+    vision.recorder.on_slice = language.recorder.on_slice = on_slice
     shape = LanguageShape.from_specializations(language_specializations)
     # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
     generator = make_generator(checkpoint, vision, language, shape, eos_token_ids=())
+    checks = _defer_chunk_checks(generator)
     processor = checkpoint.processor
     for name, value in (processor_options or {}).items():
         setattr(processor.image_processor, name, value)
@@ -159,10 +178,45 @@ def prompt_ranges(
             if fitted is not None:
                 chat.ask(shown, fitted[0], max_new_tokens=fitted[1])
             runs.update()
+    if language.tape is not None:
+        language.tape.run()
+    checks.run()
     runs.close()
     if fitting.note() and say is not None:
         say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+class _DeferredChecks:
+    """The generator's per-chunk output check, run once the deferred calls ran.
+
+    The check reads the chunk's image cursor; reading it at once would run each chunk alone. Only
+    the small outputs are held for it (not the caches, not the logits).
+    """
+
+    def __init__(self, check, skipped: set[str]):
+        self.check, self.skipped = check, skipped
+        self.pending: list[tuple[Any, dict]] = []
+
+    def __call__(self, chunk, outputs) -> None:
+        self.pending.append((chunk, {k: v for k, v in outputs.items() if k not in self.skipped}))
+
+    def run(self) -> None:
+        pending, self.pending = self.pending, []
+        for chunk, outputs in pending:
+            self.check(chunk, outputs)
+
+
+def _defer_chunk_checks(generator) -> _DeferredChecks:
+    """Replace ``generator``'s chunk check (on this instance) by one that runs after the pass."""
+    from qeff_vision import symbols
+
+    skipped = {name for name in generator.language.output_names if name.endswith(symbols.RETAINED_SUFFIX)}
+    if generator.logits_name:
+        skipped.add(generator.logits_name)
+    checks = _DeferredChecks(generator.check_chunk_outputs, skipped)
+    generator.check_chunk_outputs = checks
+    return checks
 
 
 class _Fitting:

@@ -23,6 +23,7 @@ from qeff_vision.contract.states import LayerState
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.numerics.device import MxEmulation, device_model
 from qeff_vision.numerics.plan import overflow_message
+from qeff_vision.numerics.recording import SliceRunError
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,9 @@ def verify_program(
     a time. The fp32 outputs are kept for the comparisons; the generated inputs are generated
     again, from the same seed, for each session. A graph whose weights pass one calibration slice
     (:data:`~qeff_vision.numerics.recording.DEFAULT_SLICE_BYTES`) runs slice by slice, each
-    slice's session built and released in turn (:class:`_GraphRunner`): memory does not grow with
-    depth, and its latency includes the session builds.
+    slice's session built once, run on every specialization and released (:class:`_GraphRunner`):
+    memory does not grow with depth, each weight is read once per session kind, and a
+    specialization's latency is its share of the slices' run time.
 
     Args:
         program: ``vision`` or ``lang``, for messages.
@@ -214,39 +216,78 @@ def verify_program(
         UserError: onnxruntime fails on a specialization, an output shape differs, or device
             precision overflows.
     """
-    from qeff_vision.fsutil import release_memory
-
     onnx_path = Path(onnx_path)
     graph = read_graph_io(onnx_path)
     check_program_symbols(graph, specializations, program, source or str(onnx_path))
     names = [tensor.name for tensor in graph.outputs]
     session = _fp32_runner(onnx_path, names)
+    stage = None
+    if isinstance(session, _GraphRunner):  # passes over slices: minutes at full depth
+        from qeff_vision.progress import SliceCounter, StageProgress
+
+        stage = StageProgress(f"{program} check", 0, unit="slices", say=progress)
+        session.on_slice = SliceCounter(stage)
+    # Handed over in a list, so this frame keeps no reference once _verify lets the fp32 weights go.
+    held = [session]
+    del session
+    try:
+        return _verify(
+            program,
+            onnx_path,
+            graph,
+            specializations,
+            held,
+            names,
+            seed,
+            progress,
+            device_values,
+            mx,
+            image_sizes,
+        )
+    finally:
+        if stage is not None:
+            stage.close()
+
+
+def _verify(
+    program,
+    onnx_path,
+    graph,
+    specializations,
+    held,
+    names,
+    seed,
+    progress,
+    device_values,
+    mx,
+    image_sizes,
+) -> list[SpecializationRun]:
+    """:func:`verify_program` once its fp32 runner is made (``held``: a list holding only it)."""
+    from qeff_vision.fsutil import release_memory
+
+    session = held.pop()
+    on_slice = session.on_slice if isinstance(session, _GraphRunner) else None
 
     def cases():
         return _generated_cases(graph, specializations, program, seed, image_sizes)
 
     references, latencies, shapes = [], [], []
-    for index, values, where, feeds in cases():
-        start = time.perf_counter()
-        try:
-            results = session.run(names, feeds)
-        except Exception as exc:
-            raise UserError(f"{where}: onnxruntime failed: {str(exc).splitlines()[0]}") from exc
-        latencies.append((time.perf_counter() - start) * 1000.0)
+    for (index, values, where, feeds), results, seconds in _runs(session, names, cases()):
+        latencies.append(seconds * 1000.0)
         shapes.append(_checked_shapes(graph, values, where, feeds, names, results))
         references.append(results)
         if progress:
             progress(f"{program} specialization {index}: ok in {latencies[-1]:.1f} ms {dict(values)}")
-    session = feeds = None  # the fp32 weights go before the device-precision session loads
+    session = None  # the fp32 weights go before the device-precision session loads
     release_memory()
     compared = with_mx = [None] * len(references)
     if device_values is not None:
         compared = _device_deviations(
-            program, onnx_path, cases, names, references, device_values, None, progress
+            program, onnx_path, cases, names, references, device_values, None, progress, on_slice
         )
         if mx is not None and (mx.matmul_weights or mx.kv_mxint8):
             with_mx = _device_deviations(
-                program, onnx_path, cases, names, references, device_values, mx, None
+                program, onnx_path, cases, names, references, device_values, mx, None, on_slice
             )
     label = mx.label() if mx is not None else ""
     return [
@@ -283,6 +324,34 @@ def _generated_cases(graph: GraphIO, specializations, program: str, seed: int, i
         yield index, values, where, feeds
 
 
+def _runs(session, names: Sequence[str], cases):
+    """(case, outputs, seconds) per case: one call each on a session, one pass over all on slices.
+
+    A sliced runner (:class:`_GraphRunner` over a graph larger than a slice) runs every case
+    slice-major: each slice's session is built once for all the specializations, not once per
+    specialization; a case's seconds are then its share of the slices' run time (builds excluded).
+
+    Raises:
+        UserError: onnxruntime failed on a case (named by its ``where``).
+    """
+    if isinstance(session, _GraphRunner) and session.recorder is not None:
+        cases = list(cases)
+        try:
+            outputs, seconds = session.run_all(names, [case[3] for case in cases])
+        except SliceRunError as exc:
+            where = cases[exc.index][2]
+            raise UserError(f"{where}: onnxruntime failed: {str(exc.error).splitlines()[0]}") from exc
+        yield from zip(cases, outputs, seconds)
+        return
+    for case in cases:
+        start = time.perf_counter()
+        try:
+            results = session.run(names, case[3])
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise UserError(f"{case[2]}: onnxruntime failed: {str(exc).splitlines()[0]}") from exc
+        yield case, results, time.perf_counter() - start
+
+
 def _checked_shapes(graph: GraphIO, values, where: str, feeds, names, results) -> dict[str, list[int]]:
     """Every output's shape, checked against the bound one (and untouched slots left alone)."""
     shapes, problems = {}, []
@@ -308,6 +377,7 @@ def _device_deviations(
     device_values: Sequence[str],
     mx: MxEmulation | None,
     progress: Callable[[str], None] | None,
+    on_slice: Callable[[int, int], None] | None = None,
 ) -> list[DeviceDeviation]:
     """Each specialization at device precision (``mx`` formats on top, if any) against its fp32 outputs.
 
@@ -319,10 +389,11 @@ def _device_deviations(
 
     graph, weights = device_model(onnx_path, device_values, mx)
     session = _GraphRunner(graph, onnx_path.parent, names, weights)
+    session.on_slice = on_slice
     del graph
     found = []
-    for index, _, where, feeds in cases():
-        compared = deviation(names, references[index], session.run(names, feeds))
+    for (index, _, where, feeds), results, _ in _runs(session, names, cases()):
+        compared = deviation(names, references[index], results)
         if not compared.finite and mx is None:
             del session
             release_memory()
@@ -352,6 +423,7 @@ class _GraphRunner:
 
         self.names = list(names)
         self.session = self.recorder = None
+        self.on_slice: Callable[[int, int], None] | None = None  # progress of a sliced pass
         if weight_bytes(model) <= DEFAULT_SLICE_BYTES:
             self.session = session_for(model, model_dir, initializers=weights(None) if weights else None)
         else:
@@ -359,6 +431,23 @@ class _GraphRunner:
             self.recorder = SlicedRecorder(
                 model, model_dir, [], types, self.names, slice_bytes=DEFAULT_SLICE_BYTES, initializers=weights
             )
+
+    def run_all(
+        self, names: Sequence[str], feeds: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[list[Any]], list[float]]:
+        """The outputs ``names`` for each of ``feeds``, and each call's run seconds.
+
+        Sliced: one pass over the slices for every call (:meth:`SlicedRecorder.run_many`).
+        """
+        if self.session is not None:
+            outputs, seconds = [], []
+            for feed in feeds:
+                start = time.perf_counter()
+                outputs.append(self.session.run(list(names), dict(feed)))
+                seconds.append(time.perf_counter() - start)
+            return outputs, seconds
+        results = self.recorder.run_many(feeds, self.on_slice)
+        return [[result[name] for name in names] for result in results], list(self.recorder.call_seconds)
 
     def run(self, names: Sequence[str], feeds: Mapping[str, Any]) -> list[Any]:
         """The outputs ``names`` (a subset of the runner's) for ``feeds``."""

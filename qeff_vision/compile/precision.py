@@ -106,6 +106,7 @@ def resolve_plan(
     dry_run: bool,
     prompt_ranges: Mapping[str, float] | None = None,
     image_sizes: Sequence[tuple[int, int] | None] | None = None,
+    on_slice=None,
 ) -> PrecisionPlan:
     """Write (or remove) ``directory/node_precision.yaml`` for this program and describe the plan.
 
@@ -124,7 +125,7 @@ def resolve_plan(
     if options.node_precision == NODE_PRECISION_AUTO:
         if dry_run or not exported:
             return PrecisionPlan(NODE_PRECISION_AUTO, target if target.is_file() else None, None)
-        return _auto(onnx_path, specializations, target, prompt_ranges or {}, image_sizes)
+        return _auto(onnx_path, specializations, target, prompt_ranges or {}, image_sizes, on_slice)
     source = Path(options.node_precision)
     source = source if source.is_absolute() else spec_dir / source
     names = read_plan(source)
@@ -148,11 +149,17 @@ def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] |
 
 
 def _auto(
-    onnx_path: Path, specializations, target: Path, prompt_ranges: Mapping[str, float], image_sizes=None
+    onnx_path: Path,
+    specializations,
+    target: Path,
+    prompt_ranges: Mapping[str, float],
+    image_sizes=None,
+    on_slice=None,
 ) -> PrecisionPlan:
     model = load_graph(onnx_path)
+    # Every specialization's generated input in one pass over the graph's slices.
     feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
-    ranges = value_ranges(model, onnx_path.parent, feeds)
+    ranges = value_ranges(model, onnx_path.parent, feeds, on_slice)
     for name, peak in prompt_ranges.items():
         ranges[name] = max(ranges.get(name, 0.0), peak)
     names = auto_plan(model, ranges)
@@ -185,9 +192,31 @@ def resolve_plans(
     keys = _calibration_keys(calibrated, spec, spec_dir)
     reused = {p.program: _reuse(p, keys[p.program]) for p in calibrated}
     prompts: dict[str, dict[str, float]] = {}
+    stage = None
     if any(found is None for found in reused.values()):
+        from qeff_vision.progress import SliceCounter, StageProgress
+
         say("calibrating device precision: fp32 runs with every node output recorded")
-        prompts = _prompt_ranges(plans, spec, export_dir, export_manifest, say)
+        stage = StageProgress("calibration", 0, unit="slices", say=say)
+        counter = SliceCounter(stage)
+        try:
+            prompts = _prompt_ranges(plans, spec, export_dir, export_manifest, say, counter)
+        except BaseException:
+            stage.close()
+            raise
+    try:
+        notes = _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage)
+    finally:
+        if stage is not None:
+            stage.close()
+    return notes
+
+
+def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage) -> list[str]:
+    """Resolve each program's plan not reused (its generated inputs' pass); lines for the user."""
+    from qeff_vision.progress import SliceCounter
+
+    counter = SliceCounter(stage) if stage is not None else None
     notes = []
     for plan in plans.values():
         precision = reused.get(plan.program)
@@ -202,6 +231,7 @@ def resolve_plans(
                 dry_run=dry_run,
                 prompt_ranges=prompts.get(plan.program),
                 image_sizes=plan.image_sizes(),
+                on_slice=counter,
             )
             if plan.program in keys:
                 _remember(plan.directory, keys[plan.program], precision)
@@ -224,7 +254,9 @@ def resolve_plans(
     return notes
 
 
-def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[str, dict[str, float]]:
+def _prompt_ranges(
+    plans, spec, export_dir: Path, export_manifest, say, on_slice=None
+) -> dict[str, dict[str, float]]:
     """Calibration prompts through the runtime (needs the checkpoint's processor; else none)."""
     from qeff_vision.compile.calibration import prompt_ranges
     from qeff_vision.errors import UserError
@@ -254,6 +286,7 @@ def _prompt_ranges(plans, spec, export_dir: Path, export_manifest, say) -> dict[
         prompts=list(calibration.prompts) if calibration else [],
         say=say,
         processor_options=dict(spec.vision.image_processor),
+        on_slice=on_slice,
     )
     language = ranges["lang"]
     prefix = spec.deployment.kv_cache_prefix
@@ -305,33 +338,45 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
 
 
 def _remember(directory: Path, key: str, precision: PrecisionPlan) -> None:
+    from qeff_vision.compile import plan_store
     from qeff_vision.fsutil import atomic_write_json
 
     overflow = precision.overflow
-    atomic_write_json(
-        directory / RECORD_FILE,
-        {
-            "key": key,
-            "mode": precision.mode,
-            "names": precision.names,
-            "non_matmul_outputs": precision.non_matmul_outputs,
-            "overflow": [overflow.node, overflow.output, overflow.peak] if overflow else None,
-            "source": str(precision.source) if precision.source else None,
-        },
-    )
+    record = {
+        "key": key,
+        "mode": precision.mode,
+        "names": precision.names,
+        "non_matmul_outputs": precision.non_matmul_outputs,
+        "overflow": [overflow.node, overflow.output, overflow.peak] if overflow else None,
+        "source": str(precision.source) if precision.source else None,
+    }
+    atomic_write_json(directory / RECORD_FILE, record)
+    plan_store.save(key, record)
 
 
 def _reuse(plan, key: str) -> PrecisionPlan | None:
-    """The recorded result when its key matches and the plan file it wrote is still there."""
-    from qeff_vision.fsutil import read_record_json
+    """The recorded result when its key matches and the plan file it wrote is still there.
 
-    record = read_record_json(plan.directory / RECORD_FILE)
-    if record is None:
-        return None
+    Without one in OUT, a record of the same key in the plan store (another OUT's calibration of
+    the same program) writes the plan file and OUT's record again.
+    """
+    from qeff_vision.compile import plan_store
+    from qeff_vision.fsutil import atomic_write_json, read_record_json
+
     target = plan.directory / PLAN_FILE
-    names = record.get("names")
-    if record.get("key") != key or names is None or (bool(names) and not target.is_file()):
-        return None
+    record = read_record_json(plan.directory / RECORD_FILE)
+    names = record.get("names") if record else None
+    if record is None or record.get("key") != key or names is None or (bool(names) and not target.is_file()):
+        record = plan_store.load(key)
+        names = record.get("names") if record else None
+        if record is None or not isinstance(names, list):
+            return None
+        plan.directory.mkdir(parents=True, exist_ok=True)
+        if names:
+            write_plan(target, names)
+        else:
+            target.unlink(missing_ok=True)
+        atomic_write_json(plan.directory / RECORD_FILE, record)
     if names and read_plan(target) != names:
         return None
     overflow = Overflow(*record["overflow"]) if record.get("overflow") else None

@@ -21,7 +21,7 @@ calibration inputs recording every float node output's largest magnitude
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +84,10 @@ def check_plan_names(model: onnx.ModelProto, names: Iterable[str], source: str) 
 
 
 def value_ranges(
-    model: onnx.ModelProto, model_dir: Path, feeds: Iterable[Mapping[str, np.ndarray]]
+    model: onnx.ModelProto,
+    model_dir: Path,
+    feeds: Iterable[Mapping[str, np.ndarray]],
+    on_slice: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Largest magnitude of every float node output over ``feeds`` (fp32 graph, run slice by slice).
 
@@ -95,7 +98,8 @@ def value_ranges(
     :mod:`qeff_vision.numerics.recording` for how memory stays independent of depth.
     """
     types = value_types(model)
-    return record_ranges(SlicedRecorder(model, model_dir, float_outputs(model, types), types), feeds)
+    recorder = SlicedRecorder(model, model_dir, float_outputs(model, types), types)
+    return record_ranges(recorder, feeds, on_slice)
 
 
 def angle_chains(model: onnx.ModelProto, types: Mapping[str, int] | None = None) -> set[str]:

@@ -1,0 +1,127 @@
+"""Calibration in one pass over the slices (issue 48): the same ranges and plan as one pass per call.
+
+The generated calibration inputs of every specialization of a program run slice-major
+(:meth:`SlicedRecorder.run_many`): each slice's session is built once for every input instead of
+once per input. The reference is the way it ran before, one full pass per input (each slice's
+session built per call), on the same slices. Every family's tiny export (mixture of experts,
+cross-attention and Gated DeltaNet included) with the specializations of its own repository spec,
+cut into an eighth of its weights per slice so that several slices exchange values.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qeff_vision import symbols
+from qeff_vision.compile.inputs import given_export, plan_inputs
+from qeff_vision.compile.precision import calibration_feeds
+from qeff_vision.families import all_families
+from qeff_vision.graph_file import load_graph
+from qeff_vision.numerics.device import float_outputs, value_types
+from qeff_vision.numerics.plan import auto_plan
+from qeff_vision.numerics.recording import SlicedRecorder
+from qeff_vision.spec import build_specializations, load_spec
+from tests.test_calibration_fit import _small_spec
+
+FAMILIES = [family.name for family in all_families()]
+
+
+def _program_feeds(family, tiny_checkpoint, exported, tmp_path):
+    """Per program: (graph path, the generated calibration input of each of its specializations)."""
+    path, _ = _small_spec(family, tiny_checkpoint(family), tmp_path, "auto")
+    spec = load_spec(path)
+    export = given_export(spec, exported(family))
+    plans = plan_inputs(build_specializations(spec, layout="flat"), spec, tmp_path / "out", export)
+    programs = {}
+    for plan in plans.values():
+        # A disaggregated deployment compiles one graph twice: calibrate it once.
+        # Two seeds: a program with one specialization still has several inputs in the pass.
+        for seed in (0, 1):
+            feeds = calibration_feeds(plan.onnx, plan.symbol_values(), seed, plan.image_sizes())
+            programs.setdefault(plan.onnx, []).extend(feeds)
+    return programs
+
+
+def _recorder(onnx_path, parts: int = 8) -> SlicedRecorder:
+    model = load_graph(onnx_path)
+    types = value_types(model)
+    budget = max(1, sum(f.stat().st_size for f in onnx_path.parent.glob("*.data")) // parts)
+    outputs = [value.name for value in model.graph.output]
+    return SlicedRecorder(
+        model, onnx_path.parent, float_outputs(model, types), types, outputs, slice_bytes=budget
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_pass_over_the_slices_records_the_ranges_of_one_pass_per_input(
+    family, tiny_checkpoint, exported, tmp_path
+):
+    for onnx_path, feeds in _program_feeds(family, tiny_checkpoint, exported, tmp_path).items():
+        assert len(feeds) >= 2, onnx_path
+        per_call = _recorder(onnx_path)
+        expected_outputs = [per_call.run(feed) for feed in feeds]
+        one_pass = _recorder(onnx_path)
+        outputs = one_pass.run_many(feeds)
+        where = f"{family} {onnx_path.parent.name}"
+        assert one_pass.ranges == pytest.approx(per_call.ranges, rel=1e-6, abs=0), where
+        assert [c.stop for c in one_pass.slices] == [c.stop for c in per_call.slices], where
+        for got, expected in zip(outputs, expected_outputs):
+            assert got.keys() == expected.keys()
+            for name in got:
+                assert got[name].shape == expected[name].shape, (where, name)
+                assert abs(got[name].astype(float) - expected[name].astype(float)).max() <= 1e-5, (
+                    where,
+                    name,
+                )
+        model = load_graph(onnx_path)
+        assert auto_plan(model, one_pass.ranges) == auto_plan(model, per_call.ranges), where
+        # Each slice's session is built once for all the inputs, not once per input.
+        assert one_pass.sessions_built < per_call.sessions_built, where
+        assert len(one_pass.slices) >= 2, where
+
+
+BUCKET = 32
+
+
+def _prompt_ranges(export, monkeypatch, deferred: bool, parts: int = 8):
+    """The calibration prompts' ranges, language calls deferred or run one by one, and the tape."""
+    from qeff_vision.compile import calibration
+
+    init = calibration.RecordingProgram.__init__
+    tapes = []
+
+    def sliced(self, path, specs=None, deferred_calls=False, **_):
+        weights = sum(data.stat().st_size for data in path.parent.glob("*.data"))
+        init(self, path, specs, slice_bytes=max(1, weights // parts), deferred=deferred and deferred_calls)
+        tapes.append(self.tape)
+
+    monkeypatch.setattr(
+        calibration.RecordingProgram,
+        "__init__",
+        lambda self, path, specs=None, slice_bytes=None, deferred=False: sliced(self, path, specs, deferred),
+    )
+    bucket = {
+        symbols.BATCH_SIZE: 1,
+        symbols.SEQ_LEN: BUCKET,
+        symbols.VISION_SIZE: BUCKET,
+        symbols.CTX_LEN: 512,
+    }
+    ranges = calibration.prompt_ranges(export, None, [bucket, {**bucket, symbols.SEQ_LEN: 1}], [(100, 150)])
+    monkeypatch.setattr(calibration.RecordingProgram, "__init__", init)
+    return ranges, [tape for tape in tapes if tape is not None]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_prompt_calls_record_the_ranges_of_calls_run_one_by_one(family, exported, monkeypatch):
+    """A prompt's prefill chunks in one pass (each chunk's cache handed on inside the slice that
+    writes it), decode steps one pass each: the ranges and plans of the calls run one by one."""
+    export = exported(family)
+    eager, _ = _prompt_ranges(export, monkeypatch, deferred=False)
+    deferred, tapes = _prompt_ranges(export, monkeypatch, deferred=True)
+    for program in ("vision", "lang"):
+        assert deferred[program] == pytest.approx(eager[program], rel=1e-6, abs=0), program
+        model = load_graph(export / program / "model.onnx")
+        assert auto_plan(model, deferred[program]) == auto_plan(model, eager[program]), program
+    (tape,) = tapes
+    # One pass per evaluation: each prompt's prefill chunks share a pass (each decode step its own).
+    assert tape.recorder.passes == tape.evaluations < tape.calls, (tape.recorder.passes, tape.calls)
