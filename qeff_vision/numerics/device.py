@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
-from qeff_vision.graph_file import initializer_array, load_graph, weight_bytes
+from qeff_vision.graph_file import initializer_array, load_graph, weight_bytes, with_weights_given
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -219,6 +219,7 @@ def session_for(
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))
     # onnxruntime takes only buffers the caller owns (and keeps alive): contiguous numpy arrays.
     arrays = {name: np.ascontiguousarray(array) for name, array in (initializers or {}).items()}
+    model = with_weights_given(model, arrays)  # a stored weight's node gives way to the given values
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     for name, value in values.items():
         options.add_initializer(name, value)
