@@ -127,19 +127,20 @@ def quantized_checkpoint(scheme: str | None) -> Iterator[None]:
         yield
         return
     original_read, original_stored = WeightPlan.read, WeightPlan.stored
-    cache: dict[int, object] = {}
+    cache: dict[tuple, object] = {}  # by source and shape: ids of freed parameters come back
     order: dict[str, int] = {}
 
     def stored(self, param):
         source = self.sources[id(param)]
         if not param.is_floating_point() or not quantizable(source.key, tuple(param.shape)):
             return None
-        if id(param) not in cache:
+        key = (source, tuple(param.shape))
+        if key not in cache:
             chosen = scheme
             if scheme == "mixed":
                 chosen = SCHEMES[order.setdefault(source.key, len(order)) % len(SCHEMES)]
-            cache[id(param)] = quantize(original_read(self, param), chosen)
-        return cache[id(param)]
+            cache[key] = quantize(original_read(self, param), chosen)
+        return cache[key]
 
     def read(self, param):
         weight = stored(self, param)
@@ -175,9 +176,7 @@ def bf16_checkpoint(config: str, out: Path) -> Path:
         _to_bfloat16(directory)
         return directory
     family, pinned = CONFIGS[config]
-    return build_real_width_checkpoint(
-        family, out / config, config=pinned, text_layers=2, vision_layers=2, dtype="bfloat16"
-    )
+    return build_real_width_checkpoint(family, out / config, config=pinned, dtype="bfloat16")
 
 
 def _to_bfloat16(directory: Path) -> None:

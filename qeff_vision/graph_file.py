@@ -198,19 +198,26 @@ def weight_values(model: onnx.ModelProto, name: str, model_dir: str | Path) -> n
     return (values * scale).astype(np.float32)
 
 
-def with_weights_given(model: onnx.ModelProto, arrays) -> onnx.ModelProto:
+#: Location of a weight declared as external data that a session is given in memory.
+GIVEN_IN_MEMORY = "given-in-memory"
+
+
+def with_weights_given(model: onnx.ModelProto, arrays) -> tuple[onnx.ModelProto, list[str]]:
     """``model`` where each stored weight named in ``arrays`` is an initializer its caller supplies.
 
     A session given replacement values (rounded weights) overrides initializers by name; a weight
-    a storage node computes has none, so the node goes and a data-less initializer of the weight's
-    shape and the array's dtype takes its place (the session never reads its data). Initializers
-    only the removed nodes read go too. ``model`` itself is unchanged; without stored weights among
-    ``arrays`` it is returned as it is.
+    a storage node computes has none, so the node goes and an initializer of the weight's shape and
+    the array's dtype takes its place, declared as external data the session is handed in memory
+    (onnxruntime's ``add_external_initializers``; a declaration without data fails its checks).
+    Initializers only the removed nodes read go too. ``model`` itself is unchanged.
+
+    Returns:
+        (model, the names declared so), ``model`` itself when no stored weight is among ``arrays``.
     """
     storage = storage_nodes(model)
     targets = [name for name in arrays if name in storage]
     if not targets:
-        return model
+        return model, []
     result = onnx.ModelProto()
     result.CopyFrom(model)
     graph = result.graph
@@ -222,9 +229,17 @@ def with_weights_given(model: onnx.ModelProto, arrays) -> onnx.ModelProto:
     shapes = {tensor.name: list(tensor.dims) for tensor in graph.initializer}
     initializers = [tensor for tensor in graph.initializer if tensor.name not in freed]
     for name in targets:
-        dims = shapes[storage[name].input[0]]
-        data_type = onnx.helper.np_dtype_to_tensor_dtype(np.asarray(arrays[name]).dtype)
-        initializers.append(onnx.TensorProto(name=name, data_type=data_type, dims=dims))
+        array = np.asarray(arrays[name])
+        tensor = onnx.TensorProto(
+            name=name,
+            data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+            dims=shapes[storage[name].input[0]],
+        )
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", GIVEN_IN_MEMORY), ("offset", "0"), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        initializers.append(tensor)
     del graph.initializer[:]
     graph.initializer.extend(initializers)
-    return result
+    return result, targets

@@ -142,11 +142,12 @@ def rounded_weights(
     return weights
 
 
-def mxint8_nodes(source: str, target: str, prefix: str) -> list[onnx.NodeProto]:
+def mxint8_nodes(source: str, target: str, prefix: str, opset: int = 17) -> list[onnx.NodeProto]:
     """ONNX nodes computing ``target`` = ``source`` [..., D] stored as MXINT8 along its last axis.
 
     Blocks of min(32, D) elements (D a multiple of the block, as head dims are); standard ops only
-    (Round is half-to-even, as the specification's conversion).
+    (Round is half-to-even, as the specification's conversion). ``opset``: the graph's default-domain
+    opset (from 18 on, ``ReduceMax`` takes its axes as an input).
     """
 
     def constant(name: str, value, dtype=np.float32) -> onnx.NodeProto:
@@ -172,7 +173,14 @@ def mxint8_nodes(source: str, target: str, prefix: str) -> list[onnx.NodeProto]:
         helper.make_node("Concat", [f"{p}leading", f"{p}end", f"{p}width"], [f"{p}block_shape"], axis=0),
         helper.make_node("Reshape", [source, f"{p}block_shape"], [f"{p}x"]),
         helper.make_node("Abs", [f"{p}x"], [f"{p}abs"]),
-        helper.make_node("ReduceMax", [f"{p}abs"], [f"{p}largest"], axes=[-1], keepdims=1),
+        *(
+            [
+                constant("axes", [-1], np.int64),
+                helper.make_node("ReduceMax", [f"{p}abs", f"{p}axes"], [f"{p}largest"], keepdims=1),
+            ]
+            if opset >= 18
+            else [helper.make_node("ReduceMax", [f"{p}abs"], [f"{p}largest"], axes=[-1], keepdims=1)]
+        ),
         helper.make_node("Max", [f"{p}largest", f"{p}tiny"], [f"{p}positive"]),
         helper.make_node("Log", [f"{p}positive"], [f"{p}ln"]),
         helper.make_node("Div", [f"{p}ln", f"{p}ln2"], [f"{p}log2"]),
