@@ -1,11 +1,12 @@
-"""Every benchmark the README names runs as written from the repository root (issue 36 item 7).
+"""Every benchmark the documentation names runs as written from the repository root (issue 36 item 7).
 
-The README's benchmark commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
-an inline code span or a code block) run in a subprocess from the repository root with
-``--smoke`` appended: each benchmark's smallest arguments that still take every code path. Each
-must exit 0 and print a table. A benchmark that imports ``tests`` (or anything but the package and
-its sibling scripts) fails here as it fails for a user. Every ``benchmarks/*.py`` must be named in
-the README, and one the README names without a command runs as ``python benchmarks/NAME.py``.
+The documentation is README.md and every page under docs/, read as one text. Its benchmark
+commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in an inline code span or
+a code block) run in a subprocess from the repository root with ``--smoke`` appended: each
+benchmark's smallest arguments that still take every code path. Each must exit 0 and print a
+table. A benchmark that imports ``tests`` (or anything but the package and its sibling scripts)
+fails here as it fails for a user. Every ``benchmarks/*.py`` must be named in the documentation,
+and one it names without a command runs as ``python benchmarks/NAME.py``.
 
 Cost: one subprocess per command, most of it exports of tiny checkpoints; ``slow`` (about 5 min
 on this 2-core machine), so ``make test-all`` runs it.
@@ -24,6 +25,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+
+
+def documentation() -> str:
+    """README.md and every markdown page under docs/ (where benchmark pages live), as one text."""
+    pages = [README, *sorted((REPO / "docs").rglob("*.md"))]
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in pages if page.is_file())
+
+
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
 
@@ -56,7 +65,7 @@ def benchmark_files() -> list[str]:
 
 
 def _cases() -> list[tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
+    text = documentation()
     commands = readme_commands(text)
     named = {name for name, _ in commands}
     # Named without a command (only the path): run as the plain command.
@@ -83,9 +92,9 @@ def has_table(output: str) -> bool:
 
 
 def test_every_benchmark_is_named_in_the_readme():
-    text = README.read_text(encoding="utf-8")
+    text = documentation()
     missing = [name for name in benchmark_files() if f"benchmarks/{name}.py" not in text]
-    assert not missing, f"benchmarks not named in README.md: {missing}"
+    assert not missing, f"benchmarks not named in README.md or docs/: {missing}"
 
 
 def test_readme_commands_are_found():
