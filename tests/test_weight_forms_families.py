@@ -199,3 +199,26 @@ def test_calibration_and_device_generation_match_across_stored_forms(family, pai
         else:
             assert one[0] == other[0], label
             assert all(np.array_equal(a, b) for a, b in zip(one[1], other[1])), label
+
+
+@pytest.mark.parametrize("form", ["float16", "quantized"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl_moe", "qwen3_5", "llava"])
+def test_single_program_composes_stored_weights(family, form, forms):
+    """``deployment: single`` composes an export whose weights are stored: checked, loaded, same bytes."""
+    import onnx
+    import onnxruntime as ort
+
+    from qeff_vision.compile.single_program import write_single_program
+    from qeff_vision.graph_file import weight_bytes
+
+    export = forms(family)[form]
+    vision, lang = export / "vision" / "model.onnx", export / "lang" / "model.onnx"
+    composed = write_single_program(export, vision, lang)
+    onnx.checker.check_model(str(composed))
+    model = load_graph(composed)
+    opset = {entry.domain: entry.version for entry in model.opset_import}[""]
+    assert opset == (21 if form == "quantized" else 17)
+    assert weight_bytes(model) == weight_bytes(load_graph(vision)) + weight_bytes(load_graph(lang))
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
+    ort.InferenceSession(str(composed), options, providers=["CPUExecutionProvider"])
