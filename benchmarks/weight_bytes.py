@@ -11,7 +11,7 @@ two vision layers: ``qeff_vision.real_width``) and exported in each form
 
 * ``float32``: 4 bytes a parameter, what export wrote before;
 * ``float16``: the form an fp16-compiled program gets (``weights.dtype: auto`` on ai100);
-* ``int4 kept`` / ``fp8 kept``: the same checkpoint as a quantized release would ship it (int4
+* ``int4-kept`` / ``fp8-kept``: the same checkpoint as a quantized release would ship it (int4
   group-32 symmetric with bf16 scales, as compressed-tensors' pack-quantized; FP8 e4m3 with a
   float32 scale per 128x128 block, as the FP8 releases' ``weight_scale_inv``), exported with
   ``keep_quantized``. The quantized checkpoint is simulated: :func:`quantized_checkpoint` hands the
@@ -191,8 +191,8 @@ def _to_bfloat16(directory: Path) -> None:
 FORMS = {  # label -> (checkpoint scheme, weight dtype, keep quantized)
     "float32": (None, "float32", False),
     "float16": (None, "float16", False),
-    "int4 kept": ("int4-g32", "float16", True),
-    "fp8 kept": ("fp8-block", "float16", True),
+    "int4-kept": ("int4-g32", "float16", True),
+    "fp8-kept": ("fp8-block", "float16", True),
 }
 
 
@@ -203,15 +203,22 @@ def onnx_bytes(export_dir: Path) -> int:
     )
 
 
-def measure(config: str, work: Path, forms=tuple(FORMS)) -> list[dict]:
-    """One row per form: checkpoint bytes, ONNX bytes, parameters, seconds."""
+def measure(config: str, work: Path, forms=tuple(FORMS), checkpoints: Path | None = None) -> list[dict]:
+    """One row per form: checkpoint bytes, ONNX bytes, parameters, seconds.
+
+    ``checkpoints``: where the drawn checkpoint is kept and found again (``--checkpoints``; default
+    ``work``, which goes away).
+    """
     from qeff_vision.exporter import export_model
 
-    checkpoint = bf16_checkpoint(config, work)
+    home = checkpoints or work
+    checkpoint = home / ("tiny" if config == "tiny" else config)
+    if not (checkpoint / "config.json").is_file():
+        checkpoint = bf16_checkpoint(config, home)
     rows = []
     for label in forms:
         scheme, dtype, keep = FORMS[label]
-        out = work / f"export-{label.replace(' ', '-')}"
+        out = work / f"export-{label}"
         with quantized_checkpoint(scheme):
             start = time.perf_counter()
             result = export_model(checkpoint, out, progress=None, weight_dtype=dtype, keep_quantized=keep)
@@ -258,6 +265,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", default=["tiny"], choices=["tiny", *CONFIGS])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS), metavar="FORM")
+    parser.add_argument(
+        "--checkpoints", type=Path, default=None, help="keep the drawn checkpoints here and reuse them"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="The tiny checkpoint (a quick check of every form)."
     )
@@ -266,7 +277,7 @@ def main() -> None:
     rows = []
     for config in configs:
         with tempfile.TemporaryDirectory(prefix="qeff-weight-bytes-", dir=args.work) as scratch:
-            rows += measure(config, Path(scratch))
+            rows += measure(config, Path(scratch), args.forms, args.checkpoints)
             print(f"{config}: done", file=sys.stderr, flush=True)
     print(table(rows))
 
