@@ -20,8 +20,9 @@ two vision layers: ``qeff_vision.real_width``) and exported in each form
 
 Columns: the checkpoint's bytes, the ONNX files' bytes (graph + external data, both programs),
 bytes per exported parameter (weights alone, and every file: the graph and the 4 KiB page
-alignment of each tensor count at tiny sizes), the files' ratio to the checkpoint, and export
-seconds.
+alignment of each tensor count at tiny sizes), the files' ratio to the checkpoint, weights kept
+float32, values below fp16's normal range rounded in float16 weights, weights kept quantized, and
+export seconds.
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ def measure(config: str, work: Path, forms=tuple(FORMS), checkpoints: Path | Non
                 "parameters": sum(w["parameters"] for w in weights),
                 "weight_bytes": sum(w["bytes"] for w in weights),
                 "kept_float32": sum(len(w["kept_float32"]) for w in weights),
+                "rounded": sum(c["below_normal"] for w in weights for c in w["rounded_below_normal"]),
                 "quantized": sum(sum(w["quantized"].values()) for w in weights),
                 "seconds": seconds,
             }
@@ -246,8 +248,8 @@ def table(rows: list[dict]) -> str:
     """Markdown table of :func:`measure`'s rows."""
     lines = [
         "| config | form | checkpoint | checkpoint MB | ONNX MB | B/param (weights) | B/param (files) | "
-        "ONNX / checkpoint | kept fp32 | quantized | export s |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ONNX / checkpoint | kept fp32 | tiny values rounded | quantized | export s |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         mb = row["checkpoint_bytes"] / 1e6
@@ -256,7 +258,7 @@ def table(rows: list[dict]) -> str:
             f"{row['onnx_bytes'] / 1e6:,.1f} | {row['weight_bytes'] / row['parameters']:.3f} | "
             f"{row['onnx_bytes'] / row['parameters']:.3f} | "
             f"{row['onnx_bytes'] / row['checkpoint_bytes']:.3f} | {row['kept_float32']} | "
-            f"{row['quantized']} | {row['seconds']:.1f} |"
+            f"{row['rounded']:,} | {row['quantized']} | {row['seconds']:.1f} |"
         )
     return "\n".join(lines)
 
