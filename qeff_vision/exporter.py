@@ -423,7 +423,7 @@ def export_model(
                 traced, plan, staging / traced.program / "model.onnx", progress is not None, form
             )
             programs[traced.program] = {**_describe_program(traced, final), "weights": written.to_dict()}
-            say(f"{traced.program} weights: {written.summary()}")
+            say(f"{traced.program} written: {written.summary()}")
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
         release_memory()

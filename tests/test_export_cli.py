@@ -144,9 +144,9 @@ def test_progress_lines_per_stage_and_quiet(tmp_path, tiny_checkpoint, capsys):
         "export vision",
         "export language",
         "write vision weights",
-        "vision weights",  # what was written: bytes per parameter, weights kept float32 or quantized
+        "vision written",  # bytes per parameter, weights kept float32 or quantized
         "write lang weights",
-        "lang weights",
+        "lang written",
         "check",
     ]
     code, _, err = run_cli(
