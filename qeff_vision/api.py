@@ -56,6 +56,8 @@ def export(
     sampler: Mapping[str, Any] | None = None,
     quiet: bool = False,
     revision: str | None = None,
+    weight_dtype: str = "float32",
+    keep_quantized: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
 
@@ -64,6 +66,9 @@ def export(
     downloads what is missing; export.json then records the id and the commit.
 
     ``dtype`` (``float32`` or ``float16``) is the floating dtype of the graphs and weights;
+    ``weight_dtype`` how a float32 graph stores float weights (``float16``: + Cast, where fp16 keeps
+    the values) and ``keep_quantized`` keeps quantized checkpoint weights with ``DequantizeLinear``
+    (docs/guide/weights-on-disk.md);
     ``comp_ctx_lengths`` adds that language input (for specs with compute-context lengths);
     ``patch_buckets`` exports the patch-bucket vision program (specs with ``vision.patch_buckets``).
     ``continuous_batching`` exports the language program with ``batch_index`` and
@@ -101,6 +106,8 @@ def export(
         sampler=sampler_options,
         progress=None if quiet else stderr_progress,
         hub=source,
+        weight_dtype=weight_dtype,
+        keep_quantized=keep_quantized,
     )
 
 

@@ -32,8 +32,10 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
+from qeff_vision.export.opset_upgrade import upgrade_opset
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.sampler import SamplerDecoder
+from qeff_vision.export.weight_forms import QUANTIZED_OPSET, WeightForm, WrittenWeights, program_forms
 from qeff_vision.export.weights import (
     DTYPES,
     WeightPlan,
@@ -197,10 +199,13 @@ def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
         append_tensor(data, tensor, payload, Path(data.name).name)
 
 
-def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -> onnx.ModelProto:
+def _finalize(
+    traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool, form: WeightForm
+) -> tuple[onnx.ModelProto, WrittenWeights]:
     """Attach functions, pin static dims, write the weights tensor by tensor, and check the result.
 
     ``bars``: show the weight streaming as a byte bar (rate, ETA) when stderr is a terminal.
+    ``form``: how weights are stored; keeping quantized weights moves the graph to opset 21.
     """
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     attach_functions(model)
@@ -216,7 +221,9 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -
         progress_bar(f"{traced.program} weights", total=total, unit="B", enabled=bars) as shown,
     ):
         _stream_constants(model, traced.raw_path.parent, data)
-        write_weights(model, traced.params, plan, data, on_written=shown.update)
+        written = write_weights(model, traced.params, plan, data, on_written=shown.update, form=form)
+    if form.keep_quantized:
+        upgrade_opset(model, QUANTIZED_OPSET)
     outside = external_attributes(model)
     if outside:  # every stage reads node attributes from the graph itself
         raise RuntimeError(f"{final_path}: node attributes stored as external data: {outside[:3]}")
@@ -225,7 +232,7 @@ def _finalize(traced: _Traced, plan: WeightPlan, final_path: Path, bars: bool) -
         if leftover.name not in (final_path.name, final_path.name + ".data"):
             leftover.unlink()
     onnx.checker.check_model(str(final_path))
-    return model
+    return model, written
 
 
 def describe_io(values, declared_axes: Mapping[str, Mapping[int, str]]) -> dict[str, dict]:
@@ -284,6 +291,8 @@ def export_model(
     sampler: SamplerOptions | None = None,
     progress: Progress | None = stderr_progress,
     hub: Mapping[str, str | None] | None = None,
+    weight_dtype: str | Mapping[str, str] = "float32",
+    keep_quantized: bool = False,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -309,6 +318,11 @@ def export_model(
         progress: Called with one line per stage; ``None`` silences progress (and the weight bar).
         hub: The Hugging Face id, revision and commit ``model_dir`` is the snapshot of
             (:meth:`qeff_vision.hub.HubCheckpoint.record`), kept in export.json as ``hub``.
+        weight_dtype: How float weights of a float32 graph are stored, ``float32`` or ``float16``
+            (float16 + Cast where exact, :mod:`qeff_vision.export.weight_forms`); one for both
+            programs or per program (``{"vision": ..., "lang": ...}``).
+        keep_quantized: Write weights the checkpoint stores quantized as ``DequantizeLinear``
+            inputs (the graphs move to opset 21).
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -318,6 +332,7 @@ def export_model(
     if dtype not in DTYPES:
         raise UserError(f"export dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     torch_dtype = DTYPES[dtype]
+    forms = program_forms(weight_dtype, keep_quantized)
     check_output_dir(out_dir)  # before minutes of work, not after
     if is_nonempty_dir(out_dir) and not force:
         raise UserError(f"{out_dir} is not empty; pass --force to replace it")
@@ -403,8 +418,12 @@ def export_model(
         for traced in (vision, lang):
             start = time.perf_counter()
             say(f"write {traced.program} weights")
-            final = _finalize(traced, plan, staging / traced.program / "model.onnx", progress is not None)
-            programs[traced.program] = _describe_program(traced, final)
+            form = forms[traced.program]
+            final, written = _finalize(
+                traced, plan, staging / traced.program / "model.onnx", progress is not None, form
+            )
+            programs[traced.program] = {**_describe_program(traced, final), "weights": written.to_dict()}
+            say(f"{traced.program} written: {written.summary()}")
             timings[f"write_{traced.program}"] = time.perf_counter() - start
         del model, plan, vision, lang
         release_memory()
@@ -419,8 +438,9 @@ def export_model(
             "model": str(model_dir.resolve()),
             "config_hash": config_hash(model_dir),
             **({"hub": dict(hub)} if hub else {}),
-            "opset": OPSET,
+            "opset": QUANTIZED_OPSET if keep_quantized else OPSET,
             "dtype": dtype,
+            "weights": {program: form.to_dict() for program, form in forms.items()},
             "comp_ctx_lengths": comp_ctx_lengths,
             VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
             "continuous_batching": continuous_batching,

@@ -192,18 +192,138 @@ def tensor_bytes(tensor: onnx.TensorProto) -> int:
     return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
+FOUR_BIT = {onnx.TensorProto.INT4: True, onnx.TensorProto.UINT4: False}  # type -> signed
+
+
 def initializer_array(tensor: onnx.TensorProto, model_dir: str | Path) -> np.ndarray:
     """An initializer's value as a new writable array; external data is read straight from its file.
 
     Reading the file region directly holds the value once (loading it into the ``TensorProto``
-    first would hold its bytes and the array side by side).
+    first would hold its bytes and the array side by side). 4-bit integers (stored two per byte)
+    come back one per element as int8 / uint8; float8 as ml_dtypes' float8 type.
     """
     shape = tuple(tensor.dims)
     if not uses_external_data(tensor):
         return numpy_helper.to_array(tensor).copy().reshape(shape)
     info = {entry.key: entry.value for entry in tensor.external_data}
-    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
     count = int(np.prod(shape, dtype=np.int64))
     offset = int(info.get("offset", 0))
     path = Path(model_dir) / info["location"]
+    if tensor.data_type in FOUR_BIT:
+        packed = np.fromfile(path, dtype=np.uint8, count=(count + 1) // 2, offset=offset)
+        return unpack_int4(packed, count, FOUR_BIT[tensor.data_type]).reshape(shape)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).newbyteorder("<")
     return np.fromfile(path, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def unpack_int4(packed: np.ndarray, count: int, signed: bool) -> np.ndarray:
+    """``count`` 4-bit integers from bytes holding two each (the first in the low nibble, as ONNX)."""
+    pairs = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(-1)[:count]
+    if not signed:
+        return pairs.astype(np.uint8)
+    return ((pairs.astype(np.int8) ^ 8) - 8).astype(np.int8)
+
+
+#: Nodes that only turn stored weights into the values the graph computes with.
+STORAGE_OPS = ("Cast", "DequantizeLinear")
+
+
+def storage_nodes(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
+    """Weight name -> the node of the main graph that writes it from initializers alone.
+
+    The float16 form's ``Cast`` and the kept-quantized form's ``DequantizeLinear``
+    (:mod:`qeff_vision.export.weight_forms`): the graph reads the node's output as it read a
+    float32 initializer of that name.
+    """
+    names = {tensor.name for tensor in model.graph.initializer}
+    return {
+        node.output[0]: node
+        for node in model.graph.node
+        if node.op_type in STORAGE_OPS
+        and node.domain in ("", "ai.onnx")
+        and node.input
+        and all(name in names for name in node.input if name)
+    }
+
+
+def weight_values(model: onnx.ModelProto, name: str, model_dir: str | Path) -> np.ndarray:
+    """The float32 values the graph computes with for weight ``name``: an initializer or a stored weight.
+
+    A stored weight is computed as its node does (Cast, or DequantizeLinear-21's
+    ``(x - zero_point) * scale`` with the scale repeated along ``axis`` per block), in float32.
+    """
+    by_name = {tensor.name: tensor for tensor in model.graph.initializer}
+    node = storage_nodes(model).get(name)
+    if node is None:
+        return initializer_array(by_name[name], model_dir).astype(np.float32, copy=False)
+    arrays = [initializer_array(by_name[i], model_dir).astype(np.float32) for i in node.input if i]
+    if node.op_type == "Cast":
+        return arrays[0]
+    values, scale = arrays[0], arrays[1]
+    zero = arrays[2] if len(arrays) > 2 else None
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    if scale.ndim:
+        axis = attributes.get("axis", 1) % values.ndim
+        block = attributes.get("block_size", 0)
+        if block:
+            scale = np.repeat(scale, block, axis=axis).take(range(values.shape[axis]), axis=axis)
+            zero = (
+                None
+                if zero is None
+                else np.repeat(zero, block, axis=axis).take(range(values.shape[axis]), axis=axis)
+            )
+        else:
+            shape = [1] * values.ndim
+            shape[axis] = -1
+            scale = scale.reshape(shape)
+            zero = None if zero is None else zero.reshape(shape)
+    if zero is not None:
+        values = values - zero
+    return (values * scale).astype(np.float32)
+
+
+#: Location of a weight declared as external data that a session is given in memory.
+GIVEN_IN_MEMORY = "given-in-memory"
+
+
+def with_weights_given(model: onnx.ModelProto, arrays) -> tuple[onnx.ModelProto, list[str]]:
+    """``model`` where each stored weight named in ``arrays`` is an initializer its caller supplies.
+
+    A session given replacement values (rounded weights) overrides initializers by name; a weight
+    a storage node computes has none, so the node goes and an initializer of the weight's shape and
+    the array's dtype takes its place, declared as external data the session is handed in memory
+    (onnxruntime's ``add_external_initializers``; a declaration without data fails its checks).
+    Initializers only the removed nodes read go too. ``model`` itself is unchanged.
+
+    Returns:
+        (model, the names declared so), ``model`` itself when no stored weight is among ``arrays``.
+    """
+    storage = storage_nodes(model)
+    targets = [name for name in arrays if name in storage]
+    if not targets:
+        return model, []
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    kept = [node for node in graph.node if not (node.output and node.output[0] in targets)]
+    del graph.node[:]
+    graph.node.extend(kept)
+    read = {name for node in _nodes(result) for name in node.input}
+    freed = {name for target in targets for name in storage[target].input} - read
+    shapes = {tensor.name: list(tensor.dims) for tensor in graph.initializer}
+    initializers = [tensor for tensor in graph.initializer if tensor.name not in freed]
+    for name in targets:
+        array = np.asarray(arrays[name])
+        tensor = onnx.TensorProto(
+            name=name,
+            data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
+            dims=shapes[storage[name].input[0]],
+        )
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", GIVEN_IN_MEMORY), ("offset", "0"), ("length", str(array.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        initializers.append(tensor)
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    return result, targets

@@ -144,7 +144,9 @@ def test_progress_lines_per_stage_and_quiet(tmp_path, tiny_checkpoint, capsys):
         "export vision",
         "export language",
         "write vision weights",
+        "vision written",  # bytes per parameter, weights kept float32 or quantized
         "write lang weights",
+        "lang written",
         "check",
     ]
     code, _, err = run_cli(

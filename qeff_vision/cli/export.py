@@ -25,6 +25,20 @@ from qeff_vision.errors import UserError
     help="Floating dtype of the exported graphs and weights.",
 )
 @click.option(
+    "--weight-dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="How a float32 graph stores float weights: float16 (+ Cast; half the bytes, for programs "
+    "compiled to fp16, where fp16 keeps the values) or float32. A spec's compile chooses by itself.",
+)
+@click.option(
+    "--keep-quantized",
+    is_flag=True,
+    help="Keep weights a quantized checkpoint stores quantized (int4/int8/fp8 + scales feeding "
+    "DequantizeLinear; the graphs move to opset 21).",
+)
+@click.option(
     "--comp-ctx-lengths",
     "ccl",
     is_flag=True,
@@ -77,6 +91,8 @@ def export(
     out_dir: str,
     force: bool,
     dtype: str,
+    weight_dtype: str,
+    keep_quantized: bool,
     ccl: bool,
     patch_buckets: bool,
     cb: bool,
@@ -97,6 +113,8 @@ def export(
         out_dir,
         force=force,
         dtype=dtype,
+        weight_dtype=weight_dtype,
+        keep_quantized=keep_quantized,
         comp_ctx_lengths=ccl,
         patch_buckets=patch_buckets,
         continuous_batching=cb,

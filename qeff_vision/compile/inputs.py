@@ -94,6 +94,7 @@ def _run_export(
     full_kv: bool,
     sampler,
     hub: HubCheckpoint | None,
+    spec: Any = None,
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
 
@@ -112,7 +113,22 @@ def _run_export(
         sampler=sampler,
         progress=say,
         hub=hub.record() if hub else None,
+        # How the spec stores weights (its ``weights`` key and compile dtype); float32 without a spec.
+        weight_dtype=spec.weight_dtypes() if spec is not None else "float32",
+        keep_quantized=spec.weights.keep_quantized if spec is not None else False,
     ).manifest
+
+
+def weights_of(spec: Any) -> dict[str, dict]:
+    """The export manifest's record of how the spec wants weights stored, per program."""
+    keep = spec.weights.keep_quantized
+    return {program: {"dtype": d, "keep_quantized": keep} for program, d in spec.weight_dtypes().items()}
+
+
+def recorded_weights(manifest: Mapping[str, Any]) -> dict[str, dict]:
+    """How an export stored its weights (an export from before the ``weights`` record: float32)."""
+    plain = {"dtype": "float32", "keep_quantized": False}
+    return manifest.get("weights") or {"vision": plain, "lang": plain}
 
 
 def _sampler_of(spec: Any) -> dict | None:
@@ -235,6 +251,8 @@ def locate_export(
         stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and _former_symbol(spec, manifest):
         stale = True  # exported before the family took QEfficient's symbol names
+    if manifest is not None and recorded_weights(manifest) != weights_of(spec):
+        stale = True  # the spec's weights key (or its compile dtype) asks another storage form
     recorded = hub_record(manifest)
     if recorded is not None and hub is not None and recorded["commit"] != hub.commit:
         stale = True  # another commit: other weights, maybe the same config
@@ -255,7 +273,7 @@ def locate_export(
     say(f"exporting {source} to {directory}" + (" (the previous export is stale)" if stale else ""))
     sampler = spec.compile.language.sampler
     manifest = _run_export(
-        spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, sampler, hub
+        spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, sampler, hub, spec
     )
     return Export(directory, manifest, hub)
 

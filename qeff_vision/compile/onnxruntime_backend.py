@@ -474,6 +474,7 @@ def _fp32_runner(onnx_path: Path, names: Sequence[str]):
     del model
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.disable_quant_qdq", "1")  # as numerics.device.session_for
     try:
         return onnxruntime.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types for bad graphs

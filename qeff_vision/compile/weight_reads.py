@@ -8,6 +8,12 @@ specialization's symbols on the graph inputs and runs ONNX shape inference with 
 the constant folding of shape arithmetic a compiler does when it specializes a graph (the
 mixture-of-experts form of :mod:`qeff_vision.export.experts` gathers min(tokens x top_k, experts)
 slices, a shape-only count). A gather whose row count does not resolve is counted as a whole read.
+
+Weights are counted as stored: a weight the graph computes from initializers by a storage node (the
+float16 form's Cast, the kept-quantized form's DequantizeLinear, :func:`qeff_vision.graph_file.storage_nodes`)
+is read as its readers read the node's output, in the bytes of its initializers (2 bytes a
+parameter in float16, half a byte in int4, plus scales); an initializer sharing the weight's
+axis 0 (data, per-row scales) is read by the same rows.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 import onnx
 from onnx import helper, shape_inference
 
+from qeff_vision.graph_file import FOUR_BIT, storage_nodes, tensor_bytes
+
 
 @dataclass(frozen=True)
 class WeightRead:
@@ -31,23 +39,27 @@ class WeightRead:
         item_bytes: Bytes per element.
         rows_read: Rows along axis 0 read per call when only gathered (may exceed ``shape[0]``
             when rows repeat, e.g. one expert routed for two tokens of a batch); None when read whole.
+        stored_bytes: Bytes on disk when not ``item_bytes`` per element (4-bit values, two a byte).
     """
 
     name: str
     shape: tuple[int, ...]
     item_bytes: int
     rows_read: int | None
+    stored_bytes: int | None = None
 
     @property
     def full_bytes(self) -> int:
         """Bytes of the whole initializer."""
-        return prod(self.shape) * self.item_bytes
+        return self.stored_bytes if self.stored_bytes is not None else prod(self.shape) * self.item_bytes
 
     @property
     def read_bytes(self) -> int:
         """Bytes read per call: the gathered rows, or the whole initializer."""
         if self.rows_read is None:
             return self.full_bytes
+        if self.stored_bytes is not None:
+            return self.stored_bytes * self.rows_read // self.shape[0]
         return self.rows_read * prod(self.shape[1:]) * self.item_bytes
 
 
@@ -162,8 +174,13 @@ def weight_reads(model_path: str | Path, values: Mapping[str, int | str]) -> lis
     shapes = _shapes(model)
     gathered: dict[str, list[str | None]] = {}
     whole: set[str] = set()
-    names = {init.name for init in model.graph.initializer}
+    storage = storage_nodes(model)
+    # Weights as the graph reads them: plain initializers and the outputs of storage nodes.
+    stored_in = {name for node in storage.values() for name in node.input}
+    names = {init.name for init in model.graph.initializer} - stored_in | set(storage)
     for node in model.graph.node:
+        if node.output and storage.get(node.output[0]) is node:
+            continue
         for position, name in enumerate(node.input):
             if name not in names:
                 continue
@@ -177,20 +194,37 @@ def weight_reads(model_path: str | Path, values: Mapping[str, int | str]) -> lis
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.GRAPH:
                 whole |= {n for sub in attribute.g.node for n in sub.input if n in names}
+    by_name = {init.name: init for init in model.graph.initializer}
+    rows_of: dict[str, int | None] = {}
+    for name in names:
+        shape = tuple(by_name[storage[name].input[0]].dims) if name in storage else tuple(by_name[name].dims)
+        rows_of[name] = _rows(name, shape, gathered, whole, shapes)
+    owner_of = {name: weight for weight, node in storage.items() for name in node.input}
     reads = []
     for init in model.graph.initializer:
         shape = tuple(init.dims)
         item = helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
-        rows = None
-        if init.name in gathered and init.name not in whole and shape:
-            per_row = prod(shape[1:])
-            counts = []
-            for output in gathered[init.name]:
-                dims = shapes.get(output)
-                if dims is None or None in dims or per_row == 0:
-                    counts = None
-                    break
-                counts.append(prod(dims) // per_row)
-            rows = sum(counts) if counts is not None else None
-        reads.append(WeightRead(init.name, shape, item, rows))
+        owner = owner_of.get(init.name, init.name)
+        rows = rows_of.get(owner)
+        if owner != init.name:  # a stored weight's rows read only what shares its axis 0
+            data_rows = (
+                by_name[storage[owner].input[0]].dims[0] if by_name[storage[owner].input[0]].dims else 0
+            )
+            rows = rows if shape and shape[0] == data_rows else None
+        stored = tensor_bytes(init) if init.data_type in FOUR_BIT else None
+        reads.append(WeightRead(init.name, shape, item, rows, stored))
     return reads
+
+
+def _rows(name, shape, gathered, whole, shapes) -> int | None:
+    """Rows of weight ``name`` one call gathers, or None when read whole (or not resolved)."""
+    if name not in gathered or name in whole or not shape:
+        return None
+    per_row = prod(shape[1:])
+    counts = []
+    for output in gathered[name]:
+        dims = shapes.get(output)
+        if dims is None or None in dims or per_row == 0:
+            return None
+        counts.append(prod(dims) // per_row)
+    return sum(counts)

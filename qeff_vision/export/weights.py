@@ -27,12 +27,21 @@ from pathlib import Path
 
 import onnx
 import torch
-from onnx import helper
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from qeff_vision.bad_input import reading
 from qeff_vision.errors import UserError
+from qeff_vision.export.quantized_weight import QuantizedWeight
+from qeff_vision.export.weight_forms import (
+    StoredTensors,
+    WeightForm,
+    WrittenWeights,
+    float_tensors,
+    insert_storage_nodes,
+    quantized_tensors,
+    transposed,
+)
 from qeff_vision.export.weight_sources import MergedSource, Source, checkpoint_keys_for
 
 # Every tensor in model.onnx.data starts on a page boundary, so onnxruntime can memory-map it
@@ -172,6 +181,14 @@ class WeightPlan:
         """The real values of a placeholder parameter, in the export dtype."""
         source = self.sources[id(param)]
         return source.values(self.checkpoint.read, param.shape).to(self.dtype)
+
+    def stored(self, param: torch.Tensor) -> QuantizedWeight | None:
+        """The checkpoint's quantized form of a placeholder parameter, or None (a float weight).
+
+        No format reader here yet: every weight is a float weight (the checkpoint-format readers
+        replace this).
+        """
+        return None
 
 
 def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype) -> WeightPlan:
@@ -342,47 +359,73 @@ def append_tensor(data, tensor: onnx.TensorProto, payload: bytes | memoryview, l
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
+def _stored(
+    param: torch.Tensor, name: str, plan: WeightPlan, form: WeightForm, transpose: bool
+) -> StoredTensors:
+    """One parameter's initializers (and storage node) in ``form``, transposed when folded."""
+    quantized = plan.stored(param) if form.keep_quantized and plan.dtype.is_floating_point else None
+    if quantized is not None:
+        if tuple(quantized.data.shape) != tuple(param.shape):
+            raise RuntimeError(f"{name}: stored form {tuple(quantized.data.shape)} != {tuple(param.shape)}")
+        return quantized_tensors(name, transposed(quantized) if transpose else quantized, plan.dtype)
+    array = plan.read(param)
+    return float_tensors(name, array.t() if transpose else array, form)
+
+
 def write_weights(
     model: onnx.ModelProto,
     params: Mapping[str, torch.Tensor],
     plan: WeightPlan,
     data,
     on_written: Callable[[int], object] | None = None,
-) -> None:
+    form: WeightForm | None = None,
+) -> WrittenWeights:
     """Turn the parameter inputs of ``model`` into external initializers, one tensor in memory at a time.
 
     A weight whose only reader is a 2-D transpose is stored transposed and the node dropped (the
-    constant folding the tracer would have done, without a second copy of every matrix).
-    ``on_written`` is told the bytes of each tensor once written (a progress bar's ``update``).
+    constant folding the tracer would have done, without a second copy of every matrix). ``form``
+    says how weights are stored (:mod:`qeff_vision.export.weight_forms`; default float32, the
+    graph's dtype). ``on_written`` is told the bytes of each parameter once written (a progress
+    bar's ``update``, counted in the graph dtype).
     """
+    form = form or WeightForm()
     graph = model.graph
     consumers = _consumers(graph)
     location = Path(data.name).name
     dropped: list[onnx.NodeProto] = []
+    storage: list[onnx.NodeProto] = []
     kept_inputs = []
+    written = WrittenWeights()
     for value in graph.input:
         param = params.get(value.name)
         if param is None:
             kept_inputs.append(value)
             continue
         transpose = _folded_transpose(consumers.get(value.name, []), param.dim())
-        array = plan.read(param)
-        name = value.name
+        name = value.name if transpose is None else transpose.output[0]
         if transpose is not None:
-            array, name = array.t(), transpose.output[0]
             dropped.append(transpose)
-        array = array.contiguous().numpy()
-        tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        tensor.dims.extend(array.shape)
-        append_tensor(data, tensor, memoryview(array).cast("B"), location)
-        graph.initializer.append(tensor)
+        stored = _stored(param, name, plan, form, transpose is not None)
+        for tensor, payload in stored.tensors:
+            append_tensor(data, tensor, payload, location)
+            graph.initializer.append(tensor)
+            written.bytes += payload.nbytes
+        if stored.node is not None:
+            storage.append(stored.node)
+        if stored.fp16 is not None:
+            written.fp16.append(stored.fp16)
+        if stored.quantized is not None:
+            written.quantized[stored.quantized] = written.quantized.get(stored.quantized, 0) + 1
+        written.parameters += param.numel()
         if on_written is not None:
-            on_written(array.nbytes)
-        del array
+            on_written(param.numel() * plan.dtype.itemsize)
+        del stored
     for node in dropped:
         graph.node.remove(node)
+    insert_storage_nodes(graph, storage)
     del graph.input[:]
     graph.input.extend(kept_inputs)
+    return written
 
 
 def _mapped_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -34,7 +34,14 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
-from qeff_vision.graph_file import initializer_array, load_graph, weight_bytes
+from qeff_vision.graph_file import (
+    initializer_array,
+    load_graph,
+    storage_nodes,
+    weight_bytes,
+    weight_values,
+    with_weights_given,
+)
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -135,11 +142,18 @@ def device_graph(
     # Graph inputs and weights read by an fp16 node go through a rounded copy (made once).
     sources = {v.name for v in graph.input if v.type.tensor_type.elem_type == TensorProto.FLOAT}
     sources |= {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
+    # A stored weight (float16 + Cast, DequantizeLinear) is read as a float32 weight is: its node
+    # computes it exactly and an fp16 reader rounds it (the same graph as with float32 initializers).
+    storage = storage_nodes(model)
+    sources |= {name for name in storage if types.get(name) == TensorProto.FLOAT}
     sources -= set(rounded_weights)
     rounded: dict[str, str] = {}
     on_grid: set[str] = set()  # values already fp16 values: an fp16 node's outputs
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
+        if node.output and storage.get(node.output[0]) is node:
+            nodes.append(_copy(node))
+            continue
         fp32 = any(output in keep for output in node.output)
         rewritten = (None if fp32 else _rounded_constant(node)) or _copy(node)
         if not fp32:
@@ -217,11 +231,19 @@ def session_for(
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))
+    # A weight kept quantized is dequantized as its DequantizeLinear says, then used in float32: no
+    # QDQ fusion into onnxruntime's quantized kernels (int8 MatMul with activations quantized on the
+    # fly, MatMulNBits), whose results differ from the float32 graph the device is emulated from.
+    options.add_session_config_entry("session.disable_quant_qdq", "1")
     # onnxruntime takes only buffers the caller owns (and keeps alive): contiguous numpy arrays.
     arrays = {name: np.ascontiguousarray(array) for name, array in (initializers or {}).items()}
+    model, declared = with_weights_given(model, arrays)  # a stored weight's node gives way to the values
     values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
     for name, value in values.items():
-        options.add_initializer(name, value)
+        if name not in declared:
+            options.add_initializer(name, value)
+    if declared:
+        options.add_external_initializers(declared, [values[name] for name in declared])
     if values:
         # A packed copy of a weight cannot replace a buffer the caller owns: both would stay.
         options.add_session_config_entry("session.disable_prepacking", "1")
@@ -300,6 +322,8 @@ def fp16_only_weights(model: onnx.ModelProto, fp32_values: Collection[str] = ())
     keep = set(fp32_values)
     graph = model.graph
     excluded = {value.name for value in graph.input}
+    # A stored weight's scales are read by its exact storage node, not by an fp16 node.
+    excluded.update(name for node in storage_nodes(model).values() for name in node.input)
     for node in graph.node:
         if any(output in keep for output in node.output):
             excluded.update(node.input)
@@ -309,11 +333,26 @@ def fp16_only_weights(model: onnx.ModelProto, fp32_values: Collection[str] = ())
             ):
                 excluded.update(name for inner in subgraph.node for name in inner.input)
     read = {name for node in graph.node for name in node.input}
-    return [
+    plain = [
         tensor.name
         for tensor in graph.initializer
         if tensor.data_type == TensorProto.FLOAT and tensor.name in read and tensor.name not in excluded
     ]
+    # A stored weight (float16 + Cast, DequantizeLinear) is handed over the same way, so the session
+    # is the one a float32 initializer gives: its readers read an initializer, with the same kernels.
+    stored = [
+        name
+        for name, node in storage_nodes(model).items()
+        if name in read and name not in excluded and _float32_output(node)
+    ]
+    return plain + stored
+
+
+def _float32_output(node: onnx.NodeProto) -> bool:
+    """Whether a storage node writes float32 (a Cast to float, a DequantizeLinear with float scales)."""
+    if node.op_type == "Cast":
+        return any(a.name == "to" and a.i == TensorProto.FLOAT for a in node.attribute)
+    return True  # the writer's scales are in the graph's float dtype, float32 here
 
 
 def fp16_rounded_weights(
@@ -327,11 +366,18 @@ def fp16_rounded_weights(
     weights = {}
     for tensor in model.graph.initializer:
         if tensor.name in wanted:
-            array = initializer_array(tensor, model_dir).astype(np.float32, copy=False)
-            with np.errstate(over="ignore"):
-                array[...] = array.astype(np.float16)
-            weights[tensor.name] = array
+            weights[tensor.name] = _rounded(
+                initializer_array(tensor, model_dir).astype(np.float32, copy=False)
+            )
+    for name in wanted & set(storage_nodes(model)):  # stored weights, as their nodes compute them
+        weights[name] = _rounded(weight_values(model, name, model_dir))
     return weights
+
+
+def _rounded(array: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        array[...] = array.astype(np.float16)
+    return array
 
 
 def _with_mx_state(graph: onnx.ModelProto, mx: MxEmulation | None) -> onnx.ModelProto:
@@ -409,5 +455,6 @@ def _kv_as_mxint8(model: onnx.ModelProto) -> onnx.ModelProto:
     kv = _retained_outputs(model, is_kv_name)
     renamed = _detach_retained_outputs(model, kv, "__before_mxint8")
     for position, name in enumerate(kv):
-        model.graph.node.extend(mxint8_nodes(renamed[name], name, f"{name}__mxint8_{position}_"))
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+        model.graph.node.extend(mxint8_nodes(renamed[name], name, f"{name}__mxint8_{position}_", opset))
     return model

@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qeff_vision.graph_file import initializer_array
+from qeff_vision.graph_file import storage_nodes, weight_values
 
 BLOCK = 32
 SCALE_EXPONENT_RANGE = (-127, 127)  # E8M0 encodes 2^-127 .. 2^127 (0xFF is NaN)
@@ -94,18 +94,32 @@ def _mx_round_last(moved: np.ndarray, element: ElementFormat, block: int) -> np.
 
 
 def matmul_weights(model: onnx.ModelProto) -> dict[str, int]:
-    """Initializer name -> reduction axis, for every 2-D float weight a MatMul or Gemm reads."""
+    """Weight name -> reduction axis, for every 2-D float weight a MatMul or Gemm reads.
+
+    A weight is a float32 initializer or a stored weight (float16 + Cast, DequantizeLinear:
+    :func:`qeff_vision.graph_file.storage_nodes`) the graph computes in float32.
+    """
     initializers = {t.name: t for t in model.graph.initializer}
+    stored = storage_nodes(model)
     found = {}
     for node in model.graph.node:
         if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
             continue
-        tensor = initializers.get(node.input[1])
+        weight = node.input[1]
+        if weight in stored:
+            data = initializers[stored[weight].input[0]]
+            if len(data.dims) == 2:
+                found[weight] = 1 if _transposed_b(node) else 0
+            continue
+        tensor = initializers.get(weight)
         if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
             continue
-        transposed = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-        found[tensor.name] = 1 if transposed else 0
+        found[tensor.name] = 1 if _transposed_b(node) else 0
     return found
+
+
+def _transposed_b(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
 
 
 def rounded_weights(
@@ -114,22 +128,26 @@ def rounded_weights(
     """Every matmul weight of ``model`` (of ``names``, if given) rounded to MX ``element``.
 
     Each is read from its external data when rounded: a caller running the graph slice by slice
-    asks for one slice's weights at a time.
+    asks for one slice's weights at a time (by initializer names: a stored weight is asked for by
+    its own name or by its stored initializers').
     """
     weights = {}
-    by_name = {t.name: t for t in model.graph.initializer}
+    stored = storage_nodes(model)
+    wanted = None if names is None else set(names)
     for name, axis in matmul_weights(model).items():
-        if names is not None and name not in names:
+        asked = {name, *(stored[name].input if name in stored else ())}
+        if wanted is not None and not asked & wanted:
             continue
-        weights[name] = mx_round(initializer_array(by_name[name], model_dir), element, axis=axis)
+        weights[name] = mx_round(weight_values(model, name, model_dir), element, axis=axis)
     return weights
 
 
-def mxint8_nodes(source: str, target: str, prefix: str) -> list[onnx.NodeProto]:
+def mxint8_nodes(source: str, target: str, prefix: str, opset: int = 17) -> list[onnx.NodeProto]:
     """ONNX nodes computing ``target`` = ``source`` [..., D] stored as MXINT8 along its last axis.
 
     Blocks of min(32, D) elements (D a multiple of the block, as head dims are); standard ops only
-    (Round is half-to-even, as the specification's conversion).
+    (Round is half-to-even, as the specification's conversion). ``opset``: the graph's default-domain
+    opset (from 18 on, ``ReduceMax`` takes its axes as an input).
     """
 
     def constant(name: str, value, dtype=np.float32) -> onnx.NodeProto:
@@ -155,7 +173,14 @@ def mxint8_nodes(source: str, target: str, prefix: str) -> list[onnx.NodeProto]:
         helper.make_node("Concat", [f"{p}leading", f"{p}end", f"{p}width"], [f"{p}block_shape"], axis=0),
         helper.make_node("Reshape", [source, f"{p}block_shape"], [f"{p}x"]),
         helper.make_node("Abs", [f"{p}x"], [f"{p}abs"]),
-        helper.make_node("ReduceMax", [f"{p}abs"], [f"{p}largest"], axes=[-1], keepdims=1),
+        *(
+            [
+                constant("axes", [-1], np.int64),
+                helper.make_node("ReduceMax", [f"{p}abs", f"{p}axes"], [f"{p}largest"], keepdims=1),
+            ]
+            if opset >= 18
+            else [helper.make_node("ReduceMax", [f"{p}abs"], [f"{p}largest"], axes=[-1], keepdims=1)]
+        ),
         helper.make_node("Max", [f"{p}largest", f"{p}tiny"], [f"{p}positive"]),
         helper.make_node("Log", [f"{p}positive"], [f"{p}ln"]),
         helper.make_node("Div", [f"{p}ln", f"{p}ln2"], [f"{p}log2"]),

@@ -28,6 +28,7 @@ from qeff_vision.spec.schema import (
     read_vision,
 )
 from qeff_vision.spec.strict_yaml import MAX_BYTES, load_strict_yaml, shown
+from qeff_vision.spec.weights import read_weights
 
 
 def check_compile_files(reader, options, section, spec_dir: Path) -> None:
@@ -134,6 +135,7 @@ def spec_from_data(
             f"full_batch_size {full_batch_size} at once; it cannot be combined with batch_size {batch_size}",
         )
     deployment = read_deployment(reader, top, batch_size, full_batch_size)
+    weights = read_weights(reader, top)
     ctx_len = reader.integer(top, "ctx_len", "", maximum=MAX_CTX_LEN)
     layout = reader.text(top, "specialization_layout", "", choices=LAYOUTS, default=FLAT)
     seq_lens = read_prefill(reader, top.get("prefill", MISSING), ctx_len)
@@ -217,6 +219,7 @@ def spec_from_data(
         full_batch_size=full_batch_size,
         deployment=deployment,
         revision=revision,
+        weights=weights,
     )
 
 

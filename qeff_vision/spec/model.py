@@ -9,6 +9,7 @@ from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.spec.compile_options import CompileOptions
 from qeff_vision.spec.deployment import Deployment
 from qeff_vision.spec.policy import VisionSizePolicy
+from qeff_vision.spec.weights import WeightsSpec
 
 DTYPES = ("float32", "float16")
 FLAT = "flat"
@@ -101,6 +102,14 @@ class Spec:
     full_batch_size: int | None = None
     deployment: Deployment = field(default_factory=Deployment)
     revision: str | None = None
+    weights: WeightsSpec = field(default_factory=WeightsSpec)
+
+    def weight_dtypes(self) -> dict[str, str]:
+        """Stored dtype of each exported program's float weights (``vision``, ``lang``), from ``weights``."""
+        return {
+            "vision": self.weights.program_dtype(self.compute_dtype("vision")),
+            "lang": self.weights.program_dtype(self.compute_dtype("language")),
+        }
 
     def compute_dtype(self, program: str) -> str:
         """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""

@@ -34,6 +34,7 @@ TOP_KEYS = (
     "deployment",
     "kv_cache_prefix",
     "retain_full_kv",
+    "weights",
 )
 PREFILL_KEYS = ("seq_lens",)
 VISION_KEYS = (
