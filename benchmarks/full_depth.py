@@ -43,6 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "specs" / "configs" / "Qwen2.5-VL-3B-Instruct"
 FAMILY = "qwen2_5_vl"
@@ -346,7 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    add_docs_arguments(parser)
     args = parser.parse_args(argv)
+    with recording(args, "full_depth", argv):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Measure the stages ``args`` asks for and print the table."""
     images = [(56, 84), (112, 112)] if args.smoke else _resolutions(args.images)
     ctx_len = 512 if args.smoke else args.ctx_len
     seq_len = 32 if args.smoke else args.seq_len

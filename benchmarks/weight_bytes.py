@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from _lib.docs_page import add_arguments as add_docs_arguments
+from _lib.docs_page import recording
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
@@ -263,7 +265,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", default=["tiny"], choices=["tiny", *CONFIGS])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
@@ -274,14 +276,16 @@ def main() -> None:
     parser.add_argument(
         "--smoke", action="store_true", help="The tiny checkpoint (a quick check of every form)."
     )
-    args = parser.parse_args()
-    configs = ["tiny"] if args.smoke else args.config
-    rows = []
-    for config in configs:
-        with tempfile.TemporaryDirectory(prefix="qeff-weight-bytes-", dir=args.work) as scratch:
-            rows += measure(config, Path(scratch), args.forms, args.checkpoints)
-            print(f"{config}: done", file=sys.stderr, flush=True)
-    print(table(rows))
+    add_docs_arguments(parser)
+    args = parser.parse_args(argv)
+    with recording(args, "weight_bytes", argv):
+        configs = ["tiny"] if args.smoke else args.config
+        rows = []
+        for config in configs:
+            with tempfile.TemporaryDirectory(prefix="qeff-weight-bytes-", dir=args.work) as scratch:
+                rows += measure(config, Path(scratch), args.forms, args.checkpoints)
+                print(f"{config}: done", file=sys.stderr, flush=True)
+        print(table(rows))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ class Spec:
         full_batch_size: KV slots of a continuous-batching language program (``None``: not
             continuous batching). Prefill then runs at batch_size 1, decode at this batch size.
         deployment: ``deployment`` and ``kv_cache_prefix``: which programs are compiled.
+        weights: How the export stores weights on disk (``dtype``, ``keep_quantized``).
     """
 
     name: str

@@ -19,6 +19,7 @@ from qeff_vision.spec import compile_options as co
 from qeff_vision.spec import deployment as dep
 from qeff_vision.spec import model as spec_model
 from qeff_vision.spec import schema
+from qeff_vision.spec.weights import WEIGHTS_KEYS, WeightsSpec
 
 
 class MissingDescription(RuntimeError):
@@ -107,6 +108,8 @@ def spec_keys() -> list[Key]:
         for option, values in family.image_processor_options.items():
             text = f"{family.title} only: one of {', '.join(map(str, values))}."
             keys.append(Key(f"vision.image_processor.{option}", text))
+    weights = attributes(WeightsSpec)
+    keys += [_described(f"weights.{key}", weights, key) for key in WEIGHTS_KEYS]
     program = attributes(co.ProgramOptions)
     vision_keys = [key for key in co.PROGRAM_KEYS if key not in co.LANGUAGE_ONLY_KEYS]
     keys += [_described(f"compile.{key}", program, key) for key in co.PROGRAM_KEYS]
