@@ -30,6 +30,7 @@ from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_s
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
+from qeff_vision.export.blocked_attention import AttentionBlocking, blocking
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
@@ -284,6 +285,7 @@ def export_model(
     sampler: SamplerOptions | None = None,
     progress: Progress | None = stderr_progress,
     hub: Mapping[str, str | None] | None = None,
+    attention_blocking: AttentionBlocking | None = None,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -309,6 +311,9 @@ def export_model(
         progress: Called with one line per stage; ``None`` silences progress (and the weight bar).
         hub: The Hugging Face id, revision and commit ``model_dir`` is the snapshot of
             (:meth:`qeff_vision.hub.HubCheckpoint.record`), kept in export.json as ``hub``.
+        attention_blocking: Block-count rule of the attentions (vision query blocks, language key
+            blocks; :mod:`qeff_vision.export.blocked_attention`); None: the default policy
+            (256 MiB per block at 2560x1440 images and a 512 x 32k prefill). Kept in export.json.
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -342,6 +347,7 @@ def export_model(
             f"not {sampler.max_top_k_ids}"
         )
     timings: dict[str, float] = {}
+    attention_blocking = attention_blocking or AttentionBlocking()
 
     start = time.perf_counter()
     say(f"load: {model_dir} ({family.title}, weights streamed from disk)")
@@ -370,15 +376,16 @@ def export_model(
         else:
             vision_example = adapter.vision_example_inputs(model)
         vision_inputs, vision_outputs = family.vision_io(description, patch_buckets)
-        vision = _trace(
-            staging,
-            "vision",
-            encoder,
-            _cast(tuple(vision_example.values()), torch_dtype),
-            list(vision_example),
-            list(vision_outputs),
-            {**vision_inputs, **vision_outputs},
-        )
+        with blocking(attention_blocking):
+            vision = _trace(
+                staging,
+                "vision",
+                encoder,
+                _cast(tuple(vision_example.values()), torch_dtype),
+                list(vision_example),
+                list(vision_outputs),
+                {**vision_inputs, **vision_outputs},
+            )
         timings["trace_vision"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -392,9 +399,10 @@ def export_model(
             for row, t in zip(io.inputs, example)
         )
         in_axes, out_axes = io.input_axes(), io.output_axes()
-        lang = _trace(
-            staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
-        )
+        with blocking(attention_blocking):
+            lang = _trace(
+                staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
+            )
         image_token_id = parts.image_token_id
         del encoder, decoder, parts, example
         timings["trace_language"] = time.perf_counter() - start
@@ -426,6 +434,7 @@ def export_model(
             "continuous_batching": continuous_batching,
             "retain_full_kv": retain_full_kv,
             "sampler": sampler.to_dict() if sampler is not None else None,
+            "attention_blocking": attention_blocking.to_dict(),
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

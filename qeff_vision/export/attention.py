@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qeff_vision.export import blocked_attention
+
 NAME = "qeff_vision_grouped"
 
 
@@ -54,7 +56,8 @@ def grouped_attention(
             ...): the mask already encodes them.
 
     Returns:
-        (attention output [B, S, H, D], attention weights [B, H, S, K]).
+        (attention output [B, S, H, D], attention weights [B, H, S, K]; None when the keys are
+        attended in blocks, see :mod:`qeff_vision.export.blocked_attention`).
     """
     if module.training and dropout:
         raise ValueError("grouped attention is for inference export; dropout must be 0")
@@ -64,6 +67,21 @@ def grouped_attention(
     if scaling is None:
         scaling = dim**-0.5
     folded = query.reshape(batch, kv_heads, groups * seq, dim)
+    blocks = blocked_attention.active().language_count(heads)
+    if blocks > 1:  # the scores [B, H, S, K] in key blocks (export/blocked_attention.py)
+
+        def scores_of(start, stop):
+            scores = torch.matmul(folded, key[:, :, start:stop].transpose(2, 3)) * scaling
+            scores = scores.reshape(batch, heads, seq, -1)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if attention_mask is not None:
+                scores = scores + blocked_attention.key_rows(attention_mask, start, stop)
+            return scores.float().reshape(batch, kv_heads, groups * seq, -1)
+
+        output = blocked_attention.key_blocked_attention(folded, key, value, scores_of, blocks)
+        output = output.to(query.dtype).reshape(batch, heads, seq, dim).transpose(1, 2).contiguous()
+        return output, None
     scores = torch.matmul(folded, key.transpose(2, 3)) * scaling
     scores = scores.reshape(batch, heads, seq, -1)
     if softcap is not None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.kimi_k25 import H_SHAPE, W_SHAPE
 from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
@@ -88,10 +89,8 @@ class VisionEncoder(nn.Module):
         hidden = proj(pixel_values.to(proj.weight.dtype)).reshape(patches, -1)
         hidden = hidden + self._positions(within, rows, columns).to(hidden.dtype)
         cos, sin = tower.rotary_emb(hidden, torch.stack([row, column], dim=-1))
-        same = image.unsqueeze(0) == image.unsqueeze(1)
-        mask = torch.where(same, 0.0, torch.finfo(hidden.dtype).min).to(hidden.dtype)
-        for layer in tower.layers:
-            hidden = hidden + self._attention(layer.attn, layer.norm1(hidden), cos, sin, mask)
+        for layer in tower.layers:  # a patch attends the patches of its image
+            hidden = hidden + self._attention(layer.attn, layer.norm1(hidden), cos, sin, image)
             hidden = hidden + layer.mlp(layer.norm2(hidden))
         hidden = tower.final_layernorm(hidden)
         merge_rows, merge_columns = self.merge
@@ -104,7 +103,8 @@ class VisionEncoder(nn.Module):
         return embeds.reshape(patches // (rows * columns), -1, embeds.shape[-1])
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+    def _attention(attn: nn.Module, hidden, cos, sin, segment) -> torch.Tensor:
+        """Attention among patches of the same ``segment`` [N], in query blocks (scores bounded)."""
         from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
 
         length = hidden.shape[0]
@@ -113,10 +113,8 @@ class VisionEncoder(nn.Module):
         value = attn.v_proj(hidden).reshape(length, attn.num_heads, attn.head_dim).transpose(0, 1)
         query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
         query, key = query.transpose(0, 1), key.transpose(0, 1)  # [heads, N, head_dim]
-        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
-        return attn.proj(output)
+        output = query_blocked_attention(query, key, value, attn.scaling, segments=segment)
+        return attn.proj(output.transpose(0, 1).reshape(length, -1))
 
 
 def absorbed_attention(attention: nn.Module):
