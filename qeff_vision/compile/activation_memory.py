@@ -24,12 +24,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from math import prod
 from pathlib import Path
+from typing import Any
 
 import onnx
 from onnx import shape_inference
 
 from qeff_vision.compile.weight_reads import _bind, _fold_constants
-from qeff_vision.export.blocked_attention import DEFAULT_BOUND, DEVICE_ITEM_BYTES, MIB
+from qeff_vision.contract.attention_blocking import DEFAULT_BOUND, DEVICE_ITEM_BYTES, MIB
 
 RETAINED_SUFFIX = "_RetainedState"
 _FLOATS = {
@@ -165,9 +166,11 @@ def activation_memory(
 
 
 def format_bytes(count: int) -> str:
-    """``count`` in MiB (GiB from 10 GiB), as the tables print it."""
+    """``count`` in KiB below 1 MiB, GiB from 10 GiB, MiB between."""
     if count >= 10 * 1024 * MIB:
         return f"{count / (1024 * MIB):.1f} GiB"
+    if count < MIB:
+        return f"{count / 1024:.1f} KiB"
     return f"{count / MIB:.1f} MiB"
 
 
@@ -182,4 +185,70 @@ def describe(figures: ActivationMemory) -> str:
     return line + (f", {figures.unresolved} shapes unresolved" if figures.unresolved else "")
 
 
-__all__ = ["DEFAULT_BOUND", "ActivationMemory", "activation_memory", "describe", "graph_activation_memory"]
+def measure_plans(plans: Mapping[str, Any]) -> dict[str, list[dict]]:
+    """Figures of every specialization of every program (compile inputs ``ProgramPlan``s).
+
+    Returns:
+        Program -> one entry per specialization: its ``name``, ``symbols`` and the
+        :class:`ActivationMemory` fields (the manifest's ``activation_memory``).
+    """
+    measured: dict[str, list[dict]] = {}
+    for program, plan in plans.items():
+        graph = plan.onnx if Path(plan.onnx).is_file() else plan.source_onnx
+        entries = []
+        for entry, values in zip(plan.specializations, plan.symbol_values()):
+            figures = graph_activation_memory(graph, values)
+            entries.append({"name": entry.get("name", ""), "symbols": values, **figures.to_dict()})
+        measured[program] = entries
+    return measured
+
+
+def _label(program: str, index: int, entry: Mapping[str, Any]) -> str:
+    name = entry.get("name") or ""
+    return f"{program} {index}" + (f" ({name})" if name else "")
+
+
+def report_lines(measured: Mapping[str, list[dict]]) -> list[str]:
+    """One line per program and specialization, as ``compile`` prints them."""
+    lines = []
+    for program, entries in measured.items():
+        for index, entry in enumerate(entries):
+            figures = ActivationMemory(**{k: v for k, v in entry.items() if k not in ("name", "symbols")})
+            lines.append(f"{_label(program, index, entry)}: {describe(figures)}")
+    return lines
+
+
+def bound_problem(measured: Mapping[str, list[dict]], bound: int | None) -> str | None:
+    """The one-line refusal when any specialization's largest intermediate exceeds ``bound``, else None.
+
+    The largest intermediate is what the bound refuses (one tensor the device must hold whole);
+    the peak live figure depends on the compiler's schedule and is reported only.
+    """
+    if bound is None:
+        return None
+    over = [
+        f"{_label(program, index, entry)} {format_bytes(entry['largest_bytes'])} "
+        f"({entry['largest_op']} [{'x'.join(map(str, entry['largest_shape']))}])"
+        for program, entries in measured.items()
+        for index, entry in enumerate(entries)
+        if entry["largest_bytes"] > bound
+    ]
+    if not over:
+        return None
+    return (
+        f"largest intermediate above compile.max_activation_bytes ({format_bytes(bound)}) in "
+        f"{len(over)} specialization(s): {'; '.join(over)}. Raise the bound (null: none) or lower the "
+        "image size / context; the export's attention blocks are sized for the bound"
+    )
+
+
+__all__ = [
+    "DEFAULT_BOUND",
+    "ActivationMemory",
+    "activation_memory",
+    "bound_problem",
+    "describe",
+    "graph_activation_memory",
+    "measure_plans",
+    "report_lines",
+]

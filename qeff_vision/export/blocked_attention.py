@@ -28,71 +28,14 @@ measures every specialization's largest intermediate on the graph
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 
 import torch
 
-MIB = 1 << 20
-#: Default bound on one intermediate (bytes at the device dtype), also ``compile.max_activation_bytes``.
-DEFAULT_BOUND = 256 * MIB
-#: Vision attention length the default policy is sized for: above a 2560x1440 image on every family
-#: (Qwen2.5-VL, 14 px patches: 102 x 182 = 18,564 patches; Qwen3-VL, 16 px: 14,400; Pixtral at
-#: its 1540 px limit: 12,100).
-VISION_ROWS = 20_480
-#: Language prefill shape the default policy is sized for (seq_len x ctx_len).
-LANGUAGE_ROWS = 512
-LANGUAGE_KEYS = 32_768
-#: Bytes per element at the device dtype (fp16 on AI 100, bf16 on AI 200).
-DEVICE_ITEM_BYTES = 2
+from qeff_vision.contract.attention_blocking import UNBLOCKED, AttentionBlocking
 
-
-@dataclass(frozen=True)
-class AttentionBlocking:
-    """How many blocks an attention gets: the smallest count that keeps one block under ``bound``.
-
-    Attributes:
-        bound: Bytes one block's scores may take at ``item_bytes`` per element.
-        vision_rows: Longest vision attention (queries = keys) the count must bound.
-        language_rows: Most query rows of a language call (the largest prefill ``seq_len``).
-        language_keys: Most keys of a language call (``ctx_len``).
-        vision_blocks: Fixed query-block count for vision towers (None: from the bound).
-        language_blocks: Fixed key-block count for the language program (None: from the bound).
-        item_bytes: Bytes per score element on the device.
-    """
-
-    bound: int = DEFAULT_BOUND
-    vision_rows: int = VISION_ROWS
-    language_rows: int = LANGUAGE_ROWS
-    language_keys: int = LANGUAGE_KEYS
-    vision_blocks: int | None = None
-    language_blocks: int | None = None
-    item_bytes: int = DEVICE_ITEM_BYTES
-
-    def vision_count(self, heads: int) -> int:
-        """Query blocks for a tower attention with ``heads`` score planes per query row."""
-        if self.vision_blocks is not None:
-            return self.vision_blocks
-        whole = heads * self.vision_rows * self.vision_rows * self.item_bytes
-        return max(1, math.ceil(whole / self.bound))
-
-    def language_count(self, heads: int) -> int:
-        """Key blocks for a language attention with ``heads`` query heads."""
-        if self.language_blocks is not None:
-            return self.language_blocks
-        whole = heads * self.language_rows * self.language_keys * self.item_bytes
-        # Blocks of a power-of-two share of the keys divide a power-of-two ctx_len evenly.
-        return 1 << max(0, math.ceil(math.log2(max(1.0, whole / self.bound))))
-
-    def to_dict(self) -> dict:
-        """The policy as export.json records it."""
-        return asdict(self)
-
-
-#: Unblocked: every attention is one block (what the graphs were before blocking).
-UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1)
+__all__ = ["UNBLOCKED", "AttentionBlocking", "blocking", "key_blocked_attention", "query_blocked_attention"]
 
 _active: AttentionBlocking = AttentionBlocking()
 

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.export import blocked_attention
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
@@ -161,11 +162,25 @@ def absorbed_attention(attention: nn.Module):
         up = attention.kv_b_proj.weight.reshape(heads, nope + value, -1)
         keys_up, values_up = up[:, :nope], up[:, nope:]
         query_latent = torch.matmul(query_nope, keys_up.to(query_nope.dtype))  # [batch, heads, seq, rank]
-        scores = torch.matmul(query_latent, compressed.transpose(2, 3).to(query_latent.dtype))
-        scores = scores + torch.matmul(query_rope, rotary.transpose(2, 3).to(query_rope.dtype))
-        scores = scores * attention.scaling + attention_mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_latent.dtype)
-        context = torch.matmul(weights, compressed.to(weights.dtype))  # [batch, heads, seq, rank]
+        compressed, rotary = compressed.to(query_latent.dtype), rotary.to(query_rope.dtype)
+        blocks = blocked_attention.active().language_count(heads)
+        if blocks > 1:  # the scores [batch, heads, seq, K] in key blocks (export/blocked_attention.py)
+
+            def scores_of(start, stop):
+                scores = torch.matmul(query_latent, compressed[:, :, start:stop].transpose(2, 3))
+                scores = scores + torch.matmul(query_rope, rotary[:, :, start:stop].transpose(2, 3))
+                mask = blocked_attention.key_rows(attention_mask, start, stop)
+                return (scores * attention.scaling + mask).float()
+
+            context = blocked_attention.key_blocked_attention(
+                query_latent, compressed, compressed, scores_of, blocks
+            ).to(query_latent.dtype)
+        else:
+            scores = torch.matmul(query_latent, compressed.transpose(2, 3))
+            scores = scores + torch.matmul(query_rope, rotary.transpose(2, 3))
+            scores = scores * attention.scaling + attention_mask
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_latent.dtype)
+            context = torch.matmul(weights, compressed)  # [batch, heads, seq, rank]
         output = torch.matmul(context, values_up.transpose(1, 2).to(context.dtype))
         output = output.transpose(1, 2).reshape(batch, length, heads * value)
         return attention.o_proj(output), None
