@@ -295,10 +295,11 @@ def compile_spec(
                 check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
         else:
             plans = write_inputs(generated, spec, staging, export)
+        # Before the calibration runs: a graph over the bound is refused without minutes of work.
+        activation = _activation_memory(plans, spec, export, outcome)
         outcome.notes += resolve_plans(
             plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
         )
-        activation = _activation_memory(plans, spec, export, outcome)
         manifest = _common_manifest(spec, staging, export, backend, sdk, hub)
         if activation is not None:
             manifest["activation_memory"] = activation
