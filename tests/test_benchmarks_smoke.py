@@ -1,4 +1,4 @@
-"""Every benchmark the README names runs as written from the repository root (issue 36 item 7).
+"""Every benchmark the README (or a docs/benchmarks, docs/guide page) names runs as written (issue 36 item 7).
 
 The README's benchmark commands (``python benchmarks/NAME.py ...`` or ``.venv/bin/python ...`` in
 an inline code span or a code block) run in a subprocess from the repository root with
@@ -24,6 +24,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+# Benchmark pages of the docs name their commands too (README.md is a short front door).
+DOC_PAGES = ("docs/benchmarks", "docs/guide")
+
+
+def documented_text() -> str:
+    """README.md and every docs page that may document a benchmark, concatenated."""
+    pages = [README, *(p for d in DOC_PAGES for p in sorted((REPO / d).glob("*.md")))]
+    return "\n".join(page.read_text(encoding="utf-8") for page in pages)
+
+
 COMMAND = re.compile(r"^(?:\$\s+)?((?:\.venv/bin/)?python\s+benchmarks/(\w+)\.py\b.*)$")
 TIMEOUT = 600
 
@@ -56,7 +66,7 @@ def benchmark_files() -> list[str]:
 
 
 def _cases() -> list[tuple[str, str]]:
-    text = README.read_text(encoding="utf-8")
+    text = documented_text()
     commands = readme_commands(text)
     named = {name for name, _ in commands}
     # Named without a command (only the path): run as the plain command.
@@ -83,9 +93,9 @@ def has_table(output: str) -> bool:
 
 
 def test_every_benchmark_is_named_in_the_readme():
-    text = README.read_text(encoding="utf-8")
+    text = documented_text()
     missing = [name for name in benchmark_files() if f"benchmarks/{name}.py" not in text]
-    assert not missing, f"benchmarks not named in README.md: {missing}"
+    assert not missing, f"benchmarks not named in README.md or docs/benchmarks, docs/guide: {missing}"
 
 
 def test_readme_commands_are_found():

@@ -48,11 +48,19 @@ class AttentionBlocking:
     language_blocks: int | None = None
     item_bytes: int = DEVICE_ITEM_BYTES
 
-    def vision_count(self, heads: int) -> int:
-        """Query blocks for a tower attention with ``heads`` score planes per query row."""
+    def vision_count(self, heads: int, rows: int | None = None, batch: int = 1) -> int:
+        """Query blocks for a tower attention with ``heads`` score planes per query row.
+
+        Args:
+            heads: Attention heads.
+            rows: The attention's length when the tower fixes it (a tile of the checkpoint's image
+                size); None: ``vision_rows``, the longest any image may give.
+            batch: Most attentions one call computes side by side (a fixed-size tower's tiles).
+        """
         if self.vision_blocks is not None:
             return self.vision_blocks
-        whole = heads * self.vision_rows * self.vision_rows * self.item_bytes
+        rows = rows or self.vision_rows
+        whole = batch * heads * rows * rows * self.item_bytes
         return max(1, math.ceil(whole / self.bound))
 
     def language_count(self, heads: int) -> int:

@@ -205,23 +205,35 @@ def interface_attention(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
-    output = query_blocked_attention(query, key, value, scaling, mask=attention_mask)
+    rows, batch = _fixed_size
+    count = _active.vision_count(int(query.shape[1]), rows, batch)
+    output = query_blocked_attention(query, key, value, scaling, mask=attention_mask, blocks=count)
     return output.transpose(1, 2).contiguous(), None
 
 
+# (rows, batch) of the fixed-size tower in :func:`query_blocked`, or (None, 1): any image.
+_fixed_size: tuple[int | None, int] = (None, 1)
+
+
 @contextlib.contextmanager
-def query_blocked(config) -> Iterator[None]:
+def query_blocked(config, rows: int | None = None, batch: int = 1) -> Iterator[None]:
     """Within the block, every attention layer reading ``config`` uses :func:`interface_attention`.
 
     Set for the encoder's own forward only, and restored after it: the same loaded model's tower
     still runs transformers' eager attention outside (a parity test's reference).
+
+    Args:
+        config: The tower's config.
+        rows: The attention length when the tower fixes it (its image size's patches); None: any.
+        batch: Most same-size attentions one call holds (a tiled image's tiles).
     """
     from transformers import AttentionInterface
 
+    global _fixed_size
     AttentionInterface.register(NAME, interface_attention)
-    previous = config._attn_implementation
-    config._attn_implementation = NAME
+    previous, previous_size = config._attn_implementation, _fixed_size
+    config._attn_implementation, _fixed_size = NAME, (rows, batch)
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        config._attn_implementation, _fixed_size = previous, previous_size
