@@ -22,7 +22,6 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.families.base import ModelDescription
 
-
 # Most tiles of one image the blocks are sized for: the processor's max_patches (12) and the
 # thumbnail, rounded up (ref: transformers v5 models/internvl/processing_internvl.py defaults).
 TILES = 16
