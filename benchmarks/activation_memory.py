@@ -142,6 +142,7 @@ def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -
             graph = directory / "vision" / "model.onnx"
             figures = graph_activation_memory(graph, _bound_symbols(graph, feeds))
             row[f"largest_{form}"], row[f"peak_{form}"] = figures.largest_bytes, figures.peak_bytes
+            row["unresolved"] = row.get("unresolved", 0) + figures.unresolved
             if rss and (form == "on" or figures.peak_bytes * 2 / (1 << 30) < rss_limit):
                 row[f"rss_{form}"] = _rss_child(graph, feeds, work)  # fp32 on the host: 2x the fp16 figures
         rows.append(row)
@@ -150,6 +151,7 @@ def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -
     for form, directory in graphs.items():
         figures = graph_activation_memory(directory / "lang" / "model.onnx", language)
         row[f"largest_{form}"], row[f"peak_{form}"] = figures.largest_bytes, figures.peak_bytes
+        row["unresolved"] = row.get("unresolved", 0) + figures.unresolved
     rows.append(row)
     return rows
 
@@ -166,12 +168,12 @@ def table(rows: list[dict]) -> str:
     """Markdown table: largest intermediate and peak live bytes (fp16 MiB) off/on, host RSS (GB)."""
     header = (
         "| family | program | image / shape | largest off | largest on | peak off | peak on "
-        "| RSS fp32 off (GB) | RSS fp32 on (GB) |"
+        "| RSS fp32 off (GB) | RSS fp32 on (GB) | unresolved |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 10]
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['family']} | {row['program']} | {row['shape']} | {row['note']} |||||")
+            lines.append(f"| {row['family']} | {row['program']} | {row['shape']} | {row['note']} ||||||")
             continue
         cells = [
             row["family"],
@@ -183,6 +185,7 @@ def table(rows: list[dict]) -> str:
             _mib(row.get("peak_on")),
             _gb(row.get("rss_off")),
             _gb(row.get("rss_on")),
+            str(row.get("unresolved", 0)),  # values whose shape did not resolve: not in the figures
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from onnx import shape_inference
+from onnx import helper, shape_inference
 
 from qeff_vision.compile.weight_reads import _bind, _fold_constants
 from qeff_vision.contract.attention_blocking import DEFAULT_BOUND, DEVICE_ITEM_BYTES, MIB
@@ -89,11 +89,53 @@ def _typed_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int | No
     return found
 
 
+# Output shapes of our custom-domain ops from their input shapes. Shape inference does not look
+# into model-local functions (and CtxGather's body branches on the data), while the compiler maps
+# each to a native kernel; the rules follow the torch sides' docstrings: export/kv_ops.py
+# (CtxScatter[CB] -> the cache; CtxGather cache [B, H, C, D], indices [B, K] -> [B, H, K, D];
+# CtxGatherCB adds batch_index [B, 1] before the indices), export/rms_norm.py, export/gated_delta.py
+# (output like value, final state like state).
+_CUSTOM_SHAPES = {
+    "CtxScatter": lambda s: [s[0]],
+    "CtxScatterCB": lambda s: [s[0]],
+    "CtxGather": lambda s: [(s[0][0], s[0][1], s[1][-1], s[0][3])],
+    "CtxGatherCB": lambda s: [(s[1][0], s[0][1], s[2][-1], s[0][3])],
+    "CustomRMSNorm": lambda s: [s[0]],
+    "GatedDeltaRule": lambda s: [s[2], s[5]],
+}
+
+
+def _custom_shapes(model: onnx.ModelProto, typed: Mapping[str, tuple]) -> int:
+    """Declare the output shapes of custom ops whose input shapes are known (in place); the count."""
+    declared = 0
+    for node in model.graph.node:
+        rule = _CUSTOM_SHAPES.get(node.op_type) if node.domain not in ("", "ai.onnx") else None
+        if rule is None or any(
+            typed.get(name, (0, (None,)))[1] and None not in typed[name][1] for name in node.output
+        ):
+            continue
+        inputs = [typed.get(name, (0, (None,))) for name in node.input]
+        if any(None in dims for _, dims in inputs):
+            continue
+        try:
+            shapes = rule([dims for _, dims in inputs])
+        except IndexError:  # another arity than ours: left unresolved
+            continue
+        outputs = [(inputs[0][0], shape) for shape in shapes]
+        if node.op_type == "GatedDeltaRule":
+            outputs = [(inputs[2][0], shapes[0]), (inputs[5][0], shapes[1])]
+        for name, (elem, shape) in zip(node.output, outputs):
+            model.graph.value_info.append(helper.make_tensor_value_info(name, elem, list(shape)))
+            declared += 1
+    return declared
+
+
 def _specialized(model: onnx.ModelProto) -> dict[str, tuple[int, tuple[int | None, ...]]]:
     """Every value's (element type, shape) after folding shape arithmetic (see weight_reads)."""
     typed = _typed_shapes(model)
-    for _ in range(8):  # each round resolves what the previous one made constant
-        if not _fold_constants(model, {name: dims for name, (_, dims) in typed.items()}):
+    for _ in range(16):  # each round resolves what the previous one made constant or declared
+        shapes = {name: dims for name, (_, dims) in typed.items()}
+        if not _fold_constants(model, shapes) + _custom_shapes(model, typed):
             break
         typed = _typed_shapes(model)
     return typed
