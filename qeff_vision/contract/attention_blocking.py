@@ -80,6 +80,40 @@ class AttentionBlocking:
 UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1)
 
 
+@dataclass(frozen=True)
+class VisionAttention:
+    """The largest attention of a vision program at one specialization, as a family declares it.
+
+    Attributes:
+        heads: Attention heads.
+        queries: Query rows of one attention.
+        keys: Keys of one attention.
+        parallel: Attentions one call computes side by side (images, frames, tiles).
+        blocks: Query blocks the export gives it under a policy (1: not blocked).
+    """
+
+    heads: int
+    queries: int
+    keys: int
+    parallel: int = 1
+    blocks: int = 1
+
+    def score_bytes(self, item_bytes: int = DEVICE_ITEM_BYTES) -> tuple[int, int]:
+        """(whole scores, one query block's scores) in bytes."""
+        whole = self.parallel * self.heads * self.queries * self.keys * item_bytes
+        rows = -(-self.queries // max(1, self.blocks))
+        return whole, self.parallel * self.heads * rows * self.keys * item_bytes
+
+
+def language_score_bytes(
+    heads: int, batch: int, rows: int, keys: int, policy: AttentionBlocking
+) -> tuple[int, int]:
+    """(whole scores, one key block's scores) in bytes of a language attention call."""
+    blocks = policy.language_count(heads)
+    whole = batch * heads * rows * keys * policy.item_bytes
+    return whole, batch * heads * rows * -(-keys // blocks) * policy.item_bytes
+
+
 def for_spec(bound: int | None, seq_lens, ctx_len: int) -> AttentionBlocking:
     """The policy a spec's compile exports with: its bound, its largest prefill and its ctx_len.
 

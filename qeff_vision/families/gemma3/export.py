@@ -27,6 +27,9 @@ from torch import nn
 from qeff_vision.export.adapter import FixedResolutionAdapter
 from qeff_vision.export.blocked_attention import query_blocked
 
+# Most images of one call the tower's blocks are sized for.
+IMAGES = 4
+
 
 class VisionEncoder(nn.Module):
     """pixel_values [batch, 3, img_size, img_size] -> vision_embeds [batch, mm_tokens_per_image, text]."""
@@ -39,9 +42,10 @@ class VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """SigLIP patch features, average-pooled and projected to the text width."""
         # The checkpoint fixes the image (896 px: 4,096 patches, 512 MiB of fp16 scores per layer
-        # at 16 heads): in query blocks (qeff_vision/export/blocked_attention.py).
+        # at 16 heads): in query blocks sized for IMAGES images a call (a single program's encode
+        # entries take several; qeff_vision/export/blocked_attention.py).
         config = self.tower.config
-        with query_blocked(config, rows=(config.image_size // config.patch_size) ** 2):
+        with query_blocked(config, rows=(config.image_size // config.patch_size) ** 2, batch=IMAGES):
             return self.projector(self.tower(pixel_values=pixel_values).last_hidden_state)
 
 
