@@ -121,6 +121,18 @@ def _rss_child(graph: Path, feeds: dict, work: Path) -> float:
     return int(done.stdout.split()[-1]) / (1 << 20)  # KiB -> GiB
 
 
+def _language_extras(checkpoint: Path, ctx_len: int) -> dict[str, int]:
+    """Language symbols beyond seq_len/ctx_len: Qwen3-VL's deepstack layers, a sliding ring's length."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    vision = config.get("vision_config") or {}
+    text = config.get("text_config") or config
+    window = text.get("sliding_window") or ctx_len
+    return {
+        "num_feature_layers": len(vision.get("deepstack_visual_indexes") or [1]),
+        "sliding_window": min(int(window), ctx_len),  # the ring's slots, as specialize binds them
+    }
+
+
 def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -> list[dict]:
     """Rows of one family: its images (vision program) and the language prefill, off and on."""
     from qeff_vision.compile.activation_memory import graph_activation_memory
@@ -146,7 +158,9 @@ def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -
             if rss and (form == "on" or figures.peak_bytes * 2 / (1 << 30) < rss_limit):
                 row[f"rss_{form}"] = _rss_child(graph, feeds, work)  # fp32 on the host: 2x the fp16 figures
         rows.append(row)
-    language = SMOKE_LANGUAGE if smoke else LANGUAGE
+    language = dict(SMOKE_LANGUAGE if smoke else LANGUAGE)
+    # Qwen3-VL's deepstack rows: one per deepstack layer of the (depth-cut) tower.
+    language.update(_language_extras(checkpoint, language["ctx_len"]))
     row = {"family": family, "program": "lang", "shape": f"S{language['seq_len']}/ctx{language['ctx_len']}"}
     for form, directory in graphs.items():
         figures = graph_activation_memory(directory / "lang" / "model.onnx", language)
