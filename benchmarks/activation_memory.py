@@ -122,14 +122,16 @@ def _rss_child(graph: Path, feeds: dict, work: Path) -> float:
 
 
 def _language_extras(checkpoint: Path, ctx_len: int) -> dict[str, int]:
-    """Language symbols beyond seq_len/ctx_len: Qwen3-VL's deepstack layers, a sliding ring's length."""
+    """Language symbols beyond seq_len/ctx_len: Qwen3-VL's deepstack layers, the rings' lengths."""
     config = json.loads((checkpoint / "config.json").read_text())
     vision = config.get("vision_config") or {}
     text = config.get("text_config") or config
     window = text.get("sliding_window") or ctx_len
+    chunk = text.get("attention_chunk_size") or ctx_len
     return {
         "num_feature_layers": len(vision.get("deepstack_visual_indexes") or [1]),
         "sliding_window": min(int(window), ctx_len),  # the ring's slots, as specialize binds them
+        "chunk_ctx_len": min(int(chunk), ctx_len),  # Llama 4's chunked-attention ring
     }
 
 
