@@ -124,3 +124,36 @@ def test_blocked_graphs_compute_the_unblocked_result(family, exports, hf_model):
     assert results[1].tokens == results[0].tokens
     for ours, reference in zip(results[1].logits, results[0].logits):
         assert _close(ours, reference) <= RELATIVE
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocked_graphs_at_device_precision(family, exports, hf_model):
+    """The forced-block graphs emulated at fp16 (with their automatic plan) track the fp32 unblocked
+    logits within 1e-2 of the range, finite, tokens equal wherever the fp32 top-2 margin exceeds
+    twice the deviation (tests/test_device_precision_families.py's criterion)."""
+    from tests.test_device_precision_families import RELATIVE_TOLERANCE, _plans
+
+    unblocked, blocked = exports(family)
+    _, processor = hf_model(family)
+    inputs = helpers.process(
+        processor, helpers.user_turn("<image>", "Describe this image."), [helpers.image(100, 150)]
+    )
+    length = inputs["input_ids"].shape[1]
+    bucket = PrefillBucket(length + 3, length + 3)
+    shape = LanguageShape((bucket,), bucket.vision_size, length + 64)
+    reference = generator_for_export(unblocked, shape).generate(
+        helpers.as_numpy(inputs), max_new_tokens=6, keep_logits=True
+    )
+    plans, _ = _plans(blocked, length + 3)
+    device = generator_for_export(blocked, shape, fp32_values=plans).generate(
+        helpers.as_numpy(inputs), max_new_tokens=6, keep_logits=True
+    )
+    for step, (ours, ref) in enumerate(zip(device.logits, reference.logits)):
+        assert np.isfinite(ours).all()
+        deviation = np.abs(ours - ref).max()
+        assert deviation <= RELATIVE_TOLERANCE * (ref.max() - ref.min()), (step, deviation)
+        top = np.sort(ref.reshape(-1))[-2:]
+        if top[1] - top[0] > 2 * deviation:
+            assert device.tokens[step] == reference.tokens[step], step
+        if device.tokens[step] != reference.tokens[step]:
+            break
