@@ -121,8 +121,6 @@ def _window_block_seconds(encoder, pixels, grid, form: str, reps: int) -> float:
     import onnxruntime as ort
     import torch
 
-    from qeff_vision.families.qwen2_5_vl.export import _segment_mask
-
     visual = encoder.visual
     image, row, col, window, slot, windows = encoder._grid_indices(grid)
     hidden = visual.patch_embed(pixels)
@@ -130,7 +128,7 @@ def _window_block_seconds(encoder, pixels, grid, form: str, reps: int) -> float:
     if form == "windowed":
         tables = encoder._window_layout(slot, windows, cos, sin, hidden.dtype)
     else:
-        tables = (cos, sin, _segment_mask(window, hidden.dtype))
+        tables = (cos, sin, window)  # the masked-full form masks by each patch's window number
     names = ["hidden"] + [f"table{i}" for i in range(len(tables))]
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1

@@ -260,6 +260,21 @@ def bucket_admission(spec_path) -> list[str]:
     return admission_lines(get_family(spec.family), spec.model_description, spec.vision.patch_buckets)
 
 
+def activation_estimate(spec_path) -> list[str]:
+    """Attention score bytes of every specialization of a valid spec, estimated from its config.
+
+    One line per program and specialization (:mod:`qeff_vision.spec.activation_estimate`);
+    ``compile`` measures the exported graphs instead.
+
+    Raises:
+        SpecError: The spec is invalid.
+    """
+    from qeff_vision.spec import load_spec
+    from qeff_vision.spec.activation_estimate import estimate_lines
+
+    return estimate_lines(load_spec(spec_path))
+
+
 def check_golden(specs_dir, *, update: bool = False):
     """Regenerate every spec under ``specs_dir`` and compare with (or rewrite) ``specs_dir/golden``.
 

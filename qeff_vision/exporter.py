@@ -30,6 +30,7 @@ from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_s
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
+from qeff_vision.export.blocked_attention import AttentionBlocking, blocking
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.opset_upgrade import upgrade_opset
@@ -293,6 +294,7 @@ def export_model(
     hub: Mapping[str, str | None] | None = None,
     weight_dtype: str | Mapping[str, str] = "float32",
     keep_quantized: bool = False,
+    attention_blocking: AttentionBlocking | None = None,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -323,6 +325,9 @@ def export_model(
             programs or per program (``{"vision": ..., "lang": ...}``).
         keep_quantized: Write weights the checkpoint stores quantized as ``DequantizeLinear``
             inputs (the graphs move to opset 21).
+        attention_blocking: Block-count rule of the attentions (vision query blocks, language key
+            blocks; :mod:`qeff_vision.export.blocked_attention`); None: the default policy
+            (256 MiB per block at 2560x1440 images and a 512 x 32k prefill). Kept in export.json.
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -357,6 +362,7 @@ def export_model(
             f"not {sampler.max_top_k_ids}"
         )
     timings: dict[str, float] = {}
+    attention_blocking = attention_blocking or AttentionBlocking()
 
     start = time.perf_counter()
     say(f"load: {model_dir} ({family.title}, weights streamed from disk)")
@@ -385,15 +391,16 @@ def export_model(
         else:
             vision_example = adapter.vision_example_inputs(model)
         vision_inputs, vision_outputs = family.vision_io(description, patch_buckets)
-        vision = _trace(
-            staging,
-            "vision",
-            encoder,
-            _cast(tuple(vision_example.values()), torch_dtype),
-            list(vision_example),
-            list(vision_outputs),
-            {**vision_inputs, **vision_outputs},
-        )
+        with blocking(attention_blocking):
+            vision = _trace(
+                staging,
+                "vision",
+                encoder,
+                _cast(tuple(vision_example.values()), torch_dtype),
+                list(vision_example),
+                list(vision_outputs),
+                {**vision_inputs, **vision_outputs},
+            )
         timings["trace_vision"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -407,9 +414,10 @@ def export_model(
             for row, t in zip(io.inputs, example)
         )
         in_axes, out_axes = io.input_axes(), io.output_axes()
-        lang = _trace(
-            staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
-        )
+        with blocking(attention_blocking):
+            lang = _trace(
+                staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
+            )
         image_token_id = parts.image_token_id
         del encoder, decoder, parts, example
         timings["trace_language"] = time.perf_counter() - start
@@ -446,6 +454,7 @@ def export_model(
             "continuous_batching": continuous_batching,
             "retain_full_kv": retain_full_kv,
             "sampler": sampler.to_dict() if sampler is not None else None,
+            "attention_blocking": attention_blocking.to_dict(),
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

@@ -62,7 +62,7 @@ def test_every_problem_reported_with_its_yaml_path():
             "spec.compile.bogus: unknown key; allowed: num_cores, num_devices, mxfp6_matmul, "
             "convert_to_fp16, mos, ols, depth_first, aic_hw_version, kv_cache_dtype, state_dtype, timeout, "
             "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io, sampler, vision, "
-            "language, comp_ctx_lengths, calibration",
+            "language, comp_ctx_lengths, calibration, max_activation_bytes",
             "spec.compile.vision.kv_cache_dtype: applies to the language program only",
             "spec.compile.vision.num_devices: must be a positive integer",
             "spec.compile.vision.mxfp6_matmul: must be true or false",
@@ -83,3 +83,15 @@ def test_section_must_be_a_mapping(bad):
     assert problems == ["compile: must be a mapping of compiler options"]
     _, problems = parse_compile_options({"language": bad})
     assert problems == ["compile.language: must be a mapping of compiler options"]
+
+
+def test_max_activation_bytes_is_a_byte_count_or_null():
+    """Default 256 MiB; ``null`` lifts the bound; anything else is a problem with its path."""
+    assert parse_compile_options(None)[0].max_activation_bytes == 256 << 20
+    assert parse_compile_options({"max_activation_bytes": 1 << 30})[0].max_activation_bytes == 1 << 30
+    assert parse_compile_options({"max_activation_bytes": None})[0].max_activation_bytes is None
+    for bad in (0, -5, "256MiB", True, 1.5):
+        _, problems = parse_compile_options({"max_activation_bytes": bad}, path="c")
+        assert len(problems) == 1 and problems[0].startswith("c.max_activation_bytes: must be a positive")
+    _, problems = parse_compile_options({"vision": {"max_activation_bytes": 5}}, path="c")
+    assert problems[0].startswith("c.vision.max_activation_bytes: unknown key")

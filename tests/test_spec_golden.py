@@ -194,7 +194,11 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
     worse = write_spec(tmp_path, "ctx_len: [\n", "worse.yaml")
     assert main(["validate", str(good), str(bad), str(worse)]) == 2
     out, err = capsys.readouterr()
-    assert out == f"{good}: ok\n"
+    printed = out.splitlines()
+    assert printed[0] == f"{good}: ok"  # then the good spec's attention figures, nothing of the others
+    assert printed[1:] and all(
+        line.startswith(f"{good}: ") and "attention scores" in line for line in printed[1:]
+    )
     lines = err.strip().splitlines()
     assert [line for line in lines if line.startswith(f"{bad}: ")] == [
         f"{bad}: colour: unknown key; allowed: name, model, revision, family, config, dtype, batch_size, "
@@ -209,8 +213,23 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
 
 def test_validate_directories_and_warnings(tmp_path, capsys):
     assert main(["validate", str(SPECS)]) == 0
-    assert capsys.readouterr().out.count(": ok") == len(find_specs(SPECS))
+    out = capsys.readouterr().out
+    assert out.count(": ok") == len(find_specs(SPECS))
+    # Every specialization of every committed spec shows its attention scores (issue 54).
+    for path in find_specs(SPECS):
+        count = sum(len(files.specializations) for files in _programs(path))
+        figures = [
+            line for line in out.splitlines() if line.startswith(f"{path}: ") and " per block (" in line
+        ]
+        assert len(figures) == count, path
     write_spec(tmp_path, spec_data(vision={"images": [{"height": 1080, "width": 1920}], "vision_size": 512}))
     assert main(["validate", str(tmp_path)]) == 0
     assert "warning: vision.images[0]: 1080x1920 becomes 2691 image tokens" in capsys.readouterr().err
     assert main(["validate", str(tmp_path / "empty-dir-that-does-not-exist")]) == 2
+
+
+def _programs(path):
+    from qeff_vision.spec import build_specializations, load_spec
+
+    generated = build_specializations(load_spec(path))
+    return generated.programs or (generated.vision, generated.language)

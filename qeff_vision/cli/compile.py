@@ -79,6 +79,9 @@ def compile_command(
         raise
     for note in outcome.notes:
         click.echo(f"note: {note}", err=True)
+    # Weights and activation memory per specialization (stderr on a dry run: stdout is the commands).
+    for line in outcome.activation:
+        click.echo(line, err=dry_run)
     if dry_run:
         for program, command in outcome.commands.items():
             click.echo(f"# {program}")

@@ -38,6 +38,10 @@ def validate(paths: tuple[Path, ...]) -> None:
                 click.echo(f"{path}: note: {note}", err=True)
             for line in api.bucket_admission(path):
                 click.echo(f"{path}: {line}")
+            for line in api.activation_estimate(path):  # the bound is checked on the graphs at compile
+                click.echo(f"{path}: {line}")
+                if "above the" in line:
+                    click.echo(f"{path}: warning: {line}", err=True)
     if bad == len(files) == count == 1:  # one problem in one file: the error line is the problem
         raise UserError(reported[0])
     if bad:

@@ -64,6 +64,7 @@ from qeff_vision.compile_record import (
     spec_hash,
     tool_name,
 )
+from qeff_vision.contract.attention_blocking import DEVICE_ITEM_BYTES
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import (
     atomic_write_json,
@@ -118,6 +119,7 @@ class CompileOutcome:
     cached: dict[str, bool] = field(default_factory=dict)
     manifest: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    activation: list[str] = field(default_factory=list)  # one line per program and specialization
 
 
 @dataclass
@@ -299,10 +301,14 @@ def compile_spec(
                 check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
         else:
             plans = write_inputs(generated, spec, staging, export)
+        # Before the calibration runs: a graph over the bound is refused without minutes of work.
+        activation = _activation_memory(plans, spec, export, outcome)
         outcome.notes += resolve_plans(
             plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
         )
         manifest = _common_manifest(spec, staging, export, backend, sdk, hub)
+        if activation is not None:
+            manifest["activation_memory"] = activation
         if not dry_run:
             manifest["runtime_model"] = _copy_runtime_files(spec, export, staging, outcome)
         manifest["shapes"]["specialization_layout"] = layout
@@ -316,6 +322,27 @@ def compile_spec(
             outcome.manifest = manifest
         outcome.notes = [_as_out(note, staging, out_dir) for note in outcome.notes]
     return outcome
+
+
+def _activation_memory(plans, spec: Any, export: Export, outcome: CompileOutcome) -> dict | None:
+    """Measure every specialization's activation memory on the graphs; refuse one above the bound.
+
+    Nothing to measure before an export exists (a dry run of a spec never exported).
+
+    Raises:
+        UserError: A largest intermediate exceeds ``compile.max_activation_bytes``.
+    """
+    from qeff_vision.compile.activation_memory import bound_problem, measure_plans, report_lines
+
+    if export.manifest is None:
+        return None
+    measured = measure_plans(plans)
+    outcome.activation = report_lines(measured)
+    bound = spec.compile.max_activation_bytes
+    problem = bound_problem(measured, bound)
+    if problem:
+        raise UserError(problem)
+    return {"bound": bound, "device_item_bytes": DEVICE_ITEM_BYTES, "programs": measured}
 
 
 def _as_out(text: str, staging: Path, out_dir: Path) -> str:

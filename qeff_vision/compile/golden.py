@@ -4,8 +4,9 @@ Layout: ``<root>/**/<spec>.yaml`` (any depth, ``<root>/golden`` excluded) and
 ``<root>/golden/<spec name>/{vision,lang}/{specializations.json,custom_io.yaml}`` and
 ``<root>/golden/<spec name>/vllm_serve.txt`` (the vLLM commands ``compile --print-serve``
 prints; for a ``single`` or ``disaggregated`` deployment ``compile_commands.txt``, every program's
-compiler command line, instead). ``auto`` layouts are generated as ``flat`` here so golden files
-never depend on the machine's SDK.
+compiler command line, instead) and ``<root>/golden/<spec name>/activation.txt`` (the attention
+score bytes per specialization ``validate`` prints). ``auto`` layouts are generated as ``flat``
+here so golden files never depend on the machine's SDK.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from qeff_vision.compile.vllm_handoff import GOLDEN_FILE, golden_serve_text
 from qeff_vision.errors import SpecError
 from qeff_vision.fsutil import atomic_write_text
+from qeff_vision.spec.activation_estimate import GOLDEN_FILE as ACTIVATION_FILE
+from qeff_vision.spec.activation_estimate import golden_text as activation_text
 from qeff_vision.spec.deployment import DUAL
 from qeff_vision.spec.loader import find_specs, load_spec
 from qeff_vision.spec.specializations import build_specializations
@@ -92,6 +95,7 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
             continue
         owners[spec.name] = spec_path
         files = build_specializations(spec).files()
+        files[ACTIVATION_FILE] = activation_text(spec)  # what validate prints, per specialization
         if spec.deployment.mode == DUAL:
             files[GOLDEN_FILE] = golden_serve_text(spec)  # the vLLM commands compile prints
         else:  # the programs' command lines (vLLM's forms for these modes are not generated yet)

@@ -19,6 +19,7 @@ from qeff_vision.compile.graph_io import read_graph_io, symbol_problems
 from qeff_vision.compile.precision import PrecisionPlan
 from qeff_vision.compile.single_program import SINGLE_FILE, single_program_path
 from qeff_vision.compile_record import MANIFEST_FILE
+from qeff_vision.contract.attention_blocking import AttentionBlocking, for_spec
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.export_record import (
     EXPORT_FILE,
@@ -94,6 +95,7 @@ def _run_export(
     full_kv: bool,
     sampler,
     hub: HubCheckpoint | None,
+    blocking: AttentionBlocking,
     spec: Any = None,
 ) -> dict[str, Any]:
     from qeff_vision.exporter import export_model
@@ -116,6 +118,7 @@ def _run_export(
         # How the spec stores weights (its ``weights`` key and compile dtype); float32 without a spec.
         weight_dtype=spec.weight_dtypes() if spec is not None else "float32",
         keep_quantized=spec.weights.keep_quantized if spec is not None else False,
+        attention_blocking=blocking,
     ).manifest
 
 
@@ -129,6 +132,11 @@ def recorded_weights(manifest: Mapping[str, Any]) -> dict[str, dict]:
     """How an export stored its weights (an export from before the ``weights`` record: float32)."""
     plain = {"dtype": "float32", "keep_quantized": False}
     return manifest.get("weights") or {"vision": plain, "lang": plain}
+
+
+def blocking_of(spec: Any) -> AttentionBlocking:
+    """The attention-blocking policy a spec's export takes: its bound, largest prefill and ctx_len."""
+    return for_spec(spec.compile.max_activation_bytes, spec.prefill.seq_lens, spec.ctx_len)
 
 
 def _sampler_of(spec: Any) -> dict | None:
@@ -249,6 +257,8 @@ def locate_export(
         stale = True  # the spec added or dropped retain_full_kv
     if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
         stale = True  # the spec added, dropped or changed compile.language.sampler
+    if manifest is not None and manifest.get("attention_blocking") != blocking_of(spec).to_dict():
+        stale = True  # attention blocks sized for another bound, prefill or ctx_len (or none)
     if manifest is not None and _former_symbol(spec, manifest):
         stale = True  # exported before the family took QEfficient's symbol names
     if manifest is not None and recorded_weights(manifest) != weights_of(spec):
@@ -273,7 +283,17 @@ def locate_export(
     say(f"exporting {source} to {directory}" + (" (the previous export is stale)" if stale else ""))
     sampler = spec.compile.language.sampler
     manifest = _run_export(
-        spec.model_dir, directory, None if quiet else say, ccl, buckets, cb, full_kv, sampler, hub, spec
+        spec.model_dir,
+        directory,
+        None if quiet else say,
+        ccl,
+        buckets,
+        cb,
+        full_kv,
+        sampler,
+        hub,
+        blocking_of(spec),
+        spec,
     )
     return Export(directory, manifest, hub)
 

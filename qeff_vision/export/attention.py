@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qeff_vision.export import blocked_attention
+
 NAME = "qeff_vision_grouped"
 
 
@@ -54,7 +56,8 @@ def grouped_attention(
             ...): the mask already encodes them.
 
     Returns:
-        (attention output [B, S, H, D], attention weights [B, H, S, K]).
+        (attention output [B, S, H, D], attention weights [B, H, S, K]; None when the keys are
+        attended in blocks, see :mod:`qeff_vision.export.blocked_attention`).
     """
     if module.training and dropout:
         raise ValueError("grouped attention is for inference export; dropout must be 0")
@@ -64,6 +67,21 @@ def grouped_attention(
     if scaling is None:
         scaling = dim**-0.5
     folded = query.reshape(batch, kv_heads, groups * seq, dim)
+    blocks = blocked_attention.active().language_count(heads)
+    if blocks > 1:  # the scores [B, H, S, K] in key blocks (export/blocked_attention.py)
+
+        def scores_of(start, stop):
+            scores = torch.matmul(folded, key[:, :, start:stop].transpose(2, 3)) * scaling
+            scores = scores.reshape(batch, heads, seq, -1)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if attention_mask is not None:
+                scores = scores + blocked_attention.key_rows(attention_mask, start, stop)
+            return scores.float().reshape(batch, kv_heads, groups * seq, -1)
+
+        output = blocked_attention.key_blocked_attention(folded, key, value, scores_of, blocks)
+        output = output.to(query.dtype).reshape(batch, heads, seq, dim).transpose(1, 2).contiguous()
+        return output, None
     scores = torch.matmul(folded, key.transpose(2, 3)) * scaling
     scores = scores.reshape(batch, heads, seq, -1)
     if softcap is not None:
@@ -89,68 +107,3 @@ def use_grouped_attention(text_model: nn.Module) -> None:
     """Make ``text_model`` (and every attention layer sharing its config) use :func:`grouped_attention`."""
     _register()
     text_model.config._attn_implementation = NAME
-
-
-QUERY_CHUNKS = "qeff_vision_query_chunks"
-# Config attribute holding the query rows per chunk of :func:`query_chunked_attention`.
-_CHUNK_ROWS = "qeff_vision_query_chunk_rows"
-
-
-def query_chunked_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Eager attention computed for a fixed number of query rows at a time (a static graph).
-
-    Each query row's softmax reads only its own scores, so the chunks give the eager result; the
-    scores of one chunk, not of the whole sequence, are alive at once, in the trace and in the
-    graph. (Llama 3.2 Vision's tower attends over 4 tiles x 1,608 rows: the whole scores tensor is
-    16 x 6,432 x 6,432 floats, 2.65 GB, and the eager path holds two or three of them.)
-
-    Args:
-        module: The attention module; its config names the rows per chunk
-            (:func:`use_query_chunked_attention`).
-        query: [B, H, S, D]; key, value: [B, H, K, D] (as many key heads as query heads).
-        attention_mask: Additive mask broadcastable to [B, H, S, K], or None.
-        scaling: Score scale (``head_dim ** -0.5`` when None).
-        dropout: Attention dropout; must be 0 (export runs in eval mode).
-        **kwargs: Unused (the mask encodes everything else).
-
-    Returns:
-        (attention output [B, S, H, D], None: the weights are never whole).
-    """
-    import warnings
-
-    if module.training and dropout:
-        raise ValueError("query-chunked attention is for inference export; dropout must be 0")
-    rows = int(getattr(module.config, _CHUNK_ROWS))
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    outputs = []
-    with warnings.catch_warnings():  # the sequence length is static in these graphs
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        length = int(query.shape[2])
-    for start in range(0, length, rows):
-        mask = attention_mask
-        if mask is not None and mask.shape[2] != 1:
-            mask = mask[:, :, start : start + rows]
-        scores = torch.matmul(query[:, :, start : start + rows], key.transpose(2, 3)) * scaling
-        if mask is not None:
-            scores = scores + mask
-        weights = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        outputs.append(torch.matmul(weights, value))
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def use_query_chunked_attention(config, rows: int) -> None:
-    """Make every attention layer reading ``config`` use :func:`query_chunked_attention`, ``rows`` a chunk."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(QUERY_CHUNKS, query_chunked_attention)
-    setattr(config, _CHUNK_ROWS, int(rows))
-    config._attn_implementation = QUERY_CHUNKS

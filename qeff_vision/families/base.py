@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qeff_vision import symbols
 from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - decoder kinds re-exported for families
@@ -252,6 +252,15 @@ class Family(FamilyConfig, FamilyLanguageIO):
         """Problems with compiling ``image`` for this family (empty when fine)."""
         return []
 
+    def vision_attention(self, model: ModelDescription, values: Mapping[str, int], policy) -> Any:
+        """The vision program's largest attention at one specialization's symbol ``values``.
+
+        A :class:`~qeff_vision.contract.attention_blocking.VisionAttention` (its ``blocks`` as the
+        export's ``policy`` gives them), or None when the family declares none. ``validate`` and
+        the golden files estimate the score bytes from it; ``compile`` measures the graph.
+        """
+        return None
+
     # ---- optional capabilities ----
 
     @property
@@ -270,6 +279,26 @@ class Family(FamilyConfig, FamilyLanguageIO):
         if patch_buckets and self.patch_buckets is not None:
             return dict(self.patch_buckets.input_axes), dict(self.patch_buckets.output_axes)
         return dict(self.vision_input_axes), self.vision_outputs(model)
+
+
+def tower_value(
+    model: ModelDescription, names: Iterable[str], default: int, section: str = "vision_config"
+) -> int:
+    """An integer of the vision tower's config: the first of ``names`` set, else transformers' default.
+
+    A pair (``[14, 14]``) gives its first element.
+    """
+    config = model.config.get(section) or {}
+    for name in names:
+        value = config.get(name)
+        if value is not None:
+            return int(value[0] if isinstance(value, (list, tuple)) else value)
+    return default
+
+
+def count_symbol(values: Mapping[str, int], name: str) -> int:
+    """A count symbol of a specialization (images, frames, tiles); 1 when the graph has none."""
+    return int(values[name]) if name in values else 1
 
 
 class PatchBuckets:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from qeff_vision.contract.attention_blocking import DEFAULT_BOUND
 from qeff_vision.contract.sampler_io import SamplerOptions
 from qeff_vision.errors import shown
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
@@ -41,6 +42,9 @@ NODE_PRECISION_NONE = "none"
 AIC_HW_VERSIONS = ("ai100", "2.0")
 # One AI 100 SoC has up to 16 neural signal processors (cores).
 MAX_CORES_PER_DEVICE = 16
+# Default of compile.max_activation_bytes: 256 MiB at the device dtype, the bound the blocked
+# attention forms are sized for (qeff_vision/contract/attention_blocking.py).
+DEFAULT_MAX_ACTIVATION_BYTES = DEFAULT_BOUND
 # Keys that only make sense for the language program (it owns the KV cache).
 LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype", "sampler"})
 
@@ -186,6 +190,9 @@ class CompileOptions:
     language: ProgramOptions = field(default_factory=_default_language)
     comp_ctx_lengths: CompCtxLengths | None = None
     calibration: Calibration | None = None
+    # Bound on any one intermediate value of any specialization, bytes at the device dtype; None:
+    # no bound (the figures are still reported). See qeff_vision/compile/activation_memory.py.
+    max_activation_bytes: int | None = DEFAULT_MAX_ACTIVATION_BYTES
 
     def program(self, name: str) -> ProgramOptions:
         """Options of ``name`` (``vision``/``language``, or the directory names ``vision``/``lang``)."""
@@ -202,7 +209,23 @@ class CompileOptions:
             data[CCL_KEY] = asdict(self.comp_ctx_lengths)
         if self.calibration is not None:
             data[CALIBRATION_KEY] = asdict(self.calibration)
+        if self.max_activation_bytes != DEFAULT_MAX_ACTIVATION_BYTES:
+            data[ACTIVATION_KEY] = self.max_activation_bytes
         return data
+
+
+ACTIVATION_KEY = "max_activation_bytes"
+
+
+def parse_max_activation_bytes(value: Any, path: str) -> tuple[int | None, list[str]]:
+    """Read ``max_activation_bytes``: a positive number of bytes, or ``null`` for no bound."""
+    if value is None:
+        return None, []
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return DEFAULT_MAX_ACTIVATION_BYTES, [
+            f"{path}: must be a positive number of bytes (268435456 is 256 MiB) or null, not {shown(value)}"
+        ]
+    return value, []
 
 
 CCL_KEY = "comp_ctx_lengths"
@@ -402,7 +425,11 @@ def parse_compile_options(
     if data.get(CALIBRATION_KEY) is not None:
         calibration, found = parse_calibration(data[CALIBRATION_KEY], f"{path}.{CALIBRATION_KEY}")
         problems += found
-    sections = (VISION, LANGUAGE, CCL_KEY, CALIBRATION_KEY)
+    bound = DEFAULT_MAX_ACTIVATION_BYTES
+    if ACTIVATION_KEY in data:
+        bound, found = parse_max_activation_bytes(data[ACTIVATION_KEY], f"{path}.{ACTIVATION_KEY}")
+        problems += found
+    sections = (VISION, LANGUAGE, CCL_KEY, CALIBRATION_KEY, ACTIVATION_KEY)
     shared_data = {k: v for k, v in data.items() if k not in sections}
     shared, found = _read_program(shared_data, path, PROGRAM_KEYS + sections)
     problems += found
@@ -424,6 +451,10 @@ def parse_compile_options(
         merged.update(own)
         programs[name] = replace(default, **merged)
     options = CompileOptions(
-        vision=programs[VISION], language=programs[LANGUAGE], comp_ctx_lengths=ccl, calibration=calibration
+        vision=programs[VISION],
+        language=programs[LANGUAGE],
+        comp_ctx_lengths=ccl,
+        calibration=calibration,
+        max_activation_bytes=bound,
     )
     return options, problems

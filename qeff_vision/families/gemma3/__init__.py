@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -35,7 +36,9 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     bidirectional,
+    count_symbol,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -179,6 +182,16 @@ class Gemma3(Family):
         if vision.pan_and_scan:
             problems.append("do_pan_and_scan is on: its crop count depends on each image; turn it off")
         return problems
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """SigLIP over the fixed image ((image_size / patch)^2 patches), blocked for that length."""
+        heads = tower_value(model, ("num_attention_heads",), 12)  # SiglipVisionConfig default
+        vision = self.vision(model)
+        rows = (vision.image_size // vision.patch_size) ** 2
+        parallel = count_symbol(values, symbols.BATCH_SIZE)
+        return VisionAttention(
+            heads, rows, rows, parallel, policy.vision_count(heads, rows, 4)
+        )  # export.IMAGES
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """img_size (the processor's resize target) and vision_size (mm_tokens_per_image), any image."""

@@ -25,6 +25,10 @@ import torch
 from torch import nn
 
 from qeff_vision.export.adapter import FixedResolutionAdapter
+from qeff_vision.export.blocked_attention import query_blocked
+
+# Most images of one call the tower's blocks are sized for.
+IMAGES = 4
 
 
 class VisionEncoder(nn.Module):
@@ -37,7 +41,12 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """SigLIP patch features, average-pooled and projected to the text width."""
-        return self.projector(self.tower(pixel_values=pixel_values).last_hidden_state)
+        # The checkpoint fixes the image (896 px: 4,096 patches, 512 MiB of fp16 scores per layer
+        # at 16 heads): in query blocks sized for IMAGES images a call (a single program's encode
+        # entries take several; qeff_vision/export/blocked_attention.py).
+        config = self.tower.config
+        with query_blocked(config, rows=(config.image_size // config.patch_size) ** 2, batch=IMAGES):
+            return self.projector(self.tower(pixel_values=pixel_values).last_hidden_state)
 
 
 class Adapter(FixedResolutionAdapter):

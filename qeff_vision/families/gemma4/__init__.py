@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.contract.language_io import Fixed
 from qeff_vision.contract.states import FullAttention, LayerState, SharedKV, SlidingRing
 from qeff_vision.errors import UserError
@@ -44,7 +45,9 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     TextDims,
+    count_symbol,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section, TextGeometry
@@ -228,6 +231,13 @@ class Gemma4(Family):
         except UserError as exc:
             problems.append(str(exc))
         return problems
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """The padded patch list (max_patches) attends to itself, blocked for any image."""
+        heads = tower_value(model, ("num_attention_heads",), 12)  # Gemma4VisionConfig default
+        rows = int(values[MAX_PATCHES])
+        parallel = count_symbol(values, symbols.BATCH_SIZE)
+        return VisionAttention(heads, rows, rows, parallel, policy.vision_count(heads))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """``max_patches`` of the padded list and ``vision_size`` rows: the same for every image.

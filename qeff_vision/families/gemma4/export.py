@@ -36,6 +36,7 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.export.decoder import SLIDING_ATTENTION, DecoderParts
 from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
 from qeff_vision.families.qwen3_vl_moe.export import routed_experts
@@ -85,6 +86,11 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor) -> torch.Tensor:
         """Embed, encode with padded patches masked, pool the real ones in fp32, standardize, project."""
+        # The patch list (up to the processor's budget) attends to itself: in query blocks.
+        with query_blocked(self.tower.config):
+            return self._encode(pixel_values, image_position_ids)
+
+    def _encode(self, pixel_values: torch.Tensor, image_position_ids: torch.Tensor) -> torch.Tensor:
         tower = self.tower
         padding = (image_position_ids == -1).all(dim=-1)  # the processor pads with (-1, -1)
         hidden = tower.patch_embedder(pixel_values, image_position_ids, padding)

@@ -24,6 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -36,6 +37,7 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader
@@ -215,6 +217,14 @@ class InternVL(Family):
                 f"the processor tiles at {size}, but the vision tower takes {self.tile_size(model)} px"
             )
         return problems
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """InternViT per tile (patches + CLS), the tiles side by side, blocked for 16 tiles."""
+        heads = tower_value(model, ("num_attention_heads",), 16)
+        vision = self.vision(model)
+        rows = (vision.tile_size // vision.patch_size) ** 2 + 1
+        blocks = policy.vision_count(heads, rows, 16)  # families/internvl/export.py TILES
+        return VisionAttention(heads, rows, rows, int(values[BATCHED_NUM_PATCHES]), blocks)
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """batched_num_patches (the tiles) and vision_size (tiles * tokens per tile)."""

@@ -19,7 +19,12 @@ from torch import nn
 from qeff_vision import symbols
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.families.base import ModelDescription
+
+# Most tiles of one image the blocks are sized for: the processor's max_patches (12) and the
+# thumbnail, rounded up (ref: transformers v5 models/internvl/processing_internvl.py defaults).
+TILES = 16
 
 
 class VisionEncoder(nn.Module):
@@ -58,7 +63,10 @@ class VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Encode one image's tiles."""
         tiles = pixel_values.shape[0]
-        features = self._features(pixel_values)
+        # Up to 12 tiles and a thumbnail attend side by side (1,025 rows each at 448 px; 437 MiB
+        # of fp16 scores at 16 heads): in query blocks sized for TILES tiles.
+        with query_blocked(self.tower.config, rows=self.side * self.side + 1, batch=TILES):
+            features = self._features(pixel_values)
         if self.drop_cls:
             features = features[:, 1:]
         count, channels = features.shape[0], features.shape[-1]

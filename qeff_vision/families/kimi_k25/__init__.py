@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.contract.states.latent import KV_LORA_RANK, QK_ROPE_HEAD_DIM, Absorption, LatentAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
@@ -40,6 +41,7 @@ from qeff_vision.families.base import (
     ModelDescription,
     no,
     single_program_not_built,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, ConfigView
@@ -200,6 +202,12 @@ class KimiK25(Family):
         if image.frames != 1 or image.video:
             return ["frames must be 1: the kimi_k25 family exports still images only"]
         return []
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """MoonViT: every patch of the call (masked per image), blocked for any image."""
+        heads = tower_value(model, ("vt_num_attention_heads", "num_attention_heads"), 16)
+        rows = int(values[NUM_PATCHES])
+        return VisionAttention(heads, rows, rows, 1, policy.vision_count(heads))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """Patch count, grid rows and columns, and the merged tokens (vision_size) of one image."""

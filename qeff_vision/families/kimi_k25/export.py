@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.export import blocked_attention
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.kimi_k25 import H_SHAPE, W_SHAPE
 from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
@@ -88,10 +90,8 @@ class VisionEncoder(nn.Module):
         hidden = proj(pixel_values.to(proj.weight.dtype)).reshape(patches, -1)
         hidden = hidden + self._positions(within, rows, columns).to(hidden.dtype)
         cos, sin = tower.rotary_emb(hidden, torch.stack([row, column], dim=-1))
-        same = image.unsqueeze(0) == image.unsqueeze(1)
-        mask = torch.where(same, 0.0, torch.finfo(hidden.dtype).min).to(hidden.dtype)
-        for layer in tower.layers:
-            hidden = hidden + self._attention(layer.attn, layer.norm1(hidden), cos, sin, mask)
+        for layer in tower.layers:  # a patch attends the patches of its image
+            hidden = hidden + self._attention(layer.attn, layer.norm1(hidden), cos, sin, image)
             hidden = hidden + layer.mlp(layer.norm2(hidden))
         hidden = tower.final_layernorm(hidden)
         merge_rows, merge_columns = self.merge
@@ -104,7 +104,8 @@ class VisionEncoder(nn.Module):
         return embeds.reshape(patches // (rows * columns), -1, embeds.shape[-1])
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+    def _attention(attn: nn.Module, hidden, cos, sin, segment) -> torch.Tensor:
+        """Attention among patches of the same ``segment`` [N], in query blocks (scores bounded)."""
         from transformers.models.kimi_k25.modeling_kimi_k25 import apply_rotary_pos_emb_vision
 
         length = hidden.shape[0]
@@ -113,10 +114,8 @@ class VisionEncoder(nn.Module):
         value = attn.v_proj(hidden).reshape(length, attn.num_heads, attn.head_dim).transpose(0, 1)
         query, key = apply_rotary_pos_emb_vision(query, key, cos, sin)
         query, key = query.transpose(0, 1), key.transpose(0, 1)  # [heads, N, head_dim]
-        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
-        return attn.proj(output)
+        output = query_blocked_attention(query, key, value, attn.scaling, segments=segment)
+        return attn.proj(output.transpose(0, 1).reshape(length, -1))
 
 
 def absorbed_attention(attention: nn.Module):
@@ -163,11 +162,25 @@ def absorbed_attention(attention: nn.Module):
         up = attention.kv_b_proj.weight.reshape(heads, nope + value, -1)
         keys_up, values_up = up[:, :nope], up[:, nope:]
         query_latent = torch.matmul(query_nope, keys_up.to(query_nope.dtype))  # [batch, heads, seq, rank]
-        scores = torch.matmul(query_latent, compressed.transpose(2, 3).to(query_latent.dtype))
-        scores = scores + torch.matmul(query_rope, rotary.transpose(2, 3).to(query_rope.dtype))
-        scores = scores * attention.scaling + attention_mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_latent.dtype)
-        context = torch.matmul(weights, compressed.to(weights.dtype))  # [batch, heads, seq, rank]
+        compressed, rotary = compressed.to(query_latent.dtype), rotary.to(query_rope.dtype)
+        blocks = blocked_attention.active().language_count(heads)
+        if blocks > 1:  # the scores [batch, heads, seq, K] in key blocks (export/blocked_attention.py)
+
+            def scores_of(start, stop):
+                scores = torch.matmul(query_latent, compressed[:, :, start:stop].transpose(2, 3))
+                scores = scores + torch.matmul(query_rope, rotary[:, :, start:stop].transpose(2, 3))
+                mask = blocked_attention.key_rows(attention_mask, start, stop)
+                return (scores * attention.scaling + mask).float()
+
+            context = blocked_attention.key_blocked_attention(
+                query_latent, compressed, compressed, scores_of, blocks
+            ).to(query_latent.dtype)
+        else:
+            scores = torch.matmul(query_latent, compressed.transpose(2, 3))
+            scores = scores + torch.matmul(query_rope, rotary.transpose(2, 3))
+            scores = scores * attention.scaling + attention_mask
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query_latent.dtype)
+            context = torch.matmul(weights, compressed)  # [batch, heads, seq, rank]
         output = torch.matmul(context, values_up.transpose(1, 2).to(context.dtype))
         output = output.transpose(1, 2).reshape(batch, length, heads * value)
         return attention.o_proj(output), None

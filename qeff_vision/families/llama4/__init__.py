@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     CHUNKED_ATTENTION,
@@ -45,6 +46,7 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -225,6 +227,13 @@ class Llama4(Family):
     def fixed_pixel_side(self, model: ModelDescription) -> int | None:
         """Every tile is ``tile`` px square; the vision graph's only symbol is the tile count."""
         return self.vision(model).tile
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """The tower per tile (patches + CLS), the tiles side by side, not blocked."""
+        heads = tower_value(model, ("num_attention_heads",), 16)  # Llama4VisionConfig default
+        view = self.vision(model)
+        rows = (view.tile // view.patch) ** 2 + 1
+        return VisionAttention(heads, rows, rows, int(values[MAX_NUM_TILES]))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """max_num_tiles (the grid plus the global tile) and vision_size (their tokens)."""

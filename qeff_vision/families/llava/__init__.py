@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -26,7 +27,9 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    count_symbol,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader
@@ -169,6 +172,13 @@ class Llava(Family):
         image_size, patch_size, strategy = self.geometry(model)
         cls_token = 0 if strategy == DEFAULT_STRATEGY else 1
         return (image_size // patch_size) ** 2 + cls_token
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """CLIP over the fixed crop (patches + CLS): one image, small, not blocked."""
+        heads = tower_value(model, ("num_attention_heads",), 12)  # CLIPVisionConfig default
+        vision = self.vision(model)
+        rows = (vision.image_size // vision.patch_size) ** 2 + 1
+        return VisionAttention(heads, rows, rows, count_symbol(values, symbols.BATCH_SIZE))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """img_size (the tower's fixed side) and vision_size (the same for every image)."""

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
 from qeff_vision.families.base import (
@@ -37,6 +38,7 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, pair
@@ -237,6 +239,13 @@ class LlavaNext(Family):
         """P*P + feature_height * (feature_width + 1): the processor's count for this size."""
         grid, side = self.image_grid(model, image), self.patches_per_side(model)
         return side * side + grid.feature_height * (grid.feature_width + 1)
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """The tower per tile (patches + CLS), the tiles side by side, not blocked."""
+        heads = tower_value(model, ("num_attention_heads",), 12)  # CLIPVisionConfig default
+        vision = self.vision(model)
+        rows = (vision.tile_size // vision.patch_size) ** 2 + 1
+        return VisionAttention(heads, rows, rows, int(values[NUM_PATCHES]))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """num_patches (the tiles, base tile included) and vision_size, the rows that tile count outputs.

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -31,7 +32,9 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    count_symbol,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader
@@ -140,6 +143,14 @@ class Mistral3(Family):
                 f"{image.height}x{image.width} shrinks to nothing along its short side at {longest} px"
             )
         return problems
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """Pixtral: every patch of an image, blocked for any image."""
+        heads = tower_value(model, ("num_attention_heads",), 16)
+        patch = tower_value(model, ("patch_size",), 14)
+        rows = (int(values[IMAGE_HEIGHT]) // patch) * (int(values[IMAGE_WIDTH]) // patch)
+        parallel = count_symbol(values, symbols.BATCH_SIZE)
+        return VisionAttention(heads, rows, rows, parallel, policy.vision_count(heads))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """image_height, image_width (pixels, multiples of 28) and vision_size (rows x columns of tokens)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.families.mistral3.host import IMAGE_SIZES
 
 
@@ -37,6 +38,12 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Encode a batch of same-size images."""
+        # One image's patches attend to each other (12,100 at Pixtral's 1540 px limit): in query
+        # blocks, one block's scores under the bound (qeff_vision/export/blocked_attention.py).
+        with query_blocked(self.tower.config):
+            return self._encode(pixel_values)
+
+    def _encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         tower, projector, merge = self.tower, self.projector, self.merge
         patches = tower.patch_conv(pixel_values)  # [B, D, h, w]
         batch, dim, height, width = patches.shape

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.contract.language_io import KV_ROLES, DType, Fixed, IORow, Role
 from qeff_vision.contract.states import CrossAttention, FullAttention, LayerState
 from qeff_vision.families import register
@@ -42,7 +43,9 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    count_symbol,
     no,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, merged_text_config
@@ -194,6 +197,18 @@ class Mllama(Family):
     def image_tokens(self, model: ModelDescription, image: ImageSize) -> int:
         """One ``<|image|>`` token per image, whatever its size."""
         return 1
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """Every tile's rows (patches + CLS, padded to 8) attend to all tiles', in query blocks."""
+        heads = tower_value(model, ("attention_heads", "num_attention_heads"), 16)
+        vision = self.vision(model)
+        patches = (vision.image_size // vision.patch_size) ** 2 + 1
+        tile = patches + (8 - patches % 8) % 8  # families/mllama/export.py tile_rows
+        rows = tile * vision.max_num_tiles
+        parallel = count_symbol(values, MAX_NUM_IMAGES)
+        return VisionAttention(
+            heads, rows, rows, parallel, policy.vision_count(heads, rows, 2)
+        )  # export.IMAGES
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """One image per vision call; its cross states; vision_size 1 (its one placeholder)."""

@@ -29,7 +29,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.language_io import SLOT_ROLES, LanguageIO, Role
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
-from qeff_vision.export.attention import use_query_chunked_attention
+from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, attention_masks, layer_inputs
 from qeff_vision.export.kv_writes import write_plan
 from qeff_vision.export.state_caches import ChunkWrites, CrossKV, RetainedKVCache, layer_objects
@@ -53,16 +53,21 @@ def tile_rows(patches: int) -> int:
     return patches + (8 - patches % 8) % 8
 
 
+# Most images of one call the tower's blocks are sized for (a single program's encode entries).
+IMAGES = 2
+
+
 class VisionKV(nn.Module):
     """pixel_values, aspect_ratio_ids, aspect_ratio_mask -> (key, value) of every cross layer."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.vision = model.model.vision_model
-        # The tower attends over every tile's rows at once (4 x 1,608 at 560 px): one tile's query
-        # rows at a time keeps the scores to a quarter (0.66 GB instead of 2.65 GB at real widths)
-        # in the trace and in the graph.
-        use_query_chunked_attention(self.vision.config, tile_rows(self.vision.num_patches))
+        # The tower attends over every tile's rows at once (4 x 1,608 at 560 px: 1.26 GB of fp16
+        # scores per image at 16 heads): in query blocks sized for that length and IMAGES images
+        # a call (10 blocks of 644 rows; qeff_vision/export/blocked_attention.py), in the trace
+        # and in the graph.
+        self.rows = tile_rows(self.vision.num_patches) * self.vision.config.max_num_tiles
         self.projector = model.model.multi_modal_projector
         self.hidden = model.model.hidden_size
         text = model.model.language_model
@@ -72,9 +77,12 @@ class VisionKV(nn.Module):
 
     def forward(self, pixel_values, aspect_ratio_ids, aspect_ratio_mask):
         """Encode every tile of every image; project; key/value per cross layer."""
-        states = self.vision(
-            pixel_values=pixel_values, aspect_ratio_ids=aspect_ratio_ids, aspect_ratio_mask=aspect_ratio_mask
-        ).last_hidden_state
+        with query_blocked(self.vision.config, rows=self.rows, batch=IMAGES):
+            states = self.vision(
+                pixel_values=pixel_values,
+                aspect_ratio_ids=aspect_ratio_ids,
+                aspect_ratio_mask=aspect_ratio_mask,
+            ).last_hidden_state
         states = self.projector(states).reshape(pixel_values.shape[0], -1, self.hidden)
         return tuple(tensor for attn in self.attns for tensor in cross_kv(attn, states))
 

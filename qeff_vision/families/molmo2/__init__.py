@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
@@ -51,6 +52,7 @@ from qeff_vision.families.base import (
     ModelDescription,
     bidirectional,
     single_program_not_built,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -307,6 +309,14 @@ class Molmo2(Family):
                 f"{vision.crop_patches}-patch crop"
             )
         return problems
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """The ViT per crop, the crops side by side, blocked for 16 crops (export.CROPS)."""
+        heads = tower_value(model, ("num_attention_heads",), 16, section="vit_config")
+        vision = self.vision(model)
+        rows = (vision.crop_size // vision.patch_size) ** 2
+        blocks = policy.vision_count(heads, rows, 16)
+        return VisionAttention(heads, rows, rows, int(values[BATCHED_NUM_PATCHES]), blocks)
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """batched_num_patches (crops, or frames), vision_size (pooled tokens) and pooling_window.

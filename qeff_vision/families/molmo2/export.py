@@ -24,9 +24,13 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.export.decoder import FULL_ATTENTION, DecoderParts, attention_masks
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.molmo2 import IMAGE_TOKEN_POOLING
+
+# Most crops (or video frames) of one call the tower's blocks are sized for.
+CROPS = 16
 
 
 class VisionEncoder(nn.Module):
@@ -46,9 +50,12 @@ class VisionEncoder(nn.Module):
         tower = self.tower
         hidden = tower.patch_embedding(pixel_values) + tower.positional_embedding[None, :, :]
         states = [hidden]
-        for layer in tower.layers:
-            hidden = layer(hidden, None)
-            states.append(hidden)
+        # Every crop (or video frame: up to 16) attends over its 729 patches side by side: in
+        # query blocks sized for CROPS of them (qeff_vision/export/blocked_attention.py).
+        with query_blocked(tower.config, rows=int(tower.positional_embedding.shape[0]), batch=CROPS):
+            for layer in tower.layers:
+                hidden = layer(hidden, None)
+                states.append(hidden)
         features = torch.cat([states[index] for index in self.feature_states], dim=-1)
         flat = features.reshape(-1, features.shape[-1])
         valid = image_token_pooling >= 0

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from qeff_vision import symbols
+from qeff_vision.contract.attention_blocking import VisionAttention
 from qeff_vision.contract.video_pruning import kept_rows
 from qeff_vision.families import register
 from qeff_vision.families.base import (
@@ -25,6 +26,8 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     PatchBuckets,
+    count_symbol,
+    tower_value,
     yes,
 )
 from qeff_vision.families.config_view import ConfigReader, Section
@@ -310,6 +313,16 @@ class Qwen2_5_VL(Family):
         if not image.video:
             return 1
         return image.frames // self.vision(model).temporal
+
+    def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
+        """The full-attention layers: every patch of a frame (grid_h x grid_w), blocked for any image."""
+        heads = tower_value(model, ("num_heads",), 16)
+        if GRID_H not in values:  # a patch bucket: every packed patch (masked per image)
+            rows = int(values[GRID_HEIGHT])
+            return VisionAttention(heads, rows, rows, 1, policy.vision_count(heads))
+        rows = int(values[GRID_H]) * int(values[GRID_W])
+        parallel = count_symbol(values, symbols.BATCH_SIZE) * count_symbol(values, TIME)
+        return VisionAttention(heads, rows, rows, parallel, policy.vision_count(heads))
 
     def vision_symbols(self, model: ModelDescription, image: ImageSize) -> dict[str, int]:
         """grid_h, grid_w (patches), grid_height (patch rows), grid_width (patch features), vision_size."""

@@ -22,18 +22,13 @@ from torch import nn
 
 from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
+from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.families.qwen2_5_vl import (
     IMAGE_GRID_THW,
     PATCH_IDS,
     WINDOW_LAYOUT,
     patches,
 )
-
-
-def _segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, N, N] mask letting token i attend token j iff segment[i] == segment[j]."""
-    same = segment.unsqueeze(0) == segment.unsqueeze(1)
-    return torch.where(same, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(0)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +105,8 @@ class VisionEncoder(nn.Module):
         hidden = self.visual.patch_embed(pixel_values)
         cos, sin = self._rotary(hidden, row, col)
         layout = self._window_layout(slot, windows, cos, sin, hidden.dtype) if self.windowed else None
-        window_mask = None if self.windowed else _segment_mask(window, hidden.dtype)
-        hidden = self._blocks(hidden, cos, sin, _segment_mask(image, hidden.dtype), layout, window_mask)
+        window_segment = None if self.windowed else window
+        hidden = self._blocks(hidden, cos, sin, image, layout, window_segment)
         merged = self.visual.merger(hidden)
         return merged.reshape(image_grid_thw.shape[0], -1, self.out_hidden)
 
@@ -120,20 +115,21 @@ class VisionEncoder(nn.Module):
         cos, sin = self.visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
         return cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
 
-    def _blocks(self, hidden, cos, sin, full_mask, layout, window_mask) -> torch.Tensor:
+    def _blocks(self, hidden, cos, sin, image, layout, window) -> torch.Tensor:
         """Every block: full attention where the checkpoint has it, window attention elsewhere.
 
-        ``layout`` (the padded window form, see :meth:`_window_attention`) or ``window_mask`` (the
-        masked-full form) says how window blocks attend.
+        ``image`` [N] is each patch's image number (full attention stays within an image);
+        ``layout`` (the padded window form, see :meth:`_window_attention`) or ``window`` [N] (the
+        masked-full form: each patch's window number) says how window blocks attend.
         """
         for index, block in enumerate(self.visual.blocks):
             normed = block.norm1(hidden)
             if index in self.full_attention_blocks:
-                hidden = hidden + self._attention(block.attn, normed, cos, sin, full_mask)
+                hidden = hidden + self._attention(block.attn, normed, cos, sin, image)
             elif layout is not None:
                 hidden = hidden + self._window_attention(block.attn, normed, *layout)
             else:
-                hidden = hidden + self._attention(block.attn, normed, cos, sin, window_mask)
+                hidden = hidden + self._attention(block.attn, normed, cos, sin, window)
             hidden = hidden + block.mlp(block.norm2(hidden))
         return hidden
 
@@ -170,13 +166,12 @@ class VisionEncoder(nn.Module):
         return attn.proj(output[slot])
 
     @classmethod
-    def _attention(cls, attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+    def _attention(cls, attn: nn.Module, hidden, cos, sin, segment) -> torch.Tensor:
+        """Attention among patches of the same ``segment`` [N], in query blocks (scores bounded)."""
         length = hidden.shape[0]
         query, key, value = cls._rotated_qkv(attn, hidden, cos, sin)
-        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
-        return attn.proj(output)
+        output = query_blocked_attention(query, key, value, attn.scaling, segments=segment)
+        return attn.proj(output.transpose(0, 1).reshape(length, -1))
 
 
 class PatchBucketEncoder(VisionEncoder):
@@ -195,7 +190,6 @@ class PatchBucketEncoder(VisionEncoder):
         """Encode the packed images; rows of image i follow those of image i - 1, padding last."""
         hidden = self.visual.patch_embed(pixel_values)
         cos, sin = self._rotary(hidden, patch_ids[:, patches.ROW], patch_ids[:, patches.COL])
-        full_mask = _segment_mask(patch_ids[:, patches.IMAGE], hidden.dtype)
         gather = window_layout.reshape(-1)
         # Window number of each slot (-1 for empty slots, through the appended row).
         window = torch.cat([patch_ids[:, patches.WINDOW], torch.full_like(patch_ids[:1, 0], -1)])[gather]
@@ -208,7 +202,7 @@ class PatchBucketEncoder(VisionEncoder):
             return table.reshape(window_layout.shape[0], window_layout.shape[1], 1, -1).transpose(1, 2)
 
         layout = (padded(cos), padded(sin), gather, mask, patch_ids[:, patches.SLOT])
-        hidden = self._blocks(hidden, cos, sin, full_mask, layout, None)
+        hidden = self._blocks(hidden, cos, sin, patch_ids[:, patches.IMAGE], layout, None)
         return self.visual.merger(hidden).reshape(1, -1, self.out_hidden)
 
 

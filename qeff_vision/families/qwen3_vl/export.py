@@ -27,16 +27,11 @@ import torch
 from torch import nn
 
 from qeff_vision import symbols
+from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.qwen2_5_vl import IMAGE_GRID_THW
 from qeff_vision.families.qwen2_5_vl.export import Adapter as Qwen2_5_VLAdapter
 from qeff_vision.families.qwen3_vl import DEEPSTACK_FEATURES
-
-
-def _segment_mask(segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, N, N] mask letting token i attend token j iff segment[i] == segment[j]."""
-    same = segment.unsqueeze(0) == segment.unsqueeze(1)
-    return torch.where(same, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(0)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -103,10 +98,9 @@ class VisionEncoder(nn.Module):
         hidden = hidden + self._position_table(row, col, heights, widths).to(hidden.dtype)
         cos, sin = visual.rotary_pos_emb(hidden, torch.stack([row, col], dim=-1))
         cos, sin = cos.unsqueeze(1).float(), sin.unsqueeze(1).float()
-        mask = _segment_mask(frame, hidden.dtype)
         features = []
-        for index, block in enumerate(visual.blocks):
-            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, mask)
+        for index, block in enumerate(visual.blocks):  # a patch attends the patches of its frame
+            hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, frame)
             hidden = hidden + block.mlp(block.norm2(hidden))
             if index in self.deepstack:
                 features.append(visual.deepstack_merger_list[self.deepstack.index(index)](hidden))
@@ -118,17 +112,16 @@ class VisionEncoder(nn.Module):
         return merged, stacked
 
     @staticmethod
-    def _attention(attn: nn.Module, hidden, cos, sin, mask) -> torch.Tensor:
+    def _attention(attn: nn.Module, hidden, cos, sin, segment) -> torch.Tensor:
+        """Attention among patches of the same ``segment`` [N], in query blocks (scores bounded)."""
         length = hidden.shape[0]
         qkv = attn.qkv(hidden).reshape(length, 3, attn.num_heads, -1).permute(1, 2, 0, 3)
         query, key, value = qkv[0], qkv[1], qkv[2]  # [heads, N, head_dim]
         cos_h, sin_h = cos.transpose(0, 1), sin.transpose(0, 1)
         query = (query.float() * cos_h + _rotate_half(query.float()) * sin_h).to(value.dtype)
         key = (key.float() * cos_h + _rotate_half(key.float()) * sin_h).to(value.dtype)
-        scores = torch.matmul(query, key.transpose(1, 2)) * attn.scaling + mask
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        output = torch.matmul(weights, value).transpose(0, 1).reshape(length, -1)
-        return attn.proj(output)
+        output = query_blocked_attention(query, key, value, attn.scaling, segments=segment)
+        return attn.proj(output.transpose(0, 1).reshape(length, -1))
 
 
 def _dense_deepstack(text_model: nn.Module):
