@@ -86,7 +86,7 @@ def write_quantized(
     stored, reference = {}, {}
     targets = sorted(k for k, t in state.items() if quantizable(k, t, fmt, only))
     group = GROUP if all(state[k].shape[-1] % GROUP == 0 for k in targets) else 8
-    writer = _write_ct(fmt, group) if fmt.startswith("ct-") else WRITERS[fmt]
+    writer = tensor_writer(fmt, group)
     for key, tensor in state.items():
         if key in targets:
             parts, dense = writer(key, tensor.float())
@@ -100,7 +100,7 @@ def write_quantized(
         dense_dir,
         out_dir,
         stored,
-        {**config, "quantization_config": quantization_config(fmt, targets, group)},
+        {**config, "quantization_config": quantization_config(fmt, bool(only), group)},
     )
     if reference_dir is not None:
         _copy(dense_dir, reference_dir, reference, config)
@@ -117,15 +117,41 @@ def _copy(dense_dir: Path, out_dir: Path, state: dict, config: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def quantization_config(fmt: str, targets: list[str], group: int = GROUP) -> dict:
-    """The ``quantization_config`` a release in ``fmt`` carries."""
+def tensor_writer(fmt: str, group: int = GROUP, block: tuple[int, int] = BLOCK):
+    """``write(key, weight) -> (stored tensors, dequantized weight)`` of ``fmt``."""
+    if fmt.startswith("ct-"):
+        return _write_ct(fmt, group)
+    if fmt == "fp8-block":
+        return lambda key, weight: _write_fp8_block(key, weight, block)
+    return WRITERS[fmt]
+
+
+def real_width_form(fmt: str, reference_dir: Path, only: str | None = None, block=(128, 128), group=GROUP):
+    """A :class:`~qeff_vision.real_width_stored.StoredForm` drawing a real-width checkpoint in ``fmt``.
+
+    The published block (128 x 128) and group (32) sizes; ``only`` as in :func:`write_quantized`.
+    """
+    from qeff_vision.real_width_stored import StoredForm
+
+    writer = tensor_writer(fmt, group, block)
+
+    def write(key, tensor):
+        if not quantizable(key, tensor, fmt, only):
+            return None
+        return writer(key, tensor.float())  # dequantized in float32: the reference is written so
+
+    return StoredForm(write, quantization_config(fmt, bool(only), group, block), reference_dir)
+
+
+def quantization_config(fmt: str, experts_only: bool, group: int = GROUP, block=BLOCK) -> dict:
+    """The ``quantization_config`` a release in ``fmt`` carries (``experts_only``: Kimi-K2.5's targets)."""
     skip = ["lm_head", "merger", "multi_modal_projector", "mm_projector", "shared_expert"]
     if fmt == "fp8-block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": list(BLOCK),
+            "weight_block_size": list(block),
             "modules_to_not_convert": skip,
         }
     if fmt == "fp8-channel":
@@ -151,12 +177,9 @@ def quantization_config(fmt: str, targets: list[str], group: int = GROUP) -> dic
     from compressed_tensors.quantization import QuantizationConfig
 
     scheme = _ct_scheme(fmt, group)
-    modules = sorted({t.rsplit(".", 1)[0] for t in targets})
     # Targets as releases write them: a regular expression for the routed experts (Kimi-K2.5), the
     # class name otherwise; the ignore list names the linear layers left dense, one a regex.
-    scheme.targets = (
-        ["re:.*mlp\\.experts\\.\\d+\\..*"] if all(".experts." in m for m in modules) else ["Linear"]
-    )
+    scheme.targets = ["re:.*mlp\\.experts\\.\\d+\\..*"] if experts_only else ["Linear"]
     ignore = ["lm_head", "re:.*(merger|multi_modal_projector|mm_projector|shared_expert).*"]
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
@@ -214,18 +237,18 @@ def _write_ct(fmt: str, group: int):
     return write
 
 
-def _write_fp8_block(key: str, weight: torch.Tensor):
+def _write_fp8_block(key: str, weight: torch.Tensor, block=BLOCK):
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     rows, cols = weight.shape[-2:]
-    grid = (*weight.shape[:-2], -(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-    padded = torch.zeros(*weight.shape[:-2], grid[-2] * BLOCK[0], grid[-1] * BLOCK[1])
+    grid = (*weight.shape[:-2], -(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(*weight.shape[:-2], grid[-2] * block[0], grid[-1] * block[1])
     padded[..., :rows, :cols] = weight
-    blocks = padded.unflatten(-2, (grid[-2], BLOCK[0])).unflatten(-1, (grid[-1], BLOCK[1]))
+    blocks = padded.unflatten(-2, (grid[-2], block[0])).unflatten(-1, (grid[-1], block[1]))
     scale = blocks.abs().amax((-3, -1)).clamp(min=1e-12) / FP8_MAX  # [..., grid rows, grid cols]
-    expanded = scale.repeat_interleave(BLOCK[0], -2).repeat_interleave(BLOCK[1], -1)[..., :rows, :cols]
+    expanded = scale.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :rows, :cols]
     quantized = (weight / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    dense = _dequantize_fp8_weight(quantized, scale, list(BLOCK), torch.float32)
+    dense = _dequantize_fp8_weight(quantized, scale, list(block), torch.float32)
     return {key: quantized, f"{key}_scale_inv": scale}, dense
 
 
