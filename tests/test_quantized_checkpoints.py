@@ -225,3 +225,31 @@ def test_a_quantized_module_the_config_leaves_dense_is_refused(tiny_checkpoint, 
     with pytest.raises(UserError, match="modules_to_not_convert"):
         Checkpoint(quantized)
     shutil.rmtree(quantized)
+
+
+def test_real_width_stored_form_writes_the_published_quantized_layout(tiny_checkpoint, tmp_path):
+    """real_width_stored.save_stored: Kimi-K2.5's published names, int4 experts, a dequantized copy beside."""
+    from safetensors import safe_open
+
+    from qeff_vision.export.weights import Checkpoint
+    from qeff_vision.real_width_stored import copy_side_files, save_stored
+    from tests import helpers
+    from tests.quantized_fixtures import real_width_form
+
+    tiny = tiny_checkpoint("kimi_k25")
+    model, _ = helpers.load_hf(tiny)
+    out, reference = tmp_path / "q", tmp_path / "r"
+    shutil.copytree(tiny, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    form = real_width_form("ct-int4", reference, r"\.experts\.\d+\.", group=8)
+    save_stored(get_family("kimi_k25"), model, out, form)
+    copy_side_files(out, reference)
+    with safe_open(tiny / "model.safetensors", "pt") as handle:
+        published = set(handle.keys())
+    stored = Checkpoint(out)
+    assert set(stored.location) == published  # the release's names, each expert under its dense name
+    experts = [key for key in stored.quantized if ".experts." in key]
+    assert len(experts) == len(stored.quantized) > 0
+    dense = Checkpoint(reference)
+    for key in published:
+        assert torch.equal(stored.read(key), dense.read(key)), key
+    assert "quantization_config" not in json.loads((reference / "config.json").read_text())
