@@ -167,10 +167,18 @@ def _groups_with(section, **weights):
 
 REFUSALS = [
     # (format written, config edit, words the line must hold)
-    ("ct-fp8-channel", lambda s: {"config_groups": _w8a8(s)}, "W8A8 int"),
+    (
+        "ct-fp8-channel",
+        lambda s: {"config_groups": _w8a8(s)},
+        "W8A8 (int8 weights per channel, int8 activations",
+    ),
     ("ct-int4", lambda s: {"config_groups": _groups_with(s, symmetric=False)}, "asymmetric"),
     ("ct-int4", lambda s: {"config_groups": _groups_with(s, num_bits=2)}, "W2A16"),
-    ("ct-int4", lambda s: {"config_groups": _groups_with(s, type="float", num_bits=4)}, "W4A16 float"),
+    (
+        "ct-int4",
+        lambda s: {"config_groups": _groups_with(s, type="float", num_bits=4)},
+        "W4A16 (float4 weights",
+    ),
     ("ct-int4", lambda s: {"format": "marlin-24"}, "marlin-24"),
     ("gptq", lambda s: {"bits": 2}, "gptq 2-bit"),
     ("gptq", lambda s: {"bits": 3}, "gptq 3-bit"),

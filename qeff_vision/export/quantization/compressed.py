@@ -61,7 +61,8 @@ def find(model_dir: Path, config: dict[str, Any], entries: Mapping[str, Any]) ->
     groups = config.get("config_groups") or {}
     found = {}
     for module in modules:
-        first = min(k for k in entries if k.startswith(module + ".") and k.endswith(MARKERS))
+        values = [f"{module}.weight_packed", f"{module}.weight"]
+        first = next((k for k in values if k in entries), f"{module}.weight_scale")
         if targeted(module, config.get("ignore")):
             raise UserError(
                 f"{model_dir}: {first!r} is stored quantized but its module is in the ignore list"
@@ -123,14 +124,17 @@ def _cols(entries, key: str) -> int:
 
 
 def _scheme_name(weights: dict, acts: dict | None, fmt: str) -> str:
-    """``compressed-tensors W4A16 int group 32 (pack-quantized)``-style name for messages."""
-    abits = f"A{acts.get('num_bits')} {acts.get('type')}" if acts else "A16"
-    detail = weights.get("strategy") or "?"
-    if weights.get("group_size"):
-        detail += f" {weights['group_size']}"
+    """``compressed-tensors W4A16 (int4 weights per group 32; pack-quantized)``-style name for messages."""
+    bits, kind = weights.get("num_bits"), weights.get("type")
+    detail = f"{kind}{bits} weights per {weights.get('strategy') or '?'}"
+    if weights.get("strategy") == "group":
+        detail += f" {weights.get('group_size')}"
     if weights.get("symmetric") is False:
         detail += " asymmetric"
-    return f"compressed-tensors W{weights.get('num_bits')}{abits} {weights.get('type')} {detail} ({fmt})"
+    if acts:
+        detail += f", {acts.get('type')}{acts.get('num_bits')} activations"
+    abits = acts.get("num_bits") if acts else 16
+    return f"compressed-tensors W{bits}A{abits} ({detail}; {fmt})"
 
 
 def _decode_stored(tensors: Sequence[torch.Tensor], block, scheme: str) -> tuple[QuantizedWeight, bool]:
