@@ -13,7 +13,7 @@ the same weights dequantized by the format's own reference, for transformers to 
 - ``ct-fp8-tensor``, ``ct-fp8-channel``, ``ct-int4``: quantized, compressed and decompressed by
   the ``compressed-tensors`` library itself (``calculate_qparams``, the registered compressor's
   ``compress`` / ``decompress``, ``QuantizationConfig.to_dict``).
-- ``awq``, ``gptq``, ``gptq-act-order``: integers packed by our writers of AutoAWQ's
+- ``awq``, ``gptq``, ``gptq-act-order``, ``gptq8``: integers packed by our writers of AutoAWQ's
   ``WQLinear_GEMM.from_linear`` and AutoGPTQ's ``QuantLinear.pack``; the reference is
   ``(q - zero) * scale`` computed from the integers before packing.
 """
@@ -39,6 +39,7 @@ FORMATS = (
     "awq",
     "gptq",
     "gptq-act-order",
+    "gptq8",
 )
 # Tensors never quantized in the published releases: embeddings, norms, routers, the head,
 # convolutions and position tables.
@@ -168,7 +169,7 @@ def quantization_config(fmt: str, experts_only: bool, group: int = GROUP, block=
     if fmt.startswith("gptq"):
         return {
             "quant_method": "gptq",
-            "bits": 4,
+            "bits": 8 if fmt == "gptq8" else 4,
             "group_size": AWQ_GROUP,
             "desc_act": fmt == "gptq-act-order",
             "sym": fmt != "gptq-act-order",
@@ -295,21 +296,24 @@ def pack_columns(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
     return pack_rows(values.t().contiguous(), bits).t().contiguous()
 
 
-def _asymmetric(transposed: torch.Tensor, groups: torch.Tensor, count: int, symmetric: bool = False):
+def _asymmetric(
+    transposed: torch.Tensor, groups: torch.Tensor, count: int, symmetric: bool = False, bits: int = 4
+):
     """4-bit min/max quantization of [in, out] rows by group: (q [in, out], scale, zero [groups, out])."""
+    maxq = 2**bits - 1
     scale = torch.empty(count, transposed.shape[1])
     zero = torch.empty(count, transposed.shape[1], dtype=torch.int64)
     for g in range(count):
         rows = transposed[groups == g]
         if symmetric:
             top = rows.abs().amax(0).clamp(min=1e-8)
-            scale[g], zero[g] = 2 * top / 15, 8
+            scale[g], zero[g] = 2 * top / maxq, (maxq + 1) // 2
         else:
             low, high = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
-            scale[g] = ((high - low) / 15).clamp(min=1e-8)
-            zero[g] = torch.round(-low / scale[g]).clamp(0, 15).to(torch.int64)
+            scale[g] = ((high - low) / maxq).clamp(min=1e-8)
+            zero[g] = torch.round(-low / scale[g]).clamp(0, maxq).to(torch.int64)
     scale = scale.half().float()  # stored in float16, as both writers do
-    q = torch.clamp(torch.round(transposed / scale[groups]) + zero[groups], 0, 15).to(torch.int64)
+    q = torch.clamp(torch.round(transposed / scale[groups]) + zero[groups], 0, maxq).to(torch.int64)
     return q, scale, zero
 
 
@@ -327,7 +331,7 @@ def _write_awq(key: str, weight: torch.Tensor):
     return parts, dense
 
 
-def _write_gptq(act_order: bool):
+def _write_gptq(act_order: bool, bits: int = 4):
     def write(key: str, weight: torch.Tensor):
         transposed = weight.t().contiguous()  # [in, out]
         rows = transposed.shape[0]
@@ -337,12 +341,13 @@ def _write_gptq(act_order: bool):
             groups[order] = torch.arange(rows) // AWQ_GROUP
         else:
             groups = torch.arange(rows) // AWQ_GROUP
-        q, scale, zero = _asymmetric(transposed, groups, int(groups.max()) + 1, symmetric=not act_order)
+        q, scale, zero = _asymmetric(transposed, groups, int(groups.max()) + 1, not act_order, bits)
         dense = ((q - zero[groups]).float() * scale[groups]).t()
         module = key.rsplit(".", 1)[0]
         parts = {
-            f"{module}.qweight": pack_rows(q),
-            f"{module}.qzeros": pack_columns((zero - 1) & 15),  # v1: zero - 1, -1 wrapping to 15
+            f"{module}.qweight": pack_rows(q, bits),
+            # v1 stores zero - 1, -1 wrapping to all ones
+            f"{module}.qzeros": pack_columns((zero - 1) & (2**bits - 1), bits),
             f"{module}.scales": scale.half(),
             f"{module}.g_idx": groups.to(torch.int32),
         }
@@ -357,4 +362,5 @@ WRITERS = {
     "awq": _write_awq,
     "gptq": _write_gptq(False),
     "gptq-act-order": _write_gptq(True),
+    "gptq8": _write_gptq(False, 8),
 }

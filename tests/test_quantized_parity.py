@@ -36,6 +36,7 @@ CASES = [
     ("qwen2_5_vl", "awq", None),
     ("qwen2_5_vl", "gptq", None),
     ("qwen2_5_vl", "gptq-act-order", None),
+    ("qwen2_5_vl", "gptq8", None),
     ("molmo2", "gptq", None),  # fused att_proj / ff_proj cut after dequantization
 ]
 LOGIT_TOLERANCE = 1e-3
