@@ -6,7 +6,9 @@
 the same weights dequantized by the format's own reference, for transformers to run:
 
 - ``fp8-block``: our writer of transformers' FineGrainedFP8 layout (per-block amax / 448, as
-  ``Fp8Quantize._quantize_one``), dequantized by transformers' own ``_dequantize_fp8_weight``.
+  ``Fp8Quantize._quantize_one``), dequantized by transformers' own ``_dequantize_fp8_weight``
+  (transformers 5.23 dequantizes FP8 checkpoints on a CPU-only host through its quantizer's
+  ``dequantize`` fallback, which needs ``accelerate``, absent here: the function is called directly).
 - ``fp8-channel`` (``fbgemm_fp8``, Llama-4-Maverick's release format): per output channel, as
   transformers' ``FbgemmFp8Quantize.convert`` lays it out (fbgemm's kernels are GPU-only), the
   reference being its published formula ``q * scale``.
