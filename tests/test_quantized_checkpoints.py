@@ -261,3 +261,22 @@ def test_real_width_stored_form_writes_the_published_quantized_layout(tiny_check
     for key in published:
         assert torch.equal(stored.read(key), dense.read(key)), key
     assert "quantization_config" not in json.loads((reference / "config.json").read_text())
+
+
+def test_stored_tensors_that_do_not_fit_their_format_are_one_line(tiny_checkpoint, tmp_path, capsys):
+    """A scale grid of the wrong shape (found only once weight_shape is read): one line, exit 2."""
+    from safetensors.torch import load_file, save_file
+
+    from qeff_vision.cli import main
+
+    quantized = write_quantized(tiny_checkpoint("qwen2_5_vl"), tmp_path / "q", "ct-int4")
+    state = load_file(quantized / "model.safetensors")
+    key = next(k for k in sorted(state) if k.endswith("mlp.down_proj.weight_scale"))
+    state[key] = state[key][:, :-1].contiguous()  # one group short
+    save_file(state, quantized / "model.safetensors", metadata={"format": "pt"})
+    code = main(["export", str(quantized), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("[qeff-vision]")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "do not fit their format" in lines[0] and key in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()

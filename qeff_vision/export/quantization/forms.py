@@ -53,6 +53,10 @@ def grid_form(
     """
     if scale.numel() == 1 and zero is None:
         return QuantizedWeight(data, bits, scale.reshape(()), None, 0, 0, scheme)
+    if tuple(scale.shape) != grid_shape(tuple(data.shape), block):
+        raise ValueError(
+            f"{scheme}: scale {tuple(scale.shape)} is not the {block} block grid of {tuple(data.shape)}"
+        )
     rows = data.shape[-2]
     scale = expand_rows(scale, block[0], rows)
     zero = None if zero is None else expand_rows(zero, block[0], rows)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from qeff_vision.errors import UserError
 from qeff_vision.export.quantization.rules import refuse
 from qeff_vision.export.quantized_weight import QuantizedWeight
 
@@ -35,8 +36,19 @@ class QuantizedTensor:
     decode: Decode
 
     def form(self, read: Callable[[str], torch.Tensor]) -> tuple[QuantizedWeight, bool]:
-        """The stored form, reading the parts with ``read``."""
-        return self.decode([read(part) for part in self.parts])
+        """The stored form, reading the parts with ``read``.
+
+        Raises:
+            UserError: The stored tensors' shapes do not fit together as the format says.
+        """
+        tensors = [read(part) for part in self.parts]
+        try:
+            return self.decode(tensors)
+        except (ValueError, RuntimeError, IndexError) as error:
+            shapes = ", ".join(f"{p} {tuple(t.shape)}" for p, t in zip(self.parts, tensors))
+            raise UserError(
+                f"{self.key}: the stored tensors do not fit their format ({shapes}): {error}"
+            ) from None
 
 
 def quantization_config(model_dir: Path) -> dict[str, Any] | None:
