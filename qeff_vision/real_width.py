@@ -36,6 +36,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from qeff_vision.real_width_stored import StoredForm, copy_side_files, save_stored
+
 #: The pinned configs of the repository (``specs/configs/<checkpoint>/config.json``).
 PINNED_CONFIGS = Path(__file__).resolve().parent.parent / "specs" / "configs"
 
@@ -127,6 +129,7 @@ def build_real_width_checkpoint(
     vocab_size: int | None = None,
     dtype: str = "float32",
     seed: int = 0,
+    stored: StoredForm | None = None,
 ) -> Path:
     """Write a real-width random checkpoint of ``family`` to ``out_dir`` (absent or empty), atomically.
 
@@ -143,6 +146,8 @@ def build_real_width_checkpoint(
         dtype: Floating dtype the weights are drawn and saved in (``float32``, ``bfloat16`` or
             ``float16``). Export and transformers' reference load them in float32 either way.
         seed: Seed of the random weights.
+        stored: Draw the checkpoint as a release stores it (the published layout, quantized
+            weights; :mod:`qeff_vision.real_width_stored`), its dequantized copy beside.
 
     Returns:
         ``out_dir``.
@@ -163,8 +168,19 @@ def build_real_width_checkpoint(
         raise FileExistsError(f"{out_dir} is not empty")
     with staged_directory(out_dir) as staging:
         _write_checkpoint(
-            family_obj, config_path, staging, text_layers, vision_layers, num_experts, vocab_size, dtype, seed
+            family_obj,
+            config_path,
+            staging,
+            text_layers,
+            vision_layers,
+            num_experts,
+            vocab_size,
+            dtype,
+            seed,
+            stored,
         )
+    if stored is not None:
+        copy_side_files(out_dir, stored.reference_dir)
     return out_dir
 
 
@@ -201,7 +217,16 @@ def _cut_pinned(
 
 
 def _write_checkpoint(
-    family_obj, config_path, out_dir, text_layers, vision_layers, num_experts, vocab_size, dtype, seed
+    family_obj,
+    config_path,
+    out_dir,
+    text_layers,
+    vision_layers,
+    num_experts,
+    vocab_size,
+    dtype,
+    seed,
+    stored=None,
 ):
     """:func:`build_real_width_checkpoint`'s writing, into the staging directory ``out_dir``."""
     import torch
@@ -233,7 +258,10 @@ def _write_checkpoint(
         finish = _family_finish(family_obj)
         if finish is not None:
             finish(model)
-        model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=SHARD_SIZE)
+        if stored is None:
+            model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=SHARD_SIZE)
+        else:
+            save_stored(family_obj, model, out_dir, stored)
         del model
         for item in tiny_dir.iterdir():
             if not _MODEL_FILES.match(item.name) and item.name not in (_PROCESSOR_FILE, _PREPROCESSOR_FILE):

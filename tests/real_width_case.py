@@ -37,6 +37,10 @@ SEQ_LENS = [128, 512]
 # and one MoE layer of 10 experts: 1.1B parameters, 4.4 GB in fp32) and is drawn and saved in its
 # published dtype, bfloat16 (2.2 GB), as the real checkpoint is; export and transformers read fp32.
 CUTS = {"kimi_k25": {"vision_layers": 1, "dtype": "bfloat16"}}
+# ``--stored``: the family drawn as its release stores it (tests/quantized_fixtures.py): Kimi-K2.5's
+# published layout with int4 pack-quantized routed experts (compressed-tensors, group 32, bf16 rest);
+# Qwen3-VL's FP8 releases (128 x 128 blocks). transformers runs the dequantized copy.
+STORED = {"kimi_k25": ("ct-int4", r"\.experts\.\d+\."), "qwen3_vl": ("fp8-block", None)}
 
 
 def write_spec(path: Path, checkpoint: Path, name: str, family: str) -> Path:
@@ -134,7 +138,17 @@ def _ask(out: Path, precision: str, new_tokens: int, forced=None):
     return result, processed
 
 
-def run_case(family: str, work: Path, new_tokens: int) -> dict:
+def _stored_form(family: str, work: Path, stored: bool):
+    """The ``stored`` argument of the real-width build (None: drawn as ``save_pretrained`` writes)."""
+    if not stored:
+        return None
+    from tests.quantized_fixtures import real_width_form
+
+    fmt, only = STORED[family]
+    return real_width_form(fmt, work / "reference", only)
+
+
+def run_case(family: str, work: Path, new_tokens: int, stored: bool = False) -> dict:
     """Build, compile, run and compare one family; each stage's seconds."""
     from qeff_vision import api
     from qeff_vision.fsutil import release_memory
@@ -144,9 +158,11 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     seconds = {}
     start = time.perf_counter()
     config = smallest_pinned_config(family)
+    form = _stored_form(family, work, stored)
     checkpoint = build_real_width_checkpoint(
-        family, work / "checkpoint", config=config, **CUTS.get(family, {})
+        family, work / "checkpoint", config=config, stored=form, **CUTS.get(family, {})
     )
+    reference_dir = checkpoint if form is None else form.reference_dir
     seconds["build"] = time.perf_counter() - start
     spec = write_spec(work / "spec.yaml", checkpoint, f"{family}-real-width", family)
     start = time.perf_counter()
@@ -166,7 +182,9 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     seconds["run_fp32"], (fp32, processed) = _timed(lambda: _ask(work / "out", "fp32", new_tokens))
     _say(f"ran at fp32 in {seconds['run_fp32']:.0f} s")
     seconds["transformers"], reference = _timed(
-        lambda: reference_generate(load_reference_model(checkpoint), processed, new_tokens, eos_token_ids=())
+        lambda: reference_generate(
+            load_reference_model(reference_dir), processed, new_tokens, eos_token_ids=()
+        )
     )
     _say(f"transformers generated in {seconds['transformers']:.0f} s")
     release_memory()
@@ -176,6 +194,8 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     _say(f"ran at device precision (teacher-forced) in {seconds['run_device']:.0f} s")
     return {
         "family": family,
+        "stored": STORED[family][0] if stored else None,
+        "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.glob("*.safetensors")),
         "config": config.parent.name,
         "prompt_tokens": int(np.asarray(processed["input_ids"]).shape[-1]),
         "plan": plan,
@@ -187,7 +207,7 @@ def run_case(family: str, work: Path, new_tokens: int) -> dict:
     }
 
 
-def run_export_only(family: str, work: Path, new_tokens: int) -> dict:
+def run_export_only(family: str, work: Path, new_tokens: int, stored: bool = False) -> dict:
     """Diagnosis without compile: export, then the fp32 graphs against transformers (far less memory)."""
     from qeff_vision import api
     from qeff_vision.checkpoint import Checkpoint
@@ -201,7 +221,9 @@ def run_export_only(family: str, work: Path, new_tokens: int) -> dict:
 
     seconds = {}
     start = time.perf_counter()
-    checkpoint = build_real_width_checkpoint(family, work / "checkpoint", **CUTS.get(family, {}))
+    form = _stored_form(family, work, stored)
+    checkpoint = build_real_width_checkpoint(family, work / "checkpoint", stored=form, **CUTS.get(family, {}))
+    reference_dir = checkpoint if form is None else form.reference_dir
     seconds["build"] = time.perf_counter() - start
     start = time.perf_counter()
     api.export(checkpoint, work / "export", quiet=True)
@@ -222,7 +244,9 @@ def run_export_only(family: str, work: Path, new_tokens: int) -> dict:
     del chat, generator
     gc.collect()
     _say("ran at fp32")
-    reference = reference_generate(load_reference_model(checkpoint), processed, new_tokens, eos_token_ids=())
+    reference = reference_generate(
+        load_reference_model(reference_dir), processed, new_tokens, eos_token_ids=()
+    )
     return {
         "family": family,
         "prompt_tokens": int(np.asarray(processed["input_ids"]).shape[-1]),
@@ -239,11 +263,12 @@ def main(argv=None) -> int:
     parser.add_argument("work", type=Path)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--export-only", action="store_true", help="no compile: export and fp32 runs only")
+    parser.add_argument("--stored", action="store_true", help="draw the checkpoint as its release stores it")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_sample_rss, daemon=True).start()
     case = run_export_only if args.export_only else run_case
-    print(json.dumps(case(args.family, args.work, args.new_tokens)))
+    print(json.dumps(case(args.family, args.work, args.new_tokens, args.stored)))
     return 0
 
 

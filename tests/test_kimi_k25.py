@@ -172,33 +172,3 @@ def test_the_exported_graphs_have_no_buffer_inputs(exported):
         graph = onnx.load(exported(FAMILY) / program / "model.onnx", load_external_data=False).graph
         names = [value.name for value in graph.input]
         assert not [name for name in names if "layers." in name or "correction_bias" in name], names
-
-
-def test_int4_packed_experts_are_refused_in_one_line(tiny_checkpoint, tmp_path, capsys):
-    """The published checkpoint's routed experts are int4 compressed-tensors: export says so, exit 2."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from qeff_vision.cli import main
-
-    packed = tmp_path / "packed"
-    shutil.copytree(tiny_checkpoint(FAMILY), packed)
-    state = load_file(packed / "model.safetensors")
-    prefix = "language_model.model.layers.1.mlp.experts.0.gate_proj"
-    weight = state.pop(f"{prefix}.weight")
-    # Eight int4 values to an int32, a scale per group of 32, the unpacked shape (compressed-tensors).
-    state[f"{prefix}.weight_packed"] = torch.zeros(weight.shape[0], weight.shape[1] // 8, dtype=torch.int32)
-    state[f"{prefix}.weight_scale"] = torch.ones(weight.shape[0], weight.shape[1] // 32)
-    state[f"{prefix}.weight_shape"] = torch.tensor(list(weight.shape))
-    save_file(state, packed / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
-    (packed / "config.json").write_text(json.dumps(config))
-    code = main(["export", str(packed), "-o", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if not line.startswith("[qeff-vision]")]  # progress
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
-    assert "1 weight(s) are stored packed as integers" in errors[0] and f"{prefix}.weight_packed" in errors[0]
-    assert not (tmp_path / "out").exists()

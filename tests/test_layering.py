@@ -30,7 +30,16 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"families"},  # descriptions, hosts, config views; each family's torch-side adapter
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
-    {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version", "hub"},
+    {
+        "numerics",
+        "tiny",
+        "export_record",
+        "compile_record",
+        "hf_logging",
+        "transformers_version",
+        "hub",
+        "real_width_stored",  # a real-width checkpoint written as a release stores it
+    },
     {"contract"},
     {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media"},  # media: image and clip files
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping

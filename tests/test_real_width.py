@@ -79,8 +79,11 @@ def _watch_rss(process: subprocess.Popen, budget_bytes: float, peak: list[float]
         return
 
 
-def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS) -> dict:
-    """tests/real_width_case.py for ``family`` in its own process, under the RSS budget."""
+def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS, stored: bool = False) -> dict:
+    """tests/real_width_case.py for ``family`` in its own process, under the RSS budget.
+
+    ``stored``: the checkpoint drawn as the family's release stores it (``--stored``).
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
         sys.executable,
@@ -90,6 +93,7 @@ def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS) -> dict:
         str(work),
         "--new-tokens",
         str(new_tokens),
+        *(["--stored"] if stored else []),
     ]
     log = work.parent / f"{family}.log"
     with open(log, "w") as stderr:
@@ -147,6 +151,28 @@ def test_real_width_family_matches_transformers(family, tmp_path):
     print(
         json.dumps(
             {k: result[k] for k in ("family", "config", "prompt_tokens", "plan", "seconds", "peak_rss_gb")}
+        )
+    )
+    check_verification(result["verification"])
+    check_fp32(result["fp32"])
+    check_device(result["device"])
+
+
+# Published quantized releases at real widths (issue 47): Kimi-K2.5's layout with int4
+# pack-quantized routed experts (bf16 rest), a Qwen3-VL FP8 release (128 x 128 blocks).
+STORED_FAMILIES = ["kimi_k25", "qwen3_vl"]
+
+
+@pytest.mark.parametrize("family", STORED_FAMILIES)
+def test_real_width_published_quantized_checkpoint_matches_transformers(family, tmp_path):
+    """Exported from the quantized checkpoint; transformers runs the same weights dequantized."""
+    result = run_family(family, tmp_path / family, NEW_TOKENS, stored=True)
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in ("family", "stored", "checkpoint_bytes", "config", "seconds", "peak_rss_gb")
+            }
         )
     )
     check_verification(result["verification"])

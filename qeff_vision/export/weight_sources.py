@@ -222,7 +222,6 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    _refuse_packed(checkpoint)
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -275,27 +274,6 @@ def checkpoint_keys_for(model: nn.Module, checkpoint: Checkpoint) -> dict[str, S
             raise UserError(f"{checkpoint.model_dir}: {renamed}: a part of {patterns} is missing")
         found[renamed] = JoinedSource(tuple(keys[p] for p in patterns), dim)
     return found
-
-
-# Tensor-name suffix of compressed-tensors' packed integer weights (``pack-quantized``: int4 values
-# eight to an int32, with ``weight_scale`` and ``weight_shape`` beside them), e.g. the routed experts
-# of the published Kimi-K2.5.
-PACKED_SUFFIX = ".weight_packed"
-
-
-def _refuse_packed(checkpoint: Checkpoint) -> None:
-    """One clear line for a checkpoint holding packed integer weights, which export does not unpack.
-
-    Raises:
-        UserError: Some tensor is a compressed-tensors packed weight.
-    """
-    packed = sorted(key for key in checkpoint.location if key.endswith(PACKED_SUFFIX))
-    if packed:
-        raise UserError(
-            f"{checkpoint.model_dir}: {len(packed)} weight(s) are stored packed as integers "
-            f"(compressed-tensors pack-quantized, e.g. {packed[0]!r}); streaming export reads "
-            "floating-point weights only: export a dequantized (bf16) copy of the checkpoint"
-        )
 
 
 def _slices(

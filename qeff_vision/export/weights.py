@@ -32,6 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 from qeff_vision.bad_input import reading
 from qeff_vision.errors import UserError
+from qeff_vision.export.quantization import QuantizedTensor, find_quantized
+from qeff_vision.export.quantization.stored import stored_form
 from qeff_vision.export.quantized_weight import QuantizedWeight
 from qeff_vision.export.weight_forms import (
     StoredTensors,
@@ -84,6 +86,12 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    # FP8 checkpoints (quant_method fp8 / fbgemm_fp8, compressed-tensors float-quantized).
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 
 
@@ -134,6 +142,9 @@ class Checkpoint:
 
     Reads use plain file I/O, not a memory map: mapped pages would stay resident in this process
     and count towards its memory until the map is closed.
+
+    A weight stored quantized (:mod:`qeff_vision.export.quantization`) is offered under its dense
+    name and dequantized (float32) when read; the tensors storing it are not offered.
     """
 
     def __init__(self, model_dir: Path):
@@ -144,14 +155,29 @@ class Checkpoint:
         self.entries: dict[str, _Entry] = {}
         for path in files:
             self.entries.update(read_header(path))
+        self.quantized: dict[str, QuantizedTensor] = find_quantized(model_dir, self.entries)
 
     @property
     def location(self) -> dict[str, Path]:
-        """Tensor name -> the file holding it."""
-        return {key: entry.path for key, entry in self.entries.items()}
+        """Tensor name -> the file holding it (a quantized weight under its dense name)."""
+        parts = {part for tensor in self.quantized.values() for part in tensor.parts}
+        found = {key: entry.path for key, entry in self.entries.items() if key not in parts}
+        found.update({key: self.entries[tensor.parts[0]].path for key, tensor in self.quantized.items()})
+        return found
 
     def read(self, key: str) -> torch.Tensor:
-        """One tensor, read from its file into fresh memory."""
+        """One tensor, read from its file into fresh memory (a quantized weight dequantized, float32)."""
+        if key in self.quantized:
+            return self.quantized[key].form(self.read_stored)[0].dequantize(torch.float32)
+        return self.read_stored(key)
+
+    def stored(self, key: str) -> tuple[QuantizedWeight, bool] | None:
+        """A quantized weight's stored form and whether ``DequantizeLinear`` expresses it; None if plain."""
+        tensor = self.quantized.get(key)
+        return None if tensor is None else tensor.form(self.read_stored)
+
+    def read_stored(self, key: str) -> torch.Tensor:
+        """One tensor exactly as the file stores it."""
         entry = self.entries[key]
         tensor = torch.empty(entry.shape, dtype=entry.dtype)
         buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy())
@@ -183,12 +209,14 @@ class WeightPlan:
         return source.values(self.checkpoint.read, param.shape).to(self.dtype)
 
     def stored(self, param: torch.Tensor) -> QuantizedWeight | None:
-        """The checkpoint's quantized form of a placeholder parameter, or None (a float weight).
+        """A placeholder parameter's values as the checkpoint stores them, when quantized.
 
-        No format reader here yet: every weight is a float weight (the checkpoint-format readers
-        replace this).
+        The stored form after the source's conversions (axis swap, stacking of per-expert
+        tensors, slices); its ``dequantize()`` equals :meth:`read` before the dtype cast. None
+        for plain weights and for forms ``DequantizeLinear`` cannot express (GPTQ act-order, a
+        slice through a block).
         """
-        return None
+        return stored_form(self.sources[id(param)], self.checkpoint.stored, param.shape)
 
 
 def build_without_weights(model_dir: Path, model: nn.Module, dtype: torch.dtype) -> WeightPlan:
@@ -471,7 +499,10 @@ def assign_mapped_weights(model_dir: Path, model: nn.Module) -> nn.Module:
     for module, name, param, _ in slots:
         if id(param) not in done:
             source = key_of[id(param)]
-            tensor = source.values(mapped.__getitem__, param.shape)
+            # A quantized weight is dequantized into memory (it has no mapped float form).
+            tensor = source.values(
+                lambda k: checkpoint.read(k) if k in checkpoint.quantized else mapped[k], param.shape
+            )
             done[id(param)] = nn.Parameter(tensor.to(param.dtype), requires_grad=False)
         module._parameters[name] = done[id(param)]
     return model
