@@ -32,7 +32,8 @@ LAYERS: list[set[str]] = [
     {"export"},  # torch building blocks: adapter base, decoder wrapper, KV functions, weights
     {"numerics", "tiny", "export_record", "compile_record", "hf_logging", "transformers_version", "hub"},
     {"contract"},
-    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media"},  # media: image and clip files
+    # media: image and clip files; serving: the client of the printed vllm serve endpoints
+    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media", "serving"},
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]
