@@ -96,11 +96,17 @@ def messages(request: dict) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-def ask(client: EncodeThenChat, request: dict, *, stream: bool = False) -> tuple[list[int], list[int]]:
-    """(prompt token ids, greedy token ids) of one chat request through ``client``."""
+def ask(
+    client: EncodeThenChat, request: dict, *, stream: bool = False, grid: bool = True
+) -> tuple[list[int], list[int]]:
+    """(prompt token ids, greedy token ids) of one chat request through ``client``.
+
+    ``grid``: send the processor's ``image_grid_thw`` (Qwen families); False sends the plugin's
+    placeholder, as a client that does not run the processor does.
+    """
     reply = client.chat(
         messages(request),
-        grids=request.get("image_grid_thw"),
+        grids=request.get("image_grid_thw") if grid else None,
         temperature=0.0,
         max_tokens=prepare.NEW_TOKENS,
         stream=stream,
@@ -147,6 +153,8 @@ def test_chat_through_both_endpoints_matches_transformers_streamed_and_not(onlin
         assert tokens == request["reference"], f"greedy tokens differ from transformers: {request['parts']}"
         _, streamed = ask(online.client, request, stream=True)
         assert streamed == tokens
+        if online.client.grid and "images" in request:
+            assert ask(online.client, request, grid=False) == (prompt, tokens)  # the placeholder grid
 
 
 @pytest.mark.parametrize("online", FAULTS, indirect=True)
