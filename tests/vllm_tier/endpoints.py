@@ -67,7 +67,12 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Nothing listens on the loopback ``port`` (a server could bind it now).
+
+    SO_REUSEADDR as uvicorn sets it: the closed connections' TIME_WAIT entries do not hold the port.
+    """
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((LOOPBACK, port))
         except OSError:
