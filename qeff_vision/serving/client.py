@@ -139,8 +139,9 @@ class EncodeThenChat:
             raise EncodeError(f"{where} refused the image: HTTP {error.code}: {detail}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
             reason = getattr(error, "reason", error)
-            limit = f"{self.encode_timeout:g} s"
-            raise EncodeError(f"{where} unreachable or timed out ({limit}): {reason}") from None
+            if isinstance(reason, TimeoutError):
+                raise EncodeError(f"{where} did not answer within {self.encode_timeout:g} s") from None
+            raise EncodeError(f"{where} unreachable: {reason}") from None
         (embeds,) = decode_pooling_bytes(metadata, payload)
         return embeds.astype(np.float32, copy=False)
 

@@ -190,7 +190,8 @@ def test_encode_endpoint_stalled_killed_and_restarted(online):
         error, seconds = _timed(lambda: ask(client, images[0]))
     finally:
         encode.send(signal.SIGCONT)
-    assert isinstance(error, EncodeError) and "timed out" in str(error), error
+    assert isinstance(error, EncodeError), error
+    assert f"did not answer within {ENCODE_TIMEOUT_S:g} s" in str(error), error
     assert seconds < ENCODE_TIMEOUT_S + ERROR_SLACK_S, seconds
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -204,7 +205,8 @@ def test_encode_endpoint_stalled_killed_and_restarted(online):
         in_flight += [pool.submit(ask, client, texts[i % len(texts)]) for i in range(4)]
         for future in attempts:
             error, seconds = future.result(timeout=60)
-            assert isinstance(error, EncodeError) and str(online.servers["encode"].port) in str(error), error
+            assert isinstance(error, EncodeError) and "unreachable" in str(error), error
+            assert f"{encode.base_url}/v1" in str(error)
             assert seconds < ENCODE_TIMEOUT_S + ERROR_SLACK_S, seconds
         served = [future.result(timeout=120) for future in in_flight]
     expected = [texts[i % len(texts)]["reference"] for i in [*range(4), *range(4)]]
