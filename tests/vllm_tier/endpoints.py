@@ -96,14 +96,26 @@ def http_status(url: str, timeout: float = 5.0) -> int | None:
         return None
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``, from /proc.
+
+    Zombies are left out: a killed server's engine core is reparented to PID 1, which need not reap
+    it promptly, and a zombie holds no port, memory or file.
+    """
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone while we looked
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return bool(group_members(pgid))
 
 
 @dataclass
