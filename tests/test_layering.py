@@ -41,7 +41,8 @@ LAYERS: list[set[str]] = [
         "real_width_stored",  # a real-width checkpoint written as a release stores it
     },
     {"contract"},
-    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media"},  # media: image and clip files
+    # media: image and clip files; serving: the client of the printed vllm serve endpoints
+    {"symbols", "fsutil", "graph_file", "qeff_vision", "progress", "media", "serving"},
     {"bad_input", "interrupts"},  # library errors on input -> UserError; Ctrl-C bookkeeping
     {"errors"},
 ]

@@ -51,8 +51,10 @@ DOCKER_IMAGE = "${QAIC_DISAGG_IMAGE:-ghcr.io/quic/cloud_ai_inference_vllm_disagg
 TITLES = {
     "plugin_offline": f"# {PLUGIN_VLLM}, offline: a pooling LLM encodes on the vision QPC, a generate LLM "
     "decodes on the language QPC (python3 in OUT)",
+    # ref: docs/guide/serving-online.md: the hops as vLLM 0.23 carries them (tests/vllm_tier runs them).
     "plugin_serve": f"# {PLUGIN_VLLM}, online: the same two instances as two endpoints; the client sends "
-    f"images to :{VISION_PORT} and the embeddings it returns to :{LANGUAGE_PORT} (run in OUT)",
+    f"images to :{VISION_PORT} (/v1/embeddings) and the embeddings it returns to :{LANGUAGE_PORT} as "
+    "image_embeds chat content; qeff_vision.serving.client.EncodeThenChat does both in one call (run in OUT)",
     "fork_offline": f"# {FORK_VLLM}, offline dual QPC: an encode LLM and a decode LLM (python3 in OUT)",
     "epd": f"# {FORK_VLLM}, E-PD disaggregated: the qaic-disagg launcher in docker, OUT mounted (run in OUT)",
 }

@@ -150,6 +150,7 @@ class Requests:
         processed = helpers.process(self.processor, messages, pictures or None)
         tokens, _ = helpers.hf_generate(self.model, processed, NEW_TOKENS, eos_token_ids=[])
         entry = {
+            "parts": list(parts),  # the user turn (helpers.user_turn), for the chat endpoint
             "prompt": self.prompt(parts),
             "input_ids": processed["input_ids"][0].tolist(),
             "reference": tokens,

@@ -128,14 +128,13 @@ def _serve(job_file: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """``served(family) -> {label: (job, result)}``, each family compiled and served once."""
+def served(built):
+    """``served(family) -> {label: (job, result)}``: each family compiled once per session, served once."""
     done: dict[str, dict] = {}
 
     def run(family: str) -> dict:
         if family not in done:
-            root = tmp_path_factory.mktemp(family)
-            jobs = prepare.build(prepare.CASES[family], root)
+            root, jobs = built(family)
             done[family] = {label: (job, _serve(root / f"job-{label}.json")) for label, job in jobs.items()}
         return done[family]
 

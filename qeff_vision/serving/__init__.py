@@ -1,0 +1,1 @@
+"""Clients for the ``vllm serve`` endpoints that ``compile --print-serve`` prints (torch-free)."""
