@@ -107,3 +107,20 @@ def write_vision_manifest(out_dir: Path, family: str, symbols: dict[str, str]) -
     }
     (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest))
     return out_dir
+
+
+# The families the default tier runs a costly every-family suite on: one per decoder kind and state
+# kind (qwen2_5_vl: windowed and full vision attention, M-RoPE; gemma4: sliding ring and shared KV;
+# qwen3_5: recurrent; kimi_k25: latent (MLA) and routed experts; mllama: cross-attention). The slow
+# tier (`make test-all`) runs the same suites over every registered family.
+DEFAULT_TIER_FAMILIES = ("qwen2_5_vl", "gemma4", "qwen3_5", "kimi_k25", "mllama")
+
+
+def tiered(values, keep=DEFAULT_TIER_FAMILIES, key=lambda value: value):
+    """``values`` as pytest params, those whose ``key`` is not in ``keep`` marked ``slow``."""
+    import pytest
+
+    def slow(value):  # a tuple is one case of several arguments
+        return pytest.param(*value if isinstance(value, tuple) else (value,), marks=pytest.mark.slow)
+
+    return [value if key(value) in keep else slow(value) for value in values]

@@ -83,7 +83,7 @@ def test_every_family_is_classified():
     assert FULL_ATTENTION | PER_TILE == set(FAMILIES) and not FULL_ATTENTION & PER_TILE
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_blocked_graphs_compute_the_unblocked_result(family, exports, hf_model):
     unblocked, blocked = exports(family)
     vision = [directory / "vision" / "model.onnx" for directory in (unblocked, blocked)]
@@ -126,7 +126,7 @@ def test_blocked_graphs_compute_the_unblocked_result(family, exports, hf_model):
         assert _close(ours, reference) <= RELATIVE
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_blocked_graphs_at_device_precision(family, exports, hf_model):
     """The forced-block graphs emulated at fp16 (with their automatic plan) track the fp32 unblocked
     logits within 1e-2 of the range, finite, tokens equal wherever the fp32 top-2 margin exceeds

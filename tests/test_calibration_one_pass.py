@@ -21,6 +21,7 @@ from qeff_vision.numerics.device import float_outputs, value_types
 from qeff_vision.numerics.plan import auto_plan
 from qeff_vision.numerics.recording import SlicedRecorder
 from qeff_vision.spec import build_specializations, load_spec
+from tests.helpers import tiered
 from tests.test_calibration_fit import _small_spec
 
 FAMILIES = [family.name for family in all_families()]
@@ -52,7 +53,7 @@ def _recorder(onnx_path, parts: int = 8) -> SlicedRecorder:
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES))
 def test_one_pass_over_the_slices_records_the_ranges_of_one_pass_per_input(
     family, tiny_checkpoint, exported, tmp_path
 ):
@@ -111,7 +112,7 @@ def _prompt_ranges(export, monkeypatch, deferred: bool, parts: int = 8):
     return ranges, [tape for tape in tapes if tape is not None]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES))
 def test_deferred_prompt_calls_record_the_ranges_of_calls_run_one_by_one(family, exported, monkeypatch):
     """A prompt's prefill chunks in one pass (each chunk's cache handed on inside the slice that
     writes it), decode steps one pass each: the ranges and plans of the calls run one by one."""

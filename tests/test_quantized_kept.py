@@ -33,6 +33,9 @@ CASES = [
     ("kimi_k25", "ct-int4", EXPERTS, True),
 ]
 
+# The default tier: one integer and one FP8 format (the slow tier every case).
+DEFAULT_CASES = {("qwen2_5_vl", "ct-int4"), ("qwen3_vl", "fp8-block")}
+
 
 def _dequantize_nodes(path) -> int:
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -49,7 +52,11 @@ def _run(export, inputs, length):
     return generator.generate(helpers.as_numpy(inputs), max_new_tokens=6, keep_logits=True)
 
 
-@pytest.mark.parametrize(("family", "fmt", "only", "kept"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("family", "fmt", "only", "kept"),
+    helpers.tiered(CASES, DEFAULT_CASES, key=lambda case: case[:2]),
+    ids=[f"{c[0]}-{c[1]}" for c in CASES],
+)
 def test_kept_quantized_graph_runs_like_the_dequantized_one(
     family, fmt, only, kept, tiny_checkpoint, tmp_path
 ):

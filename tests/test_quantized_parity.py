@@ -39,10 +39,23 @@ CASES = [
     ("qwen2_5_vl", "gptq8", None),
     ("molmo2", "gptq", None),  # fused att_proj / ff_proj cut after dequantization
 ]
+# The default tier runs one case per format family (the slow tier every case).
+DEFAULT_CASES = {
+    ("qwen3_vl", "fp8-block"),
+    ("llama4", "fp8-channel"),
+    ("kimi_k25", "ct-int4"),
+    ("qwen3_vl", "ct-fp8-channel"),
+    ("qwen2_5_vl", "awq"),
+    ("qwen2_5_vl", "gptq-act-order"),
+}
 LOGIT_TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize(("family", "fmt", "only"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize(
+    ("family", "fmt", "only"),
+    helpers.tiered(CASES, DEFAULT_CASES, key=lambda case: case[:2]),
+    ids=[f"{c[0]}-{c[1]}" for c in CASES],
+)
 def test_quantized_checkpoint_generates_like_transformers(family, fmt, only, tiny_checkpoint, tmp_path):
     """One image, prefill in one chunk, 8 greedy decode steps: tokens identical, logits close."""
     quantized, reference = tmp_path / "quantized", tmp_path / "reference"

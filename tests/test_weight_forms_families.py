@@ -93,7 +93,7 @@ def _language_specializations(family: str, checkpoint, path) -> list[dict[str, i
     return [prefill, {**prefill, symbols.SEQ_LEN: 1}]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_stored_forms_record_what_they_wrote(family, forms):
     manifests = forms(family)["manifests"]
     for program in ("vision", "lang"):
@@ -110,7 +110,7 @@ def test_stored_forms_record_what_they_wrote(family, forms):
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=["-".join(p) for p in PAIRS])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_compile_check_and_weight_reads_match_across_stored_forms(family, pair, forms):
     exports = forms(family)
     runs, reads = [], []
