@@ -31,8 +31,8 @@ from onnx import helper, shape_inference
 
 from qeff_vision.compile.weight_reads import _bind, _fold_constants
 from qeff_vision.contract.attention_blocking import DEFAULT_BOUND, DEVICE_ITEM_BYTES, MIB
+from qeff_vision.symbols import RETAINED_SUFFIX
 
-RETAINED_SUFFIX = "_RetainedState"
 _FLOATS = {
     onnx.TensorProto.FLOAT,
     onnx.TensorProto.FLOAT16,
