@@ -39,6 +39,9 @@ VISION_EMBEDS = "vision_embeds"
 IMAGE_IDX = "image_idx"
 LOGITS = "logits"
 IMAGE_IDX_OUTPUT = "image_idx_output"
+# Outputs of the pooling programs (spec ``task: embed`` / ``task: score``; contract/tasks.py).
+EMBEDDINGS = "embeddings"
+SCORES = "scores"
 RETAINED_SUFFIX = "_RetainedState"
 PIXEL_VALUES = "pixel_values"
 # Each image's original (height, width), int64 [batch, 2] (the processor's and QEfficient's name).

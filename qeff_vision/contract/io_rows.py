@@ -60,6 +60,9 @@ class Role(Enum):
     TOKEN_BITMASK = "token_bitmask"
     NEXT_TOKENS = "next_tokens"
     PROBABILITIES = "probabilities"
+    # The pooling programs' outputs (:mod:`qeff_vision.contract.tasks`).
+    EMBEDDING = "embedding"
+    SCORE = "score"
 
 
 class DType(Enum):

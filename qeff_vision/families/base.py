@@ -41,6 +41,7 @@ from qeff_vision.contract.language_io import (  # noqa: F401 - layer types re-ex
     Role,
     language_io,
 )
+from qeff_vision.contract.tasks import EMBED, GENERATE, SCORE  # noqa: F401 - task names re-exported
 from qeff_vision.families.config_reading import FamilyConfig, TextDims  # noqa: F401 - TextDims re-exported
 from qeff_vision.families.description import ModelDescription, describe_checkpoint  # noqa: F401
 from qeff_vision.families.features import (  # noqa: F401 - the feature vocabulary, re-exported
@@ -115,6 +116,9 @@ class Family(FamilyConfig, FamilyLanguageIO):
         joins_images: A prompt's images share one chunk, with the tokens between them (the host
             marks every image after the first ``joined``: Molmo2's image tokens attend to each
             other across images); the spec checks that ``max_images`` of them fit one bucket.
+        tasks: Spec ``task`` values the family's language program can be built for
+            (:mod:`qeff_vision.contract.tasks`): ``generate`` always; ``embed`` / ``score`` (the
+            pooling programs) only where declared and checked against transformers.
     """
 
     name: str = ""
@@ -127,6 +131,7 @@ class Family(FamilyConfig, FamilyLanguageIO):
     tokens_between_images: int = 0
     placeholders_in_runs: bool = False
     joins_images: bool = False
+    tasks: tuple[str, ...] = (GENERATE,)
     #: The vision graph's symbol that counts the images of one call. ``deployment: single`` names it
     #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
     #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.

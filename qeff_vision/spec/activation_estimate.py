@@ -27,7 +27,8 @@ def _mib(count: int) -> str:
 
 def _language(family, model, values: dict[str, int], policy) -> tuple[int, int]:
     heads = family.text_dims(model).num_attention_heads
-    keys = values.get(symbols.COMP_CTX_LENGTHS) or values[symbols.CTX_LEN]
+    # A pooling program (no cache) attends over its own chunk: the keys are the seq_len tokens.
+    keys = values.get(symbols.COMP_CTX_LENGTHS) or values.get(symbols.CTX_LEN) or values[symbols.SEQ_LEN]
     batch = values.get(symbols.BATCH_SIZE, 1)
     return language_score_bytes(heads, batch, values[symbols.SEQ_LEN], keys, policy)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from qeff_vision.contract.tasks import GENERATE, TASKS
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.families.base import Family, ModelDescription
 from qeff_vision.spec.buckets import check_patch_buckets
@@ -28,6 +29,7 @@ from qeff_vision.spec.schema import (
     read_vision,
 )
 from qeff_vision.spec.strict_yaml import MAX_BYTES, load_strict_yaml, shown
+from qeff_vision.spec.tasks import check_task
 from qeff_vision.spec.weights import read_weights
 
 
@@ -137,6 +139,7 @@ def spec_from_data(
     deployment = read_deployment(reader, top, batch_size, full_batch_size)
     weights = read_weights(reader, top)
     ctx_len = reader.integer(top, "ctx_len", "", maximum=MAX_CTX_LEN)
+    task = reader.text(top, "task", "", choices=TASKS, default=GENERATE)
     layout = reader.text(top, "specialization_layout", "", choices=LAYOUTS, default=FLAT)
     seq_lens = read_prefill(reader, top.get("prefill", MISSING), ctx_len)
     vision = read_vision(reader, top.get("vision", MISSING), ctx_len)
@@ -179,6 +182,8 @@ def spec_from_data(
         reader.add("compile.comp_ctx_lengths", f"{family.title} cannot use compute-context lengths: {note}")
     if family is not None and deployment is not None and description is not None:
         check_deployment(reader, family, deployment, description)
+    if family is not None and task is not None:
+        check_task(reader, family, task, deployment, full_batch_size, compile_options)
     if deployment is not None:
         check_single_vision(reader, deployment, vision)
         vocab = (
@@ -220,6 +225,7 @@ def spec_from_data(
         deployment=deployment,
         revision=revision,
         weights=weights,
+        task=task,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qeff_vision.contract.tasks import GENERATE
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.spec.compile_options import CompileOptions
 from qeff_vision.spec.deployment import Deployment
@@ -83,6 +84,12 @@ class Spec:
             continuous batching). Prefill then runs at batch_size 1, decode at this batch size.
         deployment: ``deployment`` and ``kv_cache_prefix``: which programs are compiled.
         weights: How the export stores weights on disk (``dtype``, ``keep_quantized``).
+        task: What the language program computes: ``generate`` (the KV-cache decoder, default),
+            ``embed`` (the last token's L2-normalized hidden state) or ``score`` (the reranker's
+            ``sigmoid(logit("yes") - logit("no"))``); the family declares which it supports. A
+            pooling task has no KV cache and no decode specialization: a prompt runs in one call
+            of the smallest prefill bucket that holds it, so ``prefill.seq_lens`` are prompt
+            lengths and ``ctx_len`` the longest prompt (:mod:`qeff_vision.contract.tasks`).
     """
 
     name: str
@@ -104,6 +111,7 @@ class Spec:
     deployment: Deployment = field(default_factory=Deployment)
     revision: str | None = None
     weights: WeightsSpec = field(default_factory=WeightsSpec)
+    task: str = GENERATE
 
     def weight_dtypes(self) -> dict[str, str]:
         """Stored dtype of each exported program's float weights (``vision``, ``lang``), from ``weights``."""

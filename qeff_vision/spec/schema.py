@@ -35,6 +35,7 @@ TOP_KEYS = (
     "kv_cache_prefix",
     "retain_full_kv",
     "weights",
+    "task",
 )
 PREFILL_KEYS = ("seq_lens",)
 VISION_KEYS = (

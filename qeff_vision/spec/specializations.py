@@ -19,6 +19,7 @@ from qeff_vision import symbols
 from qeff_vision.contract.full_kv import full_length_caches
 from qeff_vision.contract.language_io import KV_ROLES, DType
 from qeff_vision.contract.sampler_io import with_sampler
+from qeff_vision.contract.tasks import is_pooling, pooled_io
 from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
@@ -279,6 +280,8 @@ def build_specializations(
     sampler = spec.compile.language.sampler
     if sampler is not None:  # the on-device sampler's rows (contract/sampler_io.py)
         language_io = with_sampler(language_io, sampler)
+    if is_pooling(spec.task):  # no cache, one output (contract/tasks.py)
+        language_io = pooled_io(language_io, spec.task)
     language_order = _graph_order([language_io.input_axes(), language_io.output_axes()])
     # Continuous batching (QEfficient's get_specializations with continuous_batching): prefill at
     # batch_size 1 with full_batch_size and full_batch_exec_size F, decode at batch_size F.
@@ -328,6 +331,7 @@ def build_specializations(
             ),
         )
         for suffix, extra in decode_ccls
+        if not is_pooling(spec.task)  # a pooling program has no decode step
     ]
 
     vision_dtype, language_dtype = spec.compute_dtype(VISION), spec.compute_dtype(LANGUAGE)

@@ -26,6 +26,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     EVS_VIDEO_PRUNING,
+    GENERATE,
     Features,
     ModelDescription,
     no,
@@ -103,6 +104,7 @@ class Qwen3_5(Qwen3_VL):
     """Qwen3.5 (dense text models, e.g. Qwen3.5-27B)."""
 
     name = "qwen3_5"
+    tasks = (GENERATE,)  # no published pooling checkpoint of this architecture
     title = "Qwen3.5"
     architectures = ("Qwen3_5ForConditionalGeneration",)
     model_types = ("qwen3_5",)

@@ -20,9 +20,12 @@ from qeff_vision import symbols
 from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
+    EMBED,
     EVS_VIDEO_PRUNING,
+    GENERATE,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
+    SCORE,
     Features,
     ImageSize,
     ModelDescription,
@@ -64,6 +67,9 @@ class Qwen3_VL(Qwen2_5_VL):
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_types = ("qwen3_vl",)
     position_id_rows = 4
+    # Qwen3-VL-Embedding and Qwen3-VL-Reranker are this architecture (config.json
+    # Qwen3VLForConditionalGeneration) read by a pooling head (contract/tasks.py).
+    tasks = (GENERATE, EMBED, SCORE)
     features = Features(
         export=yes(),
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),

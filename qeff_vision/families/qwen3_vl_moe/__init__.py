@@ -16,6 +16,7 @@ from qeff_vision.families import register
 from qeff_vision.families.base import (
     DISAGGREGATED_PROGRAMS,
     EVS_VIDEO_PRUNING,
+    GENERATE,
     QEFFICIENT_CCL,
     QEFFICIENT_CONTINUOUS_BATCHING,
     Features,
@@ -32,6 +33,8 @@ class Qwen3_VL_MoE(Qwen3_VL):
     title = "Qwen3-VL-MoE"
     architectures = ("Qwen3VLMoeForConditionalGeneration",)
     model_types = ("qwen3_vl_moe",)
+    # No published embedding or reranker checkpoint of this architecture: generate only.
+    tasks = (GENERATE,)
     features = Features(
         export=yes("experts routed: min(tokens x top_k, experts) slices per call (k per token at decode)"),
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
