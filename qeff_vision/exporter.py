@@ -27,6 +27,7 @@ from qeff_vision.bad_input import reading
 from qeff_vision.contract.full_kv import has_rings
 from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_sampler
+from qeff_vision.contract.tasks import GENERATE, SCORE, is_pooling, pooled_io
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
@@ -34,6 +35,7 @@ from qeff_vision.export.blocked_attention import AttentionBlocking, blocking
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.opset_upgrade import upgrade_opset
+from qeff_vision.export.pooled import PooledDecoder, score_token_ids
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.sampler import SamplerDecoder
 from qeff_vision.export.weight_forms import QUANTIZED_OPSET, WeightForm, WrittenWeights, program_forms
@@ -295,6 +297,7 @@ def export_model(
     weight_dtype: str | Mapping[str, str] = "float32",
     keep_quantized: bool = False,
     attention_blocking: AttentionBlocking | None = None,
+    task: str = GENERATE,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -328,6 +331,8 @@ def export_model(
         attention_blocking: Block-count rule of the attentions (vision query blocks, language key
             blocks; :mod:`qeff_vision.export.blocked_attention`); None: the default policy
             (256 MiB per block at 2560x1440 images and a 512 x 32k prefill). Kept in export.json.
+        task: ``generate`` (the KV-cache decoder), or a pooling task (``embed``, ``score``): the
+            language program pools a whole prompt with no cache (:mod:`qeff_vision.export.pooled`).
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -353,6 +358,17 @@ def export_model(
         raise UserError(
             f"{family.title}: no compute-context lengths ({family.features.comp_ctx_lengths.note})"
         )
+    if task not in family.tasks:
+        raise UserError(
+            f"{family.title} does not declare task {task!r} (it declares {', '.join(family.tasks)})"
+        )
+    if is_pooling(task) and (
+        continuous_batching or comp_ctx_lengths or sampler is not None or retain_full_kv
+    ):
+        raise UserError(
+            f"task {task} has no KV cache: no continuous batching, CCL, sampler or full-length KV"
+        )
+    score_ids = score_token_ids(model_dir) if task == SCORE else None
     if retain_full_kv and not has_rings(family.layer_caches(description)):
         raise UserError(f"{family.title}: no ring layer in this config, so no cache to keep full length")
     dims = family.text_dims(description)
@@ -378,7 +394,11 @@ def export_model(
         encoder = adapter.patch_bucket_encoder(model) if patch_buckets else adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
         io = family.language_table(description, comp_ctx_lengths, continuous_batching, retain_full_kv)
-        decoder = adapter.language_decoder(model, parts, io)
+        if is_pooling(task):  # one call per whole prompt, no cache (export/pooled.py)
+            io = pooled_io(io, task)
+            decoder = PooledDecoder(parts, io, task, score_ids).eval()
+        else:
+            decoder = adapter.language_decoder(model, parts, io)
         if sampler is not None:  # generic: wraps whatever decoder the family has
             sampled = with_sampler(io, sampler)
             decoder, io = SamplerDecoder(decoder, io, sampled, sampler), sampled
@@ -453,6 +473,8 @@ def export_model(
             VISION_MODE: PATCH_BUCKETS if patch_buckets else RESOLUTIONS,
             "continuous_batching": continuous_batching,
             "retain_full_kv": retain_full_kv,
+            "task": task,
+            **({"score_token_ids": list(score_ids)} if score_ids else {}),
             "sampler": sampler.to_dict() if sampler is not None else None,
             "attention_blocking": attention_blocking.to_dict(),
             "image_token_id": image_token_id,

@@ -1,0 +1,216 @@
+"""Spec ``task: embed | score``: the pooling programs against transformers on the same processed inputs.
+
+Tiny Qwen3-VL checkpoints (the family that declares the pooling tasks); the reranker is the tiny
+checkpoint with ``yes`` and ``no`` added as tokens (random rows), as the published reranker's
+tokenizer has them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qeff_vision.cli import main
+from qeff_vision.contract.language_io import Role
+from qeff_vision.contract.tasks import EMBED, SCORE, pooled_io
+from qeff_vision.errors import UserError
+from qeff_vision.families import all_families, get_family
+from qeff_vision.runtime.pooling import Pooler, matryoshka, reference_pool
+from qeff_vision.runtime.session import OnnxProgram
+from tests import helpers
+
+FAMILY = "qwen3_vl"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_reranker(source: Path, out: Path) -> Path:
+    """``source`` (a tiny Qwen3-VL) with ``yes`` / ``no`` tokens and random output rows for them."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    shutil.copytree(source, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(["yes", "no"])
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[-2:] = torch.randn(2, head.shape[1], generator=generator) * head.std()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    embedder = tiny_checkpoint(FAMILY)
+    reranker = tiny_reranker(embedder, tmp_path_factory.mktemp("reranker") / "ckpt")
+    return {EMBED: embedder, SCORE: reranker}
+
+
+@pytest.fixture(scope="module")
+def pooled_exports(checkpoints, tmp_path_factory):
+    from qeff_vision.exporter import export_model
+
+    built = {}
+    for task, checkpoint in checkpoints.items():
+        out = tmp_path_factory.mktemp(f"pooled-{task}") / "export"
+        export_model(checkpoint, out, task=task, progress=None)
+        built[task] = out
+    return built
+
+
+def _pooler(export_dir: Path, task: str, specializations=None) -> Pooler:
+    from qeff_vision.checkpoint import Checkpoint
+    from qeff_vision.exporter import read_export
+
+    manifest = read_export(export_dir)
+    checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
+    vision = OnnxProgram(export_dir / manifest["programs"]["vision"]["path"])
+    language = OnnxProgram(export_dir / manifest["programs"]["lang"]["path"], specializations)
+    return Pooler(checkpoint, vision, language, task)
+
+
+PROMPTS = {
+    "text": ((), ["A woman playing with her dog on a beach at sunset."]),
+    "image": (((112, 112, 0),), ["<image>", "Represent this picture."]),
+    "two_images": (((112, 140, 1), (84, 196, 2)), ["<image>", "between", "<image>", "both."]),
+}
+
+
+def _processed(checkpoint_dir: Path, prompt: str):
+    model, processor = helpers.load_hf(checkpoint_dir)
+    sizes, parts = PROMPTS[prompt]
+    images = [helpers.image(h, w, seed) for h, w, seed in sizes]
+    return model, helpers.process(processor, helpers.user_turn(*parts), images)
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_embedding_matches_transformers(pooled_exports, checkpoints, prompt):
+    model, processed = _processed(checkpoints[EMBED], prompt)
+    reference = reference_pool(model, processed, EMBED)
+    ours = _pooler(pooled_exports[EMBED], EMBED).pool(helpers.as_numpy(processed))
+    cosine = float(np.dot(ours, reference) / (np.linalg.norm(ours) * np.linalg.norm(reference)))
+    assert ours.shape == (model.config.text_config.hidden_size,)
+    assert abs(np.linalg.norm(ours) - 1) < 1e-5
+    assert cosine >= 0.9999, cosine
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_score_matches_transformers(pooled_exports, checkpoints, prompt):
+    from qeff_vision.exporter import read_export
+
+    ids = read_export(pooled_exports[SCORE])["score_token_ids"]
+    model, processed = _processed(checkpoints[SCORE], prompt)
+    reference = reference_pool(model, processed, SCORE, ids)
+    ours = _pooler(pooled_exports[SCORE], SCORE).pool(helpers.as_numpy(processed))
+    assert ours.shape == (1,)
+    assert 0.0 < ours[0] < 1.0
+    assert abs(float(ours[0]) - float(reference[0])) <= 1e-4, (ours, reference)
+
+
+def test_a_prompt_runs_in_the_smallest_bucket_that_holds_it(pooled_exports, checkpoints):
+    """Padding to a larger bucket (position -1, zero rows) changes nothing; too long is refused."""
+    _, processed = _processed(checkpoints[EMBED], "image")
+    inputs = helpers.as_numpy(processed)
+    length = inputs["input_ids"].shape[-1]
+    whole = _pooler(pooled_exports[EMBED], EMBED).pool(inputs)
+    buckets = [
+        {"batch_size": 1, "seq_len": s, "vision_batch_size": 1, "vision_size": v}
+        for s, v in ((length // 2, 8), (length + 37, 64), (length + 100, 128))
+    ]
+    pooler = _pooler(pooled_exports[EMBED], EMBED, buckets)
+    feeds = pooler.feeds(inputs)
+    assert feeds["input_ids"].shape == (1, length + 37)  # the smallest bucket that holds the prompt
+    assert (feeds["position_ids"][:, :, length:] == -1).all()
+    assert feeds["vision_embeds"].shape[1] == 64
+    padded = pooler.pool(inputs)
+    assert float(np.dot(padded, whole)) >= 0.9999
+    short = _pooler(pooled_exports[EMBED], EMBED, buckets[:1])
+    with pytest.raises(UserError, match="runs a prompt in one call"):
+        short.pool(inputs)
+
+
+def test_matryoshka_prefix_is_renormalized():
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal(64).astype(np.float32)
+    full /= np.linalg.norm(full)
+    cut = matryoshka(full, 16)
+    assert cut.shape == (16,) and abs(np.linalg.norm(cut) - 1) < 1e-6
+    assert np.allclose(cut, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
+    assert matryoshka(full, None) is full
+    for bad in (0, 65):
+        with pytest.raises(UserError, match="--dimensions must be in 1..64"):
+            matryoshka(full, bad)
+
+
+@pytest.mark.parametrize("task", [EMBED, SCORE])
+def test_pooled_table_has_no_state_and_one_output(task):
+    family = get_family(FAMILY)
+    io = pooled_io(family.language_io(4), task)
+    assert not io.layers and not io.retained_outputs()
+    assert [row.role for row in io.outputs] == [Role.EMBEDDING if task == EMBED else Role.SCORE]
+    assert {row.role for row in io.inputs} == {
+        Role.TOKEN_IDS,
+        Role.POSITIONS,
+        Role.VISION_ROWS,
+        Role.VISION_CURSOR,
+    }
+
+
+@pytest.mark.parametrize("family", [f.name for f in all_families()])
+def test_every_family_declares_generate_and_only_known_tasks(family):
+    tasks = get_family(family).tasks
+    assert "generate" in tasks and set(tasks) <= {"generate", EMBED, SCORE}
+
+
+def _spec(tmp_path, task, config="Qwen3-VL-Embedding-8B", **extra):
+    lines = [
+        "model: Qwen/Qwen3-VL-Embedding-8B",
+        f"config: {ROOT / 'specs/configs' / config / 'config.json'}",
+        f"task: {task}",
+        "ctx_len: 2048",
+        "prefill: {seq_lens: [256, 2048]}",
+        "vision: {images: [{height: 224, width: 224}]}",
+        *(f"{key}: {value}" for key, value in extra.items()),
+    ]
+    path = tmp_path / "spec.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("task", "config", "extra", "message"),
+    [
+        ("pool", "Qwen3-VL-Embedding-8B", {}, "task: must be one of generate, embed, score (got 'pool')"),
+        ("embed", "Qwen3-VL-30B-A3B-Instruct", {}, "task: Qwen3-VL-MoE does not declare task 'embed'"),
+        ("score", "Qwen2.5-VL-3B-Instruct", {}, "task: Qwen2.5-VL does not declare task 'score'"),
+        (
+            "embed",
+            "Qwen3-VL-Embedding-8B",
+            {"full_batch_size": 4},
+            "full_batch_size: task embed has no KV cache",
+        ),
+    ],
+)
+def test_bad_or_undeclared_task_is_one_line_exit_2(tmp_path, capsys, task, config, extra, message):
+    code = main(["validate", str(_spec(tmp_path, task, config, **extra))])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "note:" not in line]
+    assert code == 2
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_pooling_specs_have_no_decode(tmp_path):
+    from qeff_vision.spec import build_specializations, load_spec
+
+    for task in (EMBED, SCORE):
+        generated = build_specializations(load_spec(_spec(tmp_path, task)))
+        names = [s.name for s in generated.language.specializations]
+        assert names == ["Prefill-256", "Prefill-2048"]
+        assert all("ctx_len" not in s.symbols for s in generated.language.specializations)
+        assert not generated.language.custom_io  # nothing retained
