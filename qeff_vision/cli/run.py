@@ -56,6 +56,13 @@ HELP = {
     "Requests share the program's full_batch_size KV slots. A request that fails while it prefills (an image "
     "refused, a device call's error) is reported (error line; --json: failed, error) and the others are "
     "served; the exit code is then 1.",
+    "embed": "Pooling artifacts (spec task: embed): print the L2-normalized embedding of the --prompt input "
+    "(with its --image options), or of each line of --requests, as JSON lines.",
+    "score": "Pooling artifacts (spec task: score): print each document's relevance to QUERY, "
+    "sigmoid(logit yes - logit no); the documents are --prompt (with --image) or the lines of --requests.",
+    "query_image": "An image of the --score query (repeat for several).",
+    "instruction": "The task instruction of --embed / --score (default: the model card's).",
+    "dimensions": "--embed: keep the first N values (Matryoshka), renormalized.",
 }
 
 
@@ -115,6 +122,11 @@ HELP = {
 @click.option("--presence-penalty", type=float, default=None, metavar="R", help=HELP["presence_penalty"])
 @click.option("--seed", type=int, default=None, metavar="N", help=HELP["seed"])
 @click.option("--json", "as_json", is_flag=True, help=HELP["json"])
+@click.option("--embed", is_flag=True, help=HELP["embed"])
+@click.option("--score", "score_query", metavar="QUERY", default=None, help=HELP["score"])
+@click.option("--query-image", "query_images", multiple=True, metavar="IMG", help=HELP["query_image"])
+@click.option("--instruction", default=None, metavar="TEXT", help=HELP["instruction"])
+@click.option("--dimensions", type=click.IntRange(min=1), default=None, metavar="N", help=HELP["dimensions"])
 def run(
     artifacts,
     images,
@@ -137,6 +149,11 @@ def run(
     presence_penalty,
     seed,
     as_json,
+    embed,
+    score_query,
+    query_images,
+    instruction,
+    dimensions,
 ) -> None:
     """Generate text with the programs compiled into ARTIFACTS (the OUT of `qeff-vision compile`).
 
@@ -146,6 +163,26 @@ def run(
     --requests serves a file of requests arriving at different steps through the batched engine.
     Backend onnxruntime runs here; backend qaic needs the Cloud AI 100 SDK runtime.
     """
+    if embed or score_query is not None:
+        from qeff_vision.cli.pool import run_pooling
+
+        if embed and score_query is not None:
+            raise click.UsageError("give --embed or --score QUERY, not both")
+        task = "embed" if embed else "score"
+        run_pooling(
+            artifacts,
+            task,
+            score_query,
+            query_images,
+            prompts,
+            images,
+            requests_file,
+            instruction,
+            dimensions,
+            precision,
+            compare_hf,
+        )
+        return
     from qeff_vision import api
     from qeff_vision.inputs.sampling_params import SamplingParams
 

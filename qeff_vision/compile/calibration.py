@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.contract.tasks import GENERATE, is_pooling
 from qeff_vision.runtime.session import CompiledProgram, int_specializations
 
 DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
@@ -133,17 +134,29 @@ def prompt_ranges(
             the checkpoint's image processor so the prompts' images match the compiled shapes.
         on_slice: Called after each slice of each pass over a graph (progress).
     """
-    from PIL import Image
-
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
-    from qeff_vision.media import load_image
     from qeff_vision.progress import bar as progress_bar
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import make_generator
     from qeff_vision.runtime.language_shape import LanguageShape
 
     manifest = read_export(export_dir)
+    if is_pooling(manifest.get("task", GENERATE)):  # one call per whole prompt, no generation
+        from qeff_vision.compile.pooling_calibration import pooling_ranges
+
+        pictures = _pictures(images, resolutions)
+        prompts = list(prompts or [DEFAULT_PROMPT])
+        return pooling_ranges(
+            export_dir,
+            vision_specializations,
+            language_specializations,
+            pictures,
+            prompts,
+            say,
+            processor_options,
+            on_slice,
+        )
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
     vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
     language_specializations = [single_sequence(values) for values in language_specializations]
@@ -158,14 +171,7 @@ def prompt_ranges(
     processor = checkpoint.processor
     for name, value in (processor_options or {}).items():
         setattr(processor.image_processor, name, value)
-    if images:
-        pictures = [load_image(path) for path in images]
-    else:
-        rng = np.random.default_rng(0)
-        pictures = [
-            Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
-            for height, width in resolutions
-        ]
+    pictures = _pictures(images, resolutions)
     fitting = _Fitting(shape.ctx_len)
     total = len(prompts or [DEFAULT_PROMPT]) * (len(pictures) + 1)
     runs = progress_bar("calibration runs", total=total, unit="run")  # on a terminal, unless -q
@@ -185,6 +191,21 @@ def prompt_ranges(
     if fitting.note() and say is not None:
         say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+def _pictures(images: Sequence[Path], resolutions: Sequence[tuple[int, int]]) -> list:
+    """The user's calibration images, else a seeded random picture per resolution."""
+    from PIL import Image
+
+    from qeff_vision.media import load_image
+
+    if images:
+        return [load_image(path) for path in images]
+    rng = np.random.default_rng(0)
+    return [
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype("uint8"))
+        for height, width in resolutions
+    ]
 
 
 class _DeferredChecks:

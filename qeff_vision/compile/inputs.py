@@ -20,6 +20,7 @@ from qeff_vision.compile.precision import PrecisionPlan
 from qeff_vision.compile.single_program import SINGLE_FILE, single_program_path
 from qeff_vision.compile_record import MANIFEST_FILE
 from qeff_vision.contract.attention_blocking import AttentionBlocking, for_spec
+from qeff_vision.contract.tasks import GENERATE
 from qeff_vision.errors import SpecError, UserError
 from qeff_vision.export_record import (
     EXPORT_FILE,
@@ -119,6 +120,7 @@ def _run_export(
         weight_dtype=spec.weight_dtypes() if spec is not None else "float32",
         keep_quantized=spec.weights.keep_quantized if spec is not None else False,
         attention_blocking=blocking,
+        task=spec.task if spec is not None else GENERATE,
     ).manifest
 
 
@@ -203,6 +205,12 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
             f"{export_dir}: the spec needs an export {wanted} full-length caches on ring layers "
             f"(`qeff-vision export{' --retain-full-kv' if full_kv else ''}`)"
         )
+    task = manifest.get("task", GENERATE)
+    if task != spec.task:
+        raise UserError(
+            f"{export_dir}: exported for task {task}, the spec says task {spec.task} "
+            f"(`qeff-vision export --task {spec.task}`)"
+        )
     sampler = _sampler_of(spec)
     if manifest.get("sampler") != sampler:
         wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
@@ -255,6 +263,8 @@ def locate_export(
         stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
         stale = True  # the spec added or dropped retain_full_kv
+    if manifest is not None and manifest.get("task", GENERATE) != spec.task:
+        stale = True  # the spec switched between generate and a pooling task
     if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
         stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and manifest.get("attention_blocking") != blocking_of(spec).to_dict():

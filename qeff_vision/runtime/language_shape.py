@@ -39,7 +39,9 @@ class LanguageShape:
                 phase.append(bucket)
             if symbols.COMP_CTX_LENGTHS in spec:
                 ccls[seq_len == 1].add(int(spec[symbols.COMP_CTX_LENGTHS]))
-        ctx_lens = {int(spec[symbols.CTX_LEN]) for spec in specializations}
+        ctx_lens = {int(spec[symbols.CTX_LEN]) for spec in specializations if symbols.CTX_LEN in spec}
+        if not ctx_lens and prefill and not decode:  # a pooling program (no cache): its longest prompt
+            ctx_lens = {max(bucket.seq_len for bucket in prefill)}
         if not prefill or len(ctx_lens) != 1:
             raise UserError("language specializations need prefill buckets and exactly one ctx_len")
         decode_vision = max(b.vision_size for b in decode) if decode else max(b.vision_size for b in prefill)
