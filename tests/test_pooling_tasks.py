@@ -214,3 +214,149 @@ def test_pooling_specs_have_no_decode(tmp_path):
         assert names == ["Prefill-256", "Prefill-2048"]
         assert all("ctx_len" not in s.symbols for s in generated.language.specializations)
         assert not generated.language.custom_io  # nothing retained
+
+
+# ---- compile + run --embed / --score on the onnxruntime backend ----
+
+TINY_BUCKETS = {EMBED: (128, 512), SCORE: (128, 512)}
+
+
+@pytest.fixture(scope="module")
+def compiled(pooled_exports, checkpoints, tmp_path_factory):
+    import yaml
+
+    from qeff_vision import api
+
+    built = {}
+    for task in (EMBED, SCORE):
+        root = tmp_path_factory.mktemp(f"compiled-{task}")
+        spec = {
+            "name": f"tiny-{task}",
+            "model": str(checkpoints[task]),
+            "task": task,
+            "ctx_len": max(TINY_BUCKETS[task]),
+            "prefill": {"seq_lens": list(TINY_BUCKETS[task])},
+            "vision": {"images": [{"height": 112, "width": 112}], "max_images": 2},
+        }
+        (root / "spec.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        api.compile(
+            root / "spec.yaml",
+            root / "out",
+            backend="onnxruntime",
+            export_dir=pooled_exports[task],
+            progress=None,
+            status_stream=None,
+        )
+        built[task] = root / "out"
+    return built
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("pool-files")
+    helpers.image(112, 112, 0).save(root / "a.png")
+    helpers.image(96, 128, 3).save(root / "b.png")
+    lines = [
+        {"prompt": "a dog running", "images": ["a.png"]},
+        {"prompt": "tax law"},
+        {"prompt": "", "images": ["b.png"]},
+    ]
+    lines[2]["prompt"] = "picture"
+    (root / "docs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return root
+
+
+def run_cli(capsys, *args):
+    code = main(["run", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _lines(out: str) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "device"])
+def test_run_embed_matches_transformers(compiled, files, capsys, precision):
+    code, out, err = run_cli(
+        capsys,
+        compiled[EMBED],
+        "--embed",
+        "--requests",
+        files / "docs.jsonl",
+        "--compare-hf",
+        "--precision",
+        precision,
+    )
+    assert code == 0, err
+    results = _lines(out)
+    assert [r["index"] for r in results] == [0, 1, 2]
+    for result in results:
+        assert abs(np.linalg.norm(result["embedding"]) - 1) < 1e-3
+    verdicts = [line for line in err.splitlines() if "compare-hf: cosine" in line]
+    bound = "device" if precision == "device" else "fp32"
+    assert len(verdicts) == 3 and all(f"within the {bound} tolerance" in line for line in verdicts), err
+
+
+@pytest.mark.parametrize("precision", ["fp32", "device"])
+def test_run_score_matches_transformers(compiled, files, capsys, precision):
+    code, out, err = run_cli(
+        capsys,
+        compiled[SCORE],
+        "--score",
+        "a dog",
+        "--query-image",
+        files / "a.png",
+        "--requests",
+        files / "docs.jsonl",
+        "--compare-hf",
+        "--precision",
+        precision,
+    )
+    assert code == 0, err
+    scores = [r["score"] for r in _lines(out)]
+    assert len(scores) == 3 and all(0 < s < 1 for s in scores)
+    verdicts = [line for line in err.splitlines() if "compare-hf: |score - transformers|" in line]
+    bound = "device" if precision == "device" else "fp32"
+    assert len(verdicts) == 3 and all(f"within the {bound} tolerance" in line for line in verdicts), err
+
+
+def test_run_embed_matryoshka_prefix(compiled, files, capsys):
+    code, out, _ = run_cli(capsys, compiled[EMBED], "--embed", "--prompt", "dog", "--image", files / "a.png")
+    full = np.array(_lines(out)[0]["embedding"])
+    code, out, _ = run_cli(
+        capsys, compiled[EMBED], "--embed", "--prompt", "dog", "--image", files / "a.png", "--dimensions", 16
+    )
+    cut = np.array(_lines(out)[0]["embedding"])
+    assert code == 0 and cut.shape == (16,)
+    assert np.allclose(cut, full[:16] / np.linalg.norm(full[:16]), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("task", "args", "message"),
+    [
+        (EMBED, ["--score", "q", "--prompt", "x"], "built for task embed; run them with --embed"),
+        (SCORE, ["--embed", "--prompt", "x"], "built for task score; run them with --score QUERY"),
+        (EMBED, ["--embed", "--prompt", "word " * 400], "a pooling program runs a prompt in one call"),
+        (EMBED, ["--embed", "--prompt", "x", "--dimensions", 100000], "--dimensions must be in 1..64"),
+        (EMBED, ["--embed", "--prompt", "x", "--prompt", "y"], "give one --prompt TEXT"),
+        (SCORE, ["--score", "q", "--prompt", "x", "--dimensions", 4], "applies to --embed only"),
+    ],
+)
+def test_run_pooling_bad_input_is_one_line_exit_2(compiled, capsys, task, args, message):
+    code, out, err = run_cli(capsys, compiled[task], *args)
+    assert code == 2 and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+
+
+def test_generation_artifacts_refuse_embed(tmp_path_factory, tiny_checkpoint, exported, capsys):
+    from tests.test_runtime_artifacts import compile_tiny
+
+    out = compile_tiny(tmp_path_factory, tiny_checkpoint, exported)
+    code, _, err = run_cli(capsys, out, "--embed", "--prompt", "x")
+    assert code == 2 and "built for task generate; run them with --prompt (generation)" in err

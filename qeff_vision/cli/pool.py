@@ -60,7 +60,9 @@ def run_pooling(
         if agreement is not None:
             figure, ok = agreement
             measure = "cosine" if task == EMBED else "|score - transformers|"
-            line += f"; compare-hf: {measure} {figure:.6g} ({'within' if ok else 'OUTSIDE'} tolerance)"
+            verdict = "within" if ok else "OUTSIDE"
+            bound = "device" if pooled.device else "fp32"
+            line += f"; compare-hf: {measure} {figure:.8f} ({verdict} the {bound} tolerance)"
             if not ok:
                 failed.append(index)
         click.echo(line, err=True)
