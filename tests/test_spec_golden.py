@@ -203,7 +203,7 @@ def test_validate_reports_every_problem_of_every_file(tmp_path, capsys):
     assert [line for line in lines if line.startswith(f"{bad}: ")] == [
         f"{bad}: colour: unknown key; allowed: name, model, revision, family, config, dtype, batch_size, "
         "full_batch_size, ctx_len, prefill, vision, specialization_layout, compile, deployment, "
-        "kv_cache_prefix, retain_full_kv, weights",
+        "kv_cache_prefix, retain_full_kv, weights, task",
         f"{bad}: batch_size: must be a positive integer (got -1)",
         f"{bad}: prefill.seq_lens[1]: duplicate bucket 64 (also prefill.seq_lens[0])",
     ]

@@ -9,6 +9,7 @@ vLLM tier (tests/vllm_tier) parses the plugin forms with vLLM's own parser.
 from __future__ import annotations
 
 import ast
+import json
 
 import yaml
 
@@ -49,6 +50,8 @@ def test_every_golden_spec_prints_forms_its_launchers_accept():
     specs = [spec for spec in specs if spec.deployment.mode == "dual"]
     assert {spec.family for spec in specs} == {family.name for family in all_families()}
     for spec in specs:
+        if spec.task != "generate":  # one pooling instance (test_pooling_specs_print_...)
+            continue
         golden = (SPECS / "golden" / spec.name / GOLDEN_FILE).read_text()
         assert golden == golden_serve_text(spec), f"{spec.name}: run specialize --update-golden"
         forms = rules.sections(golden)
@@ -135,3 +138,29 @@ def test_validate_warns_when_a_spec_does_not_fit_its_server(tmp_path, tiny_check
     assert problems == []
     assert any("vision_size 1 (bucket 8)" in w for w in warnings), warnings
     assert any("keeps an image's tokens in one chunk" in w for w in warnings), warnings
+
+
+def test_pooling_specs_print_one_pooling_instance_marked_not_served():
+    """Task embed/score: runner pooling (convert embed, or the reranker's overrides), NOT SERVED first."""
+    from qeff_vision.compile.vllm_pooling import POOLING_NOT_SERVED, RERANKER_OVERRIDES
+
+    specs = [load_spec(path) for path in find_specs(SPECS)]
+    pooling = [spec for spec in specs if spec.task != "generate"]
+    assert {spec.task for spec in pooling} == {"embed", "score"}
+    for spec in pooling:
+        golden = (SPECS / "golden" / spec.name / GOLDEN_FILE).read_text()
+        assert golden == golden_serve_text(spec), f"{spec.name}: run specialize --update-golden"
+        forms = rules.sections(golden)
+        assert list(forms) == ["pooling_offline", "pooling_serve"]
+        assert all(command.startswith(POOLING_NOT_SERVED + "\n") for command in forms.values())
+        ((path, words),) = rules.plugin_serve_lines(forms["pooling_serve"])
+        assert path == f"{VISION_QPC}:{LANGUAGE_QPC}" and words[:3] == ["vllm", "serve", "model"]
+        assert words[words.index("--runner") + 1] == "pooling"
+        assert int(words[words.index("--max-model-len") + 1]) == spec.ctx_len
+        (offline,) = _script_llms(forms["pooling_offline"]).values()
+        assert offline["runner"] == "pooling" and offline["max_model_len"] == spec.ctx_len
+        if spec.task == "embed":
+            assert offline["convert"] == "embed" and "llm.embed(" in forms["pooling_offline"]
+        else:
+            assert offline["hf_overrides"] == RERANKER_OVERRIDES and "llm.score(" in forms["pooling_offline"]
+            assert json.loads(words[words.index("--hf-overrides") + 1]) == RERANKER_OVERRIDES

@@ -8,6 +8,7 @@ import click
 import yaml
 
 from qeff_vision import api
+from qeff_vision.contract.tasks import GENERATE, TASKS
 from qeff_vision.errors import UserError
 
 
@@ -85,6 +86,14 @@ from qeff_vision.errors import UserError
     metavar="REV",
     help="Branch, tag or commit of a Hugging Face id (default: main); the commit is recorded.",
 )
+@click.option(
+    "--task",
+    type=click.Choice(TASKS),
+    default=GENERATE,
+    show_default=True,
+    help="The language program: generate (KV-cache decoder), embed or score (pooling programs, "
+    "for specs with that task; the family must declare it).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines or bars on stderr.")
 def export(
     model_dir: str,
@@ -100,6 +109,7 @@ def export(
     sampler_top_k: int | None,
     sampler: tuple[str, ...],
     revision: str | None,
+    task: str,
     quiet: bool,
 ) -> None:
     """Export MODEL's vision encoder and language decoder to OUT/vision and OUT/lang (+ export.json).
@@ -123,6 +133,7 @@ def export(
         sampler=_sampler_keys(sampler),
         quiet=quiet,
         revision=revision,
+        task=task,
     )
     for program in ("vision", "lang"):
         inputs = result.manifest["programs"][program]["inputs"]

@@ -307,8 +307,22 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
     is OUT's copy of the runtime files (``"model"``); when None, the spec's model as written (a
     hub id or a directory on this machine).
     """
+    from qeff_vision.compile.vllm_pooling import pooling_handoff
+    from qeff_vision.contract.tasks import is_pooling
     from qeff_vision.spec import build_specializations
 
+    stills = [image for image in spec.vision.images if not getattr(image, "video", False)]
+    if is_pooling(spec.task):  # one pooling instance, and why the plugin does not serve it
+        return pooling_handoff(
+            spec.task,
+            model=model or spec.model,
+            vision_qpc=vision_qpc,
+            language_qpc=language_qpc,
+            ctx_len=spec.ctx_len,
+            max_images=spec.vision.max_images,
+            resolutions=[(image.height, image.width) for image in stills],
+            devices=spec.compile.vision.num_devices + spec.compile.language.num_devices,
+        )
     language = build_specializations(spec).language.specializations
     plugin_seq_len, _ = plugin_prefill([s.symbols for s in language])
     stills = [image for image in spec.vision.images if not getattr(image, "video", False)]
@@ -337,17 +351,22 @@ def serve_text(manifest: Mapping[str, Any]) -> str:
     vllm = manifest.get("vllm") or {}
     if not vllm.get("available"):
         raise UserError(f"no vLLM hand-off: {vllm.get('reason', 'the manifest has none')}")
+    from qeff_vision.compile.vllm_pooling import POOLING_TITLES
+
     commands = vllm.get("commands") or {}
-    if set(commands) != set(TITLES):
+    titles = next((t for t in (TITLES, POOLING_TITLES) if set(commands) == set(t)), None)
+    if titles is None:
         raise UserError(
             "the manifest's vLLM hand-off is from an older qeff-vision; compile again to refresh it"
         )
-    return "\n\n".join(f"{TITLES[role]}\n{commands[role]}" for role in TITLES) + "\n"
+    return "\n\n".join(f"{titles[role]}\n{commands[role]}" for role in titles) + "\n"
 
 
 def serve_sections(text: str) -> dict[str, str]:
     """The commands of a :func:`serve_text` (role -> command text), for checks and tests."""
-    by_title = {title: role for role, title in TITLES.items()}
+    from qeff_vision.compile.vllm_pooling import POOLING_TITLES
+
+    by_title = {title: role for role, title in (*TITLES.items(), *POOLING_TITLES.items())}
     sections = {}
     for block in text.strip("\n").split("\n\n# "):
         title, _, command = ("# " + block.removeprefix("# ")).partition("\n")

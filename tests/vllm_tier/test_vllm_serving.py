@@ -222,8 +222,10 @@ def test_printed_forms_of_every_golden_spec_parse_with_vllm(tmp_path):
         if spec.deployment.mode != "dual":
             continue  # vLLM forms are generated for the dual deployment only
         forms = serve_sections((SPECS / "golden" / spec.name / "vllm_serve.txt").read_text())
-        serve = [words for _, words in rules.plugin_serve_lines(forms["plugin_serve"])]
-        offline = list(_offline_kwargs(forms["plugin_offline"]))
+        # A pooling spec (task embed/score) prints one pooling instance instead of the two.
+        role = "pooling" if "pooling_serve" in forms else "plugin"
+        serve = [words for _, words in rules.plugin_serve_lines(forms[f"{role}_serve"])]
+        offline = list(_offline_kwargs(forms[f"{role}_offline"]))
         entries.append({"spec": spec.name, "serve": serve, "offline": offline})
     (tmp_path / "forms.json").write_text(json.dumps(entries))
     run = subprocess.run(
@@ -271,3 +273,32 @@ def test_the_on_device_sampler_artifact_and_what_stops_the_plugin(tmp_path):
     source = "\n".join(path.read_text() for path in Path(PLUGIN, "vllm_qaic").rglob("*.py"))
     assert "aic_include_sampler" in source
     assert [name for name in SAMPLER_INPUTS_UNFED if name in source] == []
+
+
+# Pooling programs (spec task embed/score): the plugin's pooling runner on a multimodal model is its
+# vision-encoder instance; the lines of the plugin that make it so (the reason the printed forms
+# give, qeff_vision/compile/vllm_pooling.py POOLING_NOT_SERVED).
+POOLING_NOT = {
+    "vllm_qaic/model_loader/qaic_multimodal.py": (
+        "        if self.is_pooling_model:\n"
+        '            self.is_vision_encoder = "skip_vision" not in override_qaic_config\n',
+        "            self._pooler = VisionEncoderPooler()\n",
+        '    def get_supported_tasks(self) -> Set[PoolingTask]:\n        return {"embed"}\n',
+    ),
+    "vllm_qaic/model_loader/qaic.py": (
+        "        if self.is_pooling_model and not self.is_multimodal_model:\n"
+        "            output = self._run_encode(prefill_cum_sum, input_ids, positions)\n",
+        '                skip_lang = vllm_config.model_config.runner_type == "pooling"\n',
+    ),
+}
+
+
+def test_the_plugin_serves_no_pooling_language_program():
+    """The printed pooling forms say NOT SERVED because of these plugin lines (red when they change)."""
+    from qeff_vision.compile.vllm_pooling import POOLING_NOT_SERVED
+
+    assert "VisionEncoderPooler" in POOLING_NOT_SERVED and "_run_encode" in POOLING_NOT_SERVED
+    for relative, lines in POOLING_NOT.items():
+        source = (Path(PLUGIN) / relative).read_text()
+        for line in lines:
+            assert line in source, (relative, line)
