@@ -124,3 +124,24 @@ def tiered(values, keep=DEFAULT_TIER_FAMILIES, key=lambda value: value):
         return pytest.param(*value if isinstance(value, tuple) else (value,), marks=pytest.mark.slow)
 
     return [value if key(value) in keep else slow(value) for value in values]
+
+
+def with_score_tokens(source: Path, out: Path) -> Path:
+    """A copy of ``source`` (a Qwen3-VL checkpoint) with ``yes`` / ``no`` tokens and random output rows."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    shutil.copytree(source, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    tokenizer.add_tokens(["yes", "no"])
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[-2:] = torch.randn(2, head.shape[1], generator=generator) * head.std()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

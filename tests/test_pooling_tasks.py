@@ -7,7 +7,6 @@ tokenizer has them.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,29 +25,10 @@ FAMILY = "qwen3_vl"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def tiny_reranker(source: Path, out: Path) -> Path:
-    """``source`` (a tiny Qwen3-VL) with ``yes`` / ``no`` tokens and random output rows for them."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
-
-    shutil.copytree(source, out)
-    tokenizer = AutoTokenizer.from_pretrained(str(out))
-    tokenizer.add_tokens(["yes", "no"])
-    model = Qwen3VLForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        head = model.lm_head.weight
-        head[-2:] = torch.randn(2, head.shape[1], generator=generator) * head.std()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tiny_checkpoint, tmp_path_factory):
     embedder = tiny_checkpoint(FAMILY)
-    reranker = tiny_reranker(embedder, tmp_path_factory.mktemp("reranker") / "ckpt")
+    reranker = helpers.with_score_tokens(embedder, tmp_path_factory.mktemp("reranker") / "ckpt")
     return {EMBED: embedder, SCORE: reranker}
 
 
