@@ -27,7 +27,7 @@ from qeff_vision.bad_input import reading
 from qeff_vision.contract.full_kv import has_rings
 from qeff_vision.contract.language_io import DType, LanguageIO
 from qeff_vision.contract.sampler_io import SamplerOptions, sampler_dims, with_sampler
-from qeff_vision.contract.tasks import GENERATE, SCORE, is_pooling, pooled_io
+from qeff_vision.contract.tasks import GENERATE, is_pooling, pooled_io
 from qeff_vision.errors import UserError
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import use_grouped_attention
@@ -35,7 +35,7 @@ from qeff_vision.export.blocked_attention import AttentionBlocking, blocking
 from qeff_vision.export.gated_delta import attach_gated_delta
 from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.opset_upgrade import upgrade_opset
-from qeff_vision.export.pooled import PooledDecoder, score_token_ids
+from qeff_vision.export.pooled import PooledDecoder, checked_task
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.sampler import SamplerDecoder
 from qeff_vision.export.weight_forms import QUANTIZED_OPSET, WeightForm, WrittenWeights, program_forms
@@ -358,17 +358,8 @@ def export_model(
         raise UserError(
             f"{family.title}: no compute-context lengths ({family.features.comp_ctx_lengths.note})"
         )
-    if task not in family.tasks:
-        raise UserError(
-            f"{family.title} does not declare task {task!r} (it declares {', '.join(family.tasks)})"
-        )
-    if is_pooling(task) and (
-        continuous_batching or comp_ctx_lengths or sampler is not None or retain_full_kv
-    ):
-        raise UserError(
-            f"task {task} has no KV cache: no continuous batching, CCL, sampler or full-length KV"
-        )
-    score_ids = score_token_ids(model_dir) if task == SCORE else None
+    stateful = continuous_batching or comp_ctx_lengths or sampler is not None or retain_full_kv
+    score_ids = checked_task(family, task, model_dir, stateful)  # before minutes of work
     if retain_full_kv and not has_rings(family.layer_caches(description)):
         raise UserError(f"{family.title}: no ring layer in this config, so no cache to keep full length")
     dims = family.text_dims(description)

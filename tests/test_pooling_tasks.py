@@ -340,3 +340,17 @@ def test_generation_artifacts_refuse_embed(tmp_path_factory, tiny_checkpoint, ex
     out = compile_tiny(tmp_path_factory, tiny_checkpoint, exported)
     code, _, err = run_cli(capsys, out, "--embed", "--prompt", "x")
     assert code == 2 and "built for task generate; run them with --prompt (generation)" in err
+
+
+def test_export_refuses_an_undeclared_task_and_a_reranker_without_yes_no(
+    tiny_checkpoint, checkpoints, tmp_path
+):
+    from qeff_vision.exporter import export_model
+
+    with pytest.raises(UserError, match="Qwen2.5-VL does not declare task 'embed'"):
+        export_model(tiny_checkpoint("qwen2_5_vl"), tmp_path / "a", task=EMBED, progress=None)
+    with pytest.raises(UserError, match="the tokenizer has no single token 'yes'"):
+        export_model(checkpoints[EMBED], tmp_path / "b", task=SCORE, progress=None)
+    with pytest.raises(UserError, match="task embed has no KV cache"):
+        export_model(checkpoints[EMBED], tmp_path / "c", task=EMBED, continuous_batching=True, progress=None)
+    assert not any((tmp_path / name).exists() for name in "abc")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qeff_vision.contract.language_io import CHUNKED_ATTENTION, SLIDING_ATTENTION, LanguageIO, Role
-from qeff_vision.contract.tasks import EMBED, SCORE, SCORE_TOKENS
+from qeff_vision.contract.tasks import EMBED, SCORE, SCORE_TOKENS, is_pooling
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import (
     DecoderParts,
@@ -50,6 +50,25 @@ def score_token_ids(model_dir: str | Path) -> tuple[int, int]:
             f"sigmoid(logit('yes') - logit('no')) score (task: score needs a reranker checkpoint)"
         )
     return tuple(vocab[token] for token in SCORE_TOKENS)
+
+
+def checked_task(family, task: str, model_dir: str | Path, stateful: bool) -> tuple[int, int] | None:
+    """The score tokens' ids for ``task`` (None unless ``score``), once ``task`` is known to apply.
+
+    Raises:
+        UserError: ``family`` does not declare ``task``, a pooling task meets an option that needs a
+            cache (``stateful``: continuous batching, CCL, the sampler, full-length ring caches), or
+            a ``score`` checkpoint's tokenizer has no ``yes`` / ``no`` token.
+    """
+    if task not in family.tasks:
+        raise UserError(
+            f"{family.title} does not declare task {task!r} (it declares {', '.join(family.tasks)})"
+        )
+    if is_pooling(task) and stateful:
+        raise UserError(
+            f"task {task} has no KV cache: no continuous batching, CCL, sampler or full-length KV"
+        )
+    return score_token_ids(model_dir) if task == SCORE else None
 
 
 def chunk_masks(

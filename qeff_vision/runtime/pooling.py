@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.contract.tasks import EMBED, is_pooling, pooled_output_name
+from qeff_vision.contract.language_io import Role
+from qeff_vision.contract.tasks import EMBED, is_pooling, pooled_io, pooled_output_name
 from qeff_vision.errors import UserError
 
 
@@ -51,6 +52,8 @@ class Pooler:
             raise UserError(f"these programs were built for task {task!r}, not a pooling task (embed, score)")
         self.checkpoint, self.vision, self.language, self.task = checkpoint, vision, language, task
         self.output = pooled_output_name(task)
+        family = checkpoint.family
+        self.io = pooled_io(family.language_io(checkpoint.dims.num_layers), task)
 
     def buckets(self) -> list[tuple[int, int]] | None:
         """(seq_len, vision_size) of every compiled bucket, ascending; None when any shape runs."""
@@ -99,34 +102,31 @@ class Pooler:
         pad = seq_len - length
         padded_ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=self._pad_id())
         padded_positions = np.pad(positions, [(0, 0)] * (positions.ndim - 1) + [(0, pad)], constant_values=-1)
-        feeds = {symbols.INPUT_IDS: padded_ids, symbols.POSITION_IDS: padded_positions}
         dtypes = getattr(self.language, "input_dtypes", {})
-        for name, dims in self._vision_inputs().items():
-            value = rows.get(name)
-            if value is None:  # a prompt without images: one zero row
-                value = np.zeros((*self._stack(dims), 0, self.checkpoint.dims.hidden_size), np.float32)
-            block = np.zeros((*value.shape[:-2], vision_size, value.shape[-1]), dtype=value.dtype)
-            block[..., : value.shape[-2], :] = value
-            block = block.reshape(*value.shape[:-2], 1, vision_size, value.shape[-1])
-            feeds[name] = block.astype(dtypes.get(name, np.float32))
-        feeds[symbols.IMAGE_IDX] = np.zeros((1, 1), dtype=np.int64)
-        return feeds
+        hidden = self.checkpoint.dims.hidden_size
+        vision = {}
+        for row in self.io.rows(Role.VISION_ROWS):  # vision_embeds, then stacked rows (deepstack)
+            value = rows.get(row.name)
+            if value is None:  # a prompt without images: no rows, all padding
+                value = np.zeros((*self._stack(row.shape), 0, hidden), np.float32)
+            block = np.zeros((*value.shape[:-2], 1, vision_size, value.shape[-1]), dtype=value.dtype)
+            block[..., 0, : value.shape[-2], :] = value
+            vision[row.name] = block.astype(dtypes.get(row.name, np.float32))
+        return self.io.feeds(
+            {
+                Role.TOKEN_IDS: padded_ids,
+                Role.POSITIONS: padded_positions,
+                Role.VISION_ROWS: vision,
+                Role.VISION_CURSOR: np.zeros((1, 1), dtype=np.int64),
+            }
+        )
 
-    def _vision_inputs(self) -> dict[str, list]:
-        """Name -> dims of the language program's vision-row inputs (vision_embeds, stacked rows)."""
-        stacked = list(self.checkpoint.family.stacked_vision_rows)
-        names = [symbols.VISION_EMBEDS, *stacked]
-        dims = getattr(self.language, "input_dims", {})
-        return {name: dims.get(name, []) for name in names}
-
-    def _stack(self, dims: Sequence) -> tuple[int, ...]:
+    def _stack(self, shape: Sequence) -> tuple[int, ...]:
         """Leading stack axes of a vision-row input (a stacked row's depth), for a prompt without images."""
-        if len(dims) <= 3:
+        if len(shape) <= 3:
             return ()
-        depth = dims[0]
-        if not isinstance(depth, int):
-            depth = self.checkpoint.family.language_symbols(self.checkpoint.description)[depth]
-        return (depth,)
+        symbols_of = self.checkpoint.family.language_symbols(self.checkpoint.description)
+        return (shape[0] if isinstance(shape[0], int) else symbols_of[shape[0]],)
 
     def _pad_id(self) -> int:
         tokenizer = self.checkpoint.tokenizer
