@@ -14,6 +14,7 @@ def families_table() -> str:
     for family in all_families():
         rows.append((f"{family.name} [{family.title}]", "architectures", ", ".join(family.architectures)))
         rows.append(("", "decoder kind", family.decoder_kind.name))
+        rows.append(("", "tasks", ", ".join(family.tasks)))  # spec key task (docs/guide/embeddings.md)
         rows.extend(("", feature, support.cell()) for feature, support in family.features.rows())
     widths = [max(len(row[i]) for row in rows) for i in range(2)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows)

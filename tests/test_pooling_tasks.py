@@ -354,3 +354,14 @@ def test_export_refuses_an_undeclared_task_and_a_reranker_without_yes_no(
     with pytest.raises(UserError, match="task embed has no KV cache"):
         export_model(checkpoints[EMBED], tmp_path / "c", task=EMBED, continuous_batching=True, progress=None)
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_families_table_lists_each_family_s_tasks():
+    from qeff_vision import api
+
+    table = api.families_table()
+    for family in all_families():
+        block = table.split(f"{family.name} [{family.title}]")[1]
+        line = next(line for line in block.splitlines() if line.split()[:1] == ["tasks"])
+        assert line.split(None, 1)[1] == ", ".join(family.tasks)
+    assert get_family(FAMILY).tasks == ("generate", EMBED, SCORE)
