@@ -365,3 +365,15 @@ def test_families_table_lists_each_family_s_tasks():
         line = next(line for line in block.splitlines() if line.split()[:1] == ["tasks"])
         assert line.split(None, 1)[1] == ", ".join(family.tasks)
     assert get_family(FAMILY).tasks == ("generate", EMBED, SCORE)
+
+
+@pytest.mark.parametrize("tasks", [(EMBED,), ("generate", "classify")])
+def test_registration_refuses_tasks_without_generate_or_unknown(tasks):
+    from qeff_vision.families import register
+    from qeff_vision.families.qwen3_vl import Qwen3_VL
+
+    family = get_family(FAMILY)
+    odd = type("OddTasks", (Qwen3_VL,), {"name": "odd_tasks_family", "tasks": tasks})
+    with pytest.raises(TypeError, match="tasks must include generate and name only generate, embed, score"):
+        register(odd, host=lambda: family.parts.host, adapter=family.parts.adapter, tiny=family.parts.tiny)
+    assert "odd_tasks_family" not in {f.name for f in all_families()}

@@ -13,6 +13,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 
+from qeff_vision.contract.tasks import GENERATE, TASKS
 from qeff_vision.errors import UserError
 from qeff_vision.families.base import Family, FamilyParts, ImageSize, ModelDescription, describe_checkpoint
 from qeff_vision.families.host import Host
@@ -72,6 +73,8 @@ def register(
         ]
     if not family.vision_input_axes:
         problems.append("vision_input_axes is empty")
+    if GENERATE not in family.tasks or not set(family.tasks) <= set(TASKS):
+        problems.append(f"tasks must include {GENERATE} and name only {', '.join(TASKS)}")
     host_class = host() if callable(host) else None
     if not (isinstance(host_class, type) and issubclass(host_class, Host)):
         problems.append("host must be a loader returning a Host subclass")
