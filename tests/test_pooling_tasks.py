@@ -377,3 +377,57 @@ def test_registration_refuses_tasks_without_generate_or_unknown(tasks):
     with pytest.raises(TypeError, match="tasks must include generate and name only generate, embed, score"):
         register(odd, host=lambda: family.parts.host, adapter=family.parts.adapter, tiny=family.parts.tiny)
     assert "odd_tasks_family" not in {f.name for f in all_families()}
+
+
+@pytest.mark.parametrize("task", [EMBED, SCORE])
+def test_stand_in_compile_and_device_runtime_run_the_pooling_program(
+    task, pooled_exports, checkpoints, files, tmp_path, monkeypatch
+):
+    """Backend qaic: the stand-in compiler takes the argv (no -retained-state: nothing is retained);
+    the SDK-runtime double runs the QPCs, within the device bounds of transformers."""
+    import importlib
+    import json
+    import sys
+
+    import yaml
+
+    from qeff_vision import api
+    from qeff_vision.runtime.pooling_run import PoolInput, pool_inputs
+    from tests.compile_fixtures import calls, stand_in
+
+    compiler, record = stand_in(tmp_path)
+    spec = {
+        "name": f"qaic-{task}",
+        "model": str(checkpoints[task]),
+        "task": task,
+        "ctx_len": 512,
+        "prefill": {"seq_lens": [128, 512]},
+        "vision": {"images": [{"height": 112, "width": 112}], "max_images": 2},
+        "compile": {"node_precision": "none"},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    api.compile(
+        tmp_path / "spec.yaml",
+        tmp_path / "out",
+        compiler=str(compiler),
+        export_dir=pooled_exports[task],
+        progress=None,
+        status_stream=None,
+    )
+    argvs = {Path(call["argv"][1].removeprefix("-m=")).parent.name: call["argv"] for call in calls(record)}
+    assert "-retained-state" not in argvs["lang"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["backend"] == "qaic" and manifest["vllm"]["served"] is False
+    double = Path(__file__).with_name("device_double")
+    monkeypatch.syspath_prepend(str(double))
+    for name in ("qaicrt", "QAicApi_pb2"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.import_module("qaicrt")
+    query = PoolInput("a dog", (files / "a.png",)) if task == SCORE else None
+    items = [PoolInput("a dog running", (files / "a.png",)), PoolInput("tax law")]
+    results = pool_inputs(tmp_path / "out", items, task, query=query, compare_hf=True)
+    for result in results:
+        figure, ok = result.agreement(task)
+        assert result.device and ok, figure
+    for name in ("qaicrt", "QAicApi_pb2"):
+        sys.modules.pop(name, None)

@@ -91,6 +91,7 @@ def build_argv(
     *,
     compiler_name: str = QAIC_EXEC,
     hw_version: str | None = None,
+    retained_state: bool | None = None,
 ) -> list[str]:
     """The full compiler argv for one program. Pure: no file is read or written.
 
@@ -104,6 +105,8 @@ def build_argv(
             ``qaic-compile`` (compiles only).
         hw_version: ``-aic-hw-version`` value as the SDK spells it; ``options.aic_hw_version`` by
             default.
+        retained_state: Pass ``-retained-state``; by default for a language program. A pooling
+            language program (spec ``task: embed | score``) keeps no state: False.
     """
     if (files.partition_config is not None) != (options.num_devices > 1):
         raise ValueError("a partition file must be given exactly when num_devices > 1")
@@ -116,7 +119,7 @@ def build_argv(
     ]
     if files.custom_io is not None:
         argv.append(f"-custom-IO-list-file={files.custom_io}")
-    if is_language(program):
+    if is_language(program) if retained_state is None else retained_state:
         argv.append("-retained-state")
     if options.convert_to_fp16:
         argv.append("-convert-to-fp16")
@@ -156,6 +159,7 @@ def argv_without_paths(
     compiler_name: str = QAIC_EXEC,
     hw_version: str | None = None,
     has_plan: bool = False,
+    retained_state: bool | None = None,
 ) -> list[str]:
     """The argv with every path replaced by a placeholder and argv[0] by the compiler's name.
 
@@ -163,7 +167,13 @@ def argv_without_paths(
     """
     files = ProgramFiles.placeholders(options, has_custom_io, has_plan)
     return build_argv(
-        compiler_name, program, files, options, compiler_name=compiler_name, hw_version=hw_version
+        compiler_name,
+        program,
+        files,
+        options,
+        compiler_name=compiler_name,
+        hw_version=hw_version,
+        retained_state=retained_state,
     )
 
 

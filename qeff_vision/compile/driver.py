@@ -65,6 +65,7 @@ from qeff_vision.compile_record import (
     tool_name,
 )
 from qeff_vision.contract.attention_blocking import DEVICE_ITEM_BYTES
+from qeff_vision.contract.tasks import is_pooling
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import (
     atomic_write_json,
@@ -476,6 +477,8 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
     sdk, exported = run.sdk, run.export.manifest is not None
     hw_version = sdk.hw_version_flag_value(plan.options.aic_hw_version) if sdk else None
     plan_file = plan.precision.path if plan.precision else None
+    # A pooling language program (task embed/score) keeps nothing on the device between calls.
+    retained = False if is_pooling(run.spec.task) else None
     key_inputs = {
         "onnx": hasher.onnx(plan.onnx) if exported else None,
         "argv": argv_without_paths(
@@ -485,6 +488,7 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
             compiler_name=compiler_name,
             hw_version=hw_version,
             has_plan=plan_file is not None,
+            retained_state=retained,
         ),
         "specializations": plan.specializations_file.read_text(encoding="utf-8"),
         "node_precision": plan_file.read_text(encoding="utf-8") if plan_file else None,
@@ -498,7 +502,13 @@ def _program_command(run: _Run, plan: ProgramPlan, argv0, compiler_name: str, ha
         plan.onnx, plan.specializations_file, plan.custom_io_file, plan.partition_file, binary_dir, plan_file
     )
     argv = build_argv(
-        argv0, plan.program, files, plan.options, compiler_name=compiler_name, hw_version=hw_version
+        argv0,
+        plan.program,
+        files,
+        plan.options,
+        compiler_name=compiler_name,
+        hw_version=hw_version,
+        retained_state=retained,
     )
     return key, key_inputs, argv, binary_dir
 
