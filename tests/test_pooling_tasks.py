@@ -186,7 +186,10 @@ def test_bad_or_undeclared_task_is_one_line_exit_2(tmp_path, capsys, task, confi
 
 
 def test_pooling_specs_have_no_decode(tmp_path):
+    import re
+
     from qeff_vision.spec import build_specializations, load_spec
+    from qeff_vision.spec.table import specialization_table
 
     for task in (EMBED, SCORE):
         generated = build_specializations(load_spec(_spec(tmp_path, task)))
@@ -194,6 +197,9 @@ def test_pooling_specs_have_no_decode(tmp_path):
         assert names == ["Prefill-256", "Prefill-2048"]
         assert all("ctx_len" not in s.symbols for s in generated.language.specializations)
         assert not generated.language.custom_io  # nothing retained
+        table = specialization_table(generated)
+        assert "fits@256  fits@2048" in table and "chunks@" not in table
+        assert re.search(r"224x224\s+64\s+Vision-224x224\s+yes\s+yes", table), table
 
 
 # ---- compile + run --embed / --score on the onnxruntime backend ----

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from qeff_vision import symbols
+from qeff_vision.contract.tasks import is_pooling
 from qeff_vision.families import get_family
 from qeff_vision.spec.buckets import admission_lines
 from qeff_vision.spec.specializations import ProgramSpecializations
@@ -66,14 +67,24 @@ def specialization_table(result: ProgramSpecializations) -> str:
             shown = [k for k in keys if k in entry.symbols]
             rows.append((label, entry.name, " ".join(f"{k}={entry.symbols[k]}" for k in shown)))
     seq_lens = spec.prefill.seq_lens
+    # A pooling program (task embed/score) runs a prompt in one call: whether the image's rows fit
+    # each bucket, not how many chunks it spans.
+    pooling = is_pooling(spec.task)
+    column = "fits@" if pooling else "chunks@"
     image_rows: list[tuple[str, ...]] = [
-        ("image", "tokens", "vision specialization", *(f"chunks@{s}" for s in seq_lens))
+        ("image", "tokens", "vision specialization", *(f"{column}{s}" for s in seq_lens))
     ]
+    if pooling:  # one prefill specialization per bucket, in bucket order (no decode, no CCL)
+        entries = result.language.specializations
+        sizes = {s: int(e.symbols.get(symbols.VISION_SIZE, 0)) for s, e in zip(seq_lens, entries)}
     for image in result.images:
         label = f"{image.image.height}x{image.image.width}"
         if image.image.frames != 1:
             label += f"x{image.image.frames}f"
-        spans = [_span_cell(*image.chunks[s]) for s in seq_lens]
+        if pooling:
+            spans = ["yes" if image.tokens <= min(s, sizes[s]) else "no" for s in seq_lens]
+        else:
+            spans = [_span_cell(*image.chunks[s]) for s in seq_lens]
         image_rows.append((label, str(image.tokens), image.vision_specialization, *spans))
     lines = [header, "", *_columns(rows), ""]
     if spec.vision.patch_buckets:
