@@ -11,6 +11,7 @@ same mistakes the real one would.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -193,3 +194,35 @@ def test_stand_in_refuses_what_ai200_or_ai100_cannot_take(hw, switches, io, refu
         stand_in.check_hardware(hw, switches, io, outputs, floats)
     good = {"past_key.0": "bfloat16", "pixel_values": "bfloat16"}
     stand_in.check_hardware(AI200, set(), good, outputs, floats)  # accepted
+
+
+def test_validate_prints_memory_per_device_and_says_ai200_memory_is_unpublished(tiny_checkpoint, tmp_path):
+    from qeff_vision.api import memory_fit
+    from qeff_vision.spec.memory_fit import checkpoint_parameters
+
+    checkpoint = tiny_checkpoint("qwen2_5_vl")
+    parameters = checkpoint_parameters(checkpoint)
+    assert parameters and parameters > 10_000
+    lines = {}
+    for name, section in (
+        ("ai100", {}),
+        ("ai100-mxint8", {"language": {"kv_cache_dtype": "mxint8"}}),
+        ("ai200", {"aic_hw_version": "ai200"}),
+        ("ai200-2dev", {"aic_hw_version": "ai200", "language": {"num_devices": 2}}),
+    ):
+        spec = write_spec(
+            tmp_path / f"{name}.yaml", model=str(checkpoint), config=None, compile_section=section
+        )
+        lines[name] = memory_fit(spec)
+    state = {
+        name: int(re.search(r"retained state [^(]*\(([\d,]+) bytes", found[0]).group(1).replace(",", ""))
+        for name, found in lines.items()
+    }
+    assert f"{parameters:,} parameters at 2 bytes, bfloat16" in lines["ai200"][0]
+    assert state["ai200"] == state["ai100"] > state["ai100-mxint8"]  # bf16 and fp16: 2 bytes
+    assert "on 2 device(s)" in lines["ai200-2dev"][0]
+    assert lines["ai200"][1].startswith("fit not judged: Cloud AI 200's memory per device is not published")
+    assert len(lines["ai100"]) == 1  # no claim about the ai100 card's memory either way
+    # A hub id: weights are unknown, not guessed.
+    hub = memory_fit(write_spec(tmp_path / "hub.yaml", compile_section={"aic_hw_version": "ai200"}))
+    assert "weights: unknown until the checkpoint is local" in hub[0]
