@@ -122,7 +122,9 @@ def test_every_family_compiles_for_ai200_in_bfloat16(family, tiny_checkpoint, tm
 
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["hardware"]["aic_hw_version"] == "ai200"
-    assert "calibration" not in json.dumps(manifest.get("timings", {}))
+    # No precision plan: every program's mode is bf16, no plan file was written.
+    assert {entry["node_precision"]["mode"] for entry in manifest["programs"].values()} == {"bf16"}
+    assert not list(out.rglob("node_precision.yaml"))
     invocations = calls(record)
     assert len(invocations) == len(manifest["programs"]) == 2
     export = json.loads((out / "export" / "export.json").read_text())
