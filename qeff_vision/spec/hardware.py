@@ -26,6 +26,7 @@ from pathlib import Path
 AI100 = "ai100"
 AI200 = "ai200"
 AUTO = "auto"
+BFLOAT16 = "bfloat16"
 # "2.0" is how older SDKs (and older QEfficient) spell ai100.
 AI100_NUMERIC = "2.0"
 QAIC_UTIL_ENV = "QAIC_UTIL"
