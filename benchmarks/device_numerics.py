@@ -16,14 +16,21 @@ each emulation and is compared with transformers' fp32 generate:
 * fp16 (auto): device precision with the automatic plan (calibration prompts, as ``compile``).
 * + mxfp6 E2M3 / E3M2: matmul weights as OCP MXFP6 (the element the compiler uses is not public).
 * + mxint8 KV: the KV cache stored as OCP MXINT8.
+* bf16 (ai200): device precision as an ``aic_hw_version: ai200`` program computes, every float value
+  (weights included) rounded to bf16, nearest even, no node kept fp32 (issue 49).
+* transformers bf16: transformers itself with the checkpoint and inputs cast to bf16 (what a bf16
+  GPU deployment computes), for scale.
 
 Columns: plan size (of every non-matmul output), QEfficient's rule for Gemma 4 on the same graphs
 (ref: QEfficient transformers/models/gemma4/modeling_gemma4.py, ``generate_npi_file`` and
 ``generate_vision_npi_file``: every language node output except data movement, shapes, constants
 and CustomRMSNorm; every vision Add and CustomRMSNorm output), the worst step's max |logit difference| divided
 by transformers' logit range, and greedy tokens identical to transformers out of those generated
-("inf/NaN" when the emulation overflowed). Random tiny weights are far from a trained model's
-distribution: read the MX rows as the size of the effect, not as a model's accuracy.
+("inf/NaN" when the emulation overflowed); then the same deviation teacher-forced (transformers fp32
+forced to the emulation's own tokens, so every step compares one history) and the first step
+where the emulation's greedy token differs from transformers' fp32 one ("-": none). Random tiny
+weights are far from a trained model's distribution: read the MX and bf16 rows as the size of the
+effect, not as a model's accuracy.
 """
 
 from __future__ import annotations
@@ -127,8 +134,8 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.exporter import export_model
     from qeff_vision.inputs.prompt import process_turn
-    from qeff_vision.numerics.device import MxEmulation
-    from qeff_vision.reference import reference_generate
+    from qeff_vision.numerics.device import Bf16Values, MxEmulation
+    from qeff_vision.reference import reference_generate, reference_teacher_forced
     from qeff_vision.runtime.generate import generator_for_export
     from qeff_vision.runtime.language_shape import LanguageShape
     from qeff_vision.runtime.planner import PrefillBucket
@@ -140,7 +147,8 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
     export_model(checkpoint, export, progress=None)
     opened = Checkpoint.open(checkpoint)
     inputs = process_turn(opened.processor, [synthetic_image(100, 150)], "Describe this image.")
-    hf_tokens, hf_logits = reference_generate(opened.reference_model(), inputs, max_new_tokens=tokens)
+    reference = opened.reference_model()
+    hf_tokens, hf_logits = reference_generate(reference, inputs, max_new_tokens=tokens)
     length = inputs["input_ids"].shape[1]
     plans, candidates = auto_plans(export, length + 3)
     kept = sum(len(v) for v in plans.values())
@@ -155,22 +163,55 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
         ("+ mxfp6 E2M3", plans, MxEmulation("fp6_e2m3"), f"{kept}/{candidates}"),
         ("+ mxfp6 E3M2", plans, MxEmulation("fp6_e3m2"), f"{kept}/{candidates}"),
         ("+ mxint8 KV", plans, MxEmulation(None, kv_mxint8=True), f"{kept}/{candidates}"),
+        ("bf16 (ai200)", {"vision": Bf16Values(), "lang": Bf16Values()}, None, "0"),
     ]
+
+    def _compared(own_tokens, own_logits) -> tuple[str, ...]:
+        """Free-running deviation, tokens = HF, teacher-forced deviation, first divergence."""
+        same = sum(1 for a, b in zip(own_tokens, hf_tokens) if a == b)
+        forced = reference_teacher_forced(reference, inputs, own_tokens)
+        differ = next((step for step, (a, b) in enumerate(zip(own_tokens, hf_tokens)) if a != b), None)
+        return (
+            f"{_deviation(own_logits, hf_logits):.2e}",
+            f"{same}/{len(hf_tokens)}",
+            f"{_deviation(own_logits, forced):.2e}",
+            "-" if differ is None else str(differ),
+        )
+
     rows = []
     for label, plan, mx, plan_cell in emulations:
         generator = generator_for_export(export, shape, fp32_values=plan, mx=mx)
         try:
             result = generator.generate(inputs, max_new_tokens=tokens, keep_logits=True)
         except DeviceOverflow:
-            rows.append((name, label, plan_cell, rule, "inf/NaN", "-"))
+            rows.append((name, label, plan_cell, rule, "inf/NaN", "-", "-", "-"))
             continue
-        worst = max(
-            float(np.abs(ours - ref).max() / (ref.max() - ref.min()))
-            for ours, ref in zip(result.logits, hf_logits)
-        )
-        same = sum(1 for a, b in zip(result.tokens, hf_tokens) if a == b)
-        rows.append((name, label, plan_cell, rule, f"{worst:.2e}", f"{same}/{len(hf_tokens)}"))
+        rows.append((name, label, plan_cell, rule, *_compared(result.tokens, result.logits)))
+    bf16_tokens, bf16_logits = _bf16_generate(reference, inputs, tokens)
+    rows.append((name, "transformers bf16", "-", rule, *_compared(bf16_tokens, bf16_logits)))
     return rows
+
+
+def _bf16_generate(model, inputs, tokens: int):
+    """transformers' greedy generate with the model and its float inputs in bf16."""
+    import copy
+
+    import torch
+
+    from qeff_vision.reference import reference_generate
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    cast = {
+        n: torch.as_tensor(v).to(torch.bfloat16) if torch.as_tensor(v).is_floating_point() else v
+        for n, v in inputs.items()
+    }
+    return reference_generate(half, cast, max_new_tokens=tokens)
+
+
+def _deviation(logits, references) -> float:
+    return max(
+        float(np.abs(ours - ref).max() / (ref.max() - ref.min())) for ours, ref in zip(logits, references)
+    )
 
 
 SMOKE_HELP = "Smallest run that still takes every code path (a quick check; figures not meaningful)."
@@ -197,6 +238,8 @@ def main() -> None:
             "QEff Gemma 4 rule",
             "max |dlogit| / range",
             "tokens = HF",
+            "teacher-forced |dlogit| / range",
+            "first divergence",
         )
         rows = [row for name in args.families for row in measure(name, root, args.tokens)]
         widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]

@@ -214,6 +214,18 @@ def validate(spec_path):
     return [], [*spec.warnings, *serving_warnings(build_specializations(spec))]
 
 
+def memory_fit(spec_path) -> list[str]:
+    """Weights and retained-state bytes per device for a valid spec's target (``spec/memory_fit.py``).
+
+    Raises:
+        SpecError: The spec is invalid.
+    """
+    from qeff_vision.spec import load_spec
+    from qeff_vision.spec.memory_fit import memory_lines
+
+    return memory_lines(load_spec(spec_path))
+
+
 def deployment_notes(spec_path) -> list[str]:
     """What a valid spec's deployment options cost or change.
 

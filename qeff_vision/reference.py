@@ -144,3 +144,53 @@ class TokenComparison:
             f"tokens DIFFER from transformers generate at step {index}: ours {ours}, transformers {theirs} "
             f"({len(self.ours)} vs {len(self.reference)} tokens)"
         )
+
+
+def reference_teacher_forced(
+    model, processed: Mapping[str, Any], tokens: Sequence[int], dtype: str | None = None
+) -> list[np.ndarray]:
+    """The logits rows of transformers at each step of ``tokens`` fed as its own choices (teacher forcing).
+
+    ``generate`` runs with a logits processor that forces the next of ``tokens``; the logits it
+    returns are the raw rows before that processor, so step ``i`` is the model's prediction after
+    the prompt and ``tokens[:i]`` whatever it would have chosen. ``generate`` extends each family's
+    extra inputs (masks, token types, cross-attention masks) as it does for its own tokens.
+
+    Args:
+        model: A transformers model (:func:`load_reference_model`).
+        processed: Processor outputs for the prompt.
+        tokens: The tokens to force (another run's generation).
+        dtype: ``bfloat16`` runs the model and its float inputs in bf16 (a copy; ``model`` is
+            unchanged), as a bf16 deployment computes; ``None`` keeps the model's dtype.
+    """
+    import copy
+
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    inputs = {name: torch.as_tensor(value) for name, value in processed.items()}
+    if dtype is not None:
+        torch_dtype = getattr(torch, dtype)
+        model = copy.deepcopy(model).to(torch_dtype)
+        inputs = {n: v.to(torch_dtype) if v.is_floating_point() else v for n, v in inputs.items()}
+
+    class Forced(LogitsProcessor):
+        def __init__(self):
+            self.step = 0
+
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, tokens[min(self.step, len(tokens) - 1)]] = 0.0
+            self.step += 1
+            return forced
+
+    options = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "eos_token_id": None}
+    options.update(max_new_tokens=len(tokens), min_new_tokens=len(tokens), output_logits=True)
+    with torch.no_grad():
+        out = model.generate(
+            **inputs,
+            **options,
+            return_dict_in_generate=True,
+            logits_processor=LogitsProcessorList([Forced()]),
+        )
+    return [step[0].float().numpy() for step in out.logits]

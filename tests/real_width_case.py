@@ -43,7 +43,7 @@ CUTS = {"kimi_k25": {"vision_layers": 1, "dtype": "bfloat16"}}
 STORED = {"kimi_k25": ("ct-int4", r"\.experts\.\d+\."), "qwen3_vl": ("fp8-block", None)}
 
 
-def write_spec(path: Path, checkpoint: Path, name: str, family: str) -> Path:
+def write_spec(path: Path, checkpoint: Path, name: str, family: str, ai200: bool = False) -> Path:
     """A dual-program spec for ``checkpoint``: 128- and 512-token chunks, one image size, compile defaults.
 
     ``vision_size: chunk`` where the family has a dynamic vision size (the cross-attention kind
@@ -61,6 +61,8 @@ def write_spec(path: Path, checkpoint: Path, name: str, family: str) -> Path:
         "prefill": {"seq_lens": SEQ_LENS},
         "vision": vision,
     }
+    if ai200:  # issue 49: bfloat16 compute, bf16 weights and custom IO, no calibration
+        spec["compile"] = {"aic_hw_version": "ai200"}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
@@ -207,6 +209,80 @@ def run_case(family: str, work: Path, new_tokens: int, stored: bool = False) -> 
     }
 
 
+def run_ai200(family: str, work: Path, new_tokens: int, stored: bool = False) -> dict:
+    """``--ai200``: the checkpoint drawn in bf16, compiled for ai200, against transformers in bf16.
+
+    transformers runs the bf16 checkpoint with its float inputs in bf16 (greedy); our device
+    precision (the bf16 emulation) is teacher-forced on its tokens, so each step compares.
+    """
+    import copy
+
+    import torch
+
+    from qeff_vision import api
+    from qeff_vision.fsutil import release_memory
+    from qeff_vision.real_width import build_real_width_checkpoint, smallest_pinned_config
+    from qeff_vision.reference import load_reference_model, reference_generate
+
+    seconds = {}
+    start = time.perf_counter()
+    config = smallest_pinned_config(family)
+    cuts = {**CUTS.get(family, {}), "dtype": "bfloat16"}
+    checkpoint = build_real_width_checkpoint(family, work / "checkpoint", config=config, **cuts)
+    seconds["build"] = time.perf_counter() - start
+    spec = write_spec(work / "spec.yaml", checkpoint, f"{family}-ai200", family, ai200=True)
+    _say(f"built {checkpoint} in {seconds['build']:.0f} s")
+    start = time.perf_counter()
+    outcome = api.compile(spec, work / "out", backend="onnxruntime", progress=_say, status_stream=None)
+    seconds["compile"] = time.perf_counter() - start
+    _say(f"compiled in {seconds['compile']:.0f} s")
+    programs = outcome.manifest["programs"]
+    checked = {
+        name: [
+            {key: run[key] for key in ("index", "device_precision") if key in run}
+            for run in (entry.get("verification") or {}).get("runs", [])
+        ]
+        for name, entry in programs.items()
+    }
+    plan = {name: (entry.get("node_precision") or {}).get("mode") for name, entry in programs.items()}
+    weights = {
+        name: entry["weights"]
+        for name, entry in json.loads((work / "out" / "export" / "export.json").read_text())[
+            "programs"
+        ].items()
+    }
+    # The prompt as our runtime processes it (one fp32 run gives the processed inputs).
+    _, processed = _ask(work / "out", "fp32", 1)
+    model = copy.deepcopy(load_reference_model(checkpoint)).to(torch.bfloat16)
+    inputs = {
+        name: torch.as_tensor(value).to(torch.bfloat16)
+        if torch.as_tensor(value).is_floating_point()
+        else value
+        for name, value in processed.items()
+    }
+    start = time.perf_counter()
+    reference = reference_generate(model, inputs, new_tokens, eos_token_ids=())
+    seconds["transformers"] = time.perf_counter() - start
+    del model
+    release_memory()
+    seconds["run_device"], (device, _) = _timed(
+        lambda: _ask(work / "out", "device", new_tokens, reference[0])
+    )
+    _say(f"ran at device precision (bf16, teacher-forced) in {seconds['run_device']:.0f} s")
+    return {
+        "family": family,
+        "config": config.parent.name,
+        "checkpoint_bytes": sum(p.stat().st_size for p in checkpoint.glob("*.safetensors")),
+        "weights": weights,
+        "prompt_tokens": int(np.asarray(processed["input_ids"]).shape[-1]),
+        "plan": plan,
+        "verification": checked,
+        "device": compare(device, reference),
+        "seconds": seconds,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
 def run_export_only(family: str, work: Path, new_tokens: int, stored: bool = False) -> dict:
     """Diagnosis without compile: export, then the fp32 graphs against transformers (far less memory)."""
     from qeff_vision import api
@@ -264,10 +340,13 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--export-only", action="store_true", help="no compile: export and fp32 runs only")
     parser.add_argument("--stored", action="store_true", help="draw the checkpoint as its release stores it")
+    parser.add_argument(
+        "--ai200", action="store_true", help="bf16 checkpoint compiled for ai200, vs transformers bf16"
+    )
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_sample_rss, daemon=True).start()
-    case = run_export_only if args.export_only else run_case
+    case = run_ai200 if args.ai200 else run_export_only if args.export_only else run_case
     print(json.dumps(case(args.family, args.work, args.new_tokens, args.stored)))
     return 0
 

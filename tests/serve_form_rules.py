@@ -37,7 +37,14 @@ LAUNCHER_FLAGS = {
     "--decode-override-qaic-config",
 }
 # The vLLM engine flags the printed E-PD form uses (vLLM's parser, kept by the launcher).
-VLLM_FLAGS = {"--model", "--max-model-len", "--limit-mm-per-prompt", "--quantization", "--kv-cache-dtype"}
+VLLM_FLAGS = {
+    "--model",
+    "--max-model-len",
+    "--limit-mm-per-prompt",
+    "--quantization",
+    "--kv-cache-dtype",
+    "--dtype",  # ai200 programs: bfloat16
+}
 VLLM_SWITCHES = {"--enable-prefix-caching"}
 REMOVED = {
     "--device-group",

@@ -67,7 +67,7 @@ def test_every_problem_reported_with_its_yaml_path():
             "spec.compile.vision.num_devices: must be a positive integer",
             "spec.compile.vision.mxfp6_matmul: must be true or false",
             "spec.compile.language.num_cores: must be at most 16 (cores of one device)",
-            "spec.compile.language.kv_cache_dtype: must be one of float16, mxint8 (got 'int4')",
+            "spec.compile.language.kv_cache_dtype: must be one of float16, mxint8, bfloat16 (got 'int4')",
             "spec.compile.language.timeout: must be a positive number of seconds",
             "spec.compile.language.mos: must be a positive integer",
             "spec.compile.language.extra_flags: unknown key; allowed: num_cores, num_devices, mxfp6_matmul, "

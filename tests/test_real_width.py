@@ -79,10 +79,13 @@ def _watch_rss(process: subprocess.Popen, budget_bytes: float, peak: list[float]
         return
 
 
-def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS, stored: bool = False) -> dict:
+def run_family(
+    family: str, work: Path, new_tokens: int = NEW_TOKENS, stored: bool = False, ai200: bool = False
+) -> dict:
     """tests/real_width_case.py for ``family`` in its own process, under the RSS budget.
 
-    ``stored``: the checkpoint drawn as the family's release stores it (``--stored``).
+    ``stored``: the checkpoint drawn as the family's release stores it (``--stored``); ``ai200``:
+    drawn in bf16 and compiled for ai200 (``--ai200``).
     """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
@@ -94,6 +97,7 @@ def run_family(family: str, work: Path, new_tokens: int = NEW_TOKENS, stored: bo
         "--new-tokens",
         str(new_tokens),
         *(["--stored"] if stored else []),
+        *(["--ai200"] if ai200 else []),
     ]
     log = work.parent / f"{family}.log"
     with open(log, "w") as stderr:
@@ -178,3 +182,36 @@ def test_real_width_published_quantized_checkpoint_matches_transformers(family, 
     check_verification(result["verification"])
     check_fp32(result["fp32"])
     check_device(result["device"])
+
+
+# ai200 (issue 49): bf16 emulation against transformers in bf16, teacher-forced. Both sides round to
+# bf16 independently, and bf16's unit roundoff is 8x fp16's: 3x the fp16 tolerance (as
+# tests/test_ai200_parity.py holds the tiny checkpoints).
+AI200_TOLERANCE = 3e-2
+# Measured on Qwen2.5-VL (3B widths, 2026-11-29): the compile's bf16 check put the retained keys at
+# 0.108 (128-token prefill) and 0.556 (512-token prefill) of their range: rotary angles
+# (position x inv_freq) in bf16 are off by up to ~1 rad at position 500. The weights passed (2.00
+# bytes a parameter, 1.00x the checkpoint). An ai200 plan keeping the angle chains in fp32, as the
+# fp16 plan does, is the open fix; until then this is an expected failure (not strict: families
+# without rotary positions may pass).
+AI200_OPEN = (
+    "rotary angles in bf16 move the retained keys (0.11-0.56 of range at real width); no ai200 plan yet"
+)
+
+
+@pytest.mark.xfail(strict=False, reason=AI200_OPEN)
+@pytest.mark.parametrize("family", _family_params())
+def test_real_width_ai200_matches_transformers_in_bf16(family, tmp_path):
+    result = run_family(family, tmp_path / family, NEW_TOKENS, ai200=True)
+    print(json.dumps({k: result[k] for k in ("family", "config", "weights", "seconds", "peak_rss_gb")}))
+    assert set(result["plan"].values()) == {"bf16"}, "ai200 programs have no precision plan"
+    stored = sum(w["bytes"] for w in result["weights"].values())
+    assert stored <= 1.05 * result["checkpoint_bytes"], (stored, result["checkpoint_bytes"])
+    check_verification(result["verification"])
+    run = result["device"]
+    assert len(run["tokens"]) == len(run["reference"])
+    for step, (ours, theirs) in enumerate(zip(run["tokens"], run["reference"])):
+        assert np.isfinite(run["deviation"][step]), step
+        assert run["relative_deviation"][step] <= AI200_TOLERANCE, (step, run["relative_deviation"])
+        if run["margin"][step] > 2 * run["deviation"][step]:
+            assert ours == theirs, (step, run)

@@ -16,6 +16,7 @@ import yaml
 from qeff_vision import api
 from qeff_vision.compile.serve_fit import serving_warnings
 from qeff_vision.compile.vllm_handoff import (
+    BF16_NOT_BOUND,
     GOLDEN_FILE,
     QPC_PLACEHOLDER,
     SAMPLER_NOT_SERVED,
@@ -64,9 +65,13 @@ def test_every_golden_spec_prints_forms_its_launchers_accept():
         # A sampler program: the plugin's forms say first that the plugin cannot serve it, as
         # validate warns (tests/vllm_tier asserts the refusal); the fork's forms are unchanged.
         sampler = spec.compile.language.sampler is not None
+        ai200 = spec.compile.hardware == "ai200"
         for role, command in forms.items():
             noted = command.startswith(SAMPLER_NOT_SERVED + "\n")
             assert noted == (sampler and role.startswith("plugin_")), (spec.name, role)
+            # ai200: every engine runs bf16 (its cache follows), the plugin's forms say it binds no bf16 IO.
+            assert (BF16_NOT_BOUND in command) == (ai200 and role.startswith("plugin_")), (spec.name, role)
+            assert ("bfloat16" in command) == ai200 and "kv_cache_dtype='bfloat16'" not in command
         warned = any("cannot serve" in w for w in serving_warnings(build_specializations(spec)))
         assert warned == sampler, spec.name
 
@@ -93,6 +98,10 @@ def test_every_golden_spec_prints_forms_its_launchers_accept():
         assert values["--decode-max-num-seqs"] == str(decode_batch)
         assert values["--decode-max-seq-len-to-capture"] == str(max(spec.prefill.seq_lens))
         fork = _script_llms(forms["fork_offline"])
+        if ai200:
+            assert fork["encoder"]["dtype"] == fork["decoder"]["dtype"] == "bfloat16"
+            assert offline["vision"]["dtype"] == offline["language"]["dtype"] == "bfloat16"
+            assert values["--dtype"] == "bfloat16" and "--kv-cache-dtype" not in values
         assert fork["encoder"]["override_qaic_config"]["qpc_path"] == VISION_QPC
         assert fork["decoder"]["override_qaic_config"]["qpc_path"] == LANGUAGE_QPC
 

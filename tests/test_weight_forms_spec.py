@@ -57,7 +57,7 @@ def test_bad_weights_keys_are_listed_together(tiny_checkpoint, tmp_path):
         load_spec(_spec(tmp_path, tiny_checkpoint("llava"), weights=weights))
     problems = raised.value.problems
     assert "weights.scheme: unknown key; allowed: dtype, keep_quantized" in problems
-    assert "weights.dtype: must be one of auto, float32, float16 (got 'bf16')" in problems
+    assert "weights.dtype: must be one of auto, float32, float16, bfloat16 (got 'bf16')" in problems
     assert "weights.keep_quantized: must be true or false (got 'yes')" in problems
 
 

@@ -116,6 +116,7 @@ def deviation_lines(manifest) -> list[str]:
         "inf/NaN",
     )
     rows = []
+    bf16 = (manifest.get("hardware") or {}).get("aic_hw_version") == "ai200"
     for program, entry in manifest["programs"].items():
         plan = entry.get("node_precision") or {}
         kept = plan.get("nodes")
@@ -129,7 +130,7 @@ def deviation_lines(manifest) -> list[str]:
                     (
                         program,
                         str(run["index"]),
-                        device.get("formats", "fp16"),
+                        device.get("formats", "bf16" if bf16 else "fp16"),
                         kept,
                         f"{device['max_abs']:.3g}",
                         f"{device['max_relative']:.2e}",
@@ -140,6 +141,7 @@ def deviation_lines(manifest) -> list[str]:
     if not rows:
         return []
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    lines = ["device precision (fp16, plan nodes fp32) vs fp32 on calibration inputs:"]
+    title = "bf16, every value rounded" if bf16 else "fp16, plan nodes fp32"
+    lines = [f"device precision ({title}) vs fp32 on calibration inputs:"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (header, *rows)]
     return lines

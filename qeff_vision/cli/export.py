@@ -27,11 +27,12 @@ from qeff_vision.errors import UserError
 )
 @click.option(
     "--weight-dtype",
-    type=click.Choice(["float32", "float16"]),
+    type=click.Choice(["float32", "float16", "bfloat16"]),
     default="float32",
     show_default=True,
     help="How a float32 graph stores float weights: float16 (+ Cast; half the bytes, for programs "
-    "compiled to fp16, where fp16 keeps the values) or float32. A spec's compile chooses by itself.",
+    "compiled to fp16, where fp16 keeps the values), bfloat16 (+ Cast; for ai200, which computes "
+    "bf16) or float32. A spec's compile chooses by itself.",
 )
 @click.option(
     "--keep-quantized",

@@ -34,7 +34,8 @@ HELP = {
     "protocol": "chunk: each prefill chunk sends only its image rows. full: the whole embedding every chunk.",
     "precision": "fp32: run the exported graphs as they are (onnxruntime backend; its default). "
     "device: as the compiler will under -convert-to-fp16 (fp16, the precision plan's node outputs "
-    "in fp32); the qaic default. device-mx: device plus the MX formats the language program was "
+    "in fp32), or for an ai200 artifact in bfloat16 (every value rounded to bf16); the qaic "
+    "default. device-mx: device plus the MX formats the language program was "
     "compiled with (-mxfp6-matmul weights as FP6 E2M3, an MXINT8 KV cache).",
     "compare_hf": "Also run transformers generate (float32, eager, greedy) on the same inputs and compare "
     "tokens; exit code 1 when they differ. With --requests, each request alone.",

@@ -36,6 +36,8 @@ def validate(paths: tuple[Path, ...]) -> None:
                 click.echo(f"{path}: note: {note}", err=True)
             for note in api.config_notes(path):
                 click.echo(f"{path}: note: {note}", err=True)
+            for line in api.memory_fit(path):  # figures for the target; the fit is not judged here
+                click.echo(f"{path}: note: {line}", err=True)
             for line in api.bucket_admission(path):
                 click.echo(f"{path}: {line}")
             for line in api.activation_estimate(path):  # the bound is checked on the graphs at compile

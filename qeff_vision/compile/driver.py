@@ -176,6 +176,8 @@ def _common_manifest(
         "spec": {"path": str(Path(spec.source).resolve()), "name": spec.name},
         "spec_hash": spec_hash(Path(spec.source), spec.config_path),
         "sdk": sdk.to_dict() if sdk else None,
+        # The target (ai100 / ai200) and, for aic_hw_version: auto, what qaic-util said.
+        "hardware": spec.compile.hardware_record(),
         "deployment": spec.deployment.mode,
         "kv_cache_prefix": spec.deployment.kv_cache_prefix,
         "export": {

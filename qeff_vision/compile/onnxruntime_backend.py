@@ -21,7 +21,7 @@ from qeff_vision.contract.sampler_io import PENALTY_BUFFERS
 from qeff_vision.contract.slot_names import kind_of_name
 from qeff_vision.contract.states import LayerState
 from qeff_vision.errors import SpecError, UserError
-from qeff_vision.numerics.device import MxEmulation, device_model
+from qeff_vision.numerics.device import MxEmulation, device_model, grid_of
 from qeff_vision.numerics.plan import overflow_message
 from qeff_vision.numerics.recording import SliceRunError
 
@@ -289,7 +289,7 @@ def _verify(
             with_mx = _device_deviations(
                 program, onnx_path, cases, names, references, device_values, mx, None, on_slice
             )
-    label = mx.label() if mx is not None else ""
+    label = mx.label(grid_of(device_values)) if mx is not None else ""
     return [
         SpecializationRun(
             index,

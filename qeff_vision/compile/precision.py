@@ -21,6 +21,7 @@ from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
 from qeff_vision.graph_file import load_graph
+from qeff_vision.numerics.device import Bf16Values
 from qeff_vision.numerics.plan import (
     PLAN_FILE,
     Overflow,
@@ -34,6 +35,10 @@ from qeff_vision.numerics.plan import (
     write_plan,
 )
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
+from qeff_vision.spec.hardware import AI200
+
+# The plan mode of a program the device computes in bfloat16 (ai200).
+BF16 = "bf16"
 
 
 @dataclass
@@ -41,7 +46,8 @@ class PrecisionPlan:
     """One program's plan.
 
     Attributes:
-        mode: ``auto``, ``none``, ``path`` or ``fp32`` (no ``-convert-to-fp16``: nothing to plan).
+        mode: ``auto``, ``none``, ``path``, ``fp32`` (no ``-convert-to-fp16``: nothing to plan) or
+            ``bf16`` (ai200 computes bfloat16, fp32's range: nothing to plan, no calibration).
         path: The plan file the compiler reads, or ``None`` when there is none.
         names: Node outputs kept in fp32 (``None`` for a dry run of ``auto``: not computed).
         non_matmul_outputs: Size of the "every non-matmul output" plan, for comparison.
@@ -59,7 +65,13 @@ class PrecisionPlan:
 
     @property
     def device_values(self) -> list[str] | None:
-        """What device-precision sessions keep in fp32; ``None`` when the program runs in fp32."""
+        """What device-precision sessions keep in fp32; ``None`` when the program runs in fp32.
+
+        On ai200 (``bf16``) a :class:`~qeff_vision.numerics.device.Bf16Values`: nothing kept fp32,
+        every value rounded to bfloat16.
+        """
+        if self.mode == BF16:
+            return Bf16Values()
         return None if self.mode == "fp32" else list(self.names or [])
 
     def to_dict(self, relative) -> dict[str, Any]:
@@ -116,6 +128,9 @@ def resolve_plan(
     of the generated per-specialization inputs (``image_sizes``: each one's image, if any).
     """
     target = directory / PLAN_FILE
+    if options.aic_hw_version == AI200:
+        target.unlink(missing_ok=True)
+        return PrecisionPlan(BF16)
     if not options.convert_to_fp16:
         target.unlink(missing_ok=True)
         return PrecisionPlan("fp32")
@@ -236,6 +251,12 @@ def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, s
             if plan.program in keys:
                 _remember(plan.directory, keys[plan.program], precision)
         plan.precision = precision
+        if precision.mode == BF16:
+            notes.append(
+                f"{plan.program}: ai200 computes bfloat16, which has fp32's range: no precision plan "
+                "and no calibration run"
+            )
+            continue
         if precision.mode in ("fp32", NODE_PRECISION_NONE):
             continue
         target = precision.path or plan.directory / PLAN_FILE

@@ -37,7 +37,13 @@ def serving_warnings(result: Any) -> list[str]:
             f"{PLUGIN_VLLM}: the plugin never feeds the on-device sampler's inputs (it samples on the "
             "host from logits), so it cannot serve this language program; qeff-vision run does"
         ]
-    return sampler + _protocol_warnings(result)
+    bf16 = []
+    if spec.compile.hardware == "ai200":  # the same fact the plugin's printed forms open with
+        bf16 = [
+            f"{PLUGIN_VLLM}: its numpy session maps no bfloat16 IO type, so as pinned it does not bind "
+            "these ai200 programs' bfloat16 pixel_values and vision_embeds; qeff-vision run does"
+        ]
+    return sampler + bf16 + _protocol_warnings(result)
 
 
 def _protocol_warnings(result: Any) -> list[str]:

@@ -66,6 +66,17 @@ SAMPLER_NOT_SERVED = (
 )
 
 
+# The first line of the plugin's forms for ai200 programs: the pinned plugin's numpy session has no
+# bfloat16 IO type (vllm_qaic/model_loader/qaic_session_np.py, aic_to_np_dtype_mapping: float32,
+# float16 and integer types), and an ai200 program takes pixel_values and vision_embeds in bf16.
+BF16_NOT_BOUND = (
+    f"# NOT SERVED as pinned: {PLUGIN_VLLM}'s numpy session maps no bfloat16 IO type, and these ai200 "
+    "programs take pixel_values and vision_embeds in bfloat16; the forms show what the engines need "
+    "(dtype bfloat16, the KV cache following it) once it does; use qeff-vision run meanwhile"
+)
+AI200_DTYPE = "bfloat16"
+
+
 def plugin_prefill(language_specializations: Sequence[Mapping[str, Any]]) -> tuple[int, int | None]:
     """(prefill length, vision_size) the plugin serves a language program with.
 
@@ -109,6 +120,7 @@ def vllm_handoff(
     mxfp6_matmul: bool,
     kv_cache_dtype: str,
     sampler: bool = False,
+    hardware: str = "ai100",
 ) -> dict[str, Any]:
     """The manifest's ``vllm`` block: both servers' arguments and the four printed forms.
 
@@ -128,6 +140,9 @@ def vllm_handoff(
         kv_cache_dtype: ``mxint8`` or the default.
         sampler: The language program has the on-device sampler: the plugin's forms open with
             :data:`SAMPLER_NOT_SERVED` (the same fact ``validate`` warns of).
+        hardware: ``ai100`` or ``ai200``. ai200 programs compute in bfloat16: every form passes
+            ``dtype="bfloat16"`` and no ``kv_cache_dtype`` (vLLM's ``auto`` follows the model
+            dtype, the programs' bf16 cache); the plugin's forms open with :data:`BF16_NOT_BOUND`.
     """
     qpc_path = f"{vision_qpc}:{language_qpc}"
     vision_group = list(range(vision_devices))
@@ -141,7 +156,11 @@ def vllm_handoff(
         quantized["quantization"] = "mxfp6"
     if kv_cache_dtype == "mxint8":
         quantized["kv_cache_dtype"] = "mxint8"
+    if hardware == "ai200":
+        quantized["dtype"] = AI200_DTYPE
     not_served = f"{SAMPLER_NOT_SERVED}\n" if sampler else ""
+    if hardware == "ai200":
+        not_served += f"{BF16_NOT_BOUND}\n"
     # ref: vllm-qaic examples/qaic_vision_language.py main(): the two engines' arguments
     common = {
         "model": model,
@@ -156,6 +175,7 @@ def vllm_handoff(
             "runner": "pooling",
             "max_num_seqs": 1,
             "async_scheduling": False,
+            **({"dtype": AI200_DTYPE} if hardware == "ai200" else {}),
             "additional_config": {"override_qaic_config": dict(sizes), "device_group": vision_group},
         },
         "language": {
@@ -259,7 +279,14 @@ def _fork_offline(
 ):
     """Two LLMs of the 0.8.5 fork, each told its QPC in ``override_qaic_config`` (as the launcher does)."""
     common = {"model": model, "device": "qaic", "max_model_len": ctx_len, "max_seq_len_to_capture": seq_len}
-    encode_args = {**common, "max_num_seqs": 1, "device_group": vision_group, "override_qaic_config": encode}
+    dtype = {"dtype": quantized["dtype"]} if "dtype" in quantized else {}  # ai200: both engines bf16
+    encode_args = {
+        **common,
+        "max_num_seqs": 1,
+        "device_group": vision_group,
+        **dtype,
+        "override_qaic_config": encode,
+    }
     decode_args = {
         **common,
         "max_num_seqs": batch_size,
@@ -343,6 +370,7 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
         mxfp6_matmul=spec.compile.language.mxfp6_matmul,
         kv_cache_dtype=spec.compile.language.kv_cache_dtype,
         sampler=spec.compile.language.sampler is not None,
+        hardware=spec.compile.hardware,
     )
 
 

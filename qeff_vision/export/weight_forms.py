@@ -10,6 +10,11 @@ it to fp16 under ``-convert-to-fp16``). What it stores need not be float32:
   :class:`Fp16Changes`. A float32 value with more bits than fp16 keeps its tensor float32 too. So
   later stages read the values they read from float32 initializers, those tiny ones aside. The
   compiler folds the Cast under ``-convert-to-fp16``.
+* ``bfloat16``: a bfloat16 initializer ``<name>_bf16`` and a ``Cast(to=FLOAT)``, 2 bytes a parameter,
+  for programs the device computes in bfloat16 (``aic_hw_version: ai200``). bf16 has fp32's range,
+  so nothing is kept float32: a bf16 checkpoint's values are exact, a float32 one's are rounded to
+  nearest even, as the device holds them. onnxruntime's CPU kernels compute in float32 behind the
+  Cast, as for the float16 form.
 * kept quantized: a parameter the checkpoint stores quantized (:class:`QuantizedWeight`) becomes
   ``<name>_quantized`` (int4 packed two per byte, int8/uint8 or float8e4m3fn), ``<name>_scale``
   (float32) and ``<name>_zero_point`` feeding ``DequantizeLinear`` (opset 21: blocked along one
@@ -34,8 +39,8 @@ from onnx import TensorProto, helper
 from qeff_vision.errors import UserError
 from qeff_vision.export.quantized_weight import QuantizedWeight
 
-FLOAT32, FLOAT16 = "float32", "float16"
-WEIGHT_DTYPES = (FLOAT32, FLOAT16)
+FLOAT32, FLOAT16, BFLOAT16 = "float32", "float16", "bfloat16"
+WEIGHT_DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
 FP16_MAX = 65504.0
 FP16_SMALLEST_NORMAL = 2.0**-14
 # ONNX opset whose DequantizeLinear takes int4/uint4 and float8 inputs and ``block_size``.
@@ -47,7 +52,8 @@ class WeightForm:
     """How the weights of one program are stored.
 
     Attributes:
-        dtype: ``float32`` or ``float16`` (stored dtype of float weights in a float32 graph).
+        dtype: ``float32``, ``float16`` or ``bfloat16`` (stored dtype of float weights in a float32
+            graph).
         keep_quantized: Write quantized checkpoint weights as ``DequantizeLinear`` inputs.
     """
 
@@ -193,6 +199,13 @@ def float_tensors(name: str, values: torch.Tensor, form: WeightForm) -> StoredTe
     """A float weight (in the graph's dtype) stored as ``form`` says: as it is, or float16 + Cast."""
     array = values.contiguous()
     changes = None
+    if form.dtype == BFLOAT16 and array.dtype in (torch.float32, torch.bfloat16):
+        # torch rounds float32 to bfloat16 to nearest even; numpy has no bfloat16, so the payload
+        # is the 16-bit patterns (ONNX stores BFLOAT16 raw data as those).
+        bits = array.to(torch.bfloat16).view(torch.int16).numpy()
+        stored = f"{name}_bf16"
+        cast = helper.make_node("Cast", [stored], [name], to=TensorProto.FLOAT, name=f"{name}_cast")
+        return StoredTensors([(_tensor(stored, TensorProto.BFLOAT16, bits.shape), _payload(bits))], cast)
     if form.dtype == FLOAT16 and array.dtype == torch.float32:
         changes = fp16_changes(name, array)
         if changes is None or not changes.kept_float32:

@@ -17,6 +17,12 @@ onnxruntime, under these assumptions (stated in docs/design.md):
 * ``CustomRMSNorm`` computes in fp32 inside whatever its IO precision (one node, one rounding), as
   the compiler's dedicated kernel is assumed to.
 
+On ai200 the device computes in bfloat16 (``aic_hw_version: ai200``, no ``-convert-to-fp16``): the
+same rewriting with bfloat16 in place of float16 (:class:`Bf16Values` as the plan, which keeps no
+node in fp32: bf16 has fp32's range, so there is no overflow to plan around). Casts round to
+nearest even (onnxruntime's and torch's float-to-bfloat16 conversion); constants are clamped to
+bf16's largest finite value first (float32's minimum would round to -inf).
+
 The graph keeps its float32 types and the rounding is an explicit Cast to float16 and back after
 each value: onnxruntime's CPU float16 execution is not a model of the device (where a float16
 kernel is missing it computes whole chains of nodes in float32, hiding intermediate overflow).
@@ -45,6 +51,36 @@ from qeff_vision.graph_file import (
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
+BF16_MAX = 3.3895313892515355e38  # (2 - 2**-7) * 2**127
+
+
+class Bf16Values(tuple):
+    """The device plan of a program the device computes in bfloat16 (ai200): no node kept in fp32.
+
+    It goes where an fp16 plan's node list goes (``fp32_values``); its type selects bf16 rounding.
+    """
+
+
+def grid_of(fp32_values: Collection[str] | None) -> int:
+    """The element type device values are rounded to: BFLOAT16 for :class:`Bf16Values`, else FLOAT16."""
+    return TensorProto.BFLOAT16 if isinstance(fp32_values, Bf16Values) else TensorProto.FLOAT16
+
+
+def round_to(array: np.ndarray, grid: int) -> np.ndarray:
+    """float32 ``array`` rounded to ``grid`` (fp16 or bf16, nearest even), as float32."""
+    if grid == TensorProto.BFLOAT16:
+        import torch
+
+        values = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        return values.to(torch.bfloat16).float().numpy()
+    with np.errstate(over="ignore"):
+        return array.astype(np.float16).astype(np.float32)
+
+
+def _clamped(array: np.ndarray, grid: int) -> np.ndarray:
+    """A constant rounded to ``grid`` within its finite range (the compiler's saturating conversion)."""
+    limit = BF16_MAX if grid == TensorProto.BFLOAT16 else FP16_MAX
+    return round_to(np.clip(array, -limit, limit), grid)
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, int]:
@@ -64,15 +100,14 @@ def float_outputs(model: onnx.ModelProto, types: dict[str, int] | None = None) -
     return [o for node in model.graph.node for o in node.output if o and types.get(o) in FLOAT_TYPES]
 
 
-def _rounded_constant(node: onnx.NodeProto) -> onnx.NodeProto | None:
-    """A float32 Constant / ConstantOfShape with its value rounded to fp16 (clamped), else None."""
+def _rounded_constant(node: onnx.NodeProto, grid: int = TensorProto.FLOAT16) -> onnx.NodeProto | None:
+    """A float32 Constant / ConstantOfShape with its value rounded to ``grid`` (clamped), else None."""
     if node.op_type not in ("Constant", "ConstantOfShape"):
         return None
     for attribute in node.attribute:
         if attribute.name in ("value_float", "value_floats"):
             values = [attribute.f] if attribute.name == "value_float" else list(attribute.floats)
-            array = np.array(values, dtype=np.float32)
-            rounded = np.clip(array, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            rounded = _clamped(np.array(values, dtype=np.float32), grid)
             rewritten = _copy(node)
             for target in rewritten.attribute:
                 if target.name == "value_float":
@@ -81,8 +116,7 @@ def _rounded_constant(node: onnx.NodeProto) -> onnx.NodeProto | None:
                     target.floats[:] = rounded.tolist()
             return rewritten
         if attribute.name == "value" and attribute.t.data_type == TensorProto.FLOAT:
-            array = numpy_helper.to_array(attribute.t)
-            rounded = np.clip(array, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            rounded = _clamped(numpy_helper.to_array(attribute.t), grid)
             rewritten = _copy(node)
             for target in rewritten.attribute:
                 if target.name == "value":
@@ -113,11 +147,11 @@ VALUE_MOVES = frozenset(
 )
 
 
-def _round_trip(source: str, target: str) -> list[onnx.NodeProto]:
-    """``target`` = ``source`` rounded to fp16 (Cast there and back)."""
-    half = f"{target}__fp16"
+def _round_trip(source: str, target: str, grid: int = TensorProto.FLOAT16) -> list[onnx.NodeProto]:
+    """``target`` = ``source`` rounded to ``grid`` (fp16 or bf16: Cast there and back)."""
+    half = f"{target}__fp16" if grid == TensorProto.FLOAT16 else f"{target}__bf16"
     return [
-        helper.make_node("Cast", [source], [half], to=TensorProto.FLOAT16, name=f"{half}__cast"),
+        helper.make_node("Cast", [source], [half], to=grid, name=f"{half}__cast"),
         helper.make_node("Cast", [half], [target], to=TensorProto.FLOAT, name=f"{target}__cast"),
     ]
 
@@ -129,7 +163,8 @@ def device_graph(
 
     Args:
         model: The exported graph; external data may stay unloaded (initializers are not copied).
-        fp32_values: Node output names kept in fp32 (the precision plan).
+        fp32_values: Node output names kept in fp32 (the precision plan); a :class:`Bf16Values`
+            emulates bfloat16 instead of fp16.
         rounded_weights: Initializers whose values the session is given already rounded to fp16
             (:func:`fp16_only_weights`): read as they are, without a rounding Cast pair.
 
@@ -138,6 +173,7 @@ def device_graph(
     """
     types = value_types(model)
     keep = set(fp32_values)
+    grid = grid_of(fp32_values)
     graph = model.graph
     # Graph inputs and weights read by an fp16 node go through a rounded copy (made once).
     sources = {v.name for v in graph.input if v.type.tensor_type.elem_type == TensorProto.FLOAT}
@@ -155,13 +191,13 @@ def device_graph(
             nodes.append(_copy(node))
             continue
         fp32 = any(output in keep for output in node.output)
-        rewritten = (None if fp32 else _rounded_constant(node)) or _copy(node)
+        rewritten = (None if fp32 else _rounded_constant(node, grid)) or _copy(node)
         if not fp32:
             for index, name in enumerate(rewritten.input):
                 if name in sources:
                     if name not in rounded:
                         rounded[name] = f"{name}__rounded"
-                        nodes.extend(_round_trip(name, rounded[name]))
+                        nodes.extend(_round_trip(name, rounded[name], grid))
                     rewritten.input[index] = rounded[name]
         # Constants are already rounded (and clamped) in place; fp32 nodes keep their outputs; a node
         # that only moves values already on the fp16 grid leaves them there (a round trip of read
@@ -180,7 +216,7 @@ def device_graph(
                 rewritten.output[index] = f"{name}__exact"
         nodes.append(rewritten)
         for name in outputs:
-            nodes.extend(_round_trip(f"{name}__exact", name))
+            nodes.extend(_round_trip(f"{name}__exact", name, grid))
     result = onnx.ModelProto()
     result.CopyFrom(model)
     del result.graph.node[:]
@@ -283,9 +319,12 @@ class MxEmulation:
         """
         return cls("fp6_e2m3" if mxfp6_matmul else None, kv_cache_dtype == "mxint8", state_dtype == "float16")
 
-    def label(self) -> str:
-        """Short description for reports: ``fp16``, ``fp16+mxfp6 (fp6_e2m3)``, ``+mxint8 KV``."""
-        parts = ["fp16"]
+    def label(self, grid: int = TensorProto.FLOAT16) -> str:
+        """Short description for reports: ``fp16``, ``fp16+mxfp6 (fp6_e2m3)``, ``+mxint8 KV``.
+
+        ``grid``: the element type the rest computes in (``bf16`` on ai200).
+        """
+        parts = ["bf16" if grid == TensorProto.BFLOAT16 else "fp16"]
         if self.matmul_weights:
             parts.append(f"mxfp6 {self.matmul_weights}")
         if self.kv_mxint8:
@@ -311,7 +350,8 @@ def device_session(
     model = load_graph(onnx_path)
     names = fp16_only_weights(model, fp32_values)
     graph = _with_mx_state(device_graph(model, fp32_values, names), mx)
-    return session_for(graph, onnx_path.parent, threads, fp16_rounded_weights(model, onnx_path.parent, names))
+    weights = fp16_rounded_weights(model, onnx_path.parent, names, grid_of(fp32_values))
+    return session_for(graph, onnx_path.parent, threads, weights)
 
 
 def fp16_only_weights(model: onnx.ModelProto, fp32_values: Collection[str] = ()) -> list[str]:
@@ -356,9 +396,9 @@ def _float32_output(node: onnx.NodeProto) -> bool:
 
 
 def fp16_rounded_weights(
-    model: onnx.ModelProto, model_dir: Path, names: Collection[str]
+    model: onnx.ModelProto, model_dir: Path, names: Collection[str], grid: int = TensorProto.FLOAT16
 ) -> dict[str, np.ndarray]:
-    """The initializers ``names`` rounded to fp16 (as float32 arrays), each read from disk when rounded.
+    """The initializers ``names`` rounded to fp16 (or ``grid``: bf16) as float32 arrays, each read from disk.
 
     Out-of-range values become infinite, as the Cast to float16 they replace makes them.
     """
@@ -367,14 +407,17 @@ def fp16_rounded_weights(
     for tensor in model.graph.initializer:
         if tensor.name in wanted:
             weights[tensor.name] = _rounded(
-                initializer_array(tensor, model_dir).astype(np.float32, copy=False)
+                initializer_array(tensor, model_dir).astype(np.float32, copy=False), grid
             )
     for name in wanted & set(storage_nodes(model)):  # stored weights, as their nodes compute them
-        weights[name] = _rounded(weight_values(model, name, model_dir))
+        weights[name] = _rounded(weight_values(model, name, model_dir), grid)
     return weights
 
 
-def _rounded(array: np.ndarray) -> np.ndarray:
+def _rounded(array: np.ndarray, grid: int = TensorProto.FLOAT16) -> np.ndarray:
+    if grid == TensorProto.BFLOAT16:
+        array[...] = round_to(array, grid)
+        return array
     with np.errstate(over="ignore"):
         array[...] = array.astype(np.float16)
     return array

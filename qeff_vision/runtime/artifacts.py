@@ -36,6 +36,7 @@ from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
 from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.spec.deployment import DUAL
+from qeff_vision.spec.hardware import AI200
 
 
 @dataclass(frozen=True)
@@ -213,12 +214,19 @@ PRECISIONS = ("fp32", "device", "device-mx")
 def device_plan(artifacts: Artifacts, program: str) -> list[str] | None:
     """Node outputs ``program`` keeps in fp32 at device precision; None when it compiles in fp32.
 
+    An ai200 program computes in bfloat16: a :class:`~qeff_vision.numerics.device.Bf16Values`
+    (its emulation rounds every value to bf16).
+
     Read from the plan file the manifest names (``node_precision.path``); no file means no node.
     """
+    from qeff_vision.numerics.device import Bf16Values
     from qeff_vision.numerics.plan import read_plan
 
     entry = artifacts.manifest["programs"][program]
-    if not (entry.get("options") or {}).get("convert_to_fp16", True):
+    options = entry.get("options") or {}
+    if options.get("aic_hw_version") == AI200:  # bfloat16 compute: every value rounded, none kept fp32
+        return Bf16Values()
+    if not options.get("convert_to_fp16", True):
         return None
     plan = entry.get("node_precision") or {}
     if not plan.get("path"):

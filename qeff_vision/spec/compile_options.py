@@ -27,19 +27,23 @@ from qeff_vision.contract.attention_blocking import DEFAULT_BOUND
 from qeff_vision.contract.sampler_io import SamplerOptions
 from qeff_vision.errors import shown
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
+from qeff_vision.spec.hardware import AI100, AI100_NUMERIC, AI200, AUTO, BFLOAT16, HwDetection
 
 VISION = "vision"
 LANGUAGE = "language"
 # YAML section name -> directory name of the program under the output directory.
 PROGRAM_DIRS: dict[str, str] = {VISION: "vision", LANGUAGE: "lang"}
 
-KV_CACHE_DTYPES = ("float16", "mxint8")
-# Recurrent (linear-attention) state on the device: fp32 as transformers keeps it, or fp16.
-STATE_DTYPES = ("float32", "float16")
+# float16 and mxint8 on ai100; bfloat16 on ai200 (its default there).
+KV_CACHE_DTYPES = ("float16", "mxint8", BFLOAT16)
+# Recurrent (linear-attention) state on the device: fp32 as transformers keeps it, fp16 (ai100) or
+# bf16 (ai200's default).
+STATE_DTYPES = ("float32", "float16", BFLOAT16)
 NODE_PRECISION_AUTO = "auto"
 NODE_PRECISION_NONE = "none"
-# "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass.
-AIC_HW_VERSIONS = ("ai100", "2.0")
+# "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass; "ai200"
+# computes in bfloat16; "auto" asks qaic-util (qeff_vision.spec.hardware).
+AIC_HW_VERSIONS = (AI100, AI100_NUMERIC, AI200, AUTO)
 # One AI 100 SoC has up to 16 neural signal processors (cores).
 MAX_CORES_PER_DEVICE = 16
 # Default of compile.max_activation_bytes: 256 MiB at the device dtype, the bound the blocked
@@ -63,12 +67,17 @@ class ProgramOptions:
         mos: Maximum output channel split (``-mos``); ``None`` leaves the compiler default.
         ols: Overlap split factor (``-ols``); ``None`` leaves the compiler default.
         depth_first: Depth-first scheduling (``-aic-enable-depth-first``).
-        aic_hw_version: Target hardware (``-aic-hw-version``).
-        kv_cache_dtype: Element type of the KV cache held on the device, ``float16`` or ``mxint8``
-            (language program only; it decides the custom IO of ``past_key.*``/``past_value.*``).
+        aic_hw_version: Target hardware (``-aic-hw-version``): ``ai100`` (or ``2.0``), ``ai200``
+            (bfloat16 compute: no ``-convert-to-fp16``, bfloat16 weights, IO and state), or
+            ``auto`` (``qaic-util -q`` decides, ``ai100`` when no device answers;
+            :mod:`qeff_vision.spec.hardware`). Both programs target one kind of device.
+        kv_cache_dtype: Element type of the KV cache held on the device: ``float16`` or ``mxint8``
+            on ai100, ``bfloat16`` on ai200 (language program only; it decides the custom IO of
+            every retained cache). The default follows the hardware.
         state_dtype: Element type of recurrent layers' state held on the device (``conv_state.*``,
-            ``recurrent_state.*``), ``float32`` (as transformers keeps it) or ``float16``
-            (language program only; unused by families without recurrent layers).
+            ``recurrent_state.*``): ``float32`` (as transformers keeps it), ``float16`` (ai100) or
+            ``bfloat16`` (ai200, its default there) (language program only; unused by families
+            without recurrent layers).
         timeout: Seconds the compiler may run before it is stopped; ``None`` waits forever.
         node_precision: Node outputs kept in fp32 under ``-convert-to-fp16``
             (``-node-precision-info``): ``auto`` computes the plan from calibration runs of the
@@ -193,6 +202,21 @@ class CompileOptions:
     # Bound on any one intermediate value of any specialization, bytes at the device dtype; None:
     # no bound (the figures are still reported). See qeff_vision/compile/activation_memory.py.
     max_activation_bytes: int | None = DEFAULT_MAX_ACTIVATION_BYTES
+    # What ``aic_hw_version: auto`` resolved to (None when the spec names the hardware).
+    detection: HwDetection | None = None
+
+    @property
+    def hardware(self) -> str:
+        """The target: ``ai200`` or ``ai100`` (``2.0`` is ai100's old spelling)."""
+        return AI200 if self.language.aic_hw_version == AI200 else AI100
+
+    def hardware_record(self) -> dict[str, Any]:
+        """The manifest's ``hardware`` entry: the target and, for ``auto``, how it was found."""
+        requested = AUTO if self.detection else None
+        record: dict[str, Any] = {"aic_hw_version": self.hardware, "requested": requested}
+        if self.detection is not None:
+            record["detection"] = self.detection.to_dict()
+        return record
 
     def program(self, name: str) -> ProgramOptions:
         """Options of ``name`` (``vision``/``language``, or the directory names ``vision``/``lang``)."""
@@ -397,7 +421,7 @@ def _read_program(data: Mapping[str, Any], path: str, allowed: tuple[str, ...]) 
 
 
 def parse_compile_options(
-    data: Mapping[str, Any] | None, path: str = "compile"
+    data: Mapping[str, Any] | None, path: str = "compile", detect=None
 ) -> tuple[CompileOptions, list[str]]:
     """Validate a spec's ``compile:`` section.
 
@@ -407,6 +431,8 @@ def parse_compile_options(
     Args:
         data: The parsed section; ``None`` (section absent) gives the defaults.
         path: YAML path of the section, used as the prefix of every problem.
+        detect: Called (no arguments) for an :class:`HwDetection` when ``aic_hw_version`` is
+            ``auto``; without it ``auto`` resolves to ``ai100`` (no detection asked).
 
     Returns:
         The options (defaults where a value was missing or invalid) and every problem found, each
@@ -434,11 +460,8 @@ def parse_compile_options(
     shared, found = _read_program(shared_data, path, PROGRAM_KEYS + sections)
     problems += found
     vision_keys = tuple(k for k in PROGRAM_KEYS if k not in LANGUAGE_ONLY_KEYS)
-    programs: dict[str, ProgramOptions] = {}
-    for name, default, allowed in (
-        (VISION, ProgramOptions(), vision_keys),
-        (LANGUAGE, _default_language(), PROGRAM_KEYS),
-    ):
+    given: dict[str, dict[str, Any]] = {}
+    for name, allowed in ((VISION, vision_keys), (LANGUAGE, PROGRAM_KEYS)):
         section = data.get(name)
         if section is None:
             section = {}
@@ -447,8 +470,16 @@ def parse_compile_options(
             section = {}
         own, found = _read_program(section, f"{path}.{name}", allowed)
         problems += found
-        merged = {k: v for k, v in shared.items() if k in allowed}
-        merged.update(own)
+        given[name] = {k: v for k, v in shared.items() if k in allowed} | own
+    from qeff_vision.spec.hardware_rules import hardware_rules, resolve_hardware
+
+    detection, found = resolve_hardware(given, path, detect)
+    problems += found
+    programs: dict[str, ProgramOptions] = {}
+    for name, default in ((VISION, ProgramOptions()), (LANGUAGE, _default_language())):
+        merged = given[name]
+        found = hardware_rules(merged, f"{path}.{name}" if name in data else path)
+        problems += [p for p in found if p not in problems]  # a shared key's problem once
         programs[name] = replace(default, **merged)
     options = CompileOptions(
         vision=programs[VISION],
@@ -456,5 +487,6 @@ def parse_compile_options(
         comp_ctx_lengths=ccl,
         calibration=calibration,
         max_activation_bytes=bound,
+        detection=detection,
     )
     return options, problems

@@ -218,9 +218,9 @@ def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None)
     )
 
 
-# Bytes per KV element on the device: float16 2; mxint8 one byte plus one shared 8-bit scale per
+# Bytes per KV element on the device: float16 and bfloat16 2; mxint8 one byte plus one shared 8-bit scale per
 # block of 32 elements (OCP Microscaling v1.0, as qeff_vision/numerics/mx.py emulates it).
-KV_ELEMENT_BYTES = {"float16": 2.0, "mxint8": 1 + 1 / 32}
+KV_ELEMENT_BYTES = {"float16": 2.0, "bfloat16": 2.0, "mxint8": 1 + 1 / 32}
 
 
 def full_kv_note(spec: Any) -> str | None:

@@ -17,6 +17,7 @@ from qeff_vision.spec.ccl_lists import CCL_UNIQUE_STEP
 from qeff_vision.spec.checks import check_images, check_model, describe_model, resolve_family
 from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, parse_compile_options
 from qeff_vision.spec.deployment import check_deployment, check_sampler, check_single_vision, read_deployment
+from qeff_vision.spec.hardware import AI200, detect_for_spec
 from qeff_vision.spec.model import DTYPES, FLAT, LAYOUTS, PrefillSpec, Spec
 from qeff_vision.spec.schema import (
     MAX_BATCH_SIZE,
@@ -143,8 +144,14 @@ def spec_from_data(
     layout = reader.text(top, "specialization_layout", "", choices=LAYOUTS, default=FLAT)
     seq_lens = read_prefill(reader, top.get("prefill", MISSING), ctx_len)
     vision = read_vision(reader, top.get("vision", MISSING), ctx_len)
-    compile_options, compile_problems = parse_compile_options(top.get("compile"), "compile")
+    compile_options, compile_problems = parse_compile_options(top.get("compile"), "compile", detect_for_spec)
     reader.problems += compile_problems
+    if compile_options.hardware == AI200 and dtype == "float16":
+        reader.add(
+            "dtype",
+            "ai200 computes in bfloat16: export float32 graphs (the default; weights are stored "
+            "bfloat16) rather than float16 ones",
+        )
     ccl = compile_options.comp_ctx_lengths
     if ccl is not None and ctx_len is not None:
         for phase, values in (("prefill", ccl.prefill), ("decode", ccl.decode)):

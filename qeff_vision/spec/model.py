@@ -9,6 +9,7 @@ from qeff_vision.contract.tasks import GENERATE
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.spec.compile_options import CompileOptions
 from qeff_vision.spec.deployment import Deployment
+from qeff_vision.spec.hardware import AI200
 from qeff_vision.spec.policy import VisionSizePolicy
 from qeff_vision.spec.weights import WeightsSpec
 
@@ -121,7 +122,12 @@ class Spec:
         }
 
     def compute_dtype(self, program: str) -> str:
-        """Dtype the device computes ``program`` (``vision``/``language``) in: float16 when converting."""
+        """Dtype the device computes ``program`` (``vision``/``language``) in.
+
+        bfloat16 on ai200; float16 when converting (ai100's ``-convert-to-fp16``) or exported so.
+        """
+        if self.compile.hardware == AI200:
+            return "bfloat16"
         if self.dtype == "float16" or self.compile.program(program).convert_to_fp16:
             return "float16"
         return self.dtype

@@ -2,11 +2,12 @@
 
 ```yaml
 weights:
-  dtype: auto          # auto | float32 | float16
+  dtype: auto          # auto | float32 | float16 | bfloat16
   keep_quantized: false
 ```
 ``auto`` stores a program's float weights in float16 when it is compiled to fp16 (the spec's
-``dtype: float16``, or ``-convert-to-fp16``, the ai100 default) and in float32 otherwise; the
+``dtype: float16``, or ``-convert-to-fp16``, the ai100 default), in bfloat16 when the device
+computes bfloat16 (``aic_hw_version: ai200``) and in float32 otherwise; the
 graph computes in float32 either way (:mod:`qeff_vision.export.weight_forms`).
 ``keep_quantized`` writes weights a quantized checkpoint stores quantized as ``DequantizeLinear``
 inputs. Plain ``qeff-vision export`` has no compile dtype and writes float32 unless told.
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # the schema imports the spec model, which imports this modul
     from qeff_vision.spec.schema import Reader
 
 AUTO = "auto"
-WEIGHT_DTYPE_CHOICES = (AUTO, "float32", "float16")
+WEIGHT_DTYPE_CHOICES = (AUTO, "float32", "float16", "bfloat16")
 WEIGHTS_KEYS = ("dtype", "keep_quantized")
 
 
@@ -32,7 +33,8 @@ class WeightsSpec:
     """The spec's ``weights`` key.
 
     Attributes:
-        dtype: ``auto``, ``float32`` or ``float16``.
+        dtype: ``auto``, ``float32``, ``float16`` or ``bfloat16`` (``auto``: the dtype the device
+            computes the program in, float32 when it computes fp32).
         keep_quantized: Keep quantized checkpoint weights quantized in the graphs.
     """
 
@@ -43,7 +45,7 @@ class WeightsSpec:
         """The stored dtype of one program's float weights, given the dtype the device computes it in."""
         if self.dtype != AUTO:
             return self.dtype
-        return "float16" if compute_dtype == "float16" else "float32"
+        return compute_dtype if compute_dtype in ("float16", "bfloat16") else "float32"
 
 
 def read_weights(reader: Reader, top: dict) -> WeightsSpec:

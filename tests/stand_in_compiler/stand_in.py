@@ -8,7 +8,9 @@ Checks: only known flags; every file argument exists and parses (the ONNX with i
 every specialization binds exactly the graph's symbols (all input symbols, plus optionally symbols
 that only appear on outputs, nothing else); custom IO names exist in the graph with a known
 precision; ``-retained-state`` pairs every ``X_RetainedState`` output with an input ``X``;
-the partition file lists ``numCores`` equal to ``-aic-num-cores``.
+the partition file lists ``numCores`` equal to ``-aic-num-cores``. For ``-aic-hw-version=ai200``
+(bfloat16 compute): no ``-convert-to-fp16``, no float16 custom IO, and every float retained state
+and ``pixel_values`` declared ``bfloat16``; for ai100 no ``bfloat16`` custom IO (ai100 has none).
 
 Environment (set by the test wrapper script):
     STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow,
@@ -58,7 +60,10 @@ SWITCHES = {
     "-split-model-io",
 }
 PRECISIONS = {"float16", "float32", "mxint8", "int8", "int32", "int64", "bfloat16", "uint8", "bool"}
-HW_VERSIONS = {"ai100", "2.0"}
+HW_VERSIONS = {"ai100", "2.0", "ai200"}
+AI200 = "ai200"
+RETAINED = "_RetainedState"
+PIXEL_VALUES = "pixel_values"
 
 
 class Refused(Exception):
@@ -105,7 +110,12 @@ def graph_interface(path: Path):
     initializers = {i.name for i in model.graph.initializer}
     inputs = {v.name: dims(v) for v in model.graph.input if v.name not in initializers}
     outputs = {v.name: dims(v) for v in model.graph.output}
-    return inputs, outputs
+    float_inputs = {
+        v.name
+        for v in model.graph.input
+        if v.name not in initializers and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    }
+    return inputs, outputs, float_inputs
 
 
 def symbols_of(tensors: dict[str, list]) -> set[str]:
@@ -145,7 +155,7 @@ def check_specializations(path: Path, inputs: dict, outputs: dict, layout: str) 
     return len(entries)
 
 
-def check_custom_io(path: Path, inputs: dict, outputs: dict) -> None:
+def check_custom_io(path: Path, inputs: dict, outputs: dict) -> dict[str, str]:
     import yaml
 
     if not path.is_file():
@@ -163,6 +173,29 @@ def check_custom_io(path: Path, inputs: dict, outputs: dict) -> None:
             raise Refused(f"{path}: {entry['IOName']} is not an input or output of the graph")
         if entry["Precision"] not in PRECISIONS:
             raise Refused(f"{path}: unknown precision {entry['Precision']!r}")
+    return {entry["IOName"]: entry["Precision"] for entry in entries}
+
+
+def check_hardware(
+    hw: str, switches: set[str], custom_io: dict[str, str], outputs: dict, floats: set[str]
+) -> None:
+    """ai200 computes in bfloat16: float16 is refused, retained float state and pixels must be bf16."""
+    if hw != AI200:
+        wrong = sorted(name for name, precision in custom_io.items() if precision == "bfloat16")
+        if wrong:
+            raise Refused(f"-aic-hw-version={hw} has no bfloat16: custom IO {wrong[0]} is bfloat16")
+        return
+    if "-convert-to-fp16" in switches:
+        raise Refused("-convert-to-fp16 with -aic-hw-version=ai200 (ai200 computes in bfloat16)")
+    half = sorted(name for name, precision in custom_io.items() if precision == "float16")
+    if half:
+        raise Refused(f"-aic-hw-version=ai200: custom IO {half[0]} is float16")
+    retained = {name[: -len(RETAINED)] for name in outputs if name.endswith(RETAINED)}
+    needed = sorted((retained & floats) | ({PIXEL_VALUES} & floats))
+    missing = [name for name in needed if custom_io.get(name) != "bfloat16"]
+    if missing:
+        found = custom_io.get(missing[0], "not in the custom IO list")
+        raise Refused(f"-aic-hw-version=ai200: {missing[0]} is {found}, not bfloat16")
 
 
 def check_node_precision(path: Path, model_path: Path, switches: set[str]) -> None:
@@ -230,17 +263,19 @@ def compile_program(argv: list[str]) -> int:
         # machine, and the timeout tests give the compiler 1-1.5 s. Hanging first puts the output
         # and the partial file in place within that whatever the load.
         hang(Path(values["-aic-binary-dir"]), stubborn=mode == "stubborn")
-    inputs, outputs = graph_interface(Path(values["-m"]))
+    inputs, outputs, floats = graph_interface(Path(values["-m"]))
     count = check_specializations(
         Path(values["-network-specialization-config"]),
         inputs,
         outputs,
         os.environ.get("STAND_IN_LAYOUT", "any"),
     )
+    custom_io = {}
     if "-custom-IO-list-file" in values:
-        check_custom_io(Path(values["-custom-IO-list-file"]), inputs, outputs)
+        custom_io = check_custom_io(Path(values["-custom-IO-list-file"]), inputs, outputs)
     if values.get("-aic-hw-version", "ai100") not in HW_VERSIONS:
         raise Refused(f"unknown -aic-hw-version {values['-aic-hw-version']}")
+    check_hardware(values.get("-aic-hw-version", "ai100"), switches, custom_io, outputs, floats)
     cores = int(values.get("-aic-num-cores", "16"))
     if not 1 <= cores <= 16:
         raise Refused(f"-aic-num-cores={cores} out of range")
