@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def stand_in_compiler(root: Path) -> Path:
     return wrapper
 
 
-def _child(code: str, *args: str, cache: Path | None = None) -> dict:
+def _child(code: str, *args: str, cache: Path | None = None, live: Path | None = None) -> dict:
     """Run ``code`` in a fresh interpreter; it sets ``result`` (we add seconds and its own peak RSS)."""
     wrapped = (
         "import json, resource, sys, time\n_start = time.perf_counter()\n"
@@ -89,13 +90,33 @@ def _child(code: str, *args: str, cache: Path | None = None) -> dict:
         "print(json.dumps(result))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "QEFF_VISION_CACHE": str(cache) if cache else "off"}
-    done = subprocess.run(
-        [sys.executable, "-c", wrapped, *args], capture_output=True, text=True, cwd=ROOT, env=env
+    child = subprocess.Popen(
+        [sys.executable, "-c", wrapped, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
-    if done.returncode:
-        raise SystemExit(f"step failed:\n{done.stderr[-4000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["log"] = done.stderr
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.append(child.stdout.read()), daemon=True)
+    reader.start()
+    # Each stderr line with when it arrived: the longest silence is what a CI log shows.
+    start, lines = time.monotonic(), []
+    for line in child.stderr:
+        lines.append((time.monotonic() - start, line.rstrip("\n")))
+        if live is not None:  # to follow a long stage while it runs
+            with live.open("a") as stream:
+                stream.write(f"[{lines[-1][0]:7.1f}s] {lines[-1][1]}\n")
+    child.wait()
+    reader.join()
+    log = "\n".join(f"[{at:7.1f}s] {line}" for at, line in lines)
+    if child.returncode:
+        raise SystemExit(f"step failed:\n{log[-4000:]}")
+    result = json.loads(out[0].strip().splitlines()[-1])
+    result["log"] = log
+    stamps = [0.0, *(at for at, _ in lines), time.monotonic() - start]
+    result["longest_silence"] = max(b - a for a, b in zip(stamps, stamps[1:]))
     return result
 
 
@@ -235,15 +256,23 @@ def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=
         }
 
     def compile_rows(spec: Path, out: str, label: str, cache: Path | None) -> list[dict]:
-        result = _child(COMPILE, str(spec), str(work / out), str(export), str(compiler), cache=cache)
+        live = work / f"{out}.live.log"
+        live.unlink(missing_ok=True)
+        result = _child(
+            COMPILE, str(spec), str(work / out), str(export), str(compiler), cache=cache, live=live
+        )
         rows = [entry(label, result, work / out)]
         for key in ("calibration", "calls", "passes", "sessions"):
             rows[0][key] = result[key]
         rows[0]["calibration_in_log"] = "calibrating device precision" in result["log"]
+        rows[0]["longest_silence"] = result["longest_silence"]
+        (work / f"{out}.log").write_text(result["log"] + "\n")  # stderr lines, timed
         return rows
 
     def plain_row() -> dict:
-        result = _child(PLAIN, str(auto), str(export), str(work / "out-plain"))
+        live = work / "out-plain.live.log"
+        live.unlink(missing_ok=True)
+        result = _child(PLAIN, str(auto), str(export), str(work / "out-plain"), live=live)
         return {**entry("plain fp32 run", result), **{k: result[k] for k in ("calls", "passes", "sessions")}}
 
     steps = {
@@ -298,6 +327,8 @@ def _summary(done: dict[str, list[dict]]) -> dict:
         summary["largest peak RSS (GB)"] = max(peaks) / GB
     if "recompile" in first:
         summary["recompile ran a calibration"] = first["recompile"]["calibration_in_log"]
+    if "compile" in first and "longest_silence" in first["compile"]:
+        summary["longest silence in the compile's log (s)"] = first["compile"]["longest_silence"]
     return summary
 
 
@@ -322,6 +353,7 @@ def table(rows: list[dict]) -> str:
         "(export + compile) / export": "<= 5",
         "largest peak RSS (GB)": "<= 6",
         "recompile ran a calibration": "False",
+        "longest silence in the compile's log (s)": "<= 30",
     }
     for name, value in summary.items():
         shown = f"{value:.2f}" if isinstance(value, float) else str(value)
