@@ -20,7 +20,7 @@ the peak is what a sequential schedule of that order needs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from math import prod
 from pathlib import Path
@@ -227,8 +227,12 @@ def describe(figures: ActivationMemory) -> str:
     return line + (f", {figures.unresolved} shapes unresolved" if figures.unresolved else "")
 
 
-def measure_plans(plans: Mapping[str, Any]) -> dict[str, list[dict]]:
+def measure_plans(
+    plans: Mapping[str, Any], on_done: Callable[[], None] | None = None
+) -> dict[str, list[dict]]:
     """Figures of every specialization of every program (compile inputs ``ProgramPlan``s).
+
+    ``on_done`` is called after each specialization (progress).
 
     Returns:
         Program -> one entry per specialization: its ``name``, ``symbols`` and the
@@ -241,6 +245,8 @@ def measure_plans(plans: Mapping[str, Any]) -> dict[str, list[dict]]:
         for entry, values in zip(plan.specializations, plan.symbol_values()):
             figures = graph_activation_memory(graph, values)
             entries.append({"name": entry.get("name", ""), "symbols": values, **figures.to_dict()})
+            if on_done is not None:
+                on_done()
         measured[program] = entries
     return measured
 
