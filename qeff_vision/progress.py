@@ -177,7 +177,8 @@ class StageProgress:
         self.last_line = now
         if self.say is None:
             return
-        percent = 100.0 * self.done / self.total if self.total else 100.0
+        # Nothing known to do yet (a calibration before its first pass): 0%, not 100%.
+        percent = 100.0 * self.done / self.total if self.total else (100.0 if self._stop.is_set() else 0.0)
         self.say(
             f"{self.desc}: {percent:.0f}% ({self.done}/{self.total} {self.unit}), "
             f"{_duration(now - self.started)} elapsed"

@@ -84,6 +84,18 @@ def test_a_short_stage_writes_nothing_and_a_silent_one_never():
     quiet.close()  # nowhere to write: nothing raised
 
 
+def test_a_stage_with_nothing_known_yet_says_zero_until_it_ends():
+    """A calibration's heartbeat before its first pass (total 0) said 100% at full depth."""
+    clock, lines = FakeClock(), []
+    stage = _stage(clock, lines, total=0)
+    clock.now += HEARTBEAT_INTERVAL
+    stage.heartbeat()
+    assert LINE.match(lines[-1])["percent"] == "0", lines
+    clock.now += HEARTBEAT_INTERVAL
+    stage.close()
+    assert LINE.match(lines[-1])["percent"] == "100", lines
+
+
 def test_slice_counter_adds_each_pass_and_its_cuts_to_the_total():
     clock, lines = FakeClock(), []
     stage = _stage(clock, lines, total=0)
