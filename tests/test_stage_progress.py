@@ -56,7 +56,7 @@ def test_lines_at_most_every_ten_seconds_and_a_heartbeat_within_thirty():
     assert lines, lines
     gaps = [later - earlier for earlier, later in zip(times, times[1:])]
     assert all(gap >= LINE_INTERVAL for gap in gaps), gaps
-    assert all(gap <= HEARTBEAT_INTERVAL for gap in gaps), gaps
+    assert all(gap <= 30.0 for gap in gaps), gaps  # the promise; the heartbeat speaks at 25 s
     parsed = [LINE.match(line) for line in lines]
     assert all(parsed), lines
     assert parsed[0]["done"] == "4" and parsed[0]["percent"] == "20" and parsed[0]["elapsed"] == "12s"
