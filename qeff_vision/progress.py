@@ -79,7 +79,7 @@ CLOCK = time.monotonic
 LINE_INTERVAL = 10.0
 # ... and at least this often while a stage runs, even when one step is long (the job is alive):
 # 25 s, so that a line comes within the promised 30 s on a loaded host too (the heartbeat thread
-# wakes once a second, and a full-depth compile on a host loaded 16 deep logged a gap of 28 s).
+# wakes once a second, and a full-depth compile on a host loaded 16 deep logged gaps up to 30.9 s).
 HEARTBEAT_INTERVAL = 25.0
 
 
