@@ -181,3 +181,30 @@ def test_forced_query_blocks_divide_the_towers_largest_scores(tiny_checkpoint, t
     assert largest["whole"].largest_bytes == heads * n * n * 2
     assert largest["blocked"].largest_bytes == heads * (n // 4) * n * 2
     assert largest["blocked"].peak_bytes < largest["whole"].peak_bytes
+
+
+def test_values_of_weights_alone_are_folded_not_activations(tmp_path):
+    """A tied language head's ``Transpose`` of the embedding is a constant the compiler folds.
+
+    At full depth (Qwen2.5-VL-3B) it is [2048, 151936]: 594 MiB, above the 256 MiB bound, and a
+    compile refused the spec over it. A value that also reads an activation stays counted.
+    """
+    vocab, hidden = 1000, 8
+    nodes = [
+        helper.make_node("Transpose", ["embed"], ["head"], perm=[1, 0]),  # weights alone
+        helper.make_node("Mul", ["head", "scale"], ["scaled_head"]),  # weights and a constant
+        helper.make_node("MatMul", ["x", "scaled_head"], ["logits"]),
+        helper.make_node("Transpose", ["logits"], ["logits_t"], perm=[1, 0]),  # an activation
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", hidden])]
+    outputs = [helper.make_tensor_value_info("logits_t", TensorProto.FLOAT, [vocab, "N"])]
+    weights = [
+        helper.make_tensor("embed", TensorProto.FLOAT, [vocab, hidden], [0.0] * vocab * hidden),
+        helper.make_tensor("scale", TensorProto.FLOAT, [], [2.0]),
+    ]
+    graph = helper.make_graph(nodes, "tied_head", inputs, outputs, weights)
+    path = tmp_path / "head.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    figures = graph_activation_memory(path, {"N": 2})
+    assert figures.largest_bytes == 2 * vocab * 2 and figures.largest_name in ("logits", "logits_t")
+    assert figures.peak_bytes == 2 * (2 * vocab * 2)  # logits and its transpose, not the head

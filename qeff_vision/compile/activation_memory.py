@@ -10,6 +10,8 @@ AI 200; integers and booleans at their own width):
   produced values alive at once; a value lives from its node to its last reader (a graph output to
   the end). Weights, graph inputs and ``*_RetainedState`` outputs are not counted: the first are
   weights, the others are IO buffers (a retained state shares its input's buffer on the device).
+  Nor are values computed from weights alone (a tied language head's transposed embedding): the
+  compiler folds them into constants.
 
 Shapes come as :mod:`qeff_vision.compile.weight_reads` gets them: the specialization's symbols
 bound on the graph inputs, then ONNX shape inference with the shape arithmetic folded to
@@ -20,7 +22,7 @@ the peak is what a sequential schedule of that order needs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from math import prod
 from pathlib import Path
@@ -176,9 +178,10 @@ def activation_memory(
     largest = (0, "", "", ())
     unresolved = 0
     live = peak = 0
+    folded = _weight_derived(model)
     for index, node in enumerate(model.graph.node):
-        if node.op_type == "Constant":
-            continue  # folded shape arithmetic and stored constants: not activations
+        if node.op_type == "Constant" or (node.output and all(name in folded for name in node.output)):
+            continue  # folded shape arithmetic, stored constants, values of weights alone: not activations
         for name in node.output:
             if not name or name.endswith(RETAINED_SUFFIX):
                 continue
@@ -207,6 +210,27 @@ def activation_memory(
     )
 
 
+def _weight_derived(model: onnx.ModelProto) -> set[str]:
+    """Outputs computed from weights and constants alone, which a compiler folds into constants.
+
+    A tied language head reads the embedding through ``Transpose`` ([hidden, vocab]: 594 MiB for
+    Qwen2.5-VL-3B's 151,936 x 2,048 at 2 bytes); that is a weight the compiler folds at compile
+    time, not a value the device computes per call. A node with a subgraph is never folded here.
+    """
+    folded = {tensor.name for tensor in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            folded.update(node.output)
+            continue
+        inputs = [name for name in node.input if name]
+        subgraph = any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+        )
+        if inputs and not subgraph and all(name in folded for name in inputs):
+            folded.update(name for name in node.output if name)
+    return folded
+
+
 def format_bytes(count: int) -> str:
     """``count`` in KiB below 1 MiB, GiB from 10 GiB, MiB between."""
     if count >= 10 * 1024 * MIB:
@@ -227,8 +251,12 @@ def describe(figures: ActivationMemory) -> str:
     return line + (f", {figures.unresolved} shapes unresolved" if figures.unresolved else "")
 
 
-def measure_plans(plans: Mapping[str, Any]) -> dict[str, list[dict]]:
+def measure_plans(
+    plans: Mapping[str, Any], on_done: Callable[[], None] | None = None
+) -> dict[str, list[dict]]:
     """Figures of every specialization of every program (compile inputs ``ProgramPlan``s).
+
+    ``on_done`` is called after each specialization (progress).
 
     Returns:
         Program -> one entry per specialization: its ``name``, ``symbols`` and the
@@ -241,6 +269,8 @@ def measure_plans(plans: Mapping[str, Any]) -> dict[str, list[dict]]:
         for entry, values in zip(plan.specializations, plan.symbol_values()):
             figures = graph_activation_memory(graph, values)
             entries.append({"name": entry.get("name", ""), "symbols": values, **figures.to_dict()})
+            if on_done is not None:
+                on_done()
         measured[program] = entries
     return measured
 

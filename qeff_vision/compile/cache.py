@@ -32,12 +32,19 @@ KEY_LENGTH = 16  # hex digits in directory names; the record keeps the full key
 _CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+# Files from this size on are hashed with progress lines (a 12 GB language graph's data takes
+# 40 s at 330 MB/s off disk: a CI log would show nothing for that long).
+PROGRESS_BYTES = 1 << 30
+
+
+def sha256_file(path: Path, on_chunk: Callable[[int], None] | None = None) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks (``on_chunk`` gets each chunk's size)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
             digest.update(chunk)
+            if on_chunk is not None:
+                on_chunk(len(chunk))
     return digest.hexdigest()
 
 
@@ -88,15 +95,25 @@ class ContentHasher:
 
     Files under ``root`` are remembered by their path relative to it: a compile works in a
     staging directory of another name each time, whose files are hard links to OUT's (same size
-    and mtime), so the memo still finds them.
+    and mtime), so the memo still finds them. Files outside ``root`` (an export given with
+    ``--export``) are also remembered in the user's cache (:func:`shared_memo_path`), so compiles
+    into other OUTs of the same export do not read its 15 GB again.
     """
 
-    def __init__(self, memo_path: Path | None = None, root: Path | None = None):
+    def __init__(
+        self,
+        memo_path: Path | None = None,
+        root: Path | None = None,
+        say: Callable[[str], None] | None = None,
+    ):
         self.memo_path = memo_path
         self.root = root.resolve() if root is not None else None
+        self.say = say  # progress lines while a large file is hashed (None: none)
         self.memo: dict[str, dict] = {}
         if memo_path is not None:
             self.memo = read_record_json(memo_path) or {}
+        self.shared_path = shared_memo_path() if memo_path is not None else None
+        self.shared = (read_record_json(self.shared_path) or {}) if self.shared_path else {}
 
     def _name(self, path: Path) -> str:
         if self.root is not None and path.is_relative_to(self.root):
@@ -108,12 +125,32 @@ class ContentHasher:
         path = path.resolve()
         stat = path.stat()
         name = self._name(path)
-        entry = self.memo.get(name)
-        if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
-            return entry["sha256"]
-        digest = sha256_file(path)
+        outside = name == str(path)  # not under root: an absolute path, valid in any OUT
+        for entry in (self.memo.get(name), self.shared.get(name) if outside else None):
+            if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+                self.memo[name] = entry
+                return entry["sha256"]
+        digest = self._hashed(path, stat.st_size)
         self.memo[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+        if outside:
+            self.shared[name] = self.memo[name]
         return digest
+
+    def _hashed(self, path: Path, size: int) -> str:
+        """SHA-256 of ``path``; a large one reports progress (a bar, or timed lines off a terminal)."""
+        if self.say is None or size < PROGRESS_BYTES:
+            return sha256_file(path)
+        from qeff_vision.progress import StageProgress
+
+        mib = 1 << 20
+        with StageProgress(f"hashing {path.name}", -(-size // mib), unit="MiB", say=self.say) as stage:
+            done = [0]
+
+            def chunk(count: int) -> None:
+                done[0] += count
+                stage.update(done[0] // mib)
+
+            return sha256_file(path, chunk)
 
     def onnx(self, onnx_path: Path) -> str:
         """Hash of a graph and its external data, independent of where the files live."""
@@ -128,6 +165,20 @@ class ContentHasher:
         if self.memo_path is not None:
             with contextlib.suppress(OSError):
                 atomic_write_json(self.memo_path, self.memo)
+        if self.shared_path is not None and self.shared:
+            # Another compile may have added entries since: theirs and ours (ours win on a clash).
+            merged = {**(read_record_json(self.shared_path) or {}), **self.shared}
+            with contextlib.suppress(OSError):
+                self.shared_path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_json(self.shared_path, merged)
+
+
+def shared_memo_path() -> Path | None:
+    """The memo of files outside any OUT, beside the plan store (``None`` when the store is off)."""
+    from qeff_vision.compile import plan_store
+
+    directory = plan_store.store_dir()
+    return directory.parent / "content-hashes.json" if directory is not None else None
 
 
 def program_key(key_inputs: Mapping[str, Any]) -> str:

@@ -305,7 +305,7 @@ def compile_spec(
         else:
             plans = write_inputs(generated, spec, staging, export)
         # Before the calibration runs: a graph over the bound is refused without minutes of work.
-        activation = _activation_memory(plans, spec, export, outcome)
+        activation = _activation_memory(plans, spec, export, outcome, say)
         outcome.notes += resolve_plans(
             plans, spec, export.directory, export.manifest, dry_run=dry_run, say=say
         )
@@ -327,10 +327,11 @@ def compile_spec(
     return outcome
 
 
-def _activation_memory(plans, spec: Any, export: Export, outcome: CompileOutcome) -> dict | None:
+def _activation_memory(plans, spec: Any, export: Export, outcome: CompileOutcome, say=None) -> dict | None:
     """Measure every specialization's activation memory on the graphs; refuse one above the bound.
 
-    Nothing to measure before an export exists (a dry run of a spec never exported).
+    Nothing to measure before an export exists (a dry run of a spec never exported). Shape
+    inference on a full-depth graph takes seconds per specialization: progress goes to ``say``.
 
     Raises:
         UserError: A largest intermediate exceeds ``compile.max_activation_bytes``.
@@ -339,7 +340,11 @@ def _activation_memory(plans, spec: Any, export: Export, outcome: CompileOutcome
 
     if export.manifest is None:
         return None
-    measured = measure_plans(plans)
+    from qeff_vision.progress import StageProgress
+
+    count = sum(len(plan.specializations) for plan in plans.values())
+    with StageProgress("activation memory", count, unit="specializations", say=say) as stage:
+        measured = measure_plans(plans, on_done=stage.update)
     outcome.activation = report_lines(measured)
     bound = spec.compile.max_activation_bytes
     problem = bound_problem(measured, bound)
@@ -405,7 +410,7 @@ def _compile(
     sdk, outcome = run.sdk, run.outcome
     compiler_name = sdk.compiler_name if sdk and sdk.compiler else "qaic-exec"
     argv0 = compiler_path or sdk_lookup.DEFAULT_COMPILERS[0]
-    hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE, root=run.out_dir)
+    hasher = cache.ContentHasher(run.out_dir / cache.HASH_MEMO_FILE, root=run.out_dir, say=run.say)
     jobs, records, entries, binary_dirs = [], {}, {}, {}
     for plan in plans.values():
         if plan.precision and plan.precision.overflow:

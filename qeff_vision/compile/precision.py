@@ -204,7 +204,7 @@ def resolve_plans(
     exported = export_manifest is not None
     spec_dir = Path(spec.source).resolve().parent
     calibrated = [p for p in plans.values() if p.options.convert_to_fp16 and exported and not dry_run]
-    keys = _calibration_keys(calibrated, spec, spec_dir)
+    keys = _calibration_keys(calibrated, spec, spec_dir, say)
     reused = {p.program: _reuse(p, keys[p.program]) for p in calibrated}
     prompts: dict[str, dict[str, float]] = {}
     stage = None
@@ -323,7 +323,7 @@ def _prompt_ranges(
 RECORD_FILE = "node_precision.record.json"
 
 
-def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
+def _calibration_keys(plans, spec, spec_dir: Path, say=None) -> dict[str, str]:
     """Per program, a hash of everything a calibration result depends on."""
     from qeff_vision import __version__
     from qeff_vision.compile import cache
@@ -333,7 +333,7 @@ def _calibration_keys(plans, spec, spec_dir: Path) -> dict[str, str]:
     if not plans:
         return {}
     out_dir = plans[0].directory.parent  # OUT's staging directory: memo paths relative to it
-    hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE, root=out_dir)
+    hasher = cache.ContentHasher(out_dir / cache.HASH_MEMO_FILE, root=out_dir, say=say)
     calibration = spec.compile.calibration
     images = [spec_dir / image for image in calibration.images] if calibration else []
     common = {
