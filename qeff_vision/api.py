@@ -58,6 +58,7 @@ def export(
     revision: str | None = None,
     weight_dtype: str = "float32",
     keep_quantized: bool = False,
+    subfunctions: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
 
@@ -77,6 +78,8 @@ def export(
     QEfficient's on-device sampler into the language program with that ``max_top_k_ids`` (for
     specs with ``compile.language.sampler``; its other keys at their defaults); ``sampler`` gives
     any of the spec's keys (``max_top_k_ids``, ``return_pdfs``, ``guided_decoding``) by name.
+    ``subfunctions`` exports each decoder layer as an ONNX function (for specs with
+    ``compile.language.subfunctions``).
 
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
@@ -108,6 +111,7 @@ def export(
         hub=source,
         weight_dtype=weight_dtype,
         keep_quantized=keep_quantized,
+        subfunctions=subfunctions,
     )
 
 

@@ -119,6 +119,7 @@ def _run_export(
         weight_dtype=spec.weight_dtypes() if spec is not None else "float32",
         keep_quantized=spec.weights.keep_quantized if spec is not None else False,
         attention_blocking=blocking,
+        subfunctions=spec.compile.language.subfunctions if spec is not None else False,
     ).manifest
 
 
@@ -203,6 +204,13 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
             f"{export_dir}: the spec needs an export {wanted} full-length caches on ring layers "
             f"(`qeff-vision export{' --retain-full-kv' if full_kv else ''}`)"
         )
+    functions = spec.compile.language.subfunctions
+    if bool(manifest.get("subfunctions")) != functions:
+        wanted = "with" if functions else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} decoder layers as ONNX functions "
+            f"(`qeff-vision export{' --subfunctions' if functions else ''}`)"
+        )
     sampler = _sampler_of(spec)
     if manifest.get("sampler") != sampler:
         wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
@@ -255,6 +263,8 @@ def locate_export(
         stale = True  # the spec added or dropped full_batch_size
     if manifest is not None and bool(manifest.get("retain_full_kv")) != full_kv:
         stale = True  # the spec added or dropped retain_full_kv
+    if manifest is not None and bool(manifest.get("subfunctions")) != spec.compile.language.subfunctions:
+        stale = True  # the spec added or dropped compile.language.subfunctions
     if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
         stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and manifest.get("attention_blocking") != blocking_of(spec).to_dict():
