@@ -1,0 +1,197 @@
+"""``compile.language.subfunctions``: decoder layers exported as ONNX functions, one per layer body.
+
+Every family (default tier: one per decoder and state kind, ``tests.helpers.tiered``; every family
+under ``-m slow``): the function form's structure (a call per layer, one function per distinct
+body, weights per layer passed to the calls, ``*_InternalRetainedState`` inside bodies, the same
+graph IO as the inline form); chunked generation on onnxruntime token-identical to transformers
+and to the inline export, logits equal; at device precision (fp16 emulation, automatic plan
+calibrated on the function form) tokens identical to the inline form's and logits within 1e-4 of
+their range. The single-program composition of the function form runs token-identical to
+transformers. Deployment modes through ``compile``: tests/test_subfunctions_compile.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from qeff_vision import symbols
+from qeff_vision.compile.calibration import prompt_ranges
+from qeff_vision.export_record import read_export
+from qeff_vision.families import all_families
+from qeff_vision.families.base import TOKEN_MERGE
+from qeff_vision.numerics.layer_functions import (
+    KERNEL_DOMAINS,
+    SEPARATOR,
+    expanded_plan,
+    folded_plan,
+    layer_functions,
+    load_flat_graph,
+)
+from qeff_vision.numerics.plan import auto_plan
+from qeff_vision.runtime.generate import generator_for_export
+from qeff_vision.runtime.language_shape import LanguageShape
+from qeff_vision.runtime.planner import PrefillBucket
+from tests import helpers
+from tests.family_runtime import FamilyRuntime
+
+FAMILIES = [family.name for family in all_families()]
+# Calibration inputs are generated for the token-merge IO (tests/test_device_precision_families.py).
+MERGE = [family.name for family in all_families() if family.decoder_kind == TOKEN_MERGE]
+NEW_TOKENS = 6
+DEVICE_TOLERANCE = 1e-4  # of the logit range: both forms run the same nodes in the same order
+
+
+@pytest.fixture(scope="session")
+def function_export(tiny_checkpoint, tmp_path_factory):
+    """``function_export(family) -> Path``: the tiny checkpoint exported with layer functions."""
+    built = {}
+
+    def build(family: str):
+        if family not in built:
+            from qeff_vision.exporter import export_model
+
+            out = tmp_path_factory.mktemp(f"functions-{family}") / "export"
+            export_model(tiny_checkpoint(family), out, progress=None, subfunctions=True)
+            built[family] = out
+        return built[family]
+
+    return build
+
+
+def _lang(export) -> onnx.ModelProto:
+    return onnx.load(str(export / "lang" / "model.onnx"), load_external_data=False)
+
+
+def _signature(function: onnx.FunctionProto) -> tuple:
+    """What makes two bodies one function: ops in order (with domains), inputs and outputs counted."""
+    ops = tuple((node.domain, node.op_type) for node in function.node)
+    return ops, len(function.input), len(function.output)
+
+
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+def test_each_layer_is_a_call_of_one_function_per_signature(family, function_export, exported):
+    functions, inline = function_export(family), exported(family)
+    model = _lang(functions)
+    layers = layer_functions(model)
+    calls = [node for node in model.graph.node if (node.domain, node.op_type) in layers]
+    num_layers = read_export(functions)["num_layers"]
+    # One call per decoder layer (mllama: self- and cross-attention layers alike) and a function
+    # per distinct body: no two functions have the same signature.
+    assert len(calls) == num_layers
+    signatures = [_signature(function) for function in layers.values()]
+    assert len(set(signatures)) == len(signatures) <= num_layers
+    assert read_export(functions)["programs"]["lang"]["functions"] == {
+        name: sum(1 for call in calls if call.op_type == name) for _, name in layers
+    }
+    # The program's IO is the inline form's: names, dtypes, symbolic axes.
+    manifests = read_export(functions)["programs"]["lang"], read_export(inline)["programs"]["lang"]
+    assert manifests[0]["inputs"] == manifests[1]["inputs"]
+    assert manifests[0]["outputs"] == manifests[1]["outputs"]
+    # Each layer's weights stay initializers of the main graph, passed to its own call.
+    weights = {tensor.name for tensor in model.graph.initializer}
+    passed = [set(call.input) & weights for call in calls]
+    assert all(passed) and not set.intersection(*passed)
+    # A retained state is public only at the graph's outputs; inside a shared body it is internal.
+    for function in layers.values():
+        values = {*function.output, *(o for node in function.node for o in node.output)}
+        assert not any(name.endswith(symbols.RETAINED_SUFFIX) for name in values)
+    internal = [o for f in layers.values() for o in f.output if o.endswith(symbols.INTERNAL_RETAINED_SUFFIX)]
+    assert internal
+    retained = {o.name for o in model.graph.output if o.name.endswith(symbols.RETAINED_SUFFIX)}
+    from_calls = {o for call in calls for o in call.output} & retained
+    assert from_calls, "the caches are written inside the layer functions"
+    # Our kernels stay functions of their own and no body holds a Range (QEfficient's compiler rule).
+    assert all(f.domain in KERNEL_DOMAINS for f in model.functions if (f.domain, f.name) not in layers)
+    assert not any(node.op_type == "Range" for f in layers.values() for node in f.node)
+
+
+def _prompt(runtime: FamilyRuntime):
+    return runtime.inputs(["<image>", "Describe this image."], [helpers.image(100, 150)])
+
+
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+def test_function_form_generates_as_the_inline_form(family, function_export, exported, hf_model):
+    model, processor = hf_model(family)
+    functions = FamilyRuntime(family, function_export(family), model, processor)
+    inline = FamilyRuntime(family, exported(family), model, processor)
+    processed = _prompt(functions)
+    # Chunks of 16 tokens (an image straddles chunks), then decode: each against transformers.
+    _, ours = functions.run(processed, (16,))
+    _, theirs = inline.run(processed, (16,))
+    assert ours.tokens == theirs.tokens
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(ours.logits, theirs.logits))
+    assert worst <= 1e-5, worst
+
+
+def _device_run(export, processed, length: int):
+    """Tokens and logits at device precision with the automatic plan calibrated on this export."""
+    bucket = {
+        symbols.BATCH_SIZE: 1,
+        symbols.SEQ_LEN: length,
+        symbols.VISION_SIZE: length,
+        symbols.CTX_LEN: 512,
+    }
+    ranges = prompt_ranges(export, None, [bucket, {**bucket, symbols.SEQ_LEN: 1}], [(100, 150)])
+    plans = {}
+    for program in ("vision", "lang"):
+        flat = load_flat_graph(export / program / "model.onnx")
+        plans[program] = folded_plan(auto_plan(flat, ranges[program]))
+    shape = LanguageShape((PrefillBucket(length, length),), length, length + 64)
+    generator = generator_for_export(export, shape, fp32_values=plans)
+    return generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True), plans
+
+
+@pytest.mark.parametrize("family", helpers.tiered(MERGE))
+def test_device_precision_of_the_function_form_is_the_inline_forms(
+    family, function_export, exported, hf_model
+):
+    model, processor = hf_model(family)
+    processed = helpers.as_numpy(
+        helpers.process(
+            processor, helpers.user_turn("<image>", "Describe this image."), [helpers.image(100, 150)]
+        )
+    )
+    length = processed["input_ids"].shape[1] + 3
+    ours, plans = _device_run(function_export(family), processed, length)
+    theirs, inline_plans = _device_run(exported(family), processed, length)
+    assert ours.tokens == theirs.tokens
+    for a, b in zip(ours.logits, theirs.logits):
+        assert np.isfinite(a).all()
+        assert np.abs(a - b).max() <= DEVICE_TOLERANCE * (b.max() - b.min())
+    # The plan is the inline one (tiny random weights: the rotary angle chains, outside the layers).
+    assert len(plans["lang"]) == len(inline_plans["lang"])
+    assert not any(SEPARATOR in name for name in plans["lang"])
+
+
+def test_a_plan_folds_to_body_names_and_expands_to_every_call(function_export):
+    flat = load_flat_graph(function_export("qwen2_5_vl") / "lang" / "model.onnx")
+    model = _lang(function_export("qwen2_5_vl"))
+    (function,) = layer_functions(model).values()
+    body_value = next(o for node in function.node if node.op_type == "MatMul" for o in node.output)
+    calls = [n.name for n in model.graph.node if n.op_type == function.name]
+    inlined = [f"{call}{SEPARATOR}{body_value}" for call in calls]
+    produced = {o for node in flat.graph.node for o in node.output}
+    assert set(inlined) <= produced and len(calls) == 2
+    # One call's value in a plan keeps the body value, so every call's copy.
+    assert folded_plan([inlined[0], "logits"]) == [body_value, "logits"]
+    assert expanded_plan(flat, [body_value]) == set(inlined)
+    assert not layer_functions(flat) and {f.domain for f in flat.functions} <= KERNEL_DOMAINS
+
+
+def test_single_program_of_the_function_form_matches_transformers(function_export, hf_model):
+    from qeff_vision.compile.single_program import write_single_program
+    from qeff_vision.runtime.session import OnnxProgram
+    from tests.test_single_program import SEQ_LENS, _generator
+
+    family = "qwen2_5_vl"
+    export = function_export(family)
+    path = write_single_program(export, export / "vision" / "model.onnx", export / "lang" / "model.onnx")
+    composed = onnx.load(str(path), load_external_data=False)
+    assert layer_functions(composed), "the composed program keeps the layer functions"
+    runtime = FamilyRuntime(family, export, *hf_model(family))
+    generator = _generator(runtime, OnnxProgram(path))
+    processed = _prompt(runtime)
+    result = generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)
+    runtime.check(result, processed, f"{family} single S={SEQ_LENS[family]}")
