@@ -199,3 +199,76 @@ def test_single_program_of_the_function_form_matches_transformers(function_expor
     processed = _prompt(runtime)
     result = generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True)
     runtime.check(result, processed, f"{family} single S={SEQ_LENS[family]}")
+
+
+def _plan_entries(model: onnx.ModelProto, plan, ranges, scopes: dict[str, int]) -> list[tuple]:
+    """Each plan entry as (layer or -1, producing op, its peak to 6 digits), sorted.
+
+    A value is located by its producer's node name: the layer whose scope (or call, in a flat
+    graph) it starts with. The two forms name values differently; both compute the same values
+    with the same nodes, so each layer's entries have the same ops and peaks.
+    """
+    producer = {o: node for node in model.graph.node for o in node.output}
+
+    def layer(node) -> int:
+        return next((i for prefix, i in scopes.items() if node.name.startswith(prefix)), -1)
+
+    return sorted(
+        (layer(producer[name]), producer[name].op_type, float(f"{ranges[name]:.6g}")) for name in plan
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma4"])
+def test_a_plan_on_the_function_form_is_the_inline_forms(family, function_export, tiny_checkpoint, tmp_path):
+    """Values inside layer functions are calibrated: the same per-layer plan as the inline graph's.
+
+    The inputs carry hidden states near fp16's limit, so the plan holds values inside every layer
+    (residual sums and what reads them), not only the rotary angles outside them.
+    """
+    import torch
+
+    from qeff_vision.exporter import export_model
+    from qeff_vision.graph_file import load_graph
+    from qeff_vision.numerics.plan import value_ranges
+
+    cse = torch._C._jit_pass_cse
+    torch._C._jit_pass_cse = lambda graph: False  # the inline reference traced as the function form is
+    try:
+        inline_dir = export_model(tiny_checkpoint(family), tmp_path / "inline", progress=None).out_dir
+    finally:
+        torch._C._jit_pass_cse = cse
+    functions = function_export(family)
+    model = _lang(functions)
+    layers = layer_functions(model)
+    calls = [node for node in model.graph.node if (node.domain, node.op_type) in layers]
+    flat = load_flat_graph(functions / "lang" / "model.onnx")
+    inline = load_graph(inline_dir / "lang" / "model.onnx")
+    image_token = read_export(functions)["image_token_id"]
+    rng = np.random.RandomState(0)
+    feeds = {}
+    for value in inline.graph.input:
+        if value.name in {t.name for t in inline.graph.initializer}:
+            continue
+        dims = [d.dim_value or 8 for d in value.type.tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        if value.name == symbols.INPUT_IDS:
+            feeds[value.name] = np.full(dims, image_token, dtype)
+        elif value.name == symbols.POSITION_IDS:
+            feeds[value.name] = np.broadcast_to(np.arange(dims[-1]), dims).astype(dtype)
+        elif value.name == symbols.VISION_EMBEDS:
+            feeds[value.name] = (rng.randn(*dims) * 2e4).astype(dtype)
+        else:
+            feeds[value.name] = np.zeros(dims, dtype)
+    our_ranges = value_ranges(flat, functions / "lang", [feeds])
+    their_ranges = value_ranges(inline, inline_dir / "lang", [feeds])
+    ours, theirs = auto_plan(flat, our_ranges), auto_plan(inline, their_ranges)
+    inside = {name.split(SEPARATOR)[0] for name in ours if SEPARATOR in name}
+    assert inside == {call.name for call in calls}, "every layer's function body has values in the plan"
+    calls_at = {call.name + SEPARATOR: i for i, call in enumerate(calls)}
+    scopes = {call.name.rsplit("/", 1)[0] + "/": i for i, call in enumerate(calls)}
+    assert _plan_entries(flat, ours, our_ranges, calls_at) == _plan_entries(
+        inline, theirs, their_ranges, scopes
+    )
+    # The compiled plan names body values once; expanded, it keeps at least every call's own.
+    folded = folded_plan(ours)
+    assert set(ours) <= expanded_plan(flat, folded) and len(folded) < len(ours)
