@@ -52,9 +52,13 @@ def body_name(name: str) -> str:
 def inline_layer_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with every call of a layer function replaced by its body (see the module docstring).
 
+    A body attribute that refers to a function attribute (the exporter turns a constant that
+    differs between layers of one signature into one: Gemma 4's shared-KV layers) takes the
+    call's value.
+
     Raises:
-        ValueError: A body with attributes, control flow or a layer call of its own, or two layer
-            functions naming a value alike (a folded plan would be ambiguous).
+        ValueError: A body with control flow or a layer call of its own, an attribute the call does
+            not give, or two layer functions naming a value alike (a folded plan would be ambiguous).
     """
     layers = layer_functions(model)
     if not layers:
@@ -67,8 +71,6 @@ def inline_layer_functions(model: onnx.ModelProto) -> onnx.ModelProto:
             for name in node.output:
                 if seen.setdefault(name, function.name) != function.name:
                     raise ValueError(f"{name}: a value of both {seen[name]} and {function.name}")
-        if function.attribute or function.attribute_proto:
-            raise ValueError(f"{function.name}: a layer function with attributes")
     nodes = []
     for node in model.graph.node:
         function = layers.get((node.domain, node.op_type))
@@ -103,11 +105,20 @@ def _body(function: onnx.FunctionProto, call: onnx.NodeProto) -> list[onnx.NodeP
             return name
         return bound.get(name, f"{prefix}{SEPARATOR}{name}")
 
+    given = {attribute.name: attribute for attribute in call.attribute}
+    given.update({a.name: a for a in function.attribute_proto if a.name not in given})  # defaults
     copies = []
     for node in function.node:
         copy = onnx.NodeProto()
         copy.CopyFrom(node)
         copy.name = f"{prefix}{SEPARATOR}{node.name}"
+        for attribute in copy.attribute:
+            if attribute.ref_attr_name:
+                if attribute.ref_attr_name not in given:
+                    raise ValueError(f"{call.name}: no value for attribute {attribute.ref_attr_name}")
+                name = attribute.name
+                attribute.CopyFrom(given[attribute.ref_attr_name])
+                attribute.name = name
         copy.input[:] = [renamed(n) for n in node.input]
         copy.output[:] = [renamed(n) for n in node.output]
         copies.append(copy)
