@@ -7,8 +7,8 @@ retained state. Then every deployment mode (dual, single, disaggregated with con
 compiled on the onnxruntime backend from a spec with ``subfunctions: true`` (export, calibration on
 the function form, every specialization verified at fp32 and device precision) and run with
 ``--compare-hf``: tokens identical to transformers generate, as the inline form's are
-(tests/test_subfunctions.py compares the two forms directly). Default tier: the tiered families;
-every family under ``-m slow``.
+(tests/test_subfunctions.py compares the two forms directly, over the tiered families). Default
+tier: Qwen2.5-VL in every mode; every family and mode under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -125,7 +125,11 @@ def test_the_stand_in_checks_the_flag_and_the_form(tiny_checkpoint, tmp_path, ca
     assert refused.returncode != 0 and "use _InternalRetainedState" in refused.stderr
 
 
-@pytest.mark.parametrize(("family", "mode"), helpers.tiered(CASES, key=lambda case: case[0]))
+# The compile path is generic (export, calibration, verification, run); default tier: Qwen2.5-VL in
+# every mode (each family's function form against the inline form: tests/test_subfunctions.py).
+@pytest.mark.parametrize(
+    ("family", "mode"), helpers.tiered(CASES, keep=("qwen2_5_vl",), key=lambda case: case[0])
+)
 def test_every_mode_compiles_and_runs_the_function_form(family, mode, tiny_checkpoint, tmp_path, capsys):
     spec = _spec(tmp_path / "spec.yaml", tiny_checkpoint(family), mode)
     out = tmp_path / "out"
