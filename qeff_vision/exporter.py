@@ -39,6 +39,7 @@ from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.sampler import SamplerDecoder
 from qeff_vision.export.subfunctions import (
     exporting_functions,
+    hoist_weight_transposes,
     internal_name,
     layer_calls,
     layer_classes,
@@ -226,6 +227,8 @@ def _finalize(
     model = onnx.load(str(traced.raw_path), load_external_data=False)
     if traced.output_names:
         restore_output_names(model, traced.output_names)
+        ranks = {name: param.dim() for name, param in traced.params.items()}
+        hoist_weight_transposes(model, ranks)  # stored transposed, as inline (export/subfunctions.py)
     attach_functions(model)
     attach_rms_norm(model)
     attach_gated_delta(model)

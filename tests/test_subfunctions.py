@@ -272,3 +272,22 @@ def test_a_plan_on_the_function_form_is_the_inline_forms(family, function_export
     # The compiled plan names body values once; expanded, it keeps at least every call's own.
     folded = folded_plan(ours)
     assert set(ours) <= expanded_plan(flat, folded) and len(folded) < len(ours)
+
+
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+def test_mx_rounding_reads_the_same_weights_in_both_forms(family, function_export, exported):
+    """``-mxfp6-matmul`` emulation rounds the weights the matmuls read, inside layer bodies too."""
+    from qeff_vision.graph_file import load_graph
+    from qeff_vision.numerics.mx import matmul_weights
+
+    flat = load_flat_graph(function_export(family) / "lang" / "model.onnx")
+    inline = load_graph(exported(family) / "lang" / "model.onnx")
+    ours, theirs = matmul_weights(flat), matmul_weights(inline)
+
+    def shapes(model, found):  # (reduction axis, stored dims) of each weight; names differ by form
+        dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
+        return sorted((axis, dims.get(name)) for name, axis in found.items())
+
+    assert ours and shapes(flat, ours) == shapes(inline, theirs)
+    # Read in place, the function form's main graph shows only the matmuls outside the layers.
+    assert len(matmul_weights(load_graph(function_export(family) / "lang" / "model.onnx"))) < len(ours)

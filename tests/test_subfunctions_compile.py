@@ -140,6 +140,11 @@ def test_every_mode_compiles_and_runs_the_function_form(family, mode, tiny_check
     export = json.loads((out / "export" / "export.json").read_text())
     assert export["subfunctions"] is True and export["programs"]["lang"]["functions"]
     assert manifest["deployment"] == mode
+    # The verification ran each language specialization at device precision with the MX formats
+    # too (-mxfp6-matmul is on by default), on the layer bodies inlined per call.
+    for name, program in manifest["programs"].items():
+        if name != "vision":
+            assert any(run.get("device_precision_mx") for run in program["verification"]["runs"]), name
     helpers.image(112, 112, 1).save(tmp_path / "a.png")
     turns = ["--prompt", "Describe it.", "--prompt", "And the colours?"]
     args = [

@@ -32,19 +32,18 @@ What the exporter needs around it (facts from QEfficient ``utils/torch_patches.p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import onnx
 import torch
 from torch import nn
 
+from qeff_vision.numerics.layer_functions import KERNEL_DOMAINS
 from qeff_vision.symbols import INTERNAL_RETAINED_SUFFIX, RETAINED_SUFFIX
 
 # Attribute names of the module lists holding repeated layers (transformers' decoder ``layers``;
 # vision towers' ``blocks``).
 LAYER_LISTS = ("layers",)
-# Function domains of our own kernels (KV ops, RMSNorm, gated delta): never a layer function.
-KERNEL_DOMAINS = ("com.qualcomm.cloud", "com.qti.aisw.onnx", "com.qeff_vision")
 
 
 def layer_classes(module: nn.Module, lists: Sequence[str] = LAYER_LISTS) -> set[type[nn.Module]]:
@@ -120,3 +119,69 @@ def layer_calls(model: onnx.ModelProto) -> dict[str, int]:
         if key in names:
             calls[names[key]] += 1
     return calls
+
+
+def hoist_weight_transposes(model: onnx.ModelProto, weights: Mapping[str, int]) -> int:
+    """Move each layer body's ``Transpose`` of a 2-D weight out to the main graph, one per call.
+
+    Inline, a weight whose only reader is ``Transpose(perm=[1, 0])`` is stored transposed and the
+    node dropped (:func:`qeff_vision.export.weights.write_weights`). In a body the weight is a
+    function parameter, so the tracer's ``Transpose`` stays there and the weight would be stored
+    as traced, transposed again by every call. Here a parameter read only by such a ``Transpose``
+    (for every call: a 2-D weight the main graph reads nowhere else) loses the node in the body,
+    and each call reads the weight through a ``Transpose`` in the main graph, which the writer
+    then folds as it does inline: the same stored weights and the same matmuls as the inline form
+    (what the MX emulation and the compiler's matmul weight handling look for).
+
+    Args:
+        model: The traced graph (weights still graph inputs).
+        weights: Weight input name -> rank.
+
+    Returns:
+        How many body parameters were hoisted.
+    """
+    functions = {(f.domain, f.name): f for f in model.functions if f.domain not in KERNEL_DOMAINS}
+    calls: dict[tuple[str, str], list[onnx.NodeProto]] = {}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        key = (node.domain, node.op_type)
+        if key in functions:
+            calls.setdefault(key, []).append(node)
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    hoisted, transposes = 0, []
+    for key, function in functions.items():
+        body_readers: dict[str, list[onnx.NodeProto]] = {}
+        for node in function.node:
+            for name in node.input:
+                body_readers.setdefault(name, []).append(node)
+        for index, param in enumerate(function.input):
+            nodes = body_readers.get(param, [])
+            if len(nodes) != 1 or not _is_2d_transpose(nodes[0]):
+                continue
+            actual = [call.input[index] for call in calls.get(key, [])]
+            if not actual or any(weights.get(a) != 2 or readers.get(a) != 1 for a in actual):
+                continue
+            transpose = nodes[0]
+            for node in function.node:  # the body reads the parameter itself, already transposed
+                node.input[:] = [param if n == transpose.output[0] else n for n in node.input]
+            function.node.remove(transpose)
+            for call in calls[key]:
+                hoisted_name = f"{call.input[index]}_transposed"
+                transposes.append(
+                    onnx.helper.make_node(
+                        "Transpose", [call.input[index]], [hoisted_name], perm=[1, 0], name=hoisted_name
+                    )
+                )
+                call.input[index] = hoisted_name
+            hoisted += 1
+    if transposes:  # first: they read graph inputs only
+        nodes = [*transposes, *model.graph.node]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+    return hoisted
+
+
+def _is_2d_transpose(node: onnx.NodeProto) -> bool:
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return node.op_type == "Transpose" and node.domain in ("", "ai.onnx") and perm in (None, [1, 0])
