@@ -218,7 +218,7 @@ def _plan_entries(model: onnx.ModelProto, plan, ranges, scopes: dict[str, int]) 
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("gemma4", marks=pytest.mark.slow)])
 def test_a_plan_on_the_function_form_is_the_inline_forms(family, function_export, tiny_checkpoint, tmp_path):
     """Values inside layer functions are calibrated: the same per-layer plan as the inline graph's.
 
