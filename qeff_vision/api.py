@@ -60,6 +60,7 @@ def export(
     weight_dtype: str = "float32",
     keep_quantized: bool = False,
     task: str = "generate",
+    subfunctions: bool = False,
 ):
     """Export the vision encoder and language decoder of ``model_dir`` to ONNX in ``out_dir``.
 
@@ -81,6 +82,8 @@ def export(
     any of the spec's keys (``max_top_k_ids``, ``return_pdfs``, ``guided_decoding``) by name.
     ``task`` (``generate``, ``embed``, ``score``) picks the language program: a pooling task
     exports the cache-free pooling program (for specs with that ``task``).
+    ``subfunctions`` exports each decoder layer as an ONNX function (for specs with
+    ``compile.language.subfunctions``).
 
     Returns:
         :class:`qeff_vision.exporter.ExportResult`.
@@ -113,6 +116,7 @@ def export(
         weight_dtype=weight_dtype,
         keep_quantized=keep_quantized,
         task=task,
+        subfunctions=subfunctions,
     )
 
 

@@ -10,10 +10,11 @@ into place at the end, so an interrupted export never leaves a model.onnx that l
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,14 @@ from qeff_vision.export.opset_upgrade import upgrade_opset
 from qeff_vision.export.pooled import PooledDecoder, checked_task
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
 from qeff_vision.export.sampler import SamplerDecoder
+from qeff_vision.export.subfunctions import (
+    exporting_functions,
+    hoist_weight_transposes,
+    internal_name,
+    layer_calls,
+    layer_classes,
+    restore_output_names,
+)
 from qeff_vision.export.weight_forms import QUANTIZED_OPSET, WeightForm, WrittenWeights, program_forms
 from qeff_vision.export.weights import (
     DTYPES,
@@ -134,11 +143,13 @@ def _load_model(adapter: ExportAdapter, model_dir: Path, dtype: torch.dtype):
 
 
 def _torch_export(
-    module, example: tuple, path: Path, input_names, output_names, dynamic_axes, custom
+    module, example: tuple, path: Path, input_names, output_names, dynamic_axes, custom, functions=None
 ) -> None:
     # export_params=False: weights become graph inputs (the module holds placeholders, see
     # export/weights.py); no constant folding, which would materialise transposed weight copies.
-    with warnings.catch_warnings(), torch.no_grad():
+    # ``functions``: module classes exported as ONNX local functions (export/subfunctions.py).
+    patched = exporting_functions(module) if functions else contextlib.nullcontext()
+    with warnings.catch_warnings(), torch.no_grad(), patched:
         warnings.simplefilter("ignore")  # TracerWarnings about shape arithmetic are expected here
         torch.onnx.export(
             module,
@@ -154,11 +165,12 @@ def _torch_export(
             # Placeholders of equal shape have equal (zero) values: keep the tracer from merging them.
             keep_initializers_as_inputs=True,
             do_constant_folding=False,
+            **({"export_modules_as_functions": set(functions)} if functions else {}),
         )
 
 
 def _pin_static_dims(model: onnx.ModelProto, example_outputs, axes: Mapping[str, Mapping[int, str]]) -> None:
-    """Give every output dim that is not a declared symbol its static size from the traced example.
+    """Give every output dim its declared symbol, and the others their static size from the example.
 
     The exporter names dims it cannot infer through a dynamic Reshape (``Reshape..._dim_2``); the
     compiler and our checks need them either declared or fixed.
@@ -166,7 +178,9 @@ def _pin_static_dims(model: onnx.ModelProto, example_outputs, axes: Mapping[str,
     for value, shape in zip(model.graph.output, example_outputs):
         declared = axes.get(value.name, {})
         for index, dim in enumerate(value.type.tensor_type.shape.dim):
-            if index not in declared and dim.dim_param:
+            if index in declared:  # an output a function call produced has generated dim names
+                dim.dim_param = declared[index]
+            elif dim.dim_param:
                 dim.Clear()
                 dim.dim_value = int(shape[index])
 
@@ -180,6 +194,8 @@ class _Traced:
     output_shapes: list[tuple[int, ...]]
     axes: Mapping[str, Mapping[int, str]]
     params: Mapping[str, torch.Tensor]
+    # Graph output names, restored by position after a function export renamed them.
+    output_names: Sequence[str] = ()
 
 
 def _stream_constants(model: onnx.ModelProto, source_dir: Path, data) -> None:
@@ -211,6 +227,10 @@ def _finalize(
     ``form``: how weights are stored; keeping quantized weights moves the graph to opset 21.
     """
     model = onnx.load(str(traced.raw_path), load_external_data=False)
+    if traced.output_names:
+        restore_output_names(model, traced.output_names)
+        ranks = {name: param.dim() for name, param in traced.params.items()}
+        hoist_weight_transposes(model, ranks)  # stored transposed, as inline (export/subfunctions.py)
     attach_functions(model)
     attach_rms_norm(model)
     attach_gated_delta(model)
@@ -298,6 +318,7 @@ def export_model(
     keep_quantized: bool = False,
     attention_blocking: AttentionBlocking | None = None,
     task: str = GENERATE,
+    subfunctions: bool = False,
 ) -> ExportResult:
     """Export ``model_dir``'s vision encoder and language decoder to ``out_dir``.
 
@@ -333,6 +354,9 @@ def export_model(
             (256 MiB per block at 2560x1440 images and a 512 x 32k prefill). Kept in export.json.
         task: ``generate`` (the KV-cache decoder), or a pooling task (``embed``, ``score``): the
             language program pools a whole prompt with no cache (:mod:`qeff_vision.export.pooled`).
+        subfunctions: Export the language program's decoder layers as ONNX local functions, one
+            per distinct layer body (:mod:`qeff_vision.export.subfunctions`); compiled with
+            ``-sub-functions``. Kept in export.json with the calls per function.
 
     Returns:
         The :class:`ExportResult`; ``timings`` has seconds per stage.
@@ -425,9 +449,19 @@ def export_model(
             for row, t in zip(io.inputs, example)
         )
         in_axes, out_axes = io.input_axes(), io.output_axes()
+        functions = layer_classes(decoder) if subfunctions else None
+        if subfunctions and not functions:
+            raise UserError(f"{family.title}: no repeated decoder layers to export as functions")
         with blocking(attention_blocking):
             lang = _trace(
-                staging, "lang", decoder, example, list(in_axes), list(out_axes), {**in_axes, **out_axes}
+                staging,
+                "lang",
+                decoder,
+                example,
+                list(in_axes),
+                list(out_axes),
+                {**in_axes, **out_axes},
+                functions,
             )
         image_token_id = parts.image_token_id
         del encoder, decoder, parts, example
@@ -468,6 +502,7 @@ def export_model(
             **({"score_token_ids": list(score_ids)} if score_ids else {}),
             "sampler": sampler.to_dict() if sampler is not None else None,
             "attention_blocking": attention_blocking.to_dict(),
+            "subfunctions": subfunctions,
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,
@@ -482,24 +517,36 @@ def _cast(example: tuple, dtype: torch.dtype) -> tuple:
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in example)
 
 
-def _trace(staging: Path, program: str, module, example, input_names, output_names, axes) -> _Traced:
+def _trace(
+    staging: Path, program: str, module, example, input_names, output_names, axes, functions=None
+) -> _Traced:
     directory = staging / program
     directory.mkdir()
     raw = directory / "traced.onnx"
+    traced_names = [internal_name(n) for n in output_names] if functions else list(output_names)
+    traced_axes = {internal_name(n) if functions else n: a for n, a in axes.items()}
     with dense_placeholder_linears(module), buffers_as_constants(module):
-        _torch_export(module, example, raw, input_names, output_names, axes, custom=program == "lang")
+        _torch_export(
+            module, example, raw, input_names, traced_names, traced_axes, program == "lang", functions
+        )
         with torch.no_grad():
             outputs = module(*example)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return _Traced(program, raw, [tuple(o.shape) for o in outputs], axes, parameter_inputs(module))
+    shapes = [tuple(o.shape) for o in outputs]
+    restore = list(output_names) if functions else ()
+    return _Traced(program, raw, shapes, axes, parameter_inputs(module), restore)
 
 
 def _describe_program(traced: _Traced, model: onnx.ModelProto) -> dict:
-    return {
+    described = {
         "path": f"{traced.program}/model.onnx",
         "inputs": describe_io(model.graph.input, traced.axes),
         "outputs": describe_io(model.graph.output, traced.axes),
     }
+    calls = layer_calls(model)
+    if calls:  # decoder layers exported as functions: name -> calls
+        described["functions"] = calls
+    return described
 
 
 def check_loads(root: Path, programs: Mapping[str, dict]) -> None:

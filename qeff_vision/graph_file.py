@@ -49,6 +49,14 @@ def _nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
         yield from function.node
 
 
+def model_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``model``: its graph, subgraphs and local functions' bodies.
+
+    Decoder layers exported as functions keep their ``CtxScatter``/``CustomRMSNorm`` calls there.
+    """
+    return _nodes(model)
+
+
 def attribute_tensors(model: onnx.ModelProto) -> Iterator[tuple[onnx.NodeProto, onnx.TensorProto]]:
     """(node, tensor) for every tensor-valued node attribute (a ``Constant``'s ``value`` included)."""
     for node in _nodes(model):

@@ -43,6 +43,10 @@ IMAGE_IDX_OUTPUT = "image_idx_output"
 EMBEDDINGS = "embeddings"
 SCORES = "scores"
 RETAINED_SUFFIX = "_RetainedState"
+# A retained-state value inside a decoder-layer ONNX function (``compile.language.subfunctions``):
+# the body is shared by every call, so it must not carry one layer's public retained name
+# (ref: QEfficient ``utils/_utils.py`` ``_INTERNAL_RETAINED_STATE_SUFFIX``).
+INTERNAL_RETAINED_SUFFIX = "_InternalRetainedState"
 PIXEL_VALUES = "pixel_values"
 # Each image's original (height, width), int64 [batch, 2] (the processor's and QEfficient's name).
 # A graph that reads its values (LLaVA-NeXT) is fed, in generated inputs, the size of the

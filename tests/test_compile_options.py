@@ -61,8 +61,8 @@ def test_every_problem_reported_with_its_yaml_path():
             "spec.compile.num_cores: must be a positive integer",
             "spec.compile.bogus: unknown key; allowed: num_cores, num_devices, mxfp6_matmul, "
             "convert_to_fp16, mos, ols, depth_first, aic_hw_version, kv_cache_dtype, state_dtype, timeout, "
-            "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io, sampler, vision, "
-            "language, comp_ctx_lengths, calibration, max_activation_bytes",
+            "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io, sampler, "
+            "subfunctions, vision, language, comp_ctx_lengths, calibration, max_activation_bytes",
             "spec.compile.vision.kv_cache_dtype: applies to the language program only",
             "spec.compile.vision.num_devices: must be a positive integer",
             "spec.compile.vision.mxfp6_matmul: must be true or false",
@@ -72,7 +72,8 @@ def test_every_problem_reported_with_its_yaml_path():
             "spec.compile.language.mos: must be a positive integer",
             "spec.compile.language.extra_flags: unknown key; allowed: num_cores, num_devices, mxfp6_matmul, "
             "convert_to_fp16, mos, ols, depth_first, aic_hw_version, kv_cache_dtype, state_dtype, timeout, "
-            "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io, sampler",
+            "node_precision, split_model_io, allow_mxint8_mdp_io, split_retained_state_io, sampler, "
+            "subfunctions",
         ]
     )
 

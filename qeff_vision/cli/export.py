@@ -83,6 +83,12 @@ from qeff_vision.errors import UserError
     "the others at their defaults).",
 )
 @click.option(
+    "--subfunctions",
+    is_flag=True,
+    help="Export each decoder layer as an ONNX function, one per distinct layer body "
+    "(specs with compile.language.subfunctions need it).",
+)
+@click.option(
     "--revision",
     metavar="REV",
     help="Branch, tag or commit of a Hugging Face id (default: main); the commit is recorded.",
@@ -109,6 +115,7 @@ def export(
     full_kv: bool,
     sampler_top_k: int | None,
     sampler: tuple[str, ...],
+    subfunctions: bool,
     revision: str | None,
     task: str,
     quiet: bool,
@@ -132,6 +139,7 @@ def export(
         retain_full_kv=full_kv,
         sampler_top_k=sampler_top_k,
         sampler=_sampler_keys(sampler),
+        subfunctions=subfunctions,
         quiet=quiet,
         revision=revision,
         task=task,

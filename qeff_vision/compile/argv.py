@@ -145,6 +145,8 @@ def build_argv(
         argv.append("-split-retained-state-io")
     if options.split_model_io:
         argv.append("-split-model-io")
+    if options.subfunctions:  # decoder layers exported as ONNX functions (QEfficient's flag)
+        argv.append("-sub-functions")
     argv.append(f"-aic-binary-dir={files.binary_dir}")
     if compiler_name == QAIC_EXEC:
         argv.append("-compile-only")

@@ -59,13 +59,13 @@ class RecordingProgram(CompiledProgram):
     ):
         from onnx.helper import tensor_dtype_to_np_dtype
 
-        from qeff_vision.graph_file import load_graph
         from qeff_vision.numerics.device import float_outputs, value_types
+        from qeff_vision.numerics.layer_functions import load_flat_graph
         from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder
 
         super().__init__()
         self.path = Path(onnx_path)
-        model = load_graph(self.path)
+        model = load_flat_graph(self.path)  # every call of a layer function recorded on its own
         graph = model.graph
         self.input_dims = {value.name: _dims(value) for value in graph.input}
         self.input_dtypes = {

@@ -121,6 +121,7 @@ def _run_export(
         keep_quantized=spec.weights.keep_quantized if spec is not None else False,
         attention_blocking=blocking,
         task=spec.task if spec is not None else GENERATE,
+        subfunctions=spec.compile.language.subfunctions if spec is not None else False,
     ).manifest
 
 
@@ -211,6 +212,13 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
             f"{export_dir}: exported for task {task}, the spec says task {spec.task} "
             f"(`qeff-vision export --task {spec.task}`)"
         )
+    functions = spec.compile.language.subfunctions
+    if bool(manifest.get("subfunctions")) != functions:
+        wanted = "with" if functions else "without"
+        raise UserError(
+            f"{export_dir}: the spec needs an export {wanted} decoder layers as ONNX functions "
+            f"(`qeff-vision export{' --subfunctions' if functions else ''}`)"
+        )
     sampler = _sampler_of(spec)
     if manifest.get("sampler") != sampler:
         wanted = f"the on-device sampler {sampler}" if sampler else "no on-device sampler"
@@ -265,6 +273,8 @@ def locate_export(
         stale = True  # the spec added or dropped retain_full_kv
     if manifest is not None and manifest.get("task", GENERATE) != spec.task:
         stale = True  # the spec switched between generate and a pooling task
+    if manifest is not None and bool(manifest.get("subfunctions")) != spec.compile.language.subfunctions:
+        stale = True  # the spec added or dropped compile.language.subfunctions
     if manifest is not None and manifest.get("sampler") != _sampler_of(spec):
         stale = True  # the spec added, dropped or changed compile.language.sampler
     if manifest is not None and manifest.get("attention_blocking") != blocking_of(spec).to_dict():

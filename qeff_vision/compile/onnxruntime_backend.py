@@ -465,10 +465,11 @@ def _fp32_runner(onnx_path: Path, names: Sequence[str]):
     """
     import onnxruntime
 
-    from qeff_vision.graph_file import load_graph, weight_bytes
+    from qeff_vision.graph_file import weight_bytes
+    from qeff_vision.numerics.layer_functions import load_flat_graph
     from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES
 
-    model = load_graph(onnx_path)
+    model = load_flat_graph(onnx_path)
     if weight_bytes(model) > DEFAULT_SLICE_BYTES:
         return _GraphRunner(model, onnx_path.parent, names)
     del model

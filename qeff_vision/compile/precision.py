@@ -20,8 +20,8 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.compile.graph_io import read_graph_io
 from qeff_vision.compile.onnxruntime_backend import bound_shape, generated_input
-from qeff_vision.graph_file import load_graph
 from qeff_vision.numerics.device import Bf16Values
+from qeff_vision.numerics.layer_functions import expanded_plan, folded_plan, load_flat_graph
 from qeff_vision.numerics.plan import (
     PLAN_FILE,
     Overflow,
@@ -156,10 +156,8 @@ def resolve_plan(
 def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] | None) -> PrecisionPlan:
     """Record the first node outside a given plan that calibration saw beyond fp16's range."""
     if ranges:
-        import onnx
-
-        model = onnx.load(str(onnx_path), load_external_data=False)
-        plan.overflow = first_overflow(model, ranges, plan.names or [])
+        model = load_flat_graph(onnx_path)  # the ranges name each layer call's values apart
+        plan.overflow = first_overflow(model, ranges, expanded_plan(model, plan.names or []))
     return plan
 
 
@@ -171,13 +169,14 @@ def _auto(
     image_sizes=None,
     on_slice=None,
 ) -> PrecisionPlan:
-    model = load_graph(onnx_path)
+    model = load_flat_graph(onnx_path)  # every call of a layer function calibrated on its own
     # Every specialization's generated input in one pass over the graph's slices.
     feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
     ranges = value_ranges(model, onnx_path.parent, feeds, on_slice)
     for name, peak in prompt_ranges.items():
         ranges[name] = max(ranges.get(name, 0.0), peak)
-    names = auto_plan(model, ranges)
+    # A layer function's value is kept for every call when one call needs it (one compiled body).
+    names = folded_plan(auto_plan(model, ranges))
     if names:
         write_plan(target, names)
     else:

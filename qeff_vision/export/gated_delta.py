@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from onnx import TensorProto, helper
 
+from qeff_vision.graph_file import model_nodes
+
 DOMAIN = "com.qeff_vision"
 DOMAIN_VERSION = 1
 NAME = "GatedDeltaRule"
@@ -304,7 +306,7 @@ def gated_delta_function(opset: int) -> onnx.FunctionProto:
 
 def attach_gated_delta(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add the ``GatedDeltaRule`` definition (and the domain import) when the graph uses it."""
-    used = any(node.domain == DOMAIN and node.op_type == NAME for node in model.graph.node)
+    used = any(node.domain == DOMAIN and node.op_type == NAME for node in model_nodes(model))
     if not used:
         return model
     opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))

@@ -23,6 +23,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from qeff_vision.graph_file import model_nodes
+
 DOMAIN = "com.qualcomm.cloud"
 DOMAIN_VERSION = 1
 SCATTER = "CtxScatter"
@@ -396,7 +398,7 @@ def _row_gather_nodes() -> list:
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add the CtxScatter/CtxGather(CB) definitions (and the domain import) when the graph uses them."""
     opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))
-    used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
+    used = {node.op_type for node in model_nodes(model) if node.domain == DOMAIN}
     defined = {(f.domain, f.name) for f in model.functions}
     builders = (
         (SCATTER, _scatter_function),

@@ -29,6 +29,8 @@ import torch
 from onnx import AttributeProto, TensorProto, helper
 from torch import nn
 
+from qeff_vision.graph_file import model_nodes
+
 DOMAIN = "com.qti.aisw.onnx"
 DOMAIN_VERSION = 1
 RMS_NORM = "CustomRMSNorm"
@@ -146,7 +148,7 @@ def rms_norm_function(opset: int) -> onnx.FunctionProto:
 def attach_rms_norm(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add the ``CustomRMSNorm`` definition (and the domain import) when the graph uses it."""
     opset = next(op.version for op in model.opset_import if op.domain in ("", "ai.onnx"))
-    used = any(node.domain == DOMAIN and node.op_type == RMS_NORM for node in model.graph.node)
+    used = any(node.domain == DOMAIN and node.op_type == RMS_NORM for node in model_nodes(model))
     if not used:
         return model
     if not any(f.domain == DOMAIN and f.name == RMS_NORM for f in model.functions):

@@ -42,12 +42,12 @@ from qeff_vision import symbols
 from qeff_vision.contract.slot_names import is_kv_name, is_state_name
 from qeff_vision.graph_file import (
     initializer_array,
-    load_graph,
     storage_nodes,
     weight_bytes,
     weight_values,
     with_weights_given,
 )
+from qeff_vision.numerics.layer_functions import expanded_plan, load_flat_graph
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
 FP16_MAX = float(np.finfo(np.float16).max)  # 65504
@@ -347,7 +347,8 @@ def device_session(
     if mx is not None and mx.matmul_weights:
         graph, weights = device_model(onnx_path, fp32_values, mx)
         return session_for(graph, onnx_path.parent, threads, weights(None))
-    model = load_graph(onnx_path)
+    model = load_flat_graph(onnx_path)  # layer functions inlined (numerics/layer_functions.py)
+    fp32_values = expanded_plan(model, fp32_values)
     names = fp16_only_weights(model, fp32_values)
     graph = _with_mx_state(device_graph(model, fp32_values, names), mx)
     weights = fp16_rounded_weights(model, onnx_path.parent, names, grid_of(fp32_values))
@@ -442,7 +443,8 @@ def device_model(onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmula
     """
     from qeff_vision.numerics import mx as formats
 
-    model = load_graph(onnx_path)
+    model = load_flat_graph(onnx_path)  # layer functions inlined (numerics/layer_functions.py)
+    fp32_values = expanded_plan(model, fp32_values)
     mx = mx or MxEmulation()
     graph = _with_mx_state(device_graph(model, fp32_values), mx)
     if not mx.matmul_weights:

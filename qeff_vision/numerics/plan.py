@@ -30,8 +30,9 @@ import onnx
 
 from qeff_vision.errors import UserError
 from qeff_vision.fsutil import atomic_write_text
-from qeff_vision.graph_file import load_graph
+from qeff_vision.graph_file import model_nodes
 from qeff_vision.numerics.device import FLOAT_TYPES, FP16_MAX, float_outputs, value_types
+from qeff_vision.numerics.layer_functions import expanded_plan, load_flat_graph
 from qeff_vision.numerics.recording import SlicedRecorder, record_ranges
 
 PLAN_KEY = "FP32NodeInstanceNames"
@@ -74,8 +75,8 @@ def plan_hash(path: Path) -> str:
 
 
 def check_plan_names(model: onnx.ModelProto, names: Iterable[str], source: str) -> None:
-    """Every plan name is a node output of the graph; a UserError naming the first unknown one."""
-    outputs = {o for node in model.graph.node for o in node.output}
+    """Every plan name is a node output of the graph or of a layer function's body; else a UserError."""
+    outputs = {o for node in model_nodes(model) for o in node.output}
     unknown = [name for name in names if name not in outputs]
     if unknown:
         raise UserError(
@@ -187,8 +188,9 @@ def overflow_message(
 
     Runs the fp32 graph once more on the same inputs with every node output exposed.
     """
-    model = load_graph(onnx_path)
-    found = first_overflow(model, value_ranges(model, onnx_path.parent, [feeds]), plan)
+    model = load_flat_graph(onnx_path)
+    ranges = value_ranges(model, onnx_path.parent, [feeds])
+    found = first_overflow(model, ranges, expanded_plan(model, plan))
     if found is None:
         return (
             f"{where}: device precision (fp16) produced inf/NaN, though no node output "

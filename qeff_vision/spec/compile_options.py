@@ -50,7 +50,7 @@ MAX_CORES_PER_DEVICE = 16
 # attention forms are sized for (qeff_vision/contract/attention_blocking.py).
 DEFAULT_MAX_ACTIVATION_BYTES = DEFAULT_BOUND
 # Keys that only make sense for the language program (it owns the KV cache).
-LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype", "sampler"})
+LANGUAGE_ONLY_KEYS = frozenset({"kv_cache_dtype", "state_dtype", "sampler", "subfunctions"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,11 @@ class ProgramOptions:
             return_pdfs: false, guided_decoding: false}``, each key optional): it returns
             ``next_tokens`` instead of ``logits``; ``None`` (default) returns logits. Not a
             compiler flag: it changes the exported graph (:mod:`qeff_vision.export.sampler`).
+        subfunctions: Export each decoder layer as an ONNX local function, one function per
+            distinct layer body, called once per layer with that layer's weights, and pass
+            ``-sub-functions`` (QEfficient's ``use_onnx_subfunctions``; language program only;
+            :mod:`qeff_vision.export.subfunctions`). The compiler then works on one body per layer
+            signature instead of one copy per layer.
     """
 
     num_cores: int = MAX_CORES_PER_DEVICE
@@ -111,6 +116,7 @@ class ProgramOptions:
     allow_mxint8_mdp_io: bool | None = None
     split_retained_state_io: bool | None = None
     sampler: SamplerOptions | None = None
+    subfunctions: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dictionary (for manifests and cache keys)."""
@@ -386,6 +392,7 @@ _CHECKS = {
     "allow_mxint8_mdp_io": _boolean,
     "split_retained_state_io": _boolean,
     "sampler": _sampler,
+    "subfunctions": _boolean,
 }
 assert set(_CHECKS) == {f.name for f in fields(ProgramOptions)}, "every option needs a check"
 PROGRAM_KEYS = tuple(_CHECKS)

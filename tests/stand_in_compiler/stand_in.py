@@ -11,6 +11,12 @@ precision; ``-retained-state`` pairs every ``X_RetainedState`` output with an in
 the partition file lists ``numCores`` equal to ``-aic-num-cores``. For ``-aic-hw-version=ai200``
 (bfloat16 compute): no ``-convert-to-fp16``, no float16 custom IO, and every float retained state
 and ``pixel_values`` declared ``bfloat16``; for ai100 no ``bfloat16`` custom IO (ai100 has none).
+``-sub-functions`` is given exactly when the main graph calls layer functions (local functions
+outside the kernel domains),
+no function body names a value ``*_RetainedState`` (a body is shared by every call: its retained
+outputs are ``*_InternalRetainedState``, QEfficient's convention) and no body's ``Range`` reads a
+function parameter directly (QEfficient moves ``torch.arange`` out of its decoder-layer functions:
+the compiler refuses a ``Range`` whose limit is a function parameter rather than a constant).
 
 Environment (set by the test wrapper script):
     STAND_IN_MODE: ok (default), fail, fail-vision (vision fails, language hangs), hang, flood, slow,
@@ -58,7 +64,11 @@ SWITCHES = {
     "-allow-mxint8-mdp-io",
     "-split-retained-state-io",
     "-split-model-io",
+    "-sub-functions",
 }
+# Domains of the kernels every graph may call as functions (KV ops, RMSNorm, gated delta rule):
+# they are not layer functions.
+KERNEL_DOMAINS = {"com.qualcomm.cloud", "com.qti.aisw.onnx", "com.qeff_vision"}
 PRECISIONS = {"float16", "float32", "mxint8", "int8", "int32", "int64", "bfloat16", "uint8", "bool"}
 HW_VERSIONS = {"ai100", "2.0", "ai200"}
 AI200 = "ai200"
@@ -115,7 +125,29 @@ def graph_interface(path: Path):
         for v in model.graph.input
         if v.name not in initializers and v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     }
-    return inputs, outputs, float_inputs
+    return inputs, outputs, float_inputs, model
+
+
+def check_functions(model, switches: set[str]) -> None:
+    """``-sub-functions`` given exactly for a graph calling layer functions, and their bodies' rules."""
+    layers = {(f.domain, f.name): f for f in model.functions if f.domain not in KERNEL_DOMAINS}
+    called = {(node.domain, node.op_type) for node in model.graph.node} & set(layers)
+    if "-sub-functions" not in switches:
+        if called:
+            names = sorted(name for _, name in called)
+            raise Refused(f"the graph calls layer functions {names}; pass -sub-functions")
+        return
+    if not called:
+        raise Refused("-sub-functions: the graph calls no layer function")
+    for key in sorted(called):
+        body = layers[key]
+        names = {*body.input, *body.output, *(o for node in body.node for o in node.output)}
+        public = sorted(n for n in names if n.endswith("_RetainedState"))
+        if public:
+            raise Refused(f"-sub-functions: function {key[1]} names {public[0]} (use _InternalRetainedState)")
+        params = set(body.input)
+        if any(node.op_type == "Range" and params & set(node.input) for node in body.node):
+            raise Refused(f"-sub-functions: function {key[1]} has a Range reading a function parameter")
 
 
 def symbols_of(tensors: dict[str, list]) -> set[str]:
@@ -263,7 +295,9 @@ def compile_program(argv: list[str]) -> int:
         # machine, and the timeout tests give the compiler 1-1.5 s. Hanging first puts the output
         # and the partial file in place within that whatever the load.
         hang(Path(values["-aic-binary-dir"]), stubborn=mode == "stubborn")
-    inputs, outputs, floats = graph_interface(Path(values["-m"]))
+    inputs, outputs, floats, model = graph_interface(Path(values["-m"]))
+    check_functions(model, switches)
+    del model
     count = check_specializations(
         Path(values["-network-specialization-config"]),
         inputs,
