@@ -13,7 +13,10 @@ them, and the language program at seq_len 512 / ctx_len 32768. ``--rss`` adds th
 of a plain fp32 onnxruntime run of the blocked vision program (a child process per image, its
 ``ru_maxrss``); the unblocked one only where its predicted peak is under ``--rss-limit`` GB.
 
-``--smoke`` runs two tiny families at small images: every code path, seconds.
+``--smoke`` runs two tiny families at small images: every code path, seconds. On a shared host the
+families can be measured in separate runs (``--families ... --json rows-N.json``, each family's
+graphs before and after still measured side by side in one run) and printed as one table with
+``--merge rows-*.json``.
 """
 
 from __future__ import annotations
@@ -32,18 +35,6 @@ IMAGES = ((448, 448), (720, 1280), (1080, 1920), (1440, 2560))
 SMOKE_IMAGES = ((64, 64), (96, 128))
 LANGUAGE = {"batch_size": 1, "seq_len": 512, "ctx_len": 32768, "vision_size": 512, "vision_batch_size": 1}
 SMOKE_LANGUAGE = {**LANGUAGE, "ctx_len": 256, "seq_len": 32, "vision_size": 32}
-FULL_ATTENTION_TOWERS = (
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "kimi_k25",
-    "mistral3",
-    "gemma4",
-    "molmo2",
-)
-PER_TILE_TOWERS = ("llava", "llava_next", "internvl", "llama4", "mllama", "gemma3")
 MIB = 1 << 20
 
 
@@ -218,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-limit", type=float, default=6.0, help="skip unblocked runs predicted above GB")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="print one table from the --json rows of earlier runs (each family off and on in one run)",
+    )
     add_docs_arguments(parser)
     args = parser.parse_args(argv)
     with recording(args, "activation_memory", argv):
@@ -226,12 +223,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Measure what ``args`` asks for and print the table."""
+    if args.merge:
+        print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        return 0
     if args.smoke:
         families = ["qwen2_5_vl", "mistral3"]
     elif args.families:
         families = args.families.split(",")
     else:
-        families = [*FULL_ATTENTION_TOWERS, *PER_TILE_TOWERS]
+        from qeff_vision.families import all_families
+        from qeff_vision.spec.activation_estimate import blocked_towers
+
+        blocked = blocked_towers()  # the towers the export blocks first, then the per-tile ones
+        names = [family.name for family in all_families()]
+        families = [*blocked, *(name for name in names if name not in blocked)]
     rows = []
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
         for family in families:

@@ -1,4 +1,4 @@
-"""The block-count policy of the exported attentions (pure data; the torch side: export/blocked_attention.py).
+"""Block counts of exported attentions and experts (pure data; the torch side: export/blocked_attention.py).
 
 A graph's node list cannot depend on a specialization, so an attention's block count is fixed when
 it is traced: the smallest count that keeps one block's scores under ``bound`` bytes (at the
@@ -28,7 +28,7 @@ DEVICE_ITEM_BYTES = 2
 
 @dataclass(frozen=True)
 class AttentionBlocking:
-    """How many blocks an attention gets: the smallest count that keeps one block under ``bound``.
+    """How many blocks an attention (or a mixture-of-experts layer) gets: the fewest under ``bound``.
 
     Attributes:
         bound: Bytes one block's scores may take at ``item_bytes`` per element.
@@ -38,6 +38,9 @@ class AttentionBlocking:
         vision_blocks: Fixed query-block count for vision towers (None: from the bound).
         language_blocks: Fixed key-block count for the language program (None: from the bound).
         item_bytes: Bytes per score element on the device.
+        expert_blocks: Fixed count of expert-slice blocks of a mixture-of-experts layer (None: from
+            the bound; never more than the layer's top-k, see :meth:`expert_counts`).
+        expert_chunks: Fixed count of chunks of the experts' intermediate width (None: from the bound).
     """
 
     bound: int = DEFAULT_BOUND
@@ -47,6 +50,8 @@ class AttentionBlocking:
     vision_blocks: int | None = None
     language_blocks: int | None = None
     item_bytes: int = DEVICE_ITEM_BYTES
+    expert_blocks: int | None = None
+    expert_chunks: int | None = None
 
     def vision_count(self, heads: int, rows: int | None = None, batch: int = 1) -> int:
         """Query blocks for a tower attention with ``heads`` score planes per query row.
@@ -71,13 +76,45 @@ class AttentionBlocking:
         # Blocks of a power-of-two share of the keys divide a power-of-two ctx_len evenly.
         return 1 << max(0, math.ceil(math.log2(max(1.0, whole / self.bound))))
 
+    def expert_counts(self, experts: int, top_k: int, inner: int, hidden: int) -> tuple[int, int]:
+        """(slice blocks, width chunks) of a mixture-of-experts layer (export/experts.py).
+
+        A layer reads n = min(tokens x top_k, experts) expert slices; they are taken in ``blocks``
+        balanced blocks of at most ceil(experts / blocks) slices, and each block's intermediate
+        width in ``chunks``. The block count never exceeds ``top_k`` (nor ``experts``): n is at
+        least top_k at every call, so no block is ever empty. Blocks bound a gathered block of
+        slices (ceil(experts / blocks) x 2 x inner x hidden values); chunks bound a block's
+        activations at the largest prefill (slices x ``language_rows`` x inner / chunks).
+
+        Args:
+            experts: Experts of the layer.
+            top_k: Experts each token is routed to.
+            inner: The experts' intermediate width (gate and up each).
+            hidden: The model width.
+        """
+        most = max(1, min(top_k, experts))
+        slice_bytes = 2 * inner * hidden * self.item_bytes
+        if self.expert_blocks is not None:
+            blocks = max(1, min(self.expert_blocks, most))
+        else:
+            fits = [b for b in range(1, most + 1) if -(-experts // b) * slice_bytes <= self.bound]
+            blocks = fits[0] if fits else most
+        per_block = -(-experts // blocks)
+        if self.expert_chunks is not None:
+            return blocks, max(1, min(self.expert_chunks, inner))
+        row_bytes = per_block * self.language_rows * self.item_bytes
+        chunks = max(1, math.ceil(row_bytes * inner / self.bound))
+        while chunks < inner and row_bytes * -(-inner // chunks) > self.bound:
+            chunks += 1  # the widest chunk is ceil(inner / chunks)
+        return blocks, min(chunks, inner)
+
     def to_dict(self) -> dict:
         """The policy as export.json records it."""
         return asdict(self)
 
 
-#: Unblocked: every attention is one block (what the graphs were before blocking).
-UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1)
+#: Unblocked: every attention and expert layer in one block (what the graphs were before blocking).
+UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1, expert_blocks=1, expert_chunks=1)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Mixture-of-experts layers in bounded blocks (issue 54): the same sum, the same slices read.
+
+A prefill chunk reads every expert once; whole, that is a [E, 2I, H] copy of the stacked weights
+and [E, T, I] activations (560 MiB at Kimi-K2.5's widths with 10 experts). ``routed_sum`` reads
+the slices in blocks of at most ceil(E / blocks) and the intermediate width in chunks. Checked
+here: the blocked sum equals the per-token reference (both weight layouts, input or output
+scaling, routed and dense forms, duplicate choices), the counts bound what they claim at real
+widths and never exceed top-k (no empty block), and an exported graph with forced blocks still
+reads exactly min(tokens x top_k, experts) slices per stacked tensor at every specialization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from qeff_vision.contract.attention_blocking import DEFAULT_BOUND, AttentionBlocking
+from qeff_vision.export.blocked_attention import blocking
+from qeff_vision.export.experts import expert_slices, routed_sum, routing_table, slice_weights
+
+EXPERTS, HIDDEN, INNER, TOP_K = 7, 8, 6, 3
+
+
+def _reference(states, gate_up, down, index, weights, *, scale_inputs, stored_out_in):
+    """Per token, per choice: transformers' loop written out."""
+    out = torch.zeros_like(states)
+    for token in range(states.shape[0]):
+        for choice in range(index.shape[1]):
+            e, w = int(index[token, choice]), weights[token, choice]
+            x = states[token] * w if scale_inputs else states[token]
+            gu = gate_up[e].T if stored_out_in else gate_up[e]  # [H, 2I]
+            dn = down[e].T if stored_out_in else down[e]  # [I, H]
+            gate, up = (x @ gu).chunk(2)
+            y = (torch.nn.functional.silu(gate) * up) @ dn
+            out[token] += y if scale_inputs else w * y
+    return out
+
+
+@pytest.mark.parametrize("stored_out_in", [True, False])
+@pytest.mark.parametrize("scale_inputs", [False, True])
+def test_blocked_sum_equals_the_per_token_reference(stored_out_in, scale_inputs):
+    generator = torch.Generator().manual_seed(0)
+    shape_gu = (EXPERTS, 2 * INNER, HIDDEN) if stored_out_in else (EXPERTS, HIDDEN, 2 * INNER)
+    shape_dn = (EXPERTS, HIDDEN, INNER) if stored_out_in else (EXPERTS, INNER, HIDDEN)
+    gate_up, down = torch.randn(*shape_gu, generator=generator), torch.randn(*shape_dn, generator=generator)
+    states = torch.randn(5, HIDDEN, generator=generator)
+    # Token 0 and 2 choose expert 4 both (a routed slice read twice, once per owner).
+    index = torch.tensor([[4, 1, 6], [0, 2, 5], [4, 3, 1], [6, 5, 0], [2, 3, 4]])
+    weights = torch.rand(5, TOP_K, generator=generator)
+    for rows in (1, 2, 3, 5):  # 3, 6 slices (routed), 7 (dense: 9 >= 7), 7
+        reference = _reference(
+            states[:rows], gate_up, down, index[:rows], weights[:rows],
+            scale_inputs=scale_inputs, stored_out_in=stored_out_in,
+        )  # fmt: skip
+        ids, owners = expert_slices(index[:rows], EXPERTS)
+        assert len(ids) == min(rows * TOP_K, EXPERTS)
+        table = slice_weights(routing_table(index[:rows], weights[:rows], EXPERTS), ids, owners)
+        for blocks in (1, 2, 3, 5):  # 5 > top_k: clamped to 3
+            for chunks in (1, 2, 4, INNER):
+                policy = AttentionBlocking(expert_blocks=blocks, expert_chunks=chunks)
+                with blocking(policy):
+                    ours = routed_sum(
+                        states[:rows], gate_up, down, torch.nn.functional.silu, ids, table,
+                        top_k=TOP_K, scale_inputs=scale_inputs, stored_out_in=stored_out_in,
+                    )  # fmt: skip
+                assert np.allclose(ours.numpy(), reference.numpy(), atol=1e-4, rtol=1e-5), (
+                    rows,
+                    blocks,
+                    chunks,
+                )
+
+
+# (experts, top_k, inner, hidden): Kimi-K2.5 as published and as the real-width checkpoint cuts it,
+# Qwen3-VL-30B-A3B, Qwen3.5-122B-A10B, Llama 4 Scout and Maverick (top-1), Gemma 4 26B-A4B.
+WIDTHS = [
+    (384, 8, 2048, 7168),
+    (10, 8, 2048, 7168),
+    (128, 8, 768, 2048),
+    (256, 8, 1024, 3072),
+    (16, 1, 8192, 5120),
+    (128, 1, 8192, 5120),
+    (4, 1, 8192, 5120),
+    (128, 8, 704, 2816),
+]
+
+
+@pytest.mark.parametrize("experts,top_k,inner,hidden", WIDTHS)
+@pytest.mark.parametrize("rows", [128, 512, 2048])
+def test_counts_bound_the_block_and_never_leave_one_empty(experts, top_k, inner, hidden, rows):
+    policy = AttentionBlocking(language_rows=rows)
+    blocks, chunks = policy.expert_counts(experts, top_k, inner, hidden)
+    assert 1 <= blocks <= min(top_k, experts) and 1 <= chunks <= inner
+    per_block = math.ceil(experts / blocks)
+    # Activations of one chunk of one block at the largest prefill: bounded whenever one column can be.
+    assert per_block * rows * math.ceil(inner / chunks) * 2 <= DEFAULT_BOUND or chunks == inner
+    # The gathered slices of one block: bounded unless top-k blocks cannot (then top-k blocks).
+    gathered = per_block * 2 * inner * hidden * 2
+    assert gathered <= DEFAULT_BOUND or blocks == min(top_k, experts)
+    # The fewest blocks and chunks that do it (more nodes cost the compiler and the device).
+    if blocks > 1:
+        assert math.ceil(experts / (blocks - 1)) * 2 * inner * hidden * 2 > DEFAULT_BOUND
+    if chunks > 1:
+        assert per_block * rows * math.ceil(inner / (chunks - 1)) * 2 > DEFAULT_BOUND
