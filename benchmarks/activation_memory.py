@@ -115,17 +115,21 @@ def _rss_child(graph: Path, feeds: dict, work: Path) -> float:
     return int(done.stdout.split()[-1]) / (1 << 20)  # KiB -> GiB
 
 
-def _language_extras(checkpoint: Path, ctx_len: int) -> dict[str, int]:
-    """Language symbols beyond seq_len/ctx_len: Qwen3-VL's deepstack layers, the rings' lengths."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    vision = config.get("vision_config") or {}
-    text = config.get("text_config") or config
-    window = text.get("sliding_window") or ctx_len
-    chunk = text.get("attention_chunk_size") or ctx_len
+def _language_extras(family: str, checkpoint: Path, ctx_len: int) -> dict[str, int]:
+    """Language symbols beyond seq_len/ctx_len, as the family declares them for ``checkpoint``.
+
+    Its cache lengths (rings, Kimi-K2.5's latent widths), its own symbols (Qwen3-VL's deepstack
+    rows) and one image slot's (mllama's cross-attention states), as ``specialize`` binds them.
+    """
+    from qeff_vision.families import get_family
+    from qeff_vision.families.base import ModelDescription
+
+    model = ModelDescription(json.loads((checkpoint / "config.json").read_text()))
+    family_obj = get_family(family)
     return {
-        "num_feature_layers": len(vision.get("deepstack_visual_indexes") or [1]),
-        "sliding_window": min(int(window), ctx_len),  # the ring's slots, as specialize binds them
-        "chunk_ctx_len": min(int(chunk), ctx_len),  # Llama 4's chunked-attention ring
+        **family_obj.kv_cache_lengths(model, ctx_len),
+        **family_obj.language_symbols(model),
+        **family_obj.request_symbols(model, 1),
     }
 
 
@@ -155,8 +159,7 @@ def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -
                 row[f"rss_{form}"] = _rss_child(graph, feeds, work)  # fp32 on the host: 2x the fp16 figures
         rows.append(row)
     language = dict(SMOKE_LANGUAGE if smoke else LANGUAGE)
-    # Qwen3-VL's deepstack rows: one per deepstack layer of the (depth-cut) tower.
-    language.update(_language_extras(checkpoint, language["ctx_len"]))
+    language.update(_language_extras(family, checkpoint, language["ctx_len"]))
     row = {"family": family, "program": "lang", "shape": f"S{language['seq_len']}/ctx{language['ctx_len']}"}
     for form, directory in graphs.items():
         figures = graph_activation_memory(directory / "lang" / "model.onnx", language)

@@ -181,3 +181,48 @@ def test_forced_query_blocks_divide_the_towers_largest_scores(tiny_checkpoint, t
     assert largest["whole"].largest_bytes == heads * n * n * 2
     assert largest["blocked"].largest_bytes == heads * (n // 4) * n * 2
     assert largest["blocked"].peak_bytes < largest["whole"].peak_bytes
+
+
+def test_a_static_slice_of_a_weight_is_a_weight_and_its_gathered_rows_are_read(tmp_path):
+    """Experts [E, 2I, H] cut along the width (a static Slice), then gathered by routed rows: the
+    slice is folded into weights (not an activation), the gather is an activation of its rows, and
+    ``weight_reads`` counts the rows the gathers read (two halves of n rows = n whole rows)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from qeff_vision.compile.weight_reads import weight_reads
+
+    experts, width, hidden = 6, 8, 4
+    stacked = numpy_helper.from_array(np.zeros((experts, width, hidden), np.float32), "experts")
+
+    def constant(name, values):
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+        )
+
+    nodes = [
+        constant("axes", [1]),
+        constant("lo", [0]),
+        constant("mid", [width // 2]),
+        constant("hi", [width]),
+        helper.make_node("Slice", ["experts", "lo", "mid", "axes"], ["first"]),
+        helper.make_node("Slice", ["experts", "mid", "hi", "axes"], ["second"]),
+        helper.make_node("Gather", ["first", "ids"], ["rows_first"], axis=0),
+        helper.make_node("Gather", ["second", "ids"], ["rows_second"], axis=0),
+        helper.make_node("Concat", ["rows_first", "rows_second"], ["rows"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "experts",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", width, hidden])],
+        [stacked],
+    )
+    path = tmp_path / "experts.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    figures = graph_activation_memory(path, {"n": 2})
+    # The largest value is the gathered [2, 8, 4] rows (2 bytes each), not a [6, 4, 4] slice.
+    assert figures.largest_bytes == 2 * width * hidden * 2 and figures.largest_op == "Concat"
+    assert figures.peak_bytes == 2 * (2 * width * hidden * 2)  # both halves, then the concatenation
+    (read,) = weight_reads(path, {"n": 2})
+    assert read.rows_read == 2 and read.read_bytes == 2 * width * hidden * 4

@@ -87,20 +87,24 @@ WIDTHS = [
 ]
 
 
+def _fits(per_block, chunks, inner, hidden, rows) -> bool:
+    width = math.ceil(inner / chunks)
+    gathered = per_block * (2 * inner if chunks == 1 else width) * hidden * 2
+    return max(gathered, per_block * rows * width * 2) <= DEFAULT_BOUND
+
+
 @pytest.mark.parametrize("experts,top_k,inner,hidden", WIDTHS)
 @pytest.mark.parametrize("rows", [128, 512, 2048])
 def test_counts_bound_the_block_and_never_leave_one_empty(experts, top_k, inner, hidden, rows):
     policy = AttentionBlocking(language_rows=rows)
     blocks, chunks = policy.expert_counts(experts, top_k, inner, hidden)
-    assert 1 <= blocks <= min(top_k, experts) and 1 <= chunks <= inner
-    per_block = math.ceil(experts / blocks)
-    # Activations of one chunk of one block at the largest prefill: bounded whenever one column can be.
-    assert per_block * rows * math.ceil(inner / chunks) * 2 <= DEFAULT_BOUND or chunks == inner
-    # The gathered slices of one block: bounded unless top-k blocks cannot (then top-k blocks).
-    gathered = per_block * 2 * inner * hidden * 2
-    assert gathered <= DEFAULT_BOUND or blocks == min(top_k, experts)
-    # The fewest blocks and chunks that do it (more nodes cost the compiler and the device).
-    if blocks > 1:
-        assert math.ceil(experts / (blocks - 1)) * 2 * inner * hidden * 2 > DEFAULT_BOUND
-    if chunks > 1:
-        assert per_block * rows * math.ceil(inner / (chunks - 1)) * 2 > DEFAULT_BOUND
+    most = min(top_k, experts)
+    assert 1 <= blocks <= most and 1 <= chunks <= inner
+    # One block's gathered slices (whole, or one projection's chunk) and one chunk's activations at
+    # the largest prefill are under the bound (at every width above: the cut and published counts).
+    assert _fits(math.ceil(experts / blocks), chunks, inner, hidden, rows)
+    # The fewest blocks x chunks that do it (more nodes cost the compiler and the device).
+    for other in range(1, most + 1):
+        fewer = (blocks * chunks - 1) // other
+        if fewer >= 1:
+            assert not _fits(math.ceil(experts / other), fewer, inner, hidden, rows), (other, fewer)

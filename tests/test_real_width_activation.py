@@ -40,6 +40,6 @@ def test_largest_intermediate_within_the_bound_at_high_resolution(family, tmp_pa
         assert figures.largest_bytes <= DEFAULT_BOUND, (height, width, figures)
         measured += 1
     assert measured, "no image size measured"
-    values = {**LANGUAGE, **bench._language_extras(checkpoint, LANGUAGE["ctx_len"])}
+    values = {**LANGUAGE, **bench._language_extras(family, checkpoint, LANGUAGE["ctx_len"])}
     figures = graph_activation_memory(export / "lang" / "model.onnx", values)
     assert figures.unresolved == 0 and figures.largest_bytes <= DEFAULT_BOUND, figures

@@ -10,6 +10,8 @@ AI 200; integers and booleans at their own width):
   produced values alive at once; a value lives from its node to its last reader (a graph output to
   the end). Weights, graph inputs and ``*_RetainedState`` outputs are not counted: the first are
   weights, the others are IO buffers (a retained state shares its input's buffer on the device).
+  Nor is a value computed from weights and constants alone (a static slice, a cast of a weight):
+  the compiler folds it into a weight.
 
 Shapes come as :mod:`qeff_vision.compile.weight_reads` gets them: the specialization's symbols
 bound on the graph inputs, then ONNX shape inference with the shape arithmetic folded to
@@ -176,9 +178,23 @@ def activation_memory(
     largest = (0, "", "", ())
     unresolved = 0
     live = peak = 0
+    # Values computed from weights and constants alone (a static slice or cast of a weight): the
+    # compiler folds them into weights.
+    weights_of = {init.name for init in model.graph.initializer}
+    constants = set()
     for index, node in enumerate(model.graph.node):
         if node.op_type == "Constant":
+            constants.update(node.output)
             continue  # folded shape arithmetic and stored constants: not activations
+        inputs = [name for name in node.input if name]
+        if (
+            inputs
+            and all(name in weights_of or name in constants for name in inputs)
+            and any(name in weights_of for name in inputs)
+            and not any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute)
+        ):
+            weights_of.update(node.output)
+            continue
         for name in node.output:
             if not name or name.endswith(RETAINED_SUFFIX):
                 continue

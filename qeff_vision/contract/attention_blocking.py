@@ -82,9 +82,12 @@ class AttentionBlocking:
         A layer reads n = min(tokens x top_k, experts) expert slices; they are taken in ``blocks``
         balanced blocks of at most ceil(experts / blocks) slices, and each block's intermediate
         width in ``chunks``. The block count never exceeds ``top_k`` (nor ``experts``): n is at
-        least top_k at every call, so no block is ever empty. Blocks bound a gathered block of
-        slices (ceil(experts / blocks) x 2 x inner x hidden values); chunks bound a block's
-        activations at the largest prefill (slices x ``language_rows`` x inner / chunks).
+        least top_k at every call, so no block is ever empty. One chunk gathers a block's whole
+        slices (b x 2 x inner x hidden values); more chunks gather each projection's chunk
+        (b x inner / chunks x hidden). A chunk's activations at the largest prefill are
+        b x ``language_rows`` x inner / chunks. The pair is the one with the fewest blocks x
+        chunks (then the fewest blocks) that keeps both under the bound; top-k blocks of single
+        columns if none does.
 
         Args:
             experts: Experts of the layer.
@@ -93,20 +96,30 @@ class AttentionBlocking:
             hidden: The model width.
         """
         most = max(1, min(top_k, experts))
-        slice_bytes = 2 * inner * hidden * self.item_bytes
+        block_choices = range(1, most + 1)
         if self.expert_blocks is not None:
-            blocks = max(1, min(self.expert_blocks, most))
-        else:
-            fits = [b for b in range(1, most + 1) if -(-experts // b) * slice_bytes <= self.bound]
-            blocks = fits[0] if fits else most
-        per_block = -(-experts // blocks)
-        if self.expert_chunks is not None:
-            return blocks, max(1, min(self.expert_chunks, inner))
-        row_bytes = per_block * self.language_rows * self.item_bytes
-        chunks = max(1, math.ceil(row_bytes * inner / self.bound))
-        while chunks < inner and row_bytes * -(-inner // chunks) > self.bound:
-            chunks += 1  # the widest chunk is ceil(inner / chunks)
-        return blocks, min(chunks, inner)
+            block_choices = [max(1, min(self.expert_blocks, most))]
+        best = None
+        for blocks in block_choices:
+            per_block = -(-experts // blocks)
+            if self.expert_chunks is not None:
+                chunks = max(1, min(self.expert_chunks, inner))
+            else:
+                chunks = next(
+                    (c for c in range(1, inner + 1) if self._chunk_fits(per_block, c, inner, hidden)), inner
+                )
+            fits = self._chunk_fits(per_block, chunks, inner, hidden)
+            key = (not fits, blocks * chunks, blocks)
+            if best is None or key < best[0]:
+                best = (key, blocks, chunks)
+        return best[1], best[2]
+
+    def _chunk_fits(self, per_block: int, chunks: int, inner: int, hidden: int) -> bool:
+        """Whether one chunk of a block of ``per_block`` slices stays under the bound."""
+        width = -(-inner // chunks)
+        gathered = per_block * (2 * inner if chunks == 1 else width) * hidden * self.item_bytes
+        activations = per_block * self.language_rows * width * self.item_bytes
+        return max(gathered, activations) <= self.bound
 
     def to_dict(self) -> dict:
         """The policy as export.json records it."""

@@ -29,10 +29,12 @@ evaluates the same graph at run time for any shape, with the same result.
 widths with 10 experts, gigabytes with the published 384. So the n slices are read in ``blocks``
 balanced blocks (boundaries ``floor(j * n / blocks)``, shape arithmetic on the symbolic n; at most
 top-k blocks, so none is ever empty: n >= top_k at every call), each block's intermediate width
-in ``chunks`` static chunks, and each chunk's expert outputs summed inside one matmul
+in ``chunks`` static chunks (each projection's chunk gathered from a static slice of the stacked
+weight when there are several), and each chunk's expert outputs summed inside one matmul
 ([T, slices x width] @ [slices x width, H]): no [n, T, H] tensor. The counts come from the active
 policy (:meth:`~qeff_vision.contract.attention_blocking.AttentionBlocking.expert_counts`). A
-decode step still reads exactly its T x k routed slices (the blocks partition the same list).
+decode step still reads exactly its T x k routed slices (the blocks partition the same list and
+the chunks the same rows).
 """
 
 from __future__ import annotations
@@ -89,7 +91,6 @@ def weighted_outputs(
     *,
     scale_inputs: bool = False,
     stored_out_in: bool = True,
-    chunks: int = 1,
 ) -> torch.Tensor:
     """Sum over the read slices of each slice's SwiGLU-style expert on ``hidden`` [T, H], weighted.
 
@@ -100,40 +101,44 @@ def weighted_outputs(
         act_fn: The experts' activation (transformers' module, so the same function).
         weights: [T, n] from :func:`slice_weights`.
         scale_inputs: Weigh each slice's input (Llama 4 scales the routed input by its score)
-            instead of its output (Qwen-MoE, Gemma 4). The projections have no bias, so the
-            weight is applied to the gate and up projections' outputs, the same product.
+            instead of its output (Qwen-MoE, Gemma 4).
         stored_out_in: Whether the stacked weights are [n, out, in] (transformers' ``linear``
             layout of Qwen-MoE and Gemma 4) rather than [n, in, out] (Llama 4's ``bmm`` layout).
-        chunks: Static chunks of the intermediate width I, one after another (each chunk's
-            activations are [n, T, I / chunks]).
 
     Returns:
-        [T, H]: the slices' outputs summed (inside one matmul per chunk: no [n, T, H] tensor).
+        [T, H].
     """
     inner = int(down.shape[-1] if stored_out_in else down.shape[1])
-    width = int(hidden.shape[-1])
+    gate, up = _halves(gate_up, 0, inner, inner, stored_out_in)
+    return _chunk_sum(hidden, gate, up, down, act_fn, weights, scale_inputs, stored_out_in)
+
+
+def _halves(gate_up: torch.Tensor, start: int, stop: int, inner: int, stored_out_in: bool):
+    """Columns ``start:stop`` of the gate half and of the up half of ``gate_up`` (static slices)."""
+    if stored_out_in:
+        return gate_up[:, start:stop], gate_up[:, inner + start : inner + stop]
+    return gate_up[:, :, start:stop], gate_up[:, :, inner + start : inner + stop]
+
+
+def _chunk_sum(hidden, gate_w, up_w, down_w, act_fn, weights, scale_inputs: bool, stored_out_in: bool):
+    """One width chunk of the read slices' weighted experts on ``hidden`` [T, H], summed: [T, H].
+
+    ``gate_w``, ``up_w``: [n, c, H] (``stored_out_in``) or [n, H, c]; ``down_w``: [n, H, c] or
+    [n, c, H]. The slices' outputs are summed inside one matmul ([T, n x c] @ [n x c, H]), so no
+    [n, T, H] tensor exists.
+    """
+    if stored_out_in:
+        gate_w, up_w, down_w = gate_w.transpose(1, 2), up_w.transpose(1, 2), down_w.transpose(1, 2)
     slice_weight = weights.t().unsqueeze(-1).to(hidden.dtype)  # [n, T, 1]
     inputs = hidden.unsqueeze(0)  # [1, T, H]
-    total = None
-    for start, stop in bounds(inner, chunks):
-        if stored_out_in:
-            gate_w = gate_up[:, start:stop].transpose(1, 2)  # [n, H, c]
-            up_w = gate_up[:, inner + start : inner + stop].transpose(1, 2)
-            down_w = down[:, :, start:stop].transpose(1, 2)  # [n, c, H]
-        else:
-            gate_w, up_w = gate_up[..., start:stop], gate_up[..., inner + start : inner + stop]
-            down_w = down[:, start:stop]
-        gate, up = torch.matmul(inputs, gate_w), torch.matmul(inputs, up_w)  # [n, T, c] each
-        if scale_inputs:  # expert(x * s) with bias-free projections: act(s * gate) * (s * up)
-            gate, up = gate * slice_weight, up * slice_weight
-        hidden_c = act_fn(gate) * up
-        if not scale_inputs:
-            hidden_c = hidden_c * slice_weight
-        # [T, n x c] @ [n x c, H]: the sum over slices happens inside the matmul.
-        flat = hidden_c.transpose(0, 1).reshape(hidden.shape[0], -1)
-        part = torch.matmul(flat, down_w.reshape(-1, width))
-        total = part if total is None else total + part
-    return total
+    gate, up = torch.matmul(inputs, gate_w), torch.matmul(inputs, up_w)  # [n, T, c] each
+    if scale_inputs:  # expert(x * s) with bias-free projections: act(s * gate) * (s * up)
+        gate, up = gate * slice_weight, up * slice_weight
+    activated = act_fn(gate) * up
+    if not scale_inputs:
+        activated = activated * slice_weight
+    flat = activated.transpose(0, 1).reshape(hidden.shape[0], -1)  # [T, n x c]
+    return torch.matmul(flat, down_w.reshape(-1, hidden.shape[-1]))
 
 
 def routed_sum(
@@ -149,6 +154,11 @@ def routed_sum(
     stored_out_in: bool = True,
 ) -> torch.Tensor:
     """The routed experts' weighted sum on ``hidden`` [T, H], slices read in bounded blocks.
+
+    With one width chunk a block gathers whole slices ([b, 2I, H]) and cuts the gate and up
+    halves from them; with more, it gathers each chunk of each projection from a static slice of
+    the stacked weight ([b, I / chunks, H]: a slice of a weight is a weight, and the gathered rows
+    are the same rows, so the bytes read are unchanged: ``compile/weight_reads.py`` counts views).
 
     Args:
         hidden: [T, H] token states.
@@ -172,17 +182,32 @@ def routed_sum(
     for start, stop in bounds(length, blocks) if blocks > 1 else [(None, None)]:
         block_ids = ids if start is None else ids[start:stop]
         block_weights = weights if start is None else weights[:, start:stop]
-        part = weighted_outputs(
-            hidden,
-            read_slices(gate_up, block_ids),
-            read_slices(down, block_ids),
-            act_fn,
-            block_weights,
-            scale_inputs=scale_inputs,
-            stored_out_in=stored_out_in,
-            chunks=chunks,
-        )
-        total = part if total is None else total + part
+        if chunks == 1:
+            part = weighted_outputs(
+                hidden,
+                read_slices(gate_up, block_ids),
+                read_slices(down, block_ids),
+                act_fn,
+                block_weights,
+                scale_inputs=scale_inputs,
+                stored_out_in=stored_out_in,
+            )
+            total = part if total is None else total + part
+            continue
+        for first, last in bounds(inner, chunks):
+            gate_w, up_w = _halves(gate_up, first, last, inner, stored_out_in)
+            down_w = down[:, :, first:last] if stored_out_in else down[:, first:last]
+            part = _chunk_sum(
+                hidden,
+                read_slices(gate_w, block_ids),
+                read_slices(up_w, block_ids),
+                read_slices(down_w, block_ids),
+                act_fn,
+                block_weights,
+                scale_inputs,
+                stored_out_in,
+            )
+            total = part if total is None else total + part
     return total
 
 
