@@ -18,6 +18,8 @@ from qeff_vision.cli import main
 from qeff_vision.compile.activation_memory import bound_problem, graph_activation_memory
 from qeff_vision.compile.driver import compile_spec
 from qeff_vision.errors import UserError
+from qeff_vision.families import all_families
+from tests import helpers
 from tests.compile_fixtures import stand_in, synthetic_export, tree_state, write_spec
 
 
@@ -226,3 +228,28 @@ def test_a_static_slice_of_a_weight_is_a_weight_and_its_gathered_rows_are_read(t
     assert figures.peak_bytes == 2 * (2 * width * hidden * 2)  # both halves, then the concatenation
     (read,) = weight_reads(path, {"n": 2})
     assert read.rows_read == 2 and read.read_bytes == 2 * width * hidden * 4
+
+
+@pytest.mark.parametrize("family", helpers.tiered([family.name for family in all_families()]))
+def test_every_language_graph_resolves_every_shape(family, exported, tiny_checkpoint):
+    """The language figures cover every value: our custom ops (CtxGather, GatedDeltaRule whose final
+    state is a retained-state output with a declared shape, CustomRMSNorm) get their shapes."""
+    from qeff_vision.export_record import read_export
+    from qeff_vision.families import get_family
+    from qeff_vision.families.base import ModelDescription
+
+    export = exported(family)
+    model = ModelDescription(json.loads((tiny_checkpoint(family) / "config.json").read_text()))
+    family_obj = get_family(family)
+    values = {
+        "batch_size": 1,
+        "seq_len": 32,
+        "ctx_len": 256,
+        "vision_size": 32,
+        "vision_batch_size": 1,
+        **family_obj.kv_cache_lengths(model, 256),
+        **family_obj.language_symbols(model),
+        **family_obj.request_symbols(model, 1),
+    }
+    figures = graph_activation_memory(export / read_export(export)["programs"]["lang"]["path"], values)
+    assert figures.unresolved == 0 and figures.largest_bytes > 0, figures
