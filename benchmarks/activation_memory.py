@@ -13,7 +13,10 @@ them, and the language program at seq_len 512 / ctx_len 32768. ``--rss`` adds th
 of a plain fp32 onnxruntime run of the blocked vision program (a child process per image, its
 ``ru_maxrss``); the unblocked one only where its predicted peak is under ``--rss-limit`` GB.
 
-``--smoke`` runs two tiny families at small images: every code path, seconds.
+``--smoke`` runs two tiny families at small images: every code path, seconds. On a shared host the
+families can be measured in separate runs (``--families ... --json rows-N.json``, each family's
+graphs before and after still measured side by side in one run) and printed as one table with
+``--merge rows-*.json``.
 """
 
 from __future__ import annotations
@@ -32,18 +35,6 @@ IMAGES = ((448, 448), (720, 1280), (1080, 1920), (1440, 2560))
 SMOKE_IMAGES = ((64, 64), (96, 128))
 LANGUAGE = {"batch_size": 1, "seq_len": 512, "ctx_len": 32768, "vision_size": 512, "vision_batch_size": 1}
 SMOKE_LANGUAGE = {**LANGUAGE, "ctx_len": 256, "seq_len": 32, "vision_size": 32}
-FULL_ATTENTION_TOWERS = (
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "kimi_k25",
-    "mistral3",
-    "gemma4",
-    "molmo2",
-)
-PER_TILE_TOWERS = ("llava", "llava_next", "internvl", "llama4", "mllama", "gemma3")
 MIB = 1 << 20
 
 
@@ -124,17 +115,21 @@ def _rss_child(graph: Path, feeds: dict, work: Path) -> float:
     return int(done.stdout.split()[-1]) / (1 << 20)  # KiB -> GiB
 
 
-def _language_extras(checkpoint: Path, ctx_len: int) -> dict[str, int]:
-    """Language symbols beyond seq_len/ctx_len: Qwen3-VL's deepstack layers, the rings' lengths."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    vision = config.get("vision_config") or {}
-    text = config.get("text_config") or config
-    window = text.get("sliding_window") or ctx_len
-    chunk = text.get("attention_chunk_size") or ctx_len
+def _language_extras(family: str, checkpoint: Path, ctx_len: int) -> dict[str, int]:
+    """Language symbols beyond seq_len/ctx_len, as the family declares them for ``checkpoint``.
+
+    Its cache lengths (rings, Kimi-K2.5's latent widths), its own symbols (Qwen3-VL's deepstack
+    rows) and one image slot's (mllama's cross-attention states), as ``specialize`` binds them.
+    """
+    from qeff_vision.families import get_family
+    from qeff_vision.families.base import ModelDescription
+
+    model = ModelDescription(json.loads((checkpoint / "config.json").read_text()))
+    family_obj = get_family(family)
     return {
-        "num_feature_layers": len(vision.get("deepstack_visual_indexes") or [1]),
-        "sliding_window": min(int(window), ctx_len),  # the ring's slots, as specialize binds them
-        "chunk_ctx_len": min(int(chunk), ctx_len),  # Llama 4's chunked-attention ring
+        **family_obj.kv_cache_lengths(model, ctx_len),
+        **family_obj.language_symbols(model),
+        **family_obj.request_symbols(model, 1),
     }
 
 
@@ -164,8 +159,7 @@ def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -
                 row[f"rss_{form}"] = _rss_child(graph, feeds, work)  # fp32 on the host: 2x the fp16 figures
         rows.append(row)
     language = dict(SMOKE_LANGUAGE if smoke else LANGUAGE)
-    # Qwen3-VL's deepstack rows: one per deepstack layer of the (depth-cut) tower.
-    language.update(_language_extras(checkpoint, language["ctx_len"]))
+    language.update(_language_extras(family, checkpoint, language["ctx_len"]))
     row = {"family": family, "program": "lang", "shape": f"S{language['seq_len']}/ctx{language['ctx_len']}"}
     for form, directory in graphs.items():
         figures = graph_activation_memory(directory / "lang" / "model.onnx", language)
@@ -218,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-limit", type=float, default=6.0, help="skip unblocked runs predicted above GB")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="print one table from the --json rows of earlier runs (each family off and on in one run)",
+    )
     add_docs_arguments(parser)
     args = parser.parse_args(argv)
     with recording(args, "activation_memory", argv):
@@ -226,12 +226,20 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """Measure what ``args`` asks for and print the table."""
+    if args.merge:
+        print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        return 0
     if args.smoke:
         families = ["qwen2_5_vl", "mistral3"]
     elif args.families:
         families = args.families.split(",")
     else:
-        families = [*FULL_ATTENTION_TOWERS, *PER_TILE_TOWERS]
+        from qeff_vision.families import all_families
+        from qeff_vision.spec.activation_estimate import blocked_towers
+
+        blocked = blocked_towers()  # the towers the export blocks first, then the per-tile ones
+        names = [family.name for family in all_families()]
+        families = [*blocked, *(name for name in names if name not in blocked)]
     rows = []
     with tempfile.TemporaryDirectory(dir=args.work) as scratch:
         for family in families:

@@ -18,6 +18,8 @@ from qeff_vision.cli import main
 from qeff_vision.compile.activation_memory import bound_problem, graph_activation_memory
 from qeff_vision.compile.driver import compile_spec
 from qeff_vision.errors import UserError
+from qeff_vision.families import all_families
+from tests import helpers
 from tests.compile_fixtures import stand_in, synthetic_export, tree_state, write_spec
 
 
@@ -208,3 +210,73 @@ def test_values_of_weights_alone_are_folded_not_activations(tmp_path):
     figures = graph_activation_memory(path, {"N": 2})
     assert figures.largest_bytes == 2 * vocab * 2 and figures.largest_name in ("logits", "logits_t")
     assert figures.peak_bytes == 2 * (2 * vocab * 2)  # logits and its transpose, not the head
+
+
+def test_a_static_slice_of_a_weight_is_a_weight_and_its_gathered_rows_are_read(tmp_path):
+    """Experts [E, 2I, H] cut along the width (a static Slice), then gathered by routed rows: the
+    slice is folded into weights (not an activation), the gather is an activation of its rows, and
+    ``weight_reads`` counts the rows the gathers read (two halves of n rows = n whole rows)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from qeff_vision.compile.weight_reads import weight_reads
+
+    experts, width, hidden = 6, 8, 4
+    stacked = numpy_helper.from_array(np.zeros((experts, width, hidden), np.float32), "experts")
+
+    def constant(name, values):
+        return helper.make_node(
+            "Constant", [], [name], value=numpy_helper.from_array(np.array(values, np.int64))
+        )
+
+    nodes = [
+        constant("axes", [1]),
+        constant("lo", [0]),
+        constant("mid", [width // 2]),
+        constant("hi", [width]),
+        helper.make_node("Slice", ["experts", "lo", "mid", "axes"], ["first"]),
+        helper.make_node("Slice", ["experts", "mid", "hi", "axes"], ["second"]),
+        helper.make_node("Gather", ["first", "ids"], ["rows_first"], axis=0),
+        helper.make_node("Gather", ["second", "ids"], ["rows_second"], axis=0),
+        helper.make_node("Concat", ["rows_first", "rows_second"], ["rows"], axis=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "experts",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["n", width, hidden])],
+        [stacked],
+    )
+    path = tmp_path / "experts.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    figures = graph_activation_memory(path, {"n": 2})
+    # The largest value is the gathered [2, 8, 4] rows (2 bytes each), not a [6, 4, 4] slice.
+    assert figures.largest_bytes == 2 * width * hidden * 2 and figures.largest_op == "Concat"
+    assert figures.peak_bytes == 2 * (2 * width * hidden * 2)  # both halves, then the concatenation
+    (read,) = weight_reads(path, {"n": 2})
+    assert read.rows_read == 2 and read.read_bytes == 2 * width * hidden * 4
+
+
+@pytest.mark.parametrize("family", helpers.tiered([family.name for family in all_families()]))
+def test_every_language_graph_resolves_every_shape(family, exported, tiny_checkpoint):
+    """The language figures cover every value: our custom ops (CtxGather, GatedDeltaRule whose final
+    state is a retained-state output with a declared shape, CustomRMSNorm) get their shapes."""
+    from qeff_vision.export_record import read_export
+    from qeff_vision.families import get_family
+    from qeff_vision.families.base import ModelDescription
+
+    export = exported(family)
+    model = ModelDescription(json.loads((tiny_checkpoint(family) / "config.json").read_text()))
+    family_obj = get_family(family)
+    values = {
+        "batch_size": 1,
+        "seq_len": 32,
+        "ctx_len": 256,
+        "vision_size": 32,
+        "vision_batch_size": 1,
+        **family_obj.kv_cache_lengths(model, 256),
+        **family_obj.language_symbols(model),
+        **family_obj.request_symbols(model, 1),
+    }
+    figures = graph_activation_memory(export / read_export(export)["programs"]["lang"]["path"], values)
+    assert figures.unresolved == 0 and figures.largest_bytes > 0, figures

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from qeff_vision.compile.activation_memory import graph_activation_memory
+from qeff_vision.compile.activation_memory import describe, graph_activation_memory
 from qeff_vision.contract.attention_blocking import DEFAULT_BOUND, AttentionBlocking
 from qeff_vision.families import all_families
 from tests import helpers
@@ -36,10 +36,12 @@ def test_largest_intermediate_within_the_bound_at_high_resolution(family, tmp_pa
         if feeds is None:  # the family does not take this size
             continue
         figures = graph_activation_memory(graph, bench._bound_symbols(graph, feeds))
+        print(f"{family} vision {width}x{height}: {describe(figures)}")  # shown with -s (the tier's log)
         assert figures.unresolved == 0, (height, width)
         assert figures.largest_bytes <= DEFAULT_BOUND, (height, width, figures)
         measured += 1
     assert measured, "no image size measured"
-    values = {**LANGUAGE, **bench._language_extras(checkpoint, LANGUAGE["ctx_len"])}
+    values = {**LANGUAGE, **bench._language_extras(family, checkpoint, LANGUAGE["ctx_len"])}
     figures = graph_activation_memory(export / "lang" / "model.onnx", values)
+    print(f"{family} lang S512/ctx32768: {describe(figures)}")
     assert figures.unresolved == 0 and figures.largest_bytes <= DEFAULT_BOUND, figures

@@ -10,8 +10,8 @@ AI 200; integers and booleans at their own width):
   produced values alive at once; a value lives from its node to its last reader (a graph output to
   the end). Weights, graph inputs and ``*_RetainedState`` outputs are not counted: the first are
   weights, the others are IO buffers (a retained state shares its input's buffer on the device).
-  Nor are values computed from weights alone (a tied language head's transposed embedding): the
-  compiler folds them into constants.
+  Nor are values computed from weights and constants alone (a tied language head's transposed
+  embedding, a static slice or cast of a weight): the compiler folds them into constants.
 
 Shapes come as :mod:`qeff_vision.compile.weight_reads` gets them: the specialization's symbols
 bound on the graph inputs, then ONNX shape inference with the shape arithmetic folded to
@@ -112,10 +112,9 @@ def _custom_shapes(model: onnx.ModelProto, typed: Mapping[str, tuple]) -> int:
     declared = 0
     for node in model.graph.node:
         rule = _CUSTOM_SHAPES.get(node.op_type) if node.domain not in ("", "ai.onnx") else None
-        if rule is None or any(
-            typed.get(name, (0, (None,)))[1] and None not in typed[name][1] for name in node.output
-        ):
-            continue
+        known = {name for name in node.output if name in typed and None not in typed[name][1]}
+        if rule is None or known >= set(node.output):
+            continue  # (a graph output such as a retained state may already carry its shape)
         inputs = [typed.get(name, (0, (None,))) for name in node.input]
         if any(None in dims for _, dims in inputs):
             continue
@@ -127,6 +126,8 @@ def _custom_shapes(model: onnx.ModelProto, typed: Mapping[str, tuple]) -> int:
         if node.op_type == "GatedDeltaRule":
             outputs = [(inputs[2][0], shapes[0]), (inputs[5][0], shapes[1])]
         for name, (elem, shape) in zip(node.output, outputs):
+            if name in known:
+                continue
             model.graph.value_info.append(helper.make_tensor_value_info(name, elem, list(shape)))
             declared += 1
     return declared

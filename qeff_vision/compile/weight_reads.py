@@ -178,10 +178,12 @@ def weight_reads(model_path: str | Path, values: Mapping[str, int | str]) -> lis
     # Weights as the graph reads them: plain initializers and the outputs of storage nodes.
     stored_in = {name for node in storage.values() for name in node.input}
     names = {init.name for init in model.graph.initializer} - stored_in | set(storage)
+    views = weight_views(model, names)
     for node in model.graph.node:
-        if node.output and storage.get(node.output[0]) is node:
+        if node.output and (storage.get(node.output[0]) is node or node.output[0] in views):
             continue
-        for position, name in enumerate(node.input):
+        for position, read in enumerate(node.input):
+            name = views.get(read, read)
             if name not in names:
                 continue
             axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
@@ -216,15 +218,42 @@ def weight_reads(model_path: str | Path, values: Mapping[str, int | str]) -> lis
     return reads
 
 
+def weight_views(model: onnx.ModelProto, weights: set[str]) -> dict[str, str]:
+    """Outputs of ``Slice`` nodes that cut a weight along axes other than 0 -> that weight.
+
+    A static slice of a weight is a weight (a compiler folds it); gathered by rows on axis 0 it
+    reads those rows' part of the weight (the mixture-of-experts form reads each expert's
+    intermediate width in chunks, :mod:`qeff_vision.export.experts`). Only slices whose ``axes``
+    are a constant of positive axes are views.
+    """
+    from onnx import numpy_helper
+
+    constants = {node.output[0]: node for node in model.graph.node if node.op_type == "Constant"}
+    views = {}
+    for node in model.graph.node:
+        if node.op_type != "Slice" or node.input[0] not in weights or len(node.input) < 4:
+            continue
+        producer = constants.get(node.input[3])
+        if producer is None or producer.attribute[0].type != onnx.AttributeProto.TENSOR:
+            continue
+        axes = numpy_helper.to_array(producer.attribute[0].t).reshape(-1)
+        if all(int(axis) > 0 for axis in axes):  # a negative axis may name axis 0: not a view
+            views[node.output[0]] = node.input[0]
+    return views
+
+
 def _rows(name, shape, gathered, whole, shapes) -> int | None:
-    """Rows of weight ``name`` one call gathers, or None when read whole (or not resolved)."""
+    """Rows of weight ``name`` one call gathers, or None when read whole (or not resolved).
+
+    Elements gathered over every gather of the weight or of its views, in whole rows.
+    """
     if name not in gathered or name in whole or not shape:
         return None
     per_row = prod(shape[1:])
-    counts = []
+    elements = 0
     for output in gathered[name]:
         dims = shapes.get(output)
         if dims is None or None in dims or per_row == 0:
             return None
-        counts.append(prod(dims) // per_row)
-    return sum(counts)
+        elements += prod(dims)
+    return elements // per_row

@@ -1,4 +1,4 @@
-"""The block-count policy of the exported attentions (pure data; the torch side: export/blocked_attention.py).
+"""Block counts of exported attentions and experts (pure data; the torch side: export/blocked_attention.py).
 
 A graph's node list cannot depend on a specialization, so an attention's block count is fixed when
 it is traced: the smallest count that keeps one block's scores under ``bound`` bytes (at the
@@ -28,7 +28,7 @@ DEVICE_ITEM_BYTES = 2
 
 @dataclass(frozen=True)
 class AttentionBlocking:
-    """How many blocks an attention gets: the smallest count that keeps one block under ``bound``.
+    """How many blocks an attention (or a mixture-of-experts layer) gets: the fewest under ``bound``.
 
     Attributes:
         bound: Bytes one block's scores may take at ``item_bytes`` per element.
@@ -38,6 +38,9 @@ class AttentionBlocking:
         vision_blocks: Fixed query-block count for vision towers (None: from the bound).
         language_blocks: Fixed key-block count for the language program (None: from the bound).
         item_bytes: Bytes per score element on the device.
+        expert_blocks: Fixed count of expert-slice blocks of a mixture-of-experts layer (None: from
+            the bound; never more than the layer's top-k, see :meth:`expert_counts`).
+        expert_chunks: Fixed count of chunks of the experts' intermediate width (None: from the bound).
     """
 
     bound: int = DEFAULT_BOUND
@@ -47,6 +50,8 @@ class AttentionBlocking:
     vision_blocks: int | None = None
     language_blocks: int | None = None
     item_bytes: int = DEVICE_ITEM_BYTES
+    expert_blocks: int | None = None
+    expert_chunks: int | None = None
 
     def vision_count(self, heads: int, rows: int | None = None, batch: int = 1) -> int:
         """Query blocks for a tower attention with ``heads`` score planes per query row.
@@ -71,13 +76,58 @@ class AttentionBlocking:
         # Blocks of a power-of-two share of the keys divide a power-of-two ctx_len evenly.
         return 1 << max(0, math.ceil(math.log2(max(1.0, whole / self.bound))))
 
+    def expert_counts(self, experts: int, top_k: int, inner: int, hidden: int) -> tuple[int, int]:
+        """(slice blocks, width chunks) of a mixture-of-experts layer (export/experts.py).
+
+        A layer reads n = min(tokens x top_k, experts) expert slices; they are taken in ``blocks``
+        balanced blocks of at most ceil(experts / blocks) slices, and each block's intermediate
+        width in ``chunks``. The block count never exceeds ``top_k`` (nor ``experts``): n is at
+        least top_k at every call, so no block is ever empty. One chunk gathers a block's whole
+        slices (b x 2 x inner x hidden values); more chunks gather each projection's chunk
+        (b x inner / chunks x hidden). A chunk's activations at the largest prefill are
+        b x ``language_rows`` x inner / chunks. The pair is the one with the fewest blocks x
+        chunks (then the fewest blocks) that keeps both under the bound; top-k blocks of single
+        columns if none does.
+
+        Args:
+            experts: Experts of the layer.
+            top_k: Experts each token is routed to.
+            inner: The experts' intermediate width (gate and up each).
+            hidden: The model width.
+        """
+        most = max(1, min(top_k, experts))
+        block_choices = range(1, most + 1)
+        if self.expert_blocks is not None:
+            block_choices = [max(1, min(self.expert_blocks, most))]
+        best = None
+        for blocks in block_choices:
+            per_block = -(-experts // blocks)
+            if self.expert_chunks is not None:
+                chunks = max(1, min(self.expert_chunks, inner))
+            else:
+                chunks = next(
+                    (c for c in range(1, inner + 1) if self._chunk_fits(per_block, c, inner, hidden)), inner
+                )
+            fits = self._chunk_fits(per_block, chunks, inner, hidden)
+            key = (not fits, blocks * chunks, blocks)
+            if best is None or key < best[0]:
+                best = (key, blocks, chunks)
+        return best[1], best[2]
+
+    def _chunk_fits(self, per_block: int, chunks: int, inner: int, hidden: int) -> bool:
+        """Whether one chunk of a block of ``per_block`` slices stays under the bound."""
+        width = -(-inner // chunks)
+        gathered = per_block * (2 * inner if chunks == 1 else width) * hidden * self.item_bytes
+        activations = per_block * self.language_rows * width * self.item_bytes
+        return max(gathered, activations) <= self.bound
+
     def to_dict(self) -> dict:
         """The policy as export.json records it."""
         return asdict(self)
 
 
-#: Unblocked: every attention is one block (what the graphs were before blocking).
-UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1)
+#: Unblocked: every attention and expert layer in one block (what the graphs were before blocking).
+UNBLOCKED = AttentionBlocking(vision_blocks=1, language_blocks=1, expert_blocks=1, expert_chunks=1)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,10 @@ both plain static-shape ONNX (slices, matmuls, softmax; no ``Loop``, no data-dep
 The block *count* is fixed when the graph is traced, because a graph's node list cannot depend on
 a specialization; the block *boundaries* are ``floor(i * N / blocks)``, shape arithmetic on the
 symbolic length, so every specialization gets blocks of ``ceil(N / blocks)`` rows at most, none
-empty while ``N >= blocks`` (which a compiler would have to take as a zero-sized tensor). The count
+empty while ``N >= blocks``. A smaller N (an image with fewer patches than the count) would leave
+blocks empty, which a compiler would have to take as zero-sized tensors: query blocks use
+:func:`covering_bounds` instead, where such a block computes one row twice and a gather of each
+row's first copy assembles the output (expert blocks never exceed top-k, see export/experts.py). The count
 comes from :class:`AttentionBlocking`: the smallest that keeps one block's scores under the bound at
 the largest length the policy is sized for (``vision_rows`` rows; ``language_rows`` x
 ``language_keys`` for the language program). Lengths are fixed per specialization, so the compile
@@ -56,7 +59,7 @@ def active() -> AttentionBlocking:
     return _active
 
 
-def _length(tensor: torch.Tensor, axis: int):
+def symbolic_length(tensor: torch.Tensor, axis: int):
     """``tensor.shape[axis]``, kept symbolic in a trace (the boundaries follow the specialization)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
@@ -66,6 +69,39 @@ def _length(tensor: torch.Tensor, axis: int):
 def bounds(length, blocks: int) -> list[tuple]:
     """``blocks`` balanced ``(start, stop)`` ranges covering ``range(length)``: floor(i * length / blocks)."""
     return [((index * length) // blocks, ((index + 1) * length) // blocks) for index in range(blocks)]
+
+
+def _scalar(value) -> torch.Tensor:
+    """A 0-d int64 tensor of ``value`` (a traced size is one already; an eager size is an int)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.int64)
+
+
+def covering_bounds(length, blocks: int) -> tuple[list[tuple], torch.Tensor]:
+    """``blocks`` non-empty row ranges covering ``range(length)`` and where each row lands.
+
+    :func:`bounds` leaves ``blocks - length`` ranges empty when ``length < blocks`` (an image with
+    fewer patches than the trace-time block count), and a compiler may refuse a zero-sized tensor.
+    Here a range that would be empty takes one row instead (the row at its start, or the last row),
+    computed twice; for a query block that is the same output row twice (each row's softmax is its
+    own). Concatenating the ranges' outputs gives ``length`` + (empty ranges) rows.
+
+    Returns:
+        The ranges ``[(start, stop)]`` (shape arithmetic on the symbolic length, every one at least
+        one row while ``length >= 1``), and ``positions`` [length] int64: the row of the
+        concatenation holding row r (the first copy): r plus the empty ranges starting at or before
+        r. With no empty range it is ``arange(length)``.
+    """
+    size = _scalar(length)
+    last = size - 1
+    ranges = []
+    for start, stop in bounds(length, blocks):
+        first = torch.minimum(_scalar(start), last)
+        ranges.append((first, first + torch.clamp(_scalar(stop) - _scalar(start), min=1)))
+    starts = torch.div(torch.arange(blocks + 1, dtype=torch.int64) * size, blocks, rounding_mode="floor")
+    empty = starts[1:] == starts[:-1]  # [blocks]
+    rows = torch.arange(size, dtype=torch.int64)
+    before = (starts[:-1].unsqueeze(0) <= rows.unsqueeze(1)) & empty.unsqueeze(0)  # [length, blocks]
+    return ranges, rows + before.to(torch.int64).sum(1)
 
 
 def _rows(tensor: torch.Tensor | None, start, stop, axis: int = -2) -> torch.Tensor | None:
@@ -116,9 +152,10 @@ def query_blocked_attention(
     # holds b times one block's scores).
     heads = int(query.shape[-3]) if query.dim() > 2 else 1
     count = blocks if blocks is not None else _active.vision_count(heads)
-    length = _length(query, -2)
+    length = symbolic_length(query, -2)
+    ranges, positions = covering_bounds(length, count) if count > 1 else ([(None, None)], None)
     outputs = []
-    for start, stop in bounds(length, count) if count > 1 else [(None, None)]:
+    for start, stop in ranges:
         rows = query if start is None else query[..., start:stop, :]
         scores = torch.matmul(rows, key.transpose(-1, -2)) * scaling
         if segments is not None:
@@ -128,7 +165,10 @@ def query_blocked_attention(
             scores = scores + (mask if start is None else _rows(mask, start, stop))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
         outputs.append(torch.matmul(weights, value))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+    if len(outputs) == 1:
+        return outputs[0]
+    # Each row's first copy (a block that would be empty repeats a row; none is ever zero-sized).
+    return torch.cat(outputs, dim=-2).index_select(-2, positions)
 
 
 def key_blocked_attention(
@@ -150,7 +190,7 @@ def key_blocked_attention(
     Returns:
         [B, KV, G * S, D] in float32.
     """
-    length = _length(key, -2)
+    length = symbolic_length(key, -2)
     maximum = total = output = None
     for start, stop in bounds(length, blocks):
         scores = scores_of(start, stop)

@@ -23,11 +23,25 @@ picks one. Every specialization has static shapes, so the condition, n and the `
 constants when the compiler specializes the graph: a decode specialization becomes a gather of
 the routed slices, a prefill one a gather of ``arange(E)`` (every expert once). onnxruntime
 evaluates the same graph at run time for any shape, with the same result.
+
+**Bounded intermediates** (:func:`routed_sum`, issue 54). Read whole, a prefill's slices are a
+[E, 2I, H] copy of the stacked weights and its activations [E, T, I]: 560 MiB for Kimi-K2.5's
+widths with 10 experts, gigabytes with the published 384. So the n slices are read in ``blocks``
+balanced blocks (boundaries ``floor(j * n / blocks)``, shape arithmetic on the symbolic n; at most
+top-k blocks, so none is ever empty: n >= top_k at every call), each block's intermediate width
+in ``chunks`` static chunks (each projection's chunk gathered from a static slice of the stacked
+weight when there are several), and each chunk's expert outputs summed inside one matmul
+([T, slices x width] @ [slices x width, H]): no [n, T, H] tensor. The counts come from the active
+policy (:meth:`~qeff_vision.contract.attention_blocking.AttentionBlocking.expert_counts`). A
+decode step still reads exactly its T x k routed slices (the blocks partition the same list and
+the chunks the same rows).
 """
 
 from __future__ import annotations
 
 import torch
+
+from qeff_vision.export.blocked_attention import active, bounds, symbolic_length
 
 
 def expert_slices(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +104,111 @@ def weighted_outputs(
             instead of its output (Qwen-MoE, Gemma 4).
         stored_out_in: Whether the stacked weights are [n, out, in] (transformers' ``linear``
             layout of Qwen-MoE and Gemma 4) rather than [n, in, out] (Llama 4's ``bmm`` layout).
+
+    Returns:
+        [T, H].
     """
-    slice_weight = weights.t().unsqueeze(-1)  # [n, T, 1]
-    inputs = hidden.unsqueeze(0)
-    if scale_inputs:
-        inputs = inputs * slice_weight.to(hidden.dtype)
+    inner = int(down.shape[-1] if stored_out_in else down.shape[1])
+    gate, up = _halves(gate_up, 0, inner, inner, stored_out_in)
+    return _chunk_sum(hidden, gate, up, down, act_fn, weights, scale_inputs, stored_out_in)
+
+
+def _halves(gate_up: torch.Tensor, start: int, stop: int, inner: int, stored_out_in: bool):
+    """Columns ``start:stop`` of the gate half and of the up half of ``gate_up`` (static slices)."""
     if stored_out_in:
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    gate, up = torch.matmul(inputs, gate_up).chunk(2, dim=-1)  # [n, T, I] each
-    outputs = torch.matmul(act_fn(gate) * up, down)  # [n, T, H]
+        return gate_up[:, start:stop], gate_up[:, inner + start : inner + stop]
+    return gate_up[:, :, start:stop], gate_up[:, :, inner + start : inner + stop]
+
+
+def _chunk_sum(hidden, gate_w, up_w, down_w, act_fn, weights, scale_inputs: bool, stored_out_in: bool):
+    """One width chunk of the read slices' weighted experts on ``hidden`` [T, H], summed: [T, H].
+
+    ``gate_w``, ``up_w``: [n, c, H] (``stored_out_in``) or [n, H, c]; ``down_w``: [n, H, c] or
+    [n, c, H]. The slices' outputs are summed inside one matmul ([T, n x c] @ [n x c, H]), so no
+    [n, T, H] tensor exists.
+    """
+    if stored_out_in:
+        gate_w, up_w, down_w = gate_w.transpose(1, 2), up_w.transpose(1, 2), down_w.transpose(1, 2)
+    slice_weight = weights.t().unsqueeze(-1).to(hidden.dtype)  # [n, T, 1]
+    inputs = hidden.unsqueeze(0)  # [1, T, H]
+    gate, up = torch.matmul(inputs, gate_w), torch.matmul(inputs, up_w)  # [n, T, c] each
+    if scale_inputs:  # expert(x * s) with bias-free projections: act(s * gate) * (s * up)
+        gate, up = gate * slice_weight, up * slice_weight
+    activated = act_fn(gate) * up
     if not scale_inputs:
-        outputs = outputs * slice_weight.to(outputs.dtype)
-    return outputs.sum(0)
+        activated = activated * slice_weight
+    flat = activated.transpose(0, 1).reshape(hidden.shape[0], -1)  # [T, n x c]
+    return torch.matmul(flat, down_w.reshape(-1, hidden.shape[-1]))
+
+
+def routed_sum(
+    hidden: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act_fn,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    top_k: int,
+    scale_inputs: bool = False,
+    stored_out_in: bool = True,
+) -> torch.Tensor:
+    """The routed experts' weighted sum on ``hidden`` [T, H], slices read in bounded blocks.
+
+    With one width chunk a block gathers whole slices ([b, 2I, H]) and cuts the gate and up
+    halves from them; with more, it gathers each chunk of each projection from a static slice of
+    the stacked weight ([b, I / chunks, H]: a slice of a weight is a weight, and the gathered rows
+    are the same rows, so the bytes read are unchanged: ``compile/weight_reads.py`` counts views).
+
+    Args:
+        hidden: [T, H] token states.
+        gate_up: The stacked [E, 2I, H] (``stored_out_in``) or [E, H, 2I] weights.
+        down: The stacked [E, H, I] (``stored_out_in``) or [E, I, H] weights.
+        act_fn: The experts' activation.
+        ids: [n] slices to read, from :func:`expert_slices`.
+        weights: [T, n] from :func:`slice_weights`.
+        top_k: Experts per token (the block count never exceeds it: no block is empty).
+        scale_inputs: As :func:`weighted_outputs`.
+        stored_out_in: As :func:`weighted_outputs`.
+
+    Returns:
+        [T, H].
+    """
+    experts = int(gate_up.shape[0])
+    inner = int(down.shape[-1] if stored_out_in else down.shape[1])
+    blocks, chunks = active().expert_counts(experts, int(top_k), inner, int(hidden.shape[-1]))
+    length = symbolic_length(ids, 0)
+    total = None
+    for start, stop in bounds(length, blocks) if blocks > 1 else [(None, None)]:
+        block_ids = ids if start is None else ids[start:stop]
+        block_weights = weights if start is None else weights[:, start:stop]
+        if chunks == 1:
+            part = weighted_outputs(
+                hidden,
+                read_slices(gate_up, block_ids),
+                read_slices(down, block_ids),
+                act_fn,
+                block_weights,
+                scale_inputs=scale_inputs,
+                stored_out_in=stored_out_in,
+            )
+            total = part if total is None else total + part
+            continue
+        for first, last in bounds(inner, chunks):
+            gate_w, up_w = _halves(gate_up, first, last, inner, stored_out_in)
+            down_w = down[:, :, first:last] if stored_out_in else down[:, first:last]
+            part = _chunk_sum(
+                hidden,
+                read_slices(gate_w, block_ids),
+                read_slices(up_w, block_ids),
+                read_slices(down_w, block_ids),
+                act_fn,
+                block_weights,
+                scale_inputs,
+                stored_out_in,
+            )
+            total = part if total is None else total + part
+    return total
 
 
 def read_slices(stacked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,42 @@ def estimate_lines(spec: Any) -> list[str]:
     return lines
 
 
+def blocks_vision_attention(family, model) -> bool:
+    """Whether ``family``'s export blocks its vision attention, read off its ``vision_attention``.
+
+    The declaration under a policy forcing three query blocks: a tower the export blocks reports
+    them; a per-tile tower under the bound (LLaVA's CLIP, Llama 4's tiles) reports one block, and
+    a family declaring no attention is not blocked.
+
+    Args:
+        family: A registered family.
+        model: A :class:`~qeff_vision.families.base.ModelDescription` of one of its configs.
+    """
+    from qeff_vision.contract.attention_blocking import AttentionBlocking
+    from qeff_vision.families.base import ImageSize
+
+    values = family.vision_symbols(model, ImageSize(448, 448))
+    attention = family.vision_attention(model, values, AttentionBlocking(vision_blocks=3))
+    return attention is not None and attention.blocks > 1
+
+
+def blocked_towers() -> tuple[str, ...]:
+    """Registered families whose vision attention the export blocks (at their smallest pinned config)."""
+    import json
+
+    from qeff_vision.families import all_families
+    from qeff_vision.families.base import ModelDescription
+    from qeff_vision.real_width import smallest_pinned_config
+
+    return tuple(
+        family.name
+        for family in all_families()
+        if blocks_vision_attention(
+            family, ModelDescription(json.loads(smallest_pinned_config(family.name).read_text()))
+        )
+    )
+
+
 def golden_text(spec: Any) -> str:
     """The golden ``activation.txt`` of a spec: the bound and :func:`estimate_lines`."""
     bound = spec.compile.max_activation_bytes

@@ -32,7 +32,7 @@ from qeff_vision import symbols
 from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.attention import grouped_attention
 from qeff_vision.export.decoder import DecoderParts
-from qeff_vision.export.experts import expert_slices, read_slices, slice_weights, weighted_outputs
+from qeff_vision.export.experts import expert_slices, routed_sum, slice_weights
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llama4.host import ASPECT_RATIOS
@@ -76,9 +76,16 @@ def routed_moe(moe: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     scores = torch.sigmoid(scores.float()).to(scores.dtype)
     ids, owners = expert_slices(top_index, experts.num_experts)
     weights = slice_weights(scores, ids, owners)
-    gate_up, down = read_slices(experts.gate_up_proj, ids), read_slices(experts.down_proj, ids)
-    routed = weighted_outputs(
-        flat, gate_up, down, experts.act_fn, weights, scale_inputs=True, stored_out_in=False
+    routed = routed_sum(
+        flat,
+        experts.gate_up_proj,
+        experts.down_proj,
+        experts.act_fn,
+        ids,
+        weights,
+        top_k=router.top_k,
+        scale_inputs=True,
+        stored_out_in=False,
     )
     return moe.shared_expert(flat) + routed
 

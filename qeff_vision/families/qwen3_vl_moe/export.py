@@ -18,13 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qeff_vision.export.experts import (
-    expert_slices,
-    read_slices,
-    routing_table,
-    slice_weights,
-    weighted_outputs,
-)
+from qeff_vision.export.experts import expert_slices, routed_sum, routing_table, slice_weights
 from qeff_vision.families.qwen3_vl.export import Adapter as Qwen3_VLAdapter
 
 
@@ -39,8 +33,15 @@ def routed_experts(experts: nn.Module):
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         ids, owners = expert_slices(top_k_index, experts.num_experts)
         weights = slice_weights(routing_table(top_k_index, top_k_weights, experts.num_experts), ids, owners)
-        gate_up, down = read_slices(experts.gate_up_proj, ids), read_slices(experts.down_proj, ids)
-        return weighted_outputs(hidden_states, gate_up, down, experts.act_fn, weights)
+        return routed_sum(
+            hidden_states,
+            experts.gate_up_proj,
+            experts.down_proj,
+            experts.act_fn,
+            ids,
+            weights,
+            top_k=top_k_index.shape[-1],
+        )
 
     return forward
 
