@@ -22,8 +22,12 @@ demo: install
 	$(BIN)/python -m qeff_vision.demo --out $(DEMO_DIR)
 
 # Fast tier (the default): tiny random checkpoints only. `make test-all` adds the slow tier.
+# pytest-xdist runs TEST_WORKERS processes (CI has 2 cores; `auto` is one per core), each with torch
+# and onnxruntime on one thread (tests/conftest.py); pytest still exits 5 when no test ran.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 	$(BIN)/qeff-vision specialize --check specs/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet -d $(CURDIR)/build/site-check
 
@@ -33,7 +37,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 test-all: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not realwidth" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not realwidth" tests
 
 # Real-width tier (tests/test_real_width.py): every family's pinned config with every width kept and
 # only depth, vocabulary and experts cut, compiled with --backend onnxruntime and the default
