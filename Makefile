@@ -52,7 +52,8 @@ test-realwidth: install
 REALWIDTH_CI ?= gemma4 or llama4 or qwen3_5_moe or mllama or kimi_k25
 
 test-realwidth-ci: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py -k "$(REALWIDTH_CI)"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py \
+		-k "test_real_width_family_matches_transformers and ($(REALWIDTH_CI))"
 
 lint: install
 	$(BIN)/ruff check qeff_vision tests benchmarks tools
