@@ -22,8 +22,12 @@ demo: install
 	$(BIN)/python -m qeff_vision.demo --out $(DEMO_DIR)
 
 # Fast tier (the default): tiny random checkpoints only. `make test-all` adds the slow tier.
+# pytest-xdist runs TEST_WORKERS processes (CI has 2 cores; `auto` is one per core), each with torch
+# and onnxruntime on one thread (tests/conftest.py); pytest still exits 5 when no test ran.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 	$(BIN)/qeff-vision specialize --check specs/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet -d $(CURDIR)/build/site-check
 
@@ -33,7 +37,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 test-all: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not realwidth" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not realwidth" tests
 
 # Real-width tier (tests/test_real_width.py): every family's pinned config with every width kept and
 # only depth, vocabulary and experts cut, compiled with --backend onnxruntime and the default
@@ -41,14 +45,15 @@ test-all: install
 test-realwidth: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py
 
-# The real-width subset proposed for CI (issue 48; not in .ci/run, the lead decides): one family per
-# state kind and decoder kind the tier covers. gemma4: full attention, sliding ring and shared KV;
-# llama4: chunked ring and routed experts; qwen3_5_moe: recurrent (Gated DeltaNet) and experts;
-# mllama: cross-attention; kimi_k25: latent (MLA). Figures in docs/benchmarks/full-depth.md.
-REALWIDTH_CI ?= gemma4 or llama4 or qwen3_5_moe or mllama or kimi_k25
+# The real-width subset .ci/run runs (issue 48): one family per state kind. gemma4: full attention,
+# sliding ring and shared KV; llama4: chunked ring and routed experts; qwen3_5_moe: recurrent (Gated
+# DeltaNet) and experts; kimi_k25: latent (MLA). mllama, the only cross-attention decoder, costs more
+# than the four together and stays in `make test-realwidth` (figures in docs/guide/testing.md).
+REALWIDTH_CI ?= gemma4 or llama4 or qwen3_5_moe or kimi_k25
 
 test-realwidth-ci: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py -k "$(REALWIDTH_CI)"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m realwidth tests/test_real_width.py \
+		-k "test_real_width_family_matches_transformers and ($(REALWIDTH_CI))"
 
 lint: install
 	$(BIN)/ruff check qeff_vision tests benchmarks tools

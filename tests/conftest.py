@@ -6,11 +6,40 @@ slow`` runs the larger random configurations and long sweeps, ``make test-all`` 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests import helpers
+
+
+def _one_thread_per_worker() -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``): each worker's torch and onnxruntime on one thread.
+
+    The workers already fill the cores; torch's and onnxruntime's own pools (one thread per core each,
+    and onnxruntime's spin while waiting for work) would put four busy threads on two cores.
+    Subprocesses a test starts keep their own settings (most set ``OMP_NUM_THREADS=1``).
+    """
+    import onnxruntime
+    import torch
+
+    torch.set_num_threads(1)
+
+    class OneThreadSessionOptions(onnxruntime.SessionOptions):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.intra_op_num_threads = 1
+            self.inter_op_num_threads = 1
+            # Set as a config entry too: product code may set intra_op_num_threads after this.
+            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+
+    onnxruntime.SessionOptions = OneThreadSessionOptions
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("QEFF_TEST_WORKER_THREADS", "1") == "1":
+        _one_thread_per_worker()
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ from qeff_vision.exporter import load_adapter
 from qeff_vision.families import all_families, get_family
 from qeff_vision.families.base import ImageSize
 from qeff_vision.spec import find_specs, load_spec
+from tests import helpers
 from tests.test_spec_helpers import write_spec as write_spec_data
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -56,7 +57,9 @@ def _small_spec(family: str, model: Path, tmp_path: Path, node_precision: str) -
     return write_spec_data(tmp_path, data), ctx_len
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# Two onnxruntime compiles per family (the costliest every-family suite of the default tier): the
+# default tier runs one family per decoder and state kind, `-m slow` every family.
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_every_family_compiles_with_ctx_len_just_above_an_image_and_a_bucket(
     family, tiny_checkpoint, exported, tmp_path, capsys
 ):

@@ -55,7 +55,9 @@ def _plans(export, length: int) -> tuple[dict[str, list[str]], dict[str, set[str
     return plans, angles
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# The default tier runs one family per state kind (tests.helpers.DEFAULT_TIER_FAMILIES), `-m slow`
+# every token-merge family.
+@pytest.mark.parametrize("family", helpers.tiered(FAMILIES))
 def test_device_precision_matches_transformers(family, hf_model, exported):
     model, processor = hf_model(family)
     inputs = helpers.process(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -160,6 +161,10 @@ def test_real_width_family_matches_transformers(family, tmp_path):
     check_verification(result["verification"])
     check_fp32(result["fp32"])
     check_device(result["device"])
+    # A passed family's checkpoint and artifacts (6-12 GB) go before the next family is built: pytest
+    # keeps every tmp_path of the session, and CI runs several families on one disk. A failed
+    # family's stay for diagnosis.
+    shutil.rmtree(tmp_path / family)
 
 
 # Published quantized releases at real widths (issue 47): Kimi-K2.5's layout with int4
@@ -182,6 +187,7 @@ def test_real_width_published_quantized_checkpoint_matches_transformers(family, 
     check_verification(result["verification"])
     check_fp32(result["fp32"])
     check_device(result["device"])
+    shutil.rmtree(tmp_path / family)
 
 
 # ai200 (issue 49): bf16 emulation against transformers in bf16, teacher-forced. Both sides round to
@@ -215,3 +221,4 @@ def test_real_width_ai200_matches_transformers_in_bf16(family, tmp_path):
         assert run["relative_deviation"][step] <= AI200_TOLERANCE, (step, run["relative_deviation"])
         if run["margin"][step] > 2 * run["deviation"][step]:
             assert ours == theirs, (step, run)
+    shutil.rmtree(tmp_path / family)
