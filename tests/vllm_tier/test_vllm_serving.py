@@ -302,3 +302,18 @@ def test_the_plugin_serves_no_pooling_language_program():
         source = (Path(PLUGIN) / relative).read_text()
         for line in lines:
             assert line in source, (relative, line)
+
+
+def test_the_plugin_maps_no_bfloat16_io_for_ai200_programs():
+    """The printed ai200 forms say NOT SERVED because the plugin's numpy session maps no bfloat16
+    IO type (red when the pinned plugin gains one: then the forms should be served)."""
+    import re
+
+    from qeff_vision.compile.vllm_handoff import BF16_NOT_BOUND
+
+    assert "numpy session maps no bfloat16 IO type" in BF16_NOT_BOUND
+    source = (Path(PLUGIN) / "vllm_qaic/model_loader/qaic_session_np.py").read_text()
+    mapping = re.search(r"aic_to_np_dtype_mapping = \{(.*?)\}", source, re.S)
+    assert mapping is not None, "the plugin's IO dtype table moved"
+    assert "FLOAT_16_TYPE" in mapping.group(1) and "FLOAT_TYPE" in mapping.group(1)
+    assert "bf16" not in mapping.group(1).lower() and "bfloat" not in mapping.group(1).lower()
