@@ -250,6 +250,27 @@ def gather_stacked_rows(
     return rows[:, row_index]
 
 
+def text_model_kwargs(
+    parts: DecoderParts,
+    input_ids: torch.Tensor,
+    image_idx: torch.Tensor,
+    named: Mapping[str, torch.Tensor],
+    stacked_rows: Sequence,
+) -> dict:
+    """The text model's family keywords: per-token inputs and the stacked vision rows each chunk gathers."""
+    extra = {}
+    if parts.token_kwargs is not None:
+        extra.update(parts.token_kwargs(input_ids))
+    if stacked_rows:
+        gathered = {
+            row.name: gather_stacked_rows(input_ids, named[row.name], image_idx, parts.placeholder_ids)
+            for row in stacked_rows
+        }
+        is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
+        extra.update(parts.stacked_rows_kwargs(is_image, gathered))
+    return extra
+
+
 def _slot_count(io: LanguageIO, named: Mapping[str, torch.Tensor], layers: Sequence[int]) -> int | None:
     """Slots on the position axis of the first of ``layers`` (its state says which axis), or None."""
     for layer in layers:
@@ -340,16 +361,7 @@ class LanguageDecoder(nn.Module):
         chunk = ChunkWrites(write_slots, read_slots, text_positions, writes.batch_index, writes.fresh, plan)
         objects = layer_objects({layer: io.layers[layer] for layer in past}, past, chunk)
         cache = RetainedKVCache(objects)
-        extra = {}
-        if parts.token_kwargs is not None:
-            extra.update(parts.token_kwargs(input_ids))
-        if stacked_rows:
-            gathered = {
-                row.name: gather_stacked_rows(input_ids, named[row.name], image_idx, parts.placeholder_ids)
-                for row in stacked_rows
-            }
-            is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
-            extra.update(parts.stacked_rows_kwargs(is_image, gathered))
+        extra = text_model_kwargs(parts, input_ids, image_idx, named, stacked_rows)
         outputs = self.text_model(
             inputs_embeds=inputs_embeds,
             attention_mask=masks if parts.mask_per_layer_type else _only_mask(masks),

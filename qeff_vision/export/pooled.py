@@ -23,10 +23,9 @@ from qeff_vision.contract.tasks import EMBED, SCORE, SCORE_TOKENS, is_pooling
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import (
     DecoderParts,
-    gather_stacked_rows,
     merge_vision_rows,
     same_image_links,
-    vision_row_index,
+    text_model_kwargs,
 )
 
 #: Keeps the norm of an all-zero row finite (torch.nn.functional.normalize's default eps).
@@ -128,16 +127,7 @@ class PooledDecoder(nn.Module):
         )
         same_image = same_image_links(input_ids, parts.image_token_id) if parts.bidirectional_images else None
         masks = chunk_masks(text_positions, parts.layer_types, parts, same_image, inputs_embeds.dtype)
-        extra = {}
-        if parts.token_kwargs is not None:
-            extra.update(parts.token_kwargs(input_ids))
-        if stacked_rows:
-            gathered = {
-                row.name: gather_stacked_rows(input_ids, named[row.name], image_idx, parts.placeholder_ids)
-                for row in stacked_rows
-            }
-            is_image, _ = vision_row_index(input_ids, image_idx, parts.placeholder_ids, 1)
-            extra.update(parts.stacked_rows_kwargs(is_image, gathered))
+        extra = text_model_kwargs(parts, input_ids, image_idx, named, stacked_rows)
         if not parts.mask_per_layer_type:
             (masks,) = masks.values()
         hidden = self.text_model(
