@@ -151,7 +151,10 @@ def test_validate_warns_when_a_spec_does_not_fit_its_server(tmp_path, tiny_check
 
 def test_pooling_specs_print_one_pooling_instance_marked_not_served():
     """Task embed/score: runner pooling (convert embed, or the reranker's overrides), NOT SERVED first."""
-    from qeff_vision.compile.vllm_pooling import POOLING_NOT_SERVED, RERANKER_OVERRIDES
+    from qeff_vision.compile.vllm_pooling import POOLING_NOT_SERVED
+    from qeff_vision.families import get_family
+
+    reranker_overrides = get_family("qwen3_vl").vllm_score_overrides
 
     specs = [load_spec(path) for path in find_specs(SPECS)]
     pooling = [spec for spec in specs if spec.task != "generate"]
@@ -171,5 +174,5 @@ def test_pooling_specs_print_one_pooling_instance_marked_not_served():
         if spec.task == "embed":
             assert offline["convert"] == "embed" and "llm.embed(" in forms["pooling_offline"]
         else:
-            assert offline["hf_overrides"] == RERANKER_OVERRIDES and "llm.score(" in forms["pooling_offline"]
-            assert json.loads(words[words.index("--hf-overrides") + 1]) == RERANKER_OVERRIDES
+            assert offline["hf_overrides"] == reranker_overrides and "llm.score(" in forms["pooling_offline"]
+            assert json.loads(words[words.index("--hf-overrides") + 1]) == reranker_overrides

@@ -336,6 +336,7 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
     """
     from qeff_vision.compile.vllm_pooling import pooling_handoff
     from qeff_vision.contract.tasks import is_pooling
+    from qeff_vision.families import get_family
     from qeff_vision.spec import build_specializations
 
     stills = [image for image in spec.vision.images if not getattr(image, "video", False)]
@@ -349,6 +350,7 @@ def handoff_for_spec(spec: Any, vision_qpc: str, language_qpc: str, model: str |
             max_images=spec.vision.max_images,
             resolutions=[(image.height, image.width) for image in stills],
             devices=spec.compile.vision.num_devices + spec.compile.language.num_devices,
+            score_overrides=get_family(spec.family).vllm_score_overrides,
         )
     language = build_specializations(spec).language.specializations
     plugin_seq_len, _ = plugin_prefill([s.symbols for s in language])

@@ -2,11 +2,12 @@
 
 vLLM 0.23 serves embedding and reranking models with its pooling runner: ``runner="pooling"`` with
 ``convert="embed"`` turns a ``*ForConditionalGeneration`` into a last-token, normalized embedding
-model (``LLM.embed``, ``/v1/embeddings``); the Qwen3-VL reranker is loaded as
+model (``LLM.embed``, ``/v1/embeddings``); a reranker is loaded with the family's
+``Family.vllm_score_overrides`` (Qwen3-VL's: ``hf_overrides`` naming
 ``Qwen3VLForSequenceClassification`` with ``classifier_from_token ["no", "yes"]`` and
 ``is_original_qwen3_reranker`` (vllm/model_executor/models/config.py,
 ``Qwen3VLForSequenceClassificationConfig``: method ``from_2_way_softmax``, i.e.
-``sigmoid(logit yes - logit no)``; ``LLM.score``, ``/score``). Those are the forms printed here,
+``sigmoid(logit yes - logit no)``; ``LLM.score``, ``/score``)). Those are the forms printed here,
 pointed at OUT's two programs the way the plugin takes them (``VLLM_QAIC_QPC_PATH``).
 
 The vllm-qaic plugin does not run them on our pooling program: for a multimodal model a pooling
@@ -39,12 +40,6 @@ POOLING_NOT_SERVED = (
     "(its _run_encode path is for text-only models), so these commands return no prompt embedding or "
     "score; use qeff-vision run --embed / --score"
 )
-#: vLLM's loading of an original Qwen3(-VL) reranker as a yes/no sequence classifier.
-RERANKER_OVERRIDES = {
-    "architectures": ["Qwen3VLForSequenceClassification"],
-    "classifier_from_token": ["no", "yes"],
-    "is_original_qwen3_reranker": True,
-}
 
 
 def pooling_engine_args(
@@ -54,12 +49,17 @@ def pooling_engine_args(
     max_images: int,
     resolutions: Sequence[tuple[int, int]],
     devices: int,
+    score_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The pooling LLM's engine arguments for ``task``."""
+    """The pooling LLM's engine arguments for ``task``.
+
+    ``score_overrides`` is the family's ``Family.vllm_score_overrides``: how vLLM loads its
+    reranker as a yes/no classifier.
+    """
     sizes: dict[str, Any] = {}
     if resolutions:
         sizes = {"height": [h for h, _ in resolutions], "width": [w for _, w in resolutions]}
-    kind = {"convert": "embed"} if task == EMBED else {"hf_overrides": dict(RERANKER_OVERRIDES)}
+    kind = {"convert": "embed"} if task == EMBED else {"hf_overrides": dict(score_overrides or {})}
     return {
         "model": model,
         "runner": "pooling",
@@ -113,10 +113,11 @@ def pooling_handoff(
     max_images: int,
     resolutions: Sequence[tuple[int, int]],
     devices: int,
+    score_overrides: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest's ``vllm`` block of a pooling program (see the module docstring)."""
     qpc_path = f"{vision_qpc}:{language_qpc}"
-    args = pooling_engine_args(task, model, ctx_len, max_images, resolutions, devices)
+    args = pooling_engine_args(task, model, ctx_len, max_images, resolutions, devices, score_overrides)
     return {
         "available": True,
         "served": False,

@@ -119,6 +119,8 @@ class Family(FamilyConfig, FamilyLanguageIO):
         tasks: Spec ``task`` values the family's language program can be built for
             (:mod:`qeff_vision.contract.tasks`): ``generate`` always; ``embed`` / ``score`` (the
             pooling programs) only where declared and checked against transformers.
+        vllm_score_overrides: ``hf_overrides`` with which vLLM's pooling runner loads the family's
+            reranker as a yes/no sequence classifier (printed for ``task: score``).
     """
 
     name: str = ""
@@ -132,6 +134,7 @@ class Family(FamilyConfig, FamilyLanguageIO):
     placeholders_in_runs: bool = False
     joins_images: bool = False
     tasks: tuple[str, ...] = (GENERATE,)
+    vllm_score_overrides: Mapping[str, Any] | None = None
     #: The vision graph's symbol that counts the images of one call. ``deployment: single`` names it
     #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
     #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.

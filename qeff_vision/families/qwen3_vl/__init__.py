@@ -70,6 +70,13 @@ class Qwen3_VL(Qwen2_5_VL):
     # Qwen3-VL-Embedding and Qwen3-VL-Reranker are this architecture (config.json
     # Qwen3VLForConditionalGeneration) read by a pooling head (contract/tasks.py).
     tasks = (GENERATE, EMBED, SCORE)
+    # vLLM loads an original Qwen3(-VL) reranker as a yes/no sequence classifier
+    # (vllm/model_executor/models/config.py, Qwen3VLForSequenceClassificationConfig).
+    vllm_score_overrides = {
+        "architectures": ["Qwen3VLForSequenceClassification"],
+        "classifier_from_token": ["no", "yes"],
+        "is_original_qwen3_reranker": True,
+    }
     features = Features(
         export=yes(),
         dynamic_vision_size=yes("deepstack_features sliced like vision_embeds"),
