@@ -424,9 +424,8 @@ def write_single_program(export_dir: Path, vision_path: Path, language_path: Pat
 
     target = single_program_path(export_dir)
     family = _family(export_dir)
-    model = compose(
-        Path(vision_path), Path(language_path), family.vision_images_symbol, family.single_encode_axis
-    )
+    gate = family.single_program_gate  # this module owns SingleProgramGate
+    model = compose(Path(vision_path), Path(language_path), gate.images_symbol, gate.encode_axis)
     staging = target.with_name(target.name + ".partial")
     try:
         onnx.save(model, str(staging))

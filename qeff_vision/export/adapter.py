@@ -38,6 +38,11 @@ class ExportAdapter:
     #: ``*RMSNorm`` class name -> offset added to its weight before scaling (Gemma's ``1 + weight``
     #: form); every other RMSNorm scales by its weight (see :mod:`qeff_vision.export.rms_norm`).
     rms_norm_weight_offsets: Mapping[str, float] = {}
+    #: Dotted path from a text decoder layer to its stacked mixture-of-experts module
+    #: (``mlp.experts``), or None. The exporter's own model (:meth:`empty_model`) runs those experts
+    #: in the routed form (:func:`~qeff_vision.export.experts.routed_experts`: the decode step
+    #: reads only the chosen experts); a loaded reference model keeps transformers' experts.
+    sparse_experts: str | None = None
 
     def __init__(self, family: Family):
         self.family = family
@@ -67,15 +72,19 @@ class ExportAdapter:
 
         The exporter fills the parameters with placeholders and streams their values from the
         checkpoint (:mod:`qeff_vision.export.weights`); buffers computed at construction are real.
+        A family declaring :attr:`sparse_experts` gets those experts in the routed form.
         """
         from transformers import AutoConfig, AutoModelForImageTextToText
 
+        from qeff_vision.export.experts import route_sparse_experts
         from qeff_vision.export.weights import parameters_on_meta
 
         quiet_transformers()
         config = AutoConfig.from_pretrained(str(model_dir))
         with parameters_on_meta():
             model = AutoModelForImageTextToText.from_config(config, dtype=dtype, attn_implementation="eager")
+        if self.sparse_experts:
+            route_sparse_experts(model.model.language_model.layers, self.sparse_experts)
         return model.eval()
 
     def write_tiny_checkpoint(self, out_dir: str | Path, seed: int = 0) -> Path:

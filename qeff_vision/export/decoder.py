@@ -38,8 +38,9 @@ from qeff_vision.contract.language_io import (
     LanguageIO,
     Role,
 )
+from qeff_vision.contract.states import kind_for_layer_type
 from qeff_vision.export.kv_writes import write_plan
-from qeff_vision.export.ring_plan import RingPlan, ring_mask
+from qeff_vision.export.ring_plan import RingPlan, overlay_span, ring_mask, span_overlay
 from qeff_vision.export.state_caches import ChunkWrites, RetainedKVCache, layer_objects
 
 __all__ = [
@@ -104,10 +105,11 @@ class DecoderParts:
     token_kwargs: Callable | None = None
 
     def ring_span(self, layer_type: str) -> int | None:
-        """Window or block of a ring layer type; None for a type that keeps the whole context."""
-        return {SLIDING_ATTENTION: self.sliding_window, CHUNKED_ATTENTION: self.attention_chunk_size}.get(
-            layer_type
-        )
+        """Window or block of a ring layer type; None for a type that keeps the whole context.
+
+        Read by the type's kind (its ``span_attribute`` names the field of these parts).
+        """
+        return overlay_span(layer_type, self)
 
     def links_images(self, layer_type: str) -> bool:
         """Whether layers of ``layer_type`` see an image's placeholders both ways."""
@@ -183,16 +185,13 @@ def attention_masks(
         linked_causal = causal | linked
     minimum = torch.finfo(dtype).min
     masks = {}
+    spans = {"sliding_window": sliding_window, "attention_chunk_size": attention_chunk_size}
     for layer_type in set(layer_types):
         allowed = linked_causal if linked_types is None or layer_type in linked_types else causal
-        if layer_type == SLIDING_ATTENTION and sliding_window:
-            allowed = allowed & (slots > query - sliding_window)
-        if layer_type == CHUNKED_ATTENTION and attention_chunk_size:  # ref: masking_utils chunked_overlay
-            block = attention_chunk_size
-            allowed = allowed & (
-                torch.div(slots, block, rounding_mode="floor")
-                == torch.div(query, block, rounding_mode="floor")
-            )
+        # A ring layer kept full length is read under its kind's overlay (ring_plan.py).
+        overlay = span_overlay(layer_type, slots, query, overlay_span(layer_type, spans))
+        if overlay is not None:
+            allowed = allowed & overlay
         masks[layer_type] = torch.where(allowed, 0.0, minimum).to(dtype).unsqueeze(1)
     return masks
 
@@ -356,7 +355,7 @@ class LanguageDecoder(nn.Module):
                 parts.ring_span(ringed),
                 ring_links,
                 dtype,
-                chunked=ringed == CHUNKED_ATTENTION,
+                kind=kind_for_layer_type(ringed),
             )
         chunk = ChunkWrites(write_slots, read_slots, text_positions, writes.batch_index, writes.fresh, plan)
         objects = layer_objects({layer: io.layers[layer] for layer in past}, past, chunk)

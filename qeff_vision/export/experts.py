@@ -214,3 +214,43 @@ def routed_sum(
 def read_slices(stacked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The slices ``ids`` of a stacked [E, ...] expert tensor (one ``Gather`` on axis 0)."""
     return stacked.index_select(0, ids)
+
+
+def routed_experts(experts: torch.nn.Module):
+    """A forward for stacked ``experts`` (transformers' ``Qwen3VLMoeTextExperts`` layout and its twins).
+
+    Same call as transformers' (states [T, H], the router's ``top_k_index`` and ``top_k_weights``
+    [T, k]) and the same stacked layout (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]);
+    reads min(T x k, E) expert slices (:mod:`qeff_vision.export.experts`).
+    """
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        ids, owners = expert_slices(top_k_index, experts.num_experts)
+        weights = slice_weights(routing_table(top_k_index, top_k_weights, experts.num_experts), ids, owners)
+        return routed_sum(
+            hidden_states,
+            experts.gate_up_proj,
+            experts.down_proj,
+            experts.act_fn,
+            ids,
+            weights,
+            top_k=top_k_index.shape[-1],
+        )
+
+    return forward
+
+
+def route_sparse_experts(layers, path: str) -> None:
+    """Give the stacked experts at attribute ``path`` of each of ``layers`` the routed forward.
+
+    ``path`` is dotted from a decoder layer (``mlp.experts``, Gemma 4's ``experts``); a layer
+    without that module (a dense MLP layer) keeps its own forward.
+    """
+    for layer in layers:
+        module = layer
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if module is not None:
+            module.forward = routed_experts(module)

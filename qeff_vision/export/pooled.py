@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qeff_vision.contract.language_io import CHUNKED_ATTENTION, SLIDING_ATTENTION, LanguageIO, Role
+from qeff_vision.contract.language_io import LanguageIO, Role
 from qeff_vision.contract.tasks import EMBED, SCORE, SCORE_TOKENS, is_pooling
 from qeff_vision.errors import UserError
 from qeff_vision.export.decoder import (
@@ -27,6 +27,7 @@ from qeff_vision.export.decoder import (
     same_image_links,
     text_model_kwargs,
 )
+from qeff_vision.export.ring_plan import span_overlay
 
 #: Keeps the norm of an all-zero row finite (torch.nn.functional.normalize's default eps).
 NORM_EPS = 1e-12
@@ -86,14 +87,9 @@ def chunk_masks(
         allowed = causal
         if same_image is not None and parts.links_images(layer_type):
             allowed = allowed | same_image
-        window = parts.ring_span(layer_type)
-        if layer_type == SLIDING_ATTENTION and window:
-            allowed = allowed & (key > query - window)
-        if layer_type == CHUNKED_ATTENTION and window:
-            allowed = allowed & (
-                torch.div(key, window, rounding_mode="floor")
-                == torch.div(query, window, rounding_mode="floor")
-            )
+        overlay = span_overlay(layer_type, key, query, parts.ring_span(layer_type))
+        if overlay is not None:  # the ring kind's window or block (ring_plan.py)
+            allowed = allowed & overlay
         masks[layer_type] = torch.where(allowed, 0.0, minimum).to(dtype).unsqueeze(1)
     return masks
 

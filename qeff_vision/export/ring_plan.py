@@ -8,9 +8,66 @@ and :func:`ring_mask` gives its attention mask over (ring, chunk) keys. Used by
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from qeff_vision.contract.states import ChunkedRing, LayerState, SlidingRing, kind_for_layer_type
+
+#: A ring kind's visibility overlay: (key positions, query positions, span) -> bool mask.
+Overlay = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+_OVERLAYS: dict[type[LayerState], Overlay] = {}
+
+
+def overlays(kind: type[LayerState]) -> Callable[[Overlay], Overlay]:
+    """Register the mask overlay of a ring ``kind``: the export side of its class.
+
+    As :func:`qeff_vision.export.state_caches.builds` registers a kind's cache object.
+    """
+
+    def register(overlay: Overlay) -> Overlay:
+        _OVERLAYS[kind] = overlay
+        return overlay
+
+    return register
+
+
+@overlays(SlidingRing)
+def _window(keys: torch.Tensor, query: torch.Tensor, span: int) -> torch.Tensor:
+    """A key is seen iff it is newer than ``query - window``."""
+    return keys > query - span
+
+
+@overlays(ChunkedRing)
+def _block(keys: torch.Tensor, query: torch.Tensor, span: int) -> torch.Tensor:
+    """A key is seen iff it is in the query's block of ``span`` positions.
+
+    ref: transformers v5 masking_utils.py, ``chunked_overlay``: ``kv_idx // chunk_size ==
+    q_idx // chunk_size``; both are >= 0 where allowed, so floor division names the block.
+    """
+    return torch.div(keys, span, rounding_mode="floor") == torch.div(query, span, rounding_mode="floor")
+
+
+def span_overlay(layer_type: str, keys: torch.Tensor, query: torch.Tensor, span: int | None):
+    """The overlay of ``layer_type``'s kind over (keys, query) with its ``span``; None without one.
+
+    A layer type whose kind keeps the whole context (or a ring kind without a span) adds nothing.
+    """
+    overlay = _OVERLAYS.get(kind_for_layer_type(layer_type))
+    return None if overlay is None or not span else overlay(keys, query, span)
+
+
+def overlay_span(layer_type: str, spans: Mapping[str, int | None] | object) -> int | None:
+    """The span of ``layer_type``'s ring kind read from ``spans`` by the kind's ``span_attribute``.
+
+    ``spans`` has attributes (or keys) named as the kinds' text-geometry fields
+    (``sliding_window``, ``attention_chunk_size``): the decoder's ``DecoderParts``, say.
+    """
+    attribute = getattr(kind_for_layer_type(layer_type), "span_attribute", "")
+    if not attribute:
+        return None
+    return spans.get(attribute) if isinstance(spans, Mapping) else getattr(spans, attribute, None)
 
 
 @dataclass
@@ -84,6 +141,7 @@ def ring_mask(
     same_image: torch.Tensor | None,
     dtype: torch.dtype,
     chunked: bool = False,
+    kind: type[LayerState] | None = None,
 ) -> torch.Tensor:
     """Additive [batch, 1, seq, R + seq] mask of a ring layer over (ring, chunk) keys.
 
@@ -91,7 +149,8 @@ def ring_mask(
     models/gemma3/modeling_gemma3.py, ``create_causal_mask_mapping``): keys newer than the query
     are seen only inside the query's image, keys older than the window never. ``chunked``: the
     window is a block of positions instead (ref: transformers v5 masking_utils.py,
-    ``chunked_overlay``: ``kv_idx // chunk_size == q_idx // chunk_size``); a ring of
+    ``chunked_overlay``: ``kv_idx // chunk_size == q_idx // chunk_size``; the ring ``kind``'s
+    registered overlay, :class:`SlidingRing` by default); a ring of
     ``min(ctx_len, chunk)`` slots holds every earlier key of the query's block, since the block
     starts after ``first - chunk`` for every query of a chunk starting at ``first``.
     """
@@ -103,11 +162,6 @@ def ring_mask(
             -1, -1, key_positions.shape[1] - positions.shape[1]
         )
         allowed = allowed | torch.cat([ring_part, same_image], dim=-1)
-    if chunked:  # both are >= 0 where allowed, so floor division names the block
-        allowed = allowed & (
-            torch.div(keys, sliding_window, rounding_mode="floor")
-            == torch.div(query, sliding_window, rounding_mode="floor")
-        )
-    else:
-        allowed = allowed & (keys > query - sliding_window)
+    kind = ChunkedRing if chunked else (kind or SlidingRing)
+    allowed = allowed & _OVERLAYS[kind](keys, query, sliding_window)
     return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype).unsqueeze(1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from qeff_vision import symbols
 from qeff_vision.contract.decoder_kinds import (  # noqa: F401 - decoder kinds re-exported for families
@@ -60,6 +60,15 @@ from qeff_vision.families.features import (  # noqa: F401 - the feature vocabula
     yes,
 )
 from qeff_vision.families.language_declarations import FamilyLanguageIO
+from qeff_vision.families.layout import (  # noqa: F401 - layout capabilities re-exported for families
+    Capability,
+    ImageMarkers,
+    JoinedImages,
+    PlaceholderRuns,
+    SingleProgramGate,
+)
+
+C = TypeVar("C", bound=Capability)
 
 if TYPE_CHECKING:
     from qeff_vision.families.host import Host
@@ -107,15 +116,9 @@ class Family(FamilyConfig, FamilyLanguageIO):
         features: The feature matrix.
         parts: Host class, export-adapter loader and tiny builder, set by registration.
         vision_input_axes: Vision-program inputs and their symbolic axes.
-        tokens_between_images: The fewest tokens the processor always puts between the placeholder
-            runs of two images (marker tokens). Only families that keep images whole use it: the
-            ``chunk`` policy then sizes a bucket for the whole images that really fit in it.
-        placeholders_in_runs: One image's placeholders are several runs with other tokens between
-            them (Mistral 3 ends each row of image tokens with ``[IMG_BREAK]``); the host then
-            joins consecutive runs into an image by its row count.
-        joins_images: A prompt's images share one chunk, with the tokens between them (the host
-            marks every image after the first ``joined``: Molmo2's image tokens attend to each
-            other across images); the spec checks that ``max_images`` of them fit one bucket.
+        layout: The named layout capabilities the family lists (:mod:`qeff_vision.families.layout`:
+            marker tokens between images, placeholders in runs, joined images, the single
+            program's encode gate), each read by the one module that owns it; none by default.
         tasks: Spec ``task`` values the family's language program can be built for
             (:mod:`qeff_vision.contract.tasks`): ``generate`` always; ``embed`` / ``score`` (the
             pooling programs) only where declared and checked against transformers.
@@ -130,22 +133,48 @@ class Family(FamilyConfig, FamilyLanguageIO):
     features: Features
     parts: FamilyParts | None = None
     vision_input_axes: Mapping[str, Mapping[int, str]] = {}
-    tokens_between_images: int = 0
-    placeholders_in_runs: bool = False
-    joins_images: bool = False
+    layout: tuple[Capability, ...] = ()
     tasks: tuple[str, ...] = (GENERATE,)
     vllm_score_overrides: Mapping[str, Any] | None = None
-    #: The vision graph's symbol that counts the images of one call. ``deployment: single`` names it
-    #: ``num_images`` in the composed program (compile/single_program.py); a vision graph whose
-    #: first axis is the language batch (mllama: [batch, images, tiles, C, S, S]) names another.
-    vision_images_symbol: str = symbols.BATCH_SIZE
-    #: ``deployment: single``'s encode gate: the axis of the vision graph's first (pixel) input
-    #: whose extent is 1 in a keep specialization (the host's placeholder) and larger in every
-    #: encode one. The image side (the last axis) of [..., C, H, W] images by default; a
-    #: patch-sequence graph ([patches, patch_dim]) names its patch axis. A pixel input without the
-    #: image-count axis concatenates a call's images on this axis, so an encode entry of n images
-    #: binds its symbol to their sum (spec/single.py).
-    single_encode_axis: int = -1
+
+    def capability(self, kind: type[C]) -> C | None:
+        """The listed :attr:`layout` capability of class ``kind``, or None when the family lists none."""
+        return next((item for item in self.layout if isinstance(item, kind)), None)
+
+    @property
+    def single_program_gate(self) -> SingleProgramGate:
+        """The listed :class:`~qeff_vision.families.layout.SingleProgramGate`, else the default one."""
+        return self.capability(SingleProgramGate) or SingleProgramGate()
+
+    # Read-only views of the capabilities under their former attribute names (what tests and
+    # family code read); generic modules ask :meth:`capability` (tests/test_family_surface.py).
+
+    @property
+    def vision_images_symbol(self) -> str:
+        """The vision graph's image-count symbol (:attr:`SingleProgramGate.images_symbol`)."""
+        return self.single_program_gate.images_symbol
+
+    @property
+    def single_encode_axis(self) -> int:
+        """The single program's encode axis (:attr:`SingleProgramGate.encode_axis`)."""
+        return self.single_program_gate.encode_axis
+
+    @property
+    def joins_images(self) -> bool:
+        """The family lists :class:`~qeff_vision.families.layout.JoinedImages`."""
+        return self.capability(JoinedImages) is not None
+
+    @property
+    def placeholders_in_runs(self) -> bool:
+        """The family lists :class:`~qeff_vision.families.layout.PlaceholderRuns`."""
+        return self.capability(PlaceholderRuns) is not None
+
+    @property
+    def tokens_between_images(self) -> int:
+        """:attr:`ImageMarkers.between` of the listed markers (0 without)."""
+        markers = self.capability(ImageMarkers)
+        return 0 if markers is None else markers.between
+
     #: Optional capability: the family's :class:`PatchBuckets` subclass (a vision program on patch
     #: counts, several images packed per call). None: ``vision.patch_buckets`` is refused.
     patch_bucket_capability: type[PatchBuckets] | None = None
@@ -239,8 +268,8 @@ class Family(FamilyConfig, FamilyLanguageIO):
     def tokens_before_image(self, model: ModelDescription, number: int) -> int:
         """Most prompt tokens the processor puts between image ``number - 1``'s span and image ``number``'s.
 
-        What the spec checks add between joined images (:attr:`joins_images`): by default
-        :attr:`tokens_between_images`. A family whose separator is text (Molmo2's ``Image N``)
+        What the spec checks add between joined images (:class:`JoinedImages`): by default the
+        listed :class:`ImageMarkers`. A family whose separator is text (Molmo2's ``Image N``)
         counts it with the checkpoint's tokenizer, or bounds it without one.
 
         Args:
@@ -252,7 +281,7 @@ class Family(FamilyConfig, FamilyLanguageIO):
     def image_extent(self, model: ModelDescription, image: ImageSize) -> int:
         """Prompt tokens from an image's first placeholder to its last.
 
-        Its placeholders, plus the break tokens between them in a family with ``placeholders_in_runs``.
+        Its placeholders, plus the break tokens between them in a family with :class:`PlaceholderRuns`.
         """
         return self.image_tokens(model, image)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qeff_vision.contract.language_io import FULL_ATTENTION
+from qeff_vision.errors import UserError
 from qeff_vision.families.config_view import (
     ConfigReader,
     ConfigView,
@@ -94,15 +95,22 @@ class FamilyConfig:
         return self._read(model, "text", self.read_text)[0]
 
     def read_text(self, reader: ConfigReader, model: ModelDescription) -> TextGeometry:
-        """The language geometry (the text sub-config over :attr:`text_defaults`)."""
-        return read_text_geometry(
-            reader,
-            merged_text_config(model.config, self.text_config_key),
-            self.text_config_key,
-            self.text_defaults,
-            self.text_defaults_source,
-            self.default_layer_types,
-        )
+        """The language geometry (the text sub-config over :attr:`text_defaults`).
+
+        Raises:
+            UserError: A value of the wrong type (one line naming the file).
+        """
+        try:
+            return read_text_geometry(
+                reader,
+                merged_text_config(model.config, self.text_config_key),
+                self.text_config_key,
+                self.text_defaults,
+                self.text_defaults_source,
+                self.default_layer_types,
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise UserError(f"{model.source}: unusable {self.title} config value ({exc})") from None
 
     def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
         """Layer types when the config lists none: full attention everywhere."""

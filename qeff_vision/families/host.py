@@ -18,6 +18,8 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.segments import find_segments
+from qeff_vision.errors import UserError
+from qeff_vision.families.layout import PlaceholderRuns
 
 if TYPE_CHECKING:
     from qeff_vision.families.base import Family, ModelDescription
@@ -37,6 +39,13 @@ class Host:
         model: The checkpoint's config (and processor config).
     """
 
+    #: Processor outputs that carry pixels for the vision program (stills, then clips): a prompt
+    #: has images when any is present.
+    pixel_inputs: tuple[str, ...] = (symbols.PIXEL_VALUES,)
+    #: Processor outputs of modalities the exported programs do not take (name -> modality):
+    #: a prompt carrying one is refused with one user error (Gemma 4's audio and video).
+    refused_inputs: Mapping[str, str] = {}
+
     def __init__(self, family: Family, model: ModelDescription):
         self.family = family
         self.model = model
@@ -47,8 +56,21 @@ class Host:
         return self.model.config
 
     def has_images(self, processed: Mapping[str, Any]) -> bool:
-        """Whether the processor outputs carry pixels for the vision program."""
-        return symbols.PIXEL_VALUES in processed
+        """Whether the processor outputs carry pixels for the vision program (any of :attr:`pixel_inputs`).
+
+        Raises:
+            UserError: The outputs carry a modality of :attr:`refused_inputs`.
+        """
+        self.refuse_other_modalities(processed)
+        return any(name in processed for name in self.pixel_inputs)
+
+    def refuse_other_modalities(self, processed: Mapping[str, Any]) -> None:
+        """Raise the one-line user error for an input of :attr:`refused_inputs`."""
+        for key, modality in self.refused_inputs.items():
+            if key in processed:
+                raise UserError(
+                    f"{self.family.title} {modality} input is not supported: only images and text export"
+                )
 
     def vision_inputs(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
         """Vision-program inputs of each image in prompt order (batch axis of size 1).
@@ -68,20 +90,27 @@ class Host:
         return None
 
     def placeholder_ids(self) -> dict[int, str]:
-        """Placeholder token id -> modality of every placeholder whose tokens take vision rows."""
-        return {self.family.image_token_id(self.model): "image"}
+        """Placeholder token id -> modality of every placeholder whose tokens take vision rows.
+
+        Read from the family's declared placeholder ids: the image id, then the video id of a
+        family exporting video (a family whose clips reuse the image id keeps ``image``).
+        """
+        ids: dict[int, str] = {}
+        for token, modality in zip(self.family.placeholder_token_ids(self.model), ("image", "video")):
+            ids.setdefault(token, modality)
+        return ids
 
     def segments(self, processed: Mapping[str, Any]) -> list:
         """The prompt's multimodal segments (:class:`~qeff_vision.contract.segments.Segment`), in order.
 
         Each image (or clip) consumes the rows :meth:`placeholder_counts` gives it at its
-        placeholder runs; a family with ``placeholders_in_runs`` joins an item's runs.
+        placeholder runs; a family listing :class:`~qeff_vision.families.layout.PlaceholderRuns`
+        joins an item's runs (``find_segments``, its owner).
         """
         counts = self.placeholder_counts(processed) if self.has_images(processed) else []
         input_ids = np.asarray(processed["input_ids"]).reshape(-1)
-        return find_segments(
-            input_ids, self.placeholder_ids(), counts, multi_run=self.family.placeholders_in_runs
-        )
+        runs = self.family.capability(PlaceholderRuns) is not None
+        return find_segments(input_ids, self.placeholder_ids(), counts, multi_run=runs)
 
     def placeholder_counts(self, processed: Mapping[str, Any]) -> Sequence[int]:
         """Placeholder tokens (= embedding rows) per image, in prompt order."""
@@ -112,5 +141,16 @@ class Host:
         raise NotImplementedError(f"{self.family.title} does not prune video tokens")
 
     def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
-        """Positions of the ``step``-th generated token fed back (step 0 follows the prompt)."""
-        return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
+        """Positions of the ``step``-th generated token fed back (step 0 follows the prompt).
+
+        With rotary rows (``position_id_rows``: row 0 the text position, the others M-RoPE
+        t/h/w), row 0 continues the text slots and the rotary rows continue from the prompt's
+        largest rotary position (a prompt that ends inside an image has its largest value before
+        the last token; ref: transformers v5 Qwen2_5_VLModel.get_rope_index, ``mrope_position_deltas``).
+        """
+        if self.family.position_id_rows is None:
+            return (prompt_positions[..., -1:] + 1 + step).astype(np.int64)
+        text = prompt_positions[0, :, -1:] + 1 + step
+        rows = prompt_positions.shape[0] - 1
+        rope = np.broadcast_to(prompt_positions[1:].max() + 1 + step, (rows, 1, 1))
+        return np.concatenate([text[None], rope], axis=0).astype(np.int64)

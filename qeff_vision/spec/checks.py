@@ -13,6 +13,7 @@ from qeff_vision import families, hub
 from qeff_vision.contract.video_pruning import OPTION
 from qeff_vision.errors import UserError, shown
 from qeff_vision.families.base import Family, ModelDescription, describe_checkpoint
+from qeff_vision.families.layout import JoinedImages
 from qeff_vision.hub import HUB_ID_PATTERN, cached_config
 from qeff_vision.spec.policy import FIXED, WholeImages
 from qeff_vision.spec.schema import Reader, VisionInput, image_label
@@ -230,12 +231,13 @@ def check_chunk_rules(reader, family, model, labels, tokens, policy, max_images,
     rows, V as the specializations compute it. Clips are neither split nor joined here.
     """
     splits = family.splits_images(model)
-    if splits and not family.joins_images:
+    joins = family.capability(JoinedImages) is not None  # this module owns JoinedImages
+    if splits and not joins:
         return  # nothing is kept whole: any prompt chunks at any bucket
     request = max(tokens.values()) * max_images
     whole = None
     if not splits:
-        whole = WholeImages(tuple(tokens.values()), max_images, family.tokens_between_images)
+        whole = WholeImages.for_family(family, tuple(tokens.values()), max_images)
     buckets = {s: policy.for_bucket(s, request, whole) for s in seq_lens}
     # A decoder without vision_size (cross-attention) takes a chunk's images whatever their rows.
     rows_per_chunk = family.features.dynamic_vision_size.supported
@@ -258,7 +260,7 @@ def check_chunk_rules(reader, family, model, labels, tokens, policy, max_images,
                     f"bucket with {_needed(extents[index], count, rows_per_chunk)}",
                 )
                 return
-    if family.joins_images and max_images > 1:
+    if joins and max_images > 1:
         text = _bucket_text(buckets, rows_per_chunk)
         _check_joined_images(
             reader, family, model, labels, tokens, extents, max_images, text, fits, rows_per_chunk

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from qeff_vision.families.layout import ImageMarkers
+
 CHUNK = "chunk"
 MAX = "max"
 FIXED = "fixed"
@@ -65,6 +67,15 @@ class WholeImages:
     tokens: tuple[int, ...]
     max_images: int
     gap: int = 0
+
+    @classmethod
+    def for_family(cls, family, tokens: tuple[int, ...], max_images: int) -> WholeImages:
+        """Whole images of ``family``: the gap is its listed ``ImageMarkers`` (0 without).
+
+        This module owns :class:`~qeff_vision.families.layout.ImageMarkers`; nothing else reads it.
+        """
+        markers = family.capability(ImageMarkers)
+        return cls(tokens, max_images, 0 if markers is None else markers.between)
 
     def most_rows(self, seq_len: int) -> int:
         """The most placeholders k <= max_images whole images put in ``seq_len`` tokens.

@@ -264,7 +264,7 @@ def build_specializations(
     whole = None
     if not family.splits_images(model):
         tokens = tuple(count for _, count, _ in image_tokens)
-        whole = WholeImages(tokens, spec.vision.max_images, family.tokens_between_images)
+        whole = WholeImages.for_family(family, tokens, spec.vision.max_images)
     prefill_sizes = prefill_vision_sizes(spec.vision.vision_size, seq_lens, request_tokens, whole)
     cache_symbols = family.layer_caches(model)
     if spec.deployment.retain_full_kv:  # ring layers keep ctx_len slots (contract/full_kv.py)
@@ -386,11 +386,12 @@ def build_specializations(
     )
     if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
         on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
-        count = family.vision_images_symbol if family.vision_images_symbol in on_inputs else None
+        gate = family.single_program_gate
+        count = gate.images_symbol if gate.images_symbol in on_inputs else None
         # A pixel input without the image-count axis (a patch sequence) joins a call's images on
         # its gate axis: that axis's symbol sums over the images.
         pixel_axes = next(iter(family.vision_input_axes.values()), {})
-        joined = pixel_axes.get(family.single_encode_axis)
+        joined = pixel_axes.get(gate.encode_axis)
         summed = joined if count is not None and count not in pixel_axes.values() else None
         programs = (
             single_program(

@@ -60,6 +60,7 @@ __all__ = [
     "SharedKV",
     "SlidingRing",
     "declared_state",
+    "kind_for_layer_type",
     "kind_of_stem",
     "slot_roles",
     "slot_stems",
@@ -82,16 +83,24 @@ def kind_of_stem(stem: str) -> type[LayerState] | None:
     return next((kind for kind in KINDS if stem in kind.stems), None)
 
 
+def kind_for_layer_type(layer_type: str) -> type[LayerState] | None:
+    """The kind whose default layer type is ``layer_type`` (``sliding_attention`` -> :class:`SlidingRing`).
+
+    The one place a ``layer_types`` string is matched to a kind; generic code asks the kind
+    (its ``span_attribute``, its mask overlay in :mod:`qeff_vision.export.ring_plan`) and never
+    compares the string itself.
+    """
+    return next((kind for kind in KINDS if kind.layer_type == layer_type), None)
+
+
 def state_for_layer_type(layer_type: str, text) -> LayerState:
     """The default state of a layer whose ``layer_types`` entry is ``layer_type``.
 
     The kind that declares that layer type decides (a ring needs its span in ``text``, the
     family's text geometry); any other type keeps a full-context cache.
     """
-    for kind in KINDS:
-        if kind.layer_type == layer_type:
-            return kind.for_layer_type(text)
-    return FullAttention()
+    kind = kind_for_layer_type(layer_type)
+    return FullAttention() if kind is None else kind.for_layer_type(text)
 
 
 def declared_state(

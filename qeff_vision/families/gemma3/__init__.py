@@ -33,6 +33,7 @@ from qeff_vision.families.base import (
     SLIDING_ATTENTION,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
     ModelDescription,
     bidirectional,
@@ -120,7 +121,7 @@ class Gemma3(Family):
     image_token_key = "image_token_index"
     # <end_of_image> and <start_of_image> always separate two images' soft tokens (the processor
     # adds newlines too, whose token count depends on the tokenizer: 2 is the safe lower bound).
-    tokens_between_images = 2
+    layout = (ImageMarkers(between=2),)
 
     text_defaults = TEXT_DEFAULTS
     text_defaults_source = "transformers' Gemma3TextConfig default"

@@ -42,15 +42,17 @@ from qeff_vision.families.base import (
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
     ModelDescription,
+    SingleProgramGate,
     TextDims,
     count_symbol,
     no,
     tower_value,
     yes,
 )
-from qeff_vision.families.config_view import ConfigReader, Section, TextGeometry
+from qeff_vision.families.config_view import ConfigReader, Section
 from qeff_vision.families.gemma4.config import (
     IMAGE_TOKEN_DEFAULT,
     TEXT_DEFAULTS,
@@ -113,9 +115,8 @@ class Gemma4(Family):
     former_symbols = {"num_patches": MAX_PATCHES}
     # deployment single: the patch axis gates the encoder (an image has at least one pooled cell of
     # pooling_kernel_size^2 = 9 patches, the keep placeholder 1).
-    single_encode_axis = 1
     # <|image> and <image|> always separate two images' soft tokens.
-    tokens_between_images = 2
+    layout = (SingleProgramGate(encode_axis=1), ImageMarkers(between=2))
     # The image budget (spec key vision.image_processor.max_soft_tokens).
     image_processor_options = {"max_soft_tokens": SOFT_TOKEN_BUDGETS}
 
@@ -128,13 +129,6 @@ class Gemma4(Family):
     def default_layer_types(self, text: Section, num_layers: int) -> Sequence[str]:
         """Every sixth layer full (Gemma4TextConfig's rule when ``layer_types`` is not listed)."""
         return default_layer_types(num_layers)
-
-    def read_text(self, reader: ConfigReader, model: ModelDescription) -> TextGeometry:
-        """The text geometry; a value of the wrong type is one user error."""
-        try:
-            return super().read_text(reader, model)
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise UserError(f"{model.source}: unusable Gemma 4 config value ({exc})") from None
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Gemma4Config:
         """The family's typed view: per-layer caches, KV sharing, image attention and geometry."""

@@ -39,7 +39,6 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.blocked_attention import query_blocked
 from qeff_vision.export.decoder import SLIDING_ATTENTION, DecoderParts
 from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
-from qeff_vision.families.qwen3_vl_moe.export import routed_experts
 
 
 def pool_by_positions(
@@ -149,13 +148,8 @@ class Adapter(ExportAdapter):
     # Gemma4RMSNorm scales by its weight (not 1 + weight); unit-weight ones have none.
     rms_norm_weight_offsets = {}
 
-    def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
-        """The exporter's placeholder model with every MoE block's experts in the routed form."""
-        model = super().empty_model(model_dir, dtype)
-        for layer in model.model.language_model.layers:
-            if getattr(layer, "enable_moe_block", False):
-                layer.experts.forward = routed_experts(layer.experts)
-        return model
+    # The exporter's own model runs these experts in the routed form (ExportAdapter.empty_model).
+    sparse_experts = "experts"
 
     # ---- vision program ----
 

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.errors import UserError
 from qeff_vision.families.gemma4 import IMAGE_POSITION_IDS
 from qeff_vision.families.host import Host as BaseHost
 
@@ -27,16 +26,7 @@ REFUSED = {"input_features": "audio", "pixel_values_videos": "video"}
 class Host(BaseHost):
     """Padded patch lists; ``real patches / pooling_kernel_size**2`` placeholders (and own rows) each."""
 
-    def refuse_other_modalities(self, processed: Mapping[str, Any]) -> None:
-        """Raise the one-line user error for audio or video inputs."""
-        for key, modality in REFUSED.items():
-            if key in processed:
-                raise UserError(f"Gemma 4 {modality} input is not supported: only images and text export")
-
-    def has_images(self, processed: Mapping[str, Any]) -> bool:
-        """Pixels present (after refusing audio and video)."""
-        self.refuse_other_modalities(processed)
-        return super().has_images(processed)
+    refused_inputs = REFUSED
 
     def _real_patches(self, processed: Mapping[str, Any]) -> list[int]:
         positions = np.asarray(processed[IMAGE_POSITION_IDS])

@@ -34,6 +34,7 @@ from qeff_vision.families.base import (
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
     ModelDescription,
     no,
@@ -147,7 +148,7 @@ class InternVL(Family):
     vision_input_axes = {symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES}}
     former_symbols = {"num_tiles": BATCHED_NUM_PATCHES}
     # "</img>" and "<img>" always separate the context tokens of two images.
-    tokens_between_images = 2
+    layout = (ImageMarkers(between=2),)
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> InternVLVision:
         """Tower sizes over ``InternVLVisionConfig``'s defaults; tiling over the processor's."""

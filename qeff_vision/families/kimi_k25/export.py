@@ -33,7 +33,6 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.kimi_k25 import H_SHAPE, W_SHAPE
-from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
 
 BICUBIC = "bicubic"
 
@@ -216,11 +215,8 @@ class Adapter(ExportAdapter):
     single_mask = True
     test_image_sizes = ((100, 150), (224, 224), (300, 120))
 
-    def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
-        """The exporter's placeholder model with every MoE layer's experts in the routed form."""
-        model = super().empty_model(model_dir, dtype)
-        route_sparse_blocks(model.model.language_model.layers)
-        return model
+    # The exporter's own model runs these experts in the routed form (ExportAdapter.empty_model).
+    sparse_experts = "mlp.experts"
 
     def vision_encoder(self, model: nn.Module) -> nn.Module:
         """The symbolic-grid MoonViT tower and the patch-merging projector."""

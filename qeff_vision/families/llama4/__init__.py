@@ -43,8 +43,10 @@ from qeff_vision.families.base import (
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
     ModelDescription,
+    PlaceholderRuns,
     no,
     tower_value,
     yes,
@@ -159,8 +161,7 @@ class Llama4(Family):
         ),
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: MAX_NUM_TILES}}
-    tokens_between_images = 2  # <|image_end|> and the next <|image_start|>
-    placeholders_in_runs = True
+    layout = (ImageMarkers(between=2), PlaceholderRuns())  # <|image_end|> and the next <|image_start|>
 
     text_defaults = {"attention_chunk_size": TEXT_DEFAULTS["attention_chunk_size"]}
     text_defaults_source = "transformers' Llama4TextConfig default"

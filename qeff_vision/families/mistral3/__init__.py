@@ -30,8 +30,10 @@ from qeff_vision.families.base import (
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
     ModelDescription,
+    PlaceholderRuns,
     count_symbol,
     no,
     tower_value,
@@ -97,8 +99,7 @@ class Mistral3(Family):
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
     vision_input_axes = {symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 2: IMAGE_HEIGHT, 3: IMAGE_WIDTH}}
-    tokens_between_images = 1  # [IMG_END] closes every image
-    placeholders_in_runs = True
+    layout = (ImageMarkers(between=1), PlaceholderRuns())  # [IMG_END] closes every image
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> Mistral3Vision:
         """Patch and merge sizes over transformers' defaults; the processor's longest edge."""

@@ -43,6 +43,7 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    SingleProgramGate,
     count_symbol,
     no,
     tower_value,
@@ -148,7 +149,7 @@ class Mllama(Family):
         comp_ctx_lengths=no("not supported for the cross-attention decoder kind yet"),
     )
     # The vision graph's batch is the language batch; its image count is max_num_images.
-    vision_images_symbol = MAX_NUM_IMAGES
+    layout = (SingleProgramGate(images_symbol=MAX_NUM_IMAGES),)
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},
         ASPECT_RATIO_IDS: {0: symbols.BATCH_SIZE, 1: MAX_NUM_IMAGES},

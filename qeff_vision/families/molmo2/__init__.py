@@ -48,8 +48,11 @@ from qeff_vision.families.base import (
     QEFFICIENT_CONTINUOUS_BATCHING,
     Family,
     Features,
+    ImageMarkers,
     ImageSize,
+    JoinedImages,
     ModelDescription,
+    SingleProgramGate,
     bidirectional,
     single_program_not_built,
     tower_value,
@@ -205,16 +208,19 @@ class Molmo2(Family):
         symbols.PIXEL_VALUES: {0: BATCHED_NUM_PATCHES},
         IMAGE_TOKEN_POOLING: {0: symbols.VISION_SIZE, 1: POOLING_WINDOW},
     }
-    # The crop axis of pixel_values [crops, patches, patch_dim]: every image has 2+ crops (the
-    # low-res view and at least one window), so a keep specialization's 1 is never an image's.
-    single_encode_axis = 0
     image_token_key = "image_patch_id"
     # Frames take rows at the same <im_patch> token (Molmo2Config maps video_token_id onto it).
     video_token_key = "image_patch_id"
-    # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
-    tokens_between_images = 1
-    # Every image token attends to every other one, across images: a prompt's images share a chunk.
-    joins_images = True
+    layout = (
+        # The crop axis of pixel_values [crops, patches, patch_dim] gates the single program's encoder:
+        # every image has 2+ crops (the low-res view and at least one window), so a keep
+        # specialization's 1 is never an image's.
+        SingleProgramGate(encode_axis=0),
+        # "Image 2" (at least one token) separates two images' spans in Molmo2's chat template.
+        ImageMarkers(between=1),
+        # Every image token attends to every other one, across images: a prompt's images share a chunk.
+        JoinedImages(),
+    )
 
     # ---- config view ----
 

@@ -54,9 +54,7 @@ def _items(pixels, pooling, crops: list[int], tokens: list[int]) -> list[dict[st
 class Host(BaseHost):
     """Images (crops, 2x2 pooling) then clips (frames, 3x3 pooling), in prompt order, through one program."""
 
-    def has_images(self, processed: Mapping[str, Any]) -> bool:
-        """Whether the processor outputs carry image crops or video frames."""
-        return symbols.PIXEL_VALUES in processed or VIDEO_PIXELS in processed
+    pixel_inputs = (symbols.PIXEL_VALUES, VIDEO_PIXELS)  # image crops or video frames
 
     def _image_tokens(self, processed: Mapping[str, Any]) -> list[int]:
         if IMAGE_GRIDS not in processed:

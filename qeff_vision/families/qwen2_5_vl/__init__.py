@@ -26,6 +26,7 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     PatchBuckets,
+    SingleProgramGate,
     count_symbol,
     tower_value,
     yes,
@@ -192,7 +193,7 @@ class Qwen2_5_VL(Family):
     }
     # deployment single: the patch axis gates the encoder (an image has >= min_pixels / 14^2 = 16
     # patches, the keep placeholder 1); a call's images are concatenated on it.
-    single_encode_axis = 0
+    layout = (SingleProgramGate(encode_axis=0),)
     #: Whose defaults ``VISION_DEFAULTS`` and the pixel bounds are, for notes.
     defaults_source = "Qwen2.5-VL default"
     vision_defaults = VISION_DEFAULTS

@@ -34,14 +34,7 @@ def _output(processed: Mapping[str, Any], key: str, absent: np.ndarray) -> Any:
 class Host(BaseHost):
     """Images and clips by their grids (t, h, w)."""
 
-    def has_images(self, processed: Mapping[str, Any]) -> bool:
-        """Stills or clips."""
-        return "pixel_values" in processed or "pixel_values_videos" in processed
-
-    def placeholder_ids(self) -> dict[int, str]:
-        """The image placeholder, and the video placeholder when the family exports video."""
-        ids = self.family.placeholder_token_ids(self.model)
-        return dict(zip(ids, ("image", "video")))
+    pixel_inputs = (symbols.PIXEL_VALUES, "pixel_values_videos")  # stills or clips
 
     @staticmethod
     def _grids(processed: Mapping[str, Any], key: str) -> list[tuple[int, int, int]]:
@@ -244,15 +237,6 @@ class Host(BaseHost):
                 index += 1
         text = np.arange(length, dtype=np.int64).reshape(1, length)
         return np.concatenate([text, rope], axis=0).reshape(4, 1, length)
-
-    def decode_positions(self, prompt_positions: np.ndarray, step: int) -> np.ndarray:
-        """Row 0 continues the text slots; M-RoPE rows continue from the prompt's largest position.
-
-        (A prompt that ends inside an image has its largest M-RoPE value before the last token.)
-        """
-        text = prompt_positions[0, :, -1:] + 1 + step
-        rope = np.broadcast_to(prompt_positions[1:].max() + 1 + step, (3, 1, 1))
-        return np.concatenate([text[None], rope], axis=0).astype(np.int64)
 
     # ---- patch buckets (the patch-bucket vision program, see patches.py) ----
 

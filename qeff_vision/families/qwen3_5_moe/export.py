@@ -3,7 +3,7 @@
 transformers' eager experts (ref: transformers v5.23 models/qwen3_5_moe/modeling_qwen3_5_moe.py,
 ``Qwen3_5MoeExperts.forward``) loop over the experts the batch's router hit, as Qwen3-VL-MoE's do,
 so the exporter's own model (:meth:`Adapter.empty_model`) runs
-:func:`~qeff_vision.families.qwen3_vl_moe.export.routed_experts` instead (same weights layout:
+:func:`~qeff_vision.export.experts.routed_experts` instead (same weights layout:
 ``gate_up_proj`` [experts, 2 x moe_intermediate, hidden], ``down_proj`` [experts, hidden,
 moe_intermediate]): min(tokens x top_k, experts) expert slices per call, the routed ones at decode.
 The router and the sigmoid-gated shared expert are traced as written.
@@ -11,11 +11,7 @@ The router and the sigmoid-gated shared expert are traced as written.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from qeff_vision.families.qwen3_5.export import Adapter as Qwen3_5Adapter
-from qeff_vision.families.qwen3_vl_moe.export import route_sparse_blocks
 
 
 class Adapter(Qwen3_5Adapter):
@@ -23,8 +19,5 @@ class Adapter(Qwen3_5Adapter):
 
     rms_norm_weight_offsets = {"Qwen3_5MoeRMSNorm": 1.0}
 
-    def empty_model(self, model_dir, dtype: torch.dtype) -> nn.Module:
-        """The exporter's placeholder model with every sparse block's experts in the routed form."""
-        model = super().empty_model(model_dir, dtype)
-        route_sparse_blocks(model.model.language_model.layers)
-        return model
+    # The exporter's own model runs these experts in the routed form (ExportAdapter.empty_model).
+    sparse_experts = "mlp.experts"

@@ -29,6 +29,8 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    PlaceholderRuns,
+    SingleProgramGate,
     yes,
 )
 from qeff_vision.families.config_view import Section
@@ -95,7 +97,7 @@ class Qwen3_VL(Qwen2_5_VL):
         comp_ctx_lengths=QEFFICIENT_CCL,
     )
     # A clip is one placeholder run per temporal patch, each after its "<t seconds>" text.
-    placeholders_in_runs = True
+    layout = (SingleProgramGate(encode_axis=0), PlaceholderRuns())
     vision_input_axes = {
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
