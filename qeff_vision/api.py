@@ -212,7 +212,7 @@ def validate(spec_path):
         spec = load_spec(spec_path)
     except SpecError as exc:
         return list(exc.problems), []
-    if spec.deployment.mode != "dual":
+    if not spec.deployment.table.vllm_forms:
         return [], list(spec.warnings)  # vLLM forms are generated for the dual deployment only
     # The printed vLLM forms' servers: does the spec fit them (qeff_vision.compile.serve_fit)?
     return [], [*spec.warnings, *serving_warnings(build_specializations(spec))]

@@ -14,17 +14,9 @@ from typing import Any
 
 from qeff_vision.compile.argv import argv_without_paths, format_command
 from qeff_vision.spec.compile_options import NODE_PRECISION_NONE, CompileOptions, ProgramOptions
-from qeff_vision.spec.deployment import DISAGGREGATED, LANG_DECODE, LANG_PREFILL, PROGRAMS, Deployment
+from qeff_vision.spec.deployment import Deployment
 
 DEPLOYMENT_FLAGS = ("split_model_io", "allow_mxint8_mdp_io", "split_retained_state_io")
-# mode -> program directory -> default of each deployment flag the spec leaves unset.
-DEFAULTS: dict[str, dict[str, dict[str, bool]]] = {
-    DISAGGREGATED: {
-        "vision": {"split_model_io": True},
-        LANG_PREFILL: {"split_model_io": True, "allow_mxint8_mdp_io": True},
-        LANG_DECODE: {"split_model_io": True, "allow_mxint8_mdp_io": True, "split_retained_state_io": True},
-    },
-}
 
 
 def program_options(options: CompileOptions, deployment: Deployment, program: str) -> ProgramOptions:
@@ -33,9 +25,9 @@ def program_options(options: CompileOptions, deployment: Deployment, program: st
     The spec's ``compile:`` section for the program's kind (``vision`` or ``language``), with every
     deployment flag it leaves unset given the deployment's default (off when none).
     """
-    section = PROGRAMS[deployment.mode][program]
-    own = options.program(section)
-    defaults = DEFAULTS.get(deployment.mode, {}).get(program, {})
+    table = deployment.table  # the mode's programs and their flag defaults
+    own = options.program(table.programs[program])
+    defaults = table.flag_defaults.get(program, {})
     unset = {flag: defaults.get(flag, False) for flag in DEPLOYMENT_FLAGS if getattr(own, flag) is None}
     return replace(own, **unset)
 

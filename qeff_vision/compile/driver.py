@@ -41,6 +41,7 @@ from qeff_vision.compile.argv import (
     build_argv,
     format_command,
 )
+from qeff_vision.compile.backends import compile_backend
 from qeff_vision.compile.inputs import (
     EXPORT_SUBDIR,
     Export,
@@ -58,7 +59,6 @@ from qeff_vision.compile.sdk import SdkInfo, detect_sdk, find_compiler
 from qeff_vision.compile_record import (
     MANIFEST_FILE,
     MANIFEST_FORMAT,
-    ONNXRUNTIME,
     QAIC,
     relative_to,
     spec_hash,
@@ -78,7 +78,6 @@ from qeff_vision.hub import HubCheckpoint, hub_record
 from qeff_vision.hub import cached as hub_cached
 from qeff_vision.spec import build_specializations, load_spec, resolve_layout
 from qeff_vision.spec.compile_options import ProgramOptions
-from qeff_vision.spec.deployment import DUAL
 
 LOG_FILE = "compile.log"
 
@@ -215,18 +214,6 @@ def _program_entry(plan: ProgramPlan, out_dir: Path, path: Path) -> dict[str, An
     }
 
 
-def _resolve_sdk(backend: str, compiler: str | None, env: Mapping[str, str], dry_run: bool):
-    """(SDK info, compiler path) for the run; a missing compiler is an error unless dry-running."""
-    if backend == ONNXRUNTIME:
-        return None, None
-    sdk = detect_sdk(compiler, env)
-    if dry_run:
-        path = sdk.compiler if sdk and sdk.compiler else None
-        return sdk, path
-    path = find_compiler(compiler, env)  # raises, naming every path tried
-    return sdk, path
-
-
 def compile_spec(
     spec_path: str | Path,
     out_dir: str | Path,
@@ -263,8 +250,7 @@ def compile_spec(
         CompileFailed: A compiler failed or timed out (the message names its log).
         UserError: No compiler, no export possible, or a similar environment problem.
     """
-    if backend not in (QAIC, ONNXRUNTIME):
-        raise UserError(f"unknown backend {backend!r}; expected {QAIC} or {ONNXRUNTIME}")
+    target = compile_backend(backend)
     say = progress or (lambda message: None)
     env = os.environ if env is None else env
     out_dir = check_output_dir(out_dir)
@@ -276,7 +262,10 @@ def compile_spec(
     hub = hub_cached(spec.model, spec.revision) if spec.model_dir is None else None
     if hub is not None:  # from here on the spec's model is that snapshot of the cache
         spec = replace(spec, model_dir=hub.directory)
-    sdk, compiler_path = _resolve_sdk(backend, compiler, env, dry_run)
+    # The SDK and the compiler as this module finds them (tests replace detect_sdk here).
+    sdk, compiler_path = target.resolve_sdk(
+        lambda: detect_sdk(compiler, env), lambda: find_compiler(compiler, env), dry_run
+    )
     layout = resolve_layout(spec.layout, sdk.specialization_layout if sdk else None)
     generated = build_specializations(spec, layout=layout)
     outcome = CompileOutcome(out_dir, backend, dry_run)
@@ -285,7 +274,7 @@ def compile_spec(
     export = given_export(spec, Path(export_dir), hub) if export_dir else None
     if export is not None:
         plans = plan_inputs(generated, spec, out_dir, export)
-        check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+        check_graphs(plans, str(spec_path), outputs_required=target.outputs_required)
     # OUT is built in a staging directory beside it (starting as hard links to the current OUT's
     # files, so cached programs are reused) and swapped in only when everything succeeded: a
     # failed or interrupted compile leaves OUT absent or exactly as it was.
@@ -301,7 +290,7 @@ def compile_spec(
                 hub, spec = export.hub, replace(spec, model_dir=export.hub.directory)
             plans = write_inputs(generated, spec, staging, export)
             if export.manifest is not None:
-                check_graphs(plans, str(spec_path), outputs_required=backend == ONNXRUNTIME)
+                check_graphs(plans, str(spec_path), outputs_required=target.outputs_required)
         else:
             plans = write_inputs(generated, spec, staging, export)
         # Before the calibration runs: a graph over the bound is refused without minutes of work.
@@ -316,7 +305,7 @@ def compile_spec(
             manifest["runtime_model"] = _copy_runtime_files(spec, export, staging, outcome)
         manifest["shapes"]["specialization_layout"] = layout
         run = _Run(spec, Path(spec_path), staging, out_dir, export, sdk, manifest, outcome, env, say)
-        if backend == ONNXRUNTIME:
+        if target.verifies_on_host:
             _verify(run, plans)
         else:
             _compile(run, plans, compiler_path, force=force, timeout=timeout, status_stream=status_stream)
@@ -525,7 +514,7 @@ def _handoff(spec: Any, manifest: Mapping[str, Any], entries: Mapping[str, dict]
     from qeff_vision.compile.vllm_handoff import handoff_for_spec
 
     model = manifest.get("runtime_model")
-    if spec.deployment.mode != DUAL:
+    if not spec.deployment.table.vllm_forms:
         return {
             "available": False,
             "reason": f"deployment {spec.deployment.mode}: no vLLM serve form generated yet",

@@ -21,7 +21,6 @@ from qeff_vision.errors import SpecError
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.activation_estimate import GOLDEN_FILE as ACTIVATION_FILE
 from qeff_vision.spec.activation_estimate import golden_text as activation_text
-from qeff_vision.spec.deployment import DUAL
 from qeff_vision.spec.loader import find_specs, load_spec
 from qeff_vision.spec.specializations import build_specializations
 
@@ -96,7 +95,7 @@ def check_golden(root: str | Path, *, update: bool = False) -> GoldenReport:
         owners[spec.name] = spec_path
         files = build_specializations(spec).files()
         files[ACTIVATION_FILE] = activation_text(spec)  # what validate prints, per specialization
-        if spec.deployment.mode == DUAL:
+        if spec.deployment.table.vllm_forms:
             files[GOLDEN_FILE] = golden_serve_text(spec)  # the vLLM commands compile prints
         else:  # the programs' command lines (vLLM's forms for these modes are not generated yet)
             files[COMMANDS_FILE] = golden_commands(spec)

@@ -34,7 +34,6 @@ from qeff_vision.fsutil import atomic_write_json
 from qeff_vision.hub import HubCheckpoint, hub_record
 from qeff_vision.spec import write_specializations
 from qeff_vision.spec.compile_options import LANGUAGE, VISION, ProgramOptions
-from qeff_vision.spec.deployment import SINGLE
 
 EXPORT_SUBDIR = "export"
 # Section name in the spec's compile: block -> directory under OUT (and key in export.json).
@@ -325,7 +324,7 @@ def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> di
         from qeff_vision.compile.kv_prefix import write_prefixed_language
 
         write_prefixed_language(export.onnx(SECTIONS[LANGUAGE]), spec.deployment.kv_cache_prefix)
-    if spec.deployment.mode == SINGLE and export.manifest is not None:
+    if spec.deployment.table.encoder_inside and export.manifest is not None:
         _write_single(export)  # again each time: the export may have been redone since
     plans = plan_inputs(generated, spec, out_dir, export)
     for plan in plans.values():
@@ -358,7 +357,7 @@ def plan_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dic
         has_custom_io = bool(files.custom_io)
         partition = directory / PARTITION_FILE_NAME
         onnx = source = export.onnx(SECTIONS[section])
-        if spec.deployment.mode == SINGLE:  # the vision graph composed into the language graph
+        if spec.deployment.table.encoder_inside:  # the vision graph composed into the language graph
             onnx = source = single_program_path(export.directory)
         if section == LANGUAGE and spec.deployment.kv_cache_prefix:
             onnx = prefixed_language(source, spec.deployment.kv_cache_prefix)

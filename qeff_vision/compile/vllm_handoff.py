@@ -35,10 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qeff_vision import symbols
+from qeff_vision.compile.vllm_words import PLUGIN_VLLM, QPC_PATH_ENV, _python, serve_argv  # noqa: F401 - re-exported
 from qeff_vision.errors import UserError
 
-QPC_PATH_ENV = "VLLM_QAIC_QPC_PATH"
-PLUGIN_VLLM = "vLLM 0.23.0 + vllm-qaic"
 FORK_VLLM = "vLLM 0.8.5 (the Cloud AI guide's container)"
 VISION_PORT, LANGUAGE_PORT = 8001, 8002  # the plugin's two endpoints
 PROXY_PORT, ENCODE_PORT, DECODE_PORT = (
@@ -97,11 +96,6 @@ def _pairs(config: Mapping[str, Any]) -> str:
 
 def _group(devices: Sequence[int]) -> str:
     return ",".join(map(str, devices))
-
-
-def _python(value: Any) -> str:
-    """A JSON-able value as Python source (true/false/null spelled the Python way)."""
-    return repr(json.loads(json.dumps(value)))
 
 
 def vllm_handoff(
@@ -249,22 +243,6 @@ def _plugin_offline(qpc_path: str, plugin: Mapping[str, Mapping[str, Any]]) -> s
 def _heredoc(lines: Sequence[str]) -> str:
     """``python3`` reading the script from a quoted here-document (no shell quoting inside)."""
     return "\n".join(["python3 - <<'PY'", *lines, "PY"])
-
-
-def serve_argv(engine_args: Mapping[str, Any]) -> list[str]:
-    """``vllm serve`` words for engine arguments (booleans as ``--x`` / ``--no-x``)."""
-    words = ["vllm", "serve", str(engine_args["model"])]
-    for key, value in engine_args.items():
-        if key == "model":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            words.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            words += [flag, json.dumps(value)]
-        else:
-            words += [flag, str(value)]
-    return words
 
 
 def _plugin_serve(qpc_path: str, plugin: Mapping[str, Mapping[str, Any]]) -> str:

@@ -24,7 +24,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from qeff_vision.compile.vllm_handoff import PLUGIN_VLLM, QPC_PATH_ENV, _python, serve_argv
+from qeff_vision.compile.vllm_words import PLUGIN_VLLM, QPC_PATH_ENV, _python, serve_argv
 from qeff_vision.contract.tasks import EMBED
 
 PORT = 8000

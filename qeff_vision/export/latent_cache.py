@@ -22,7 +22,7 @@ import torch
 
 from qeff_vision.contract.io_rows import IORow
 from qeff_vision.contract.states.latent import LatentAttention, LatentRole
-from qeff_vision.export.state_caches import ChunkWrites, builds
+from qeff_vision.export.chunk_writes import ChunkWrites, builds
 
 
 class LatentKV:

@@ -15,81 +15,17 @@ an idle row change nothing; under continuous batching row r reads and writes slo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 
 from qeff_vision.contract.io_rows import IORow, Role
 from qeff_vision.contract.states import CrossAttention, FullAttention, LayerState, RecurrentState, RingState
-from qeff_vision.export.kv_ops import (
-    CtxGatherCBFunction,
-    CtxGatherFunction,
-    CtxScatterCBFunction,
-    CtxScatterFunction,
-)
+
+# Kinds whose export-time objects live in their own modules register their builders on import.
+from qeff_vision.export import latent_cache  # noqa: F401, I001 - registers LatentKV
+from qeff_vision.export.chunk_writes import Builder, ChunkWrites, builder_of, builds  # noqa: F401 - re-exported
 from qeff_vision.export.recurrent_state import RecurrentStates
-from qeff_vision.export.ring_plan import RingPlan
-
-#: ``builder(layers, chunk) -> {layer: object}``; ``layers``: layer -> (state, {role: input tensor}).
-Builder = Callable[[Mapping[int, tuple[LayerState, Mapping]], "ChunkWrites"], dict[int, object]]
-_BUILDERS: dict[type[LayerState], Builder] = {}
-
-
-def builds(kind: type[LayerState]) -> Callable[[Builder], Builder]:
-    """Register the builder of ``kind``'s export-time objects (a subclass inherits it unless it has one)."""
-
-    def register(builder: Builder) -> Builder:
-        _BUILDERS[kind] = builder
-        return builder
-
-    return register
-
-
-def builder_of(state: LayerState) -> Builder | None:
-    """The builder registered for ``state``'s kind or its nearest registered base; None if none."""
-    return next((_BUILDERS[kind] for kind in type(state).__mro__ if kind in _BUILDERS), None)
-
-
-@dataclass
-class ChunkWrites:
-    """Where one call writes and reads: what every layer's object of the call shares.
-
-    Attributes:
-        write_slots: [batch, seq] full-context slot of each token (padding: a slot nobody reads).
-        read_slots: [batch, read_len] slots attention reads (the first ``comp_ctx_lengths``).
-        positions: [batch, seq] text positions (-1: padding or an idle row).
-        batch_index: [batch, 1] slot of each row (continuous batching), else None.
-        fresh: [batch, seq] tokens that write their own value (the others write back what their
-            slot holds, :mod:`qeff_vision.export.kv_writes`), or None (every token writes).
-        ring: The call's ring plan, shared by every ring layer, or None without rings.
-    """
-
-    write_slots: torch.Tensor
-    read_slots: torch.Tensor
-    positions: torch.Tensor | None = None
-    batch_index: torch.Tensor | None = None
-    fresh: torch.Tensor | None = None
-    ring: RingPlan | None = None
-
-    def write(self, cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """``CtxScatter`` (``CtxScatterCB`` under continuous batching) of ``states`` at ``slots``."""
-        if self.batch_index is None:
-            return CtxScatterFunction.apply(cache, slots, states)
-        return CtxScatterCBFunction.apply(cache, self.batch_index, slots, states)
-
-    def read(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``CtxGather`` (``CtxGatherCB``) of ``slots``."""
-        if self.batch_index is None:
-            return CtxGatherFunction.apply(cache, slots)
-        return CtxGatherCBFunction.apply(cache, self.batch_index, slots)
-
-    def write_positions(self, cache: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """``states`` [batch, heads, seq, dim] written at the tokens' slots (padding: what it finds)."""
-        if self.fresh is not None:
-            kept = self.read(cache, self.write_slots).to(states.dtype)
-            states = torch.where(self.fresh.unsqueeze(1).unsqueeze(-1), states, kept)
-        return self.write(cache, self.write_slots, states)
 
 
 class FullKV:
@@ -274,7 +210,3 @@ class RetainedKVCache:
     def retained(self) -> list[torch.Tensor]:
         """Updated K/V caches in IO order: key, value of each layer with a KV pair, by layer."""
         return [t for layer in sorted(self.keys) for t in (self.keys[layer], self.values[layer])]
-
-
-# Kinds whose export-time objects live in their own modules register themselves on import.
-from qeff_vision.export import latent_cache  # noqa: E402, F401 - registers LatentKV

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qeff_vision.contract.deployment_programs import MODES
+
 
 @dataclass(frozen=True)
 class Support:
@@ -110,11 +112,8 @@ class Features:
 
     def deployment(self, mode: str) -> Support:
         """Support of deployment ``mode`` (``dual``, ``single`` or ``disaggregated``)."""
-        if mode == "single":
-            return self.single_program
-        if mode == "disaggregated":
-            return self.disaggregated
-        return Support(True)
+        feature = MODES[mode].feature  # the mode table names the cell (none: every family)
+        return getattr(self, feature) if feature else Support(True)
 
     def rows(self) -> list[tuple[str, Support]]:
         """Feature name and support, in table order."""

@@ -25,12 +25,13 @@ from typing import Any
 
 from qeff_vision import symbols
 from qeff_vision.checkpoint import Checkpoint
-from qeff_vision.compile_record import ONNXRUNTIME, QAIC, program_path, read_manifest
+from qeff_vision.compile_record import program_path, read_manifest
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.families import Family, get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.hub import HubReference, hub_record
+from qeff_vision.runtime.backends import BACKENDS, DeviceRuntime, HostSession, backend_named
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment, deployment_named
 from qeff_vision.runtime.embedding_cache import EmbeddingCache
 from qeff_vision.runtime.generate import Generator, make_generator
@@ -88,6 +89,11 @@ class Artifacts:
     export_record: Mapping[str, Any] = field(default_factory=dict)
     #: The checkpoint, opened on first use and kept (the runtime files are read once).
     _opened: dict[str, Checkpoint] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def program_backend(self) -> HostSession | DeviceRuntime:
+        """The object of :attr:`backend`: how programs open and where their state lives."""
+        return BACKENDS[self.backend]
 
     def description(self) -> ModelDescription:
         """The checkpoint's config and image-processor config (no torch), read once."""
@@ -173,9 +179,7 @@ def load_artifacts(out_dir: str | Path) -> Artifacts:
     if not out_dir.is_dir():
         raise UserError(f"{out_dir}: no such directory; pass the output directory of `qeff-vision compile`")
     manifest = read_manifest(out_dir)
-    backend = manifest.get("backend")
-    if backend not in (QAIC, ONNXRUNTIME):
-        raise UserError(f"{out_dir / 'manifest.json'}: unknown backend {backend!r}")
+    backend = backend_named(manifest.get("backend"), out_dir / "manifest.json").name
     where = str(out_dir / "manifest.json")
     _refuse_former_symbols(manifest, where)
     mode = deployment_named(manifest.get("deployment", DUAL), where)
@@ -252,16 +256,13 @@ def open_programs(artifacts: Artifacts, precision: str | None = None):
     Raises:
         UserError: A ``qaic`` artifact without the SDK runtime, or a graph onnxruntime cannot load.
     """
+    backend = artifacts.program_backend
     if precision is None:
-        precision = "device" if artifacts.backend == QAIC else "fp32"
+        precision = backend.default_precision
     if precision not in PRECISIONS:
         raise UserError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
-    if artifacts.backend == QAIC and precision == "fp32":
-        raise UserError(
-            f"{artifacts.out_dir}: qaic programs run at device precision; --precision fp32 needs "
-            "the onnxruntime backend"
-        )
-    device = precision != "fp32" and artifacts.backend != QAIC
+    backend.check_precision(precision, artifacts.out_dir)
+    device = backend.emulates_device(precision)
     plans = {
         program: device_plan(artifacts, program) if device else None
         for program in {artifacts.mode.vision_program, artifacts.mode.language_program}

@@ -166,11 +166,15 @@ class CrossAttentionGenerator(Generator):
         return plan_chunks(len(input_ids) - start, [], self.shape.buckets, protocol=protocol)
 
     def chunk_feeds(
-        self, chunk: Chunk, mask: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
+        self, chunk: Chunk, vision: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
-        """Language inputs of one prefill chunk: its tokens, positions and rows of the request's ``mask``."""
-        chunk_mask = np.zeros((1, chunk.seq_len, *mask.shape[2:]), np.int64)
-        chunk_mask[:, : chunk.tokens] = mask[:, chunk.token_slice]
+        """Language inputs of one prefill chunk: its tokens, positions and rows of ``vision``.
+
+        ``vision`` is what carries image information for this kind: the request's
+        cross-attention mask (:meth:`request_mask`), of which the chunk takes its token rows.
+        """
+        chunk_mask = np.zeros((1, chunk.seq_len, *vision.shape[2:]), np.int64)
+        chunk_mask[:, : chunk.tokens] = vision[:, chunk.token_slice]
         return self.io.feeds({**self._chunk_tokens(chunk, input_ids, positions), Role.CROSS_MASK: chunk_mask})
 
     def request_mask(self, request: RequestState) -> np.ndarray:
@@ -235,13 +239,13 @@ class CrossAttentionGenerator(Generator):
         """Inputs of a decode-shaped call: tokens, positions and ``extra`` (the mask rows)."""
         return self.io.feeds({Role.TOKEN_IDS: token_ids, Role.POSITIONS: positions, **(extra or {})})
 
-    def step(
-        self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray], in_place: bool = False
-    ) -> dict[str, np.ndarray]:
-        """One language call; cross states among ``feeds`` are first written into the cache.
+    def supply_states(
+        self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], bool]:
+        """Cross states among ``feeds`` written into the cache; never in place.
 
-        ``in_place`` is accepted for the engine's interface; this host always replaces ``past``'s
-        entries (it rewrites cross-state slots on the host between calls).
+        The call then replaces ``past``'s entries (this kind rewrites cross-state slots on the
+        host between calls), so the cache is not written in place.
 
         With ``batch_index`` they go to that slot of the ``full_batch_size``-slot buffers (the
         engine's slots); a device-resident program gets them as inputs, which only a single-slot
@@ -275,7 +279,7 @@ class CrossAttentionGenerator(Generator):
             held = held.copy()
             held[feeds[slot_name].reshape(-1)] = states
             past[name] = held
-        return self._run(feeds, past)
+        return feeds, False
 
     def _slots(self) -> int:
         return max(int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in self.language.specializations)

@@ -1,19 +1,15 @@
-"""Deployment modes as objects: one per mode, registered once, asked instead of type checks.
+"""Deployment modes as runtime objects: one per mode, registered once, asked instead of type checks.
 
-A mode (spec key ``deployment``, :mod:`qeff_vision.spec.deployment`) decides which programs a
-compile output holds and how the runtime opens them, where a language call goes (one program, or
-prefill and decode programs of one graph), where per-sequence state lives while the batched
-engine serves requests (its slots), and what the mode supports::
-
-    mode            programs opened                  batching  kept prefix  video  encoder
-    dual            vision + lang                    yes       yes          yes    vision program
-    disaggregated   vision + lang_prefill/decode     yes       no           yes    vision program
-    single          lang (encoder composed inside)   no        yes          no     inside lang
+What a mode is (its programs, which of them decodes, batching, kept prefixes, clips, the encoder's
+place) is its row of the one mode table, :data:`qeff_vision.contract.deployment_programs.MODES`,
+which spec/ and compile/ read too. The object of a mode here adds how the runtime opens its
+programs, where a language call goes (one program, or prefill and decode programs of one graph)
+and where per-sequence state lives while the batched engine serves requests (its slots).
 
 The rest of the runtime asks a generator's :attr:`~qeff_vision.runtime.generator.Generator.deployment`
 (capabilities, slots, the decoding program's specializations, KV hand-offs); the one place that
-recognises a program's kind is :func:`deployment_of`, here. A new mode is a new subclass and one
-entry of :data:`DEPLOYMENTS`.
+recognises a program's kind is :func:`deployment_of`, here. A new mode is one row of the table, a
+subclass naming it and one entry of :data:`DEPLOYMENTS`.
 """
 
 from __future__ import annotations
@@ -23,16 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qeff_vision import symbols
-from qeff_vision.compile_record import QAIC
-from qeff_vision.contract.deployment_programs import KEEP_SIDE
+from qeff_vision.contract.deployment_programs import KEEP_SIDE, MODES, DeploymentMode
 from qeff_vision.contract.language_io import Role
 from qeff_vision.errors import UserError
 from qeff_vision.export_record import read_export
 from qeff_vision.graph_file import described_values
+from qeff_vision.runtime.backends import backend_of
 from qeff_vision.runtime.disaggregated import PhaseRouter, phase_programs
-from qeff_vision.runtime.session import OnnxProgram, QaicProgram, require_qaic_runtime
 from qeff_vision.runtime.slots import BatchedSlots, SequentialSlots
-from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, LANG_DECODE, LANG_PREFILL, SINGLE
+from qeff_vision.spec.deployment import DISAGGREGATED, DUAL, SINGLE
 from qeff_vision.spec.table import LANGUAGE_SYMBOLS
 from qeff_vision.symbols import NUM_IMAGES, PIXEL_SIDE
 
@@ -93,30 +88,58 @@ def image_specializations(specializations, family: Any = None) -> tuple[dict[str
 
 
 class Deployment:
-    """One deployment mode (see the module docstring). Subclasses set the class attributes.
+    """One deployment mode (see the module docstring): its row of the mode table and its behaviour.
+
+    What the mode is (programs, capabilities) is its :class:`~qeff_vision.contract.deployment_programs.
+    DeploymentMode` in :data:`~qeff_vision.contract.deployment_programs.MODES`, read by spec and
+    compile too; a subclass names its row (:attr:`table`) and adds how the runtime opens and drives
+    its programs.
 
     Attributes:
-        name: The spec's ``deployment`` value.
-        language_program: The manifest program whose compile options (precision plan, MX
-            formats) apply to the language session the runtime opens.
-        vision_program: The manifest program the vision specializations are read from.
-        encoder_inside: The vision encoder is composed into the language program (one program:
-            runners of the single form, :data:`qeff_vision.runtime.generate.RUNNERS`).
-        batching: Serves several requests through the batched engine (``run --requests``).
-        keeps_prefix: A conversation's turn may keep the prefix the language program holds.
-        video: Takes clips.
-        decode_shaped_tail: A prompt's tokens past the last prefill CCL may go one per call
-            through the language program's decode specializations.
+        table: The mode's row of the table.
     """
 
-    name = ""
-    language_program = "lang"
-    vision_program = "vision"
-    encoder_inside = False
-    batching = True
-    keeps_prefix = True
-    video = True
-    decode_shaped_tail = True
+    table: DeploymentMode = MODES[DUAL]
+
+    @property
+    def name(self) -> str:
+        """The spec's ``deployment`` value."""
+        return self.table.name
+
+    @property
+    def language_program(self) -> str:
+        """The manifest program whose compile options apply to the language session the runtime opens."""
+        return self.table.language_program
+
+    @property
+    def vision_program(self) -> str:
+        """The manifest program the vision specializations are read from."""
+        return self.table.vision_program
+
+    @property
+    def encoder_inside(self) -> bool:
+        """The vision encoder is composed into the language program (runners of the single form)."""
+        return self.table.encoder_inside
+
+    @property
+    def batching(self) -> bool:
+        """Serves several requests through the batched engine (``run --requests``)."""
+        return not self.table.one_sequence
+
+    @property
+    def keeps_prefix(self) -> bool:
+        """A conversation's turn may keep the prefix the language program holds."""
+        return self.table.keeps_prefix
+
+    @property
+    def video(self) -> bool:
+        """Takes clips."""
+        return self.table.video
+
+    @property
+    def decode_shaped_tail(self) -> bool:
+        """A prompt's tokens past the last prefill CCL may go one per decode-shaped call."""
+        return self.table.decode_shaped_tail
 
     def specializations(
         self, manifest: Mapping[str, Any], where: str, family: Any
@@ -136,25 +159,21 @@ class Deployment:
             plans: Program -> its fp32 node list at device precision (None: fp32 graph), and
                 ``"mx"``: the language program's microscaling emulation or None.
         """
-        if artifacts.backend == QAIC:
-            require_qaic_runtime(artifacts.language_path)
-            # The record load_artifacts read (read here only to say why it is missing).
-            io = (artifacts.export_record or read_export(artifacts.export_dir))["programs"]
-            return (
-                QaicProgram(artifacts.vision_path, io["vision"], artifacts.vision_specializations),
-                QaicProgram(artifacts.language_path, io["lang"], artifacts.language_specializations),
-            )
-        vision = OnnxProgram(
+        artifacts.program_backend.check_available(artifacts.language_path)
+        vision = artifacts.program_backend.open_program(
             artifacts.vision_path,
             artifacts.vision_specializations,
+            lambda: _recorded_io(artifacts)["vision"],
             fp32_values=plans.get(self.vision_program),
         )
-        return vision, self._language_session(artifacts, plans)
+        return vision, self._language_program(artifacts, plans, lambda: _recorded_io(artifacts)["lang"])
 
-    def _language_session(self, artifacts: Artifacts, plans: Mapping[str, Any]) -> OnnxProgram:
-        return OnnxProgram(
+    def _language_program(self, artifacts: Artifacts, plans: Mapping[str, Any], describe) -> Any:
+        """The language program on the artifacts' backend (``describe()``: its IO, for a device)."""
+        return artifacts.program_backend.open_program(
             artifacts.language_path,
             artifacts.language_specializations,
+            describe,
             fp32_values=plans.get(self.language_program),
             mx=plans.get("mx"),
         )
@@ -177,13 +196,13 @@ class Deployment:
 
         A device keeps the caches resident: they are the held ones only if nothing ran since.
         """
-        return self.keeps_prefix and (not language.retains_state or language.calls == held_calls)
+        return self.keeps_prefix and backend_of(language).holds_turn(language.calls, held_calls)
 
 
 class Dual(Deployment):
     """A vision program and a language program (prefill and decode specializations)."""
 
-    name = DUAL
+    table = MODES[DUAL]
 
 
 class Disaggregated(Deployment):
@@ -195,16 +214,12 @@ class Disaggregated(Deployment):
     holds the reply, so no prefix is kept.
     """
 
-    name = DISAGGREGATED
-    language_program = LANG_DECODE
-    keeps_prefix = False
-    # One-token calls go to the decode program, which holds no prefill cache before the hand-off.
-    decode_shaped_tail = False
+    table = MODES[DISAGGREGATED]
 
     def specializations(self, manifest, where, family):
         """Both language programs' specializations (prefill first), and per phase."""
         vision = _program_symbols(manifest, self.vision_program, where)
-        phases = tuple(_program_symbols(manifest, name, where) for name in (LANG_PREFILL, LANG_DECODE))
+        phases = tuple(_program_symbols(manifest, name, where) for name in self.table.phase_programs)
         if not all(phases):
             raise UserError(f"{where}: a program has no specializations")
         return vision, phases[0] + phases[1], phases
@@ -216,11 +231,10 @@ class Disaggregated(Deployment):
             UserError: A ``qaic`` artifact: the KV transfer between device programs is the
                 serving stack's.
         """
-        if artifacts.backend == QAIC:
-            raise UserError(
-                f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
-                "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
-            )
+        artifacts.program_backend.check_state_transfer(
+            f"{artifacts.out_dir}: a disaggregated qaic artifact keeps each program's KV on its own "
+            "device; the prefill-to-decode KV transfer is the serving stack's (vLLM), not this runtime's"
+        )
         vision, language = super().open_programs(artifacts, precision, plans)
         return vision, phase_programs(language, *artifacts.phase_specializations)
 
@@ -244,12 +258,7 @@ class Single(Deployment):
     session. One sequence's image rows live in the program: no batching, no clips.
     """
 
-    name = SINGLE
-    vision_program = "lang"
-    encoder_inside = True
-    batching = False
-    decode_shaped_tail = False  # its runners plan every token as prefill
-    video = False
+    table = MODES[SINGLE]
 
     def specializations(self, manifest, where, family):
         """The program's entries; the vision specializations are its encode entries' image symbols."""
@@ -258,13 +267,8 @@ class Single(Deployment):
 
     def open_programs(self, artifacts, precision, plans):
         """One session, in both places (its encoder is counted by the single runner)."""
-        if artifacts.backend == QAIC:
-            require_qaic_runtime(artifacts.language_path)
-            language = QaicProgram(
-                artifacts.language_path, single_program_io(artifacts), artifacts.language_specializations
-            )
-        else:
-            language = self._language_session(artifacts, plans)
+        artifacts.program_backend.check_available(artifacts.language_path)
+        language = self._language_program(artifacts, plans, lambda: single_program_io(artifacts))
         return language, language
 
     def engine_slots(self, generator, full_batch_size):
@@ -277,6 +281,11 @@ class Single(Deployment):
             "deployment single serves one sequence at a time (batch 1, its image rows retained in "
             "the program); serve batches from a dual or disaggregated compile"
         )
+
+
+def _recorded_io(artifacts: Artifacts) -> Mapping[str, Any]:
+    """The programs' IO the export recorded (read again here only to say why it is missing)."""
+    return (artifacts.export_record or read_export(artifacts.export_dir))["programs"]
 
 
 def single_program_io(artifacts: Artifacts) -> dict[str, dict[str, dict[str, Any]]]:

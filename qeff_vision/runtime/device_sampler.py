@@ -135,21 +135,17 @@ class ProgramSampler:
         io: The program's table with the sampler's rows.
         options: The sampler's options, as read from the graph (:func:`program_sampler`).
         vocab_size: The vocabulary.
-        retains_state: The program keeps its retained state itself (a device): no host buffers.
     """
 
-    def __init__(self, io: LanguageIO, options: SamplerOptions, vocab_size: int, retains_state: bool):
+    def __init__(self, io: LanguageIO, options: SamplerOptions, vocab_size: int):
         self.io, self.options, self.vocab_size = io, options, vocab_size
-        self.retains_state = retains_state
 
     def draws(self, params: SamplingParams | None) -> RequestDraws:
         """A new request's parameters and its generator seeded from its ``seed``."""
         return RequestDraws(params or GREEDY, self.options.max_top_k_ids)
 
     def empty_buffers(self, slots: int) -> dict[str, np.ndarray]:
-        """Zeroed penalty buffers of ``slots`` rows for a host-kept state (none when the device keeps it)."""
-        if self.retains_state:
-            return {}
+        """Zeroed penalty buffers of ``slots`` rows (host-kept state: the backend's ``host_state``)."""
         rows = self.io.rows(Role.PENALTY_BUFFER)
         return {row.name: np.zeros((slots, self.vocab_size), dtype=bool) for row in rows}
 
@@ -166,7 +162,6 @@ def program_sampler(
     input_dims: Mapping[str, Sequence],
     output_names: Sequence[str],
     vocab_size: int,
-    retains_state: bool,
 ) -> tuple[LanguageIO, ProgramSampler | None]:
     """(the table, its hook) for a compiled language program read from its graph's IO.
 
@@ -185,7 +180,7 @@ def program_sampler(
         guided_decoding=TOKEN_BITMASKS in input_dims,
     )
     sampled = with_sampler(io, options)
-    return sampled, ProgramSampler(sampled, options, vocab_size, retains_state)
+    return sampled, ProgramSampler(sampled, options, vocab_size)
 
 
 def last_rows(outputs: Mapping[str, np.ndarray], logits_name: str | None) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 
 from qeff_vision import symbols
 from qeff_vision.contract.language_io import Role
-from qeff_vision.errors import UserError
+from qeff_vision.runtime.backends import backend_of
 from qeff_vision.runtime.session import ShapeMismatch
 from qeff_vision.runtime.slots import BatchedSlots, DecodeRow, SequentialSlots, SlotProvider
 
@@ -54,7 +54,8 @@ class PhaseRouter(SlotProvider):
         self.path = decode.path
         self.input_dims = prefill.input_dims
         self.output_names = prefill.output_names
-        self.retains_state = prefill.retains_state or decode.retains_state
+        #: Where both programs keep their state (:func:`~qeff_vision.runtime.backends.backend_of`).
+        self.backend = backend_of(prefill, decode)
         self.specializations = [*(prefill.specializations or ()), *(decode.specializations or ())]
         #: What the batched engine's slot count is read from (prefill binds full_batch_size 1).
         self.decode_specializations = decode.specializations
@@ -116,12 +117,11 @@ class DisaggregatedSlots:
     """
 
     def __init__(self, generator: Generator, full_batch_size: int, router: PhaseRouter):
-        if router.retains_state:
-            raise UserError(
-                "a disaggregated artifact on the device keeps each program's KV resident; the hand-off "
-                "between them is the serving stack's KV transfer (vLLM): run it here with the "
-                "onnxruntime backend"
-            )
+        router.backend.check_state_transfer(
+            "a disaggregated artifact on the device keeps each program's KV resident; the hand-off "
+            "between them is the serving stack's KV transfer (vLLM): run it here with the "
+            "onnxruntime backend"
+        )
         self.generator = generator
         self.router = router
         batched = generator.io.has(Role.KV_SLOT)

@@ -24,6 +24,7 @@ from qeff_vision.contract.language_io import SLOT_ROLES, Role
 from qeff_vision.contract.slot_names import kv_prefix_of, with_kv_prefix
 from qeff_vision.errors import UserError
 from qeff_vision.inputs.sampling_params import SamplingParams
+from qeff_vision.runtime.backends import backend_of
 from qeff_vision.runtime.continuation import Continuation
 from qeff_vision.runtime.deployment import DEPLOYMENTS, Deployment
 from qeff_vision.runtime.device_sampler import RequestDraws, program_sampler
@@ -89,6 +90,8 @@ class Generator(ImageEncoding, PrefixKeeping):
         self.host = checkpoint.host
         self.vision = vision
         self.language = language
+        #: Where the language program's retained state lives (:mod:`~qeff_vision.runtime.backends`).
+        self.backend = backend_of(language)
         self.shape = shape
         self.eos_token_ids = set(checkpoint.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.cache = cache if cache is not None else EmbeddingCache(DEFAULT_CACHE_BYTES)
@@ -120,7 +123,6 @@ class Generator(ImageEncoding, PrefixKeeping):
             graph_dims,
             getattr(language, "output_names", ()),
             dims.vocab_size,
-            getattr(language, "retains_state", False),
         )
         self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
@@ -154,8 +156,10 @@ class Generator(ImageEncoding, PrefixKeeping):
         Returns:
             KV input name -> a new zero array, shaped for the compiled ``ctx_len``.
         """
-        if self.language.retains_state:
-            return {}
+        return self.backend.host_state(lambda: self._zero_state(slots))
+
+    def _zero_state(self, slots: int) -> dict[str, np.ndarray]:
+        """Every per-slot input of the table at its initial value, ``slots`` rows (:meth:`empty_cache`)."""
         description = self.checkpoint.description
         values = {
             symbols.BATCH_SIZE: slots,
@@ -200,7 +204,9 @@ class Generator(ImageEncoding, PrefixKeeping):
         """One language-program call over the KV cache ``past``, which then holds the updated caches.
 
         Adds the compute-context length input the positions need (when compiled with CCLs) and,
-        for a continuous-batching program without ``batch_index`` in ``feeds``, KV slot 0.
+        for a continuous-batching program without ``batch_index`` in ``feeds``, KV slot 0. State
+        a call supplies beside the cache is the decoder kind's to place (:meth:`supply_states`);
+        the one call of every decoder kind, program form and backend (no runner overrides it).
 
         Args:
             feeds: The call's inputs without the cache (:meth:`chunk_feeds` or
@@ -225,9 +231,20 @@ class Generator(ImageEncoding, PrefixKeeping):
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
             if self._recording_ccl:
                 self.ccl_history.append(ccl)
-        if in_place and past:
+        feeds, may_alias = self.supply_states(feeds, past)
+        if in_place and may_alias and past:
             return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
         return self._run(feeds, past)
+
+    def supply_states(
+        self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], bool]:
+        """(the call's feeds, whether the cache may be written in place) after placing supplied state.
+
+        The token-merge kind supplies none: ``feeds`` as given, in place allowed. (The
+        cross-attention kind writes a request's cross states into its slot of the cache.)
+        """
+        return feeds, True
 
     def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One language call; ``past``'s entries are replaced by the returned caches.
@@ -235,12 +252,7 @@ class Generator(ImageEncoding, PrefixKeeping):
         A device keeps retained inputs resident: what ``past`` sent is dropped from it (sent once).
         """
         outputs = self.language.run({**self._with_kv_slot(feeds), **past})
-        retained = self.io.retained_outputs()
-        for name in list(past):
-            if self.language.retains_state:
-                del past[name]  # resident on the device from now on
-            else:
-                past[name] = outputs[retained[name]]
+        self.backend.keep_returned(past, outputs, self.io.retained_outputs())
         return outputs
 
     def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -294,9 +306,8 @@ class Generator(ImageEncoding, PrefixKeeping):
             Role.TOKEN_IDS: token_ids,
             Role.POSITIONS: positions,
             Role.VISION_CURSOR: np.array([[self.shape.decode_vision_size]], dtype=np.int64),
+            **self.backend.host_state(lambda: {Role.VISION_ROWS: self.decode_vision_feeds()}),
         }
-        if not self.language.retains_state:
-            by_role[Role.VISION_ROWS] = self.decode_vision_feeds()
         by_role.update(extra or {})
         return self.io.feeds(by_role)
 
@@ -441,13 +452,21 @@ class Generator(ImageEncoding, PrefixKeeping):
         return {**self.empty_cache(), **request.resume.restore}
 
     def chunk_feeds(
-        self, chunk: Chunk, vision_embeds: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
+        self, chunk: Chunk, vision: np.ndarray, input_ids: np.ndarray, positions: np.ndarray
     ) -> dict[str, np.ndarray]:
-        """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller)."""
+        """Language inputs of one prefill chunk (batch 1; the KV cache is added by the caller).
+
+        Args:
+            chunk: The chunk.
+            vision: What carries image information into it, the decoder kind's: the chunk's wide
+                embedding rows (token-merge; the cross-attention kind takes the request's mask).
+            input_ids: The prompt's token ids from where the plan starts.
+            positions: Their position ids.
+        """
         return self.io.feeds(
             {
                 **self._chunk_tokens(chunk, input_ids, positions),
-                Role.VISION_ROWS: self._vision_feeds_of_rows(vision_embeds),
+                Role.VISION_ROWS: self._vision_feeds_of_rows(vision),
                 Role.VISION_CURSOR: np.array([[chunk.image_idx]], dtype=np.int64),
             }
         )

@@ -132,7 +132,7 @@ def pool_inputs(
     """
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.media import load_image
-    from qeff_vision.runtime.artifacts import ONNXRUNTIME, image_fitter, load_artifacts, open_programs
+    from qeff_vision.runtime.artifacts import image_fitter, load_artifacts, open_programs
     from qeff_vision.runtime.pooling import Pooler, matryoshka, reference_pool
 
     artifacts = load_artifacts(artifacts_dir)
@@ -148,7 +148,7 @@ def pool_inputs(
         raise UserError("--score needs the query text")
     assert is_pooling(task)
     vision, language = open_programs(artifacts, precision)
-    at_device = artifacts.backend != ONNXRUNTIME or (precision is not None and precision != "fp32")
+    at_device = artifacts.program_backend.at_device_precision(precision)
     checkpoint = artifacts.checkpoint()
     pooler = Pooler(checkpoint, vision, language, task)
     processor = checkpoint.processor

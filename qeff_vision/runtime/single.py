@@ -57,11 +57,9 @@ class SingleGenerator(EncoderInside, Generator):
         cache: a call's feeds take it from the cache and the call returns it there, so a kept
         prefix holds its images' rows with its KV.
         """
-        past = super().empty_cache(slots)
-        if not self.language.retains_state:
-            zeros = np.zeros((1, self.shape.decode_vision_size, self.row_width), np.float32)
-            past.update(self._vision_feeds_of_rows(zeros))
-        return past
+        zeros = (1, self.shape.decode_vision_size, self.row_width)
+        rows = self.backend.host_state(lambda: self._vision_feeds_of_rows(np.zeros(zeros, np.float32)))
+        return {**super().empty_cache(slots), **rows}
 
     def plan(
         self,

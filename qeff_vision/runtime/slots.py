@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from qeff_vision.contract.language_io import Role
-from qeff_vision.errors import UserError
+from qeff_vision.runtime.backends import backend_of
 from qeff_vision.runtime.device_sampler import last_rows
 
 if TYPE_CHECKING:
@@ -82,11 +82,7 @@ class SequentialSlots:
     per_sequence = True
 
     def __init__(self, generator: Generator, full_batch_size: int):
-        if generator.language.retains_state and full_batch_size > 1:
-            raise UserError(
-                "this language program was compiled without full_batch_size and keeps one KV cache "
-                "on the device: it serves one request at a time (compile with full_batch_size)"
-            )
+        backend_of(generator.language).check_slots(full_batch_size)
         self.generator = generator
         self.full_batch_size = full_batch_size
         self.past = [generator.empty_cache() for _ in range(full_batch_size)]
@@ -222,6 +218,5 @@ def _shapes(arrays: Mapping[Role, np.ndarray]) -> dict[Role, tuple[int, ...]]:
 
 def _vision_bytes(generator: Generator) -> int:
     """Bytes of vision rows one decode call sends (none when the device keeps them resident)."""
-    if generator.language.retains_state:
-        return 0
-    return sum(array.nbytes for array in generator.decode_vision_feeds().values())
+    rows = backend_of(generator.language).host_state(generator.decode_vision_feeds)
+    return sum(array.nbytes for array in rows.values())

@@ -28,6 +28,7 @@ from qeff_vision.contract.sampler_io import SamplerOptions
 from qeff_vision.errors import shown
 from qeff_vision.spec.ccl_lists import compiler_ccl_lists
 from qeff_vision.spec.hardware import AI100, AI100_NUMERIC, AI200, AUTO, BFLOAT16, HwDetection
+from qeff_vision.spec.node_precision import NODE_PRECISION_AUTO, NODE_PRECISION_NONE  # noqa: F401 - re-exported
 
 VISION = "vision"
 LANGUAGE = "language"
@@ -39,8 +40,6 @@ KV_CACHE_DTYPES = ("float16", "mxint8", BFLOAT16)
 # Recurrent (linear-attention) state on the device: fp32 as transformers keeps it, fp16 (ai100) or
 # bf16 (ai200's default).
 STATE_DTYPES = ("float32", "float16", BFLOAT16)
-NODE_PRECISION_AUTO = "auto"
-NODE_PRECISION_NONE = "none"
 # "ai100" is the current spelling; "2.0" is what older SDKs (and older QEfficient) pass; "ai200"
 # computes in bfloat16; "auto" asks qaic-util (qeff_vision.spec.hardware).
 AIC_HW_VERSIONS = (AI100, AI100_NUMERIC, AI200, AUTO)

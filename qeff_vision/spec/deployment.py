@@ -27,8 +27,10 @@ from qeff_vision.contract.deployment_programs import (  # noqa: F401 - the modes
     DUAL,
     LANG_DECODE,
     LANG_PREFILL,
+    MODES,
     PROGRAMS,
     SINGLE,
+    DeploymentMode,
 )
 from qeff_vision.spec.strict_yaml import shown
 
@@ -54,9 +56,14 @@ class Deployment:
     retain_full_kv: bool = False
 
     @property
+    def table(self) -> DeploymentMode:
+        """What the mode is (:data:`~qeff_vision.contract.deployment_programs.MODES`)."""
+        return MODES[self.mode]
+
+    @property
     def programs(self) -> dict[str, str]:
         """Program directory -> ``compile:`` section, in compile order."""
-        return PROGRAMS[self.mode]
+        return dict(self.table.programs)
 
 
 def read_deployment(
@@ -75,13 +82,15 @@ def read_deployment(
     """
     before = len(reader.problems)
     mode = reader.text(top, "deployment", "", choices=DEPLOYMENTS, default=DUAL)
+    table = MODES.get(mode)
+    hands_kv = table is not None and table.kv_prefix
     prefix = top.get("kv_cache_prefix")
     if "kv_cache_prefix" in top:
         if not isinstance(prefix, str) or not KV_PREFIX_PATTERN.fullmatch(prefix):
             reader.add(
                 "kv_cache_prefix", f"must be letters and digits, starting with a letter (got {shown(prefix)})"
             )
-        elif mode != DISAGGREGATED:
+        elif not hands_kv:
             reader.add(
                 "kv_cache_prefix",
                 "names the KV tensors a prefill program hands to a decode program; it needs "
@@ -90,13 +99,13 @@ def read_deployment(
     full_kv = top.get("retain_full_kv", False)
     if not isinstance(full_kv, bool):
         reader.add("retain_full_kv", f"must be true or false (got {shown(full_kv)})")
-    elif full_kv and mode != DISAGGREGATED:
+    elif full_kv and not hands_kv:
         reader.add(
             "retain_full_kv",
             "keeps full-length caches on ring layers so the KV a prefill program hands to a decode "
             "program holds every position; it needs deployment: disaggregated",
         )
-    if mode == SINGLE:
+    if table is not None and table.one_sequence:
         # One program that encodes and decodes keeps one sequence's state (vLLM asserts
         # max_num_seqs == 1 for QEfficient's single QPC).
         if full_batch_size is not None:
@@ -114,7 +123,7 @@ def check_deployment(reader: Any, family: Any, deployment: Deployment, model: An
     """The family can be deployed that way (its feature matrix says why not); ``model`` its config."""
     from qeff_vision.contract.full_kv import has_rings
 
-    support = family.features.deployment(deployment.mode)
+    support = family.features.deployment(deployment.mode)  # the table names the feature cell
     if not support.supported:
         reader.add("deployment", f"{family.title} cannot be deployed {deployment.mode}: {support.note}")
     if deployment.retain_full_kv and not has_rings(family.layer_caches(model)):
@@ -144,7 +153,7 @@ def check_sampler(reader: Any, deployment: Deployment, sampler: Any, vocab_size:
     """
     if sampler is None:
         return
-    if deployment.mode == SINGLE:
+    if not deployment.table.sampler:
         reader.add(
             SAMPLER_KEY,
             "deployment single composes the vision encoder into the language program; the on-device "
@@ -166,13 +175,13 @@ def check_single_vision(reader: Any, deployment: Deployment, vision: Any) -> Non
     which the single program's runtime does not feed; patch buckets pack images with host-made
     ids (a separate vision graph) that the composition does not take. Both serve dual.
     """
-    if deployment.mode != SINGLE or vision is None:
+    if vision is None:
         return
-    if any(image.video for _, image in vision.images):
+    if not deployment.table.video and any(image.video for _, image in vision.images):
         reader.add(
             "vision.videos", "deployment single encodes images only; serve video clips with deployment dual"
         )
-    if vision.patch_buckets:
+    if not deployment.table.patch_buckets and vision.patch_buckets:
         reader.add(
             "vision.patch_buckets",
             "deployment single composes the per-resolution vision graph; give vision.images "
@@ -195,7 +204,8 @@ def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None)
     from qeff_vision import symbols
     from qeff_vision.contract.slot_names import with_kv_prefix_name
 
-    if mode != DISAGGREGATED:
+    phases = MODES[mode].phase_programs
+    if not phases:
         return (language,)
     prefill, decode = [], []
     for entry in language.specializations:
@@ -213,8 +223,8 @@ def split_language(language: Any, mode: str, kv_cache_prefix: str | None = None)
         )
         language = replace(language, custom_io=custom_io)
     return (
-        replace(language, directory=LANG_PREFILL, specializations=tuple(prefill)),
-        replace(language, directory=LANG_DECODE, specializations=tuple(decode)),
+        replace(language, directory=phases[0], specializations=tuple(prefill)),
+        replace(language, directory=phases[1], specializations=tuple(decode)),
     )
 
 

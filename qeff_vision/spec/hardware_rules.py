@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE
 from qeff_vision.spec.hardware import AI100, AI200, AUTO, BFLOAT16, HwDetection
+from qeff_vision.spec.node_precision import NODE_PRECISION_AUTO, NODE_PRECISION_NONE
 
 
 def resolve_hardware(

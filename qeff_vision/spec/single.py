@@ -83,8 +83,6 @@ def single_program(
     Returns:
         One ``ProgramFiles`` (directory ``lang``) with the language custom IO.
     """
-    from qeff_vision.spec.specializations import Specialization
-
     buffer = {symbols.VISION_SIZE: str(request_rows)}
     entries = []
     bound = {name for entry in language.specializations for name in entry.symbols}
@@ -97,7 +95,7 @@ def single_program(
         base = dict(entry.symbols)
         decode = entry.name.startswith("Decode")
         if not decode and tiled:
-            entries += _tile_entries(base, vision.specializations, max_images, pixel_side, buffer)
+            entries += _tile_entries(entry, vision.specializations, max_images, pixel_side, buffer)
         elif not decode:
             for image in vision.specializations:
                 pixels = {**_image_symbols(image, images_symbol, bound), **side}
@@ -105,7 +103,7 @@ def single_program(
                     joined = {summed: str(count * int(pixels[summed]))} if summed in pixels else {}
                     encode = _ordered(base, {**pixels, **joined, NUM_IMAGES: str(count)}, buffer)
                     name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{image.name.removeprefix('Vision-')}"
-                    entries.append(Specialization(name, encode))
+                    entries.append(replace(entry, name=name, symbols=encode))
         entries.append(replace(entry, symbols=_ordered(base, keep_images, buffer)))
     # The image inputs keep the vision program's precision (its custom IO, outputs dropped: the
     # rows stay inside the program); the language's entries follow, vision_embeds among them.
@@ -114,12 +112,13 @@ def single_program(
     return replace(language, specializations=tuple(entries), custom_io=images + tuple(language.custom_io))
 
 
-def _tile_entries(
-    base: dict[str, str], images: Any, max_images: int, side: int, buffer: dict[str, str]
-) -> list[Any]:
-    """Encode entries of a fixed-side (tiled) vision graph: one per distinct tile total."""
-    from qeff_vision.spec.specializations import Specialization
+def _tile_entries(entry: Any, images: Any, max_images: int, side: int, buffer: dict[str, str]) -> list[Any]:
+    """Encode entries of a fixed-side (tiled) vision graph: one per distinct tile total.
 
+    Each is ``entry`` (a prefill entry) renamed and given the images' symbols (built from the
+    entry, so this module needs no import of the specialization type's module, which imports it).
+    """
+    base = dict(entry.symbols)
     entries, seen = [], []
     for count in range(1, max_images + 1):
         for combo in combinations_with_replacement(images, count):
@@ -131,7 +130,7 @@ def _tile_entries(
             seen.append(symbols_)
             shapes = "+".join(image.name.removeprefix("Vision-") for image in combo)
             name = f"{ENCODE}-{base[symbols.SEQ_LEN]}-{count}x{shapes}"
-            entries.append(Specialization(name, _ordered(base, symbols_, buffer)))
+            entries.append(replace(entry, name=name, symbols=_ordered(base, symbols_, buffer)))
     return entries
 
 

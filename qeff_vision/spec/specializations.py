@@ -24,7 +24,7 @@ from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, ModelDescription
 from qeff_vision.fsutil import atomic_write_text
 from qeff_vision.spec.compile_options import LANGUAGE, PROGRAM_DIRS, VISION
-from qeff_vision.spec.deployment import SINGLE, split_language
+from qeff_vision.spec.deployment import split_language
 from qeff_vision.spec.model import AUTO, FLAT, LAYOUTS, NAMED, Spec
 from qeff_vision.spec.policy import WholeImages, chunk_span, decode_vision_size, prefill_vision_sizes
 from qeff_vision.spec.single import single_program
@@ -384,7 +384,7 @@ def build_specializations(
         )
         for image, tokens, name in image_tokens
     )
-    if spec.deployment.mode == SINGLE:  # one program: the encoder composed into the language graph
+    if spec.deployment.table.encoder_inside:  # one program: the encoder composed into the language graph
         on_inputs = {name for axes in family.vision_input_axes.values() for name in axes.values()}
         gate = family.single_program_gate
         count = gate.images_symbol if gate.images_symbol in on_inputs else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from qeff_vision.contract.deployment_programs import DUAL
 from qeff_vision.contract.tasks import is_pooling
 
 
@@ -23,7 +22,7 @@ def check_task(reader, family, task: str, deployment, full_batch_size, compile_o
     why = f"task {task} has no KV cache"
     if full_batch_size is not None:
         reader.add("full_batch_size", f"{why}, so no continuous batching slots")
-    if deployment is not None and deployment.mode != DUAL:
+    if deployment is not None and not deployment.table.pooling:
         reader.add("deployment", f"{why}: deploy it dual (a vision program and a pooling language program)")
     if compile_options.comp_ctx_lengths is not None:
         reader.add("compile.comp_ctx_lengths", f"{why}, so no compute-context lengths")

@@ -15,6 +15,7 @@ scheme none of them reads is one :class:`~qeff_vision.errors.UserError` line nam
 and the first tensor stored in it.
 """
 
-from qeff_vision.export.quantization.tensors import QuantizedTensor, find_quantized
+from qeff_vision.export.quantization.readers import find_quantized
+from qeff_vision.export.quantization.tensors import QuantizedTensor
 
 __all__ = ["QuantizedTensor", "find_quantized"]

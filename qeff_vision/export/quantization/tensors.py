@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from qeff_vision.errors import UserError
-from qeff_vision.export.quantization.rules import refuse
 from qeff_vision.export.quantized_weight import QuantizedWeight
 
 # decode(tensors in ``parts`` order) -> (stored form, whether DequantizeLinear can express it)
@@ -62,46 +61,6 @@ def quantization_config(model_dir: Path) -> dict[str, Any] | None:
         return None  # the config reader reports it in its own words
     found = config.get("quantization_config") if isinstance(config, dict) else None
     return found if isinstance(found, dict) else None
-
-
-def find_quantized(model_dir: Path, entries: Mapping[str, Any]) -> dict[str, QuantizedTensor]:
-    """Dense weight name -> its quantized form, for every weight the checkpoint stores quantized.
-
-    ``entries`` maps each checkpoint tensor name to its header entry (``dtype``, ``shape``).
-
-    Raises:
-        UserError: The config names a format or scheme export does not read, or the tensors do
-            not match it.
-    """
-    from qeff_vision.export.quantization import awq, compressed, fp8, gptq
-
-    config = quantization_config(model_dir)
-    if config is None:
-        stray = _first_quantized(entries)
-        if stray is not None:
-            raise refuse(model_dir, "(none declared: config.json has no quantization_config)", stray)
-        return {}
-    method = str(config.get("quant_method", "")).lower()
-    readers = {
-        "fp8": fp8.find_block,
-        "fbgemm_fp8": fp8.find_per_channel,
-        "compressed-tensors": compressed.find,
-        "awq": awq.find,
-        "gptq": gptq.find,
-    }
-    if method not in readers:
-        first = _first_quantized(entries) or min(entries, default="(none)")
-        raise refuse(model_dir, f"quant_method {method or '(missing)'!r}", first)
-    return readers[method](model_dir, config, entries)
-
-
-def _first_quantized(entries: Mapping[str, Any]) -> str | None:
-    """The first tensor that only a quantized checkpoint would hold (by name or dtype)."""
-    for key in sorted(entries):
-        leaf = key.rsplit(".", 1)[-1]
-        if leaf in QUANTIZED_LEAVES or entries[key].dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return key
-    return None
 
 
 def module_of(key: str) -> str:
