@@ -193,14 +193,12 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
 
 
 def _bf16_generate(model, inputs, tokens: int):
-    """transformers' greedy generate with the model and its float inputs in bf16."""
-    import copy
-
+    """transformers' greedy generate in bf16 (rotary frequencies fp32, as from_pretrained keeps them)."""
     import torch
 
-    from qeff_vision.reference import reference_generate
+    from qeff_vision.reference import model_in_dtype, reference_generate
 
-    half = copy.deepcopy(model).to(torch.bfloat16)
+    half = model_in_dtype(model, torch.bfloat16)
     cast = {
         n: torch.as_tensor(v).to(torch.bfloat16) if torch.as_tensor(v).is_floating_point() else v
         for n, v in inputs.items()

@@ -1,19 +1,29 @@
 """ai200 device precision (bf16 emulation) against transformers run in bf16, teacher-forced (issue 49).
 
-Per family, the tiny checkpoint in bfloat16 is exported with bf16 weights and run at device
-precision as an ai200 program computes (every float value rounded to bf16, nearest even; no node
-kept fp32). transformers runs the same checkpoint in bf16, forced to our tokens, so each step's
-logits compare on the same history: within 3e-2 of the reference row's range at every step,
-finite, and our token is transformers' argmax wherever its top-1/top-2 margin exceeds twice the
-deviation. Both sides round to bf16 independently (different points: transformers rounds per
-module, with fp32 inside its norms and softmax; the emulation after every ONNX node), and bf16's
-unit roundoff (2**-9) is 8x fp16's, hence 3x the 1e-2 the fp16 emulation is held to against
-fp32 (test_device_precision_families). Measured over the 15 tiny families: 2e-3 (Qwen2.5-VL) to
-2.3e-2 (Gemma 4, first step). The default tier runs Qwen2.5-VL (M-RoPE, token merge) and mllama
-(cross-attention); ``-m slow`` every family. Then ``run --precision device`` on a compiled ai200
-artifact: the sessions it opens are the bf16 emulation (its first step's logits within the
-tolerance of the export's bf16 run, the compiled buckets chunking the prompt differently) and not
-the fp32 run.
+Per family, the tiny checkpoint in bfloat16 is exported with bf16 weights (rotary cos/sin read
+from bf16 position tables, qeff_vision/export/rotary_tables.py) and run at device precision as an
+ai200 program computes (every float value rounded to bf16, nearest even; no node kept fp32).
+transformers runs the same checkpoint teacher-forced on our tokens twice: in fp32, and in bf16 as
+``from_pretrained(dtype=torch.bfloat16)`` computes (rotary frequencies fp32,
+``reference.model_in_dtype``). The yardstick is transformers' own bf16 deviation from its fp32:
+``y`` = the worst step's max |logit difference| over the fp32 row's range. The bound, per family:
+
+* ours is no further from fp32 than transformers' own bf16 is (``d(ours, fp32) <= y``): a bf16
+  deployment cannot be asked to be better than bf16, and ours must not be worse;
+* hence, by the triangle inequality, ours is within ``2 y`` of transformers bf16
+  (``d(ours, tf_bf16) <= d(ours, fp32) + d(fp32, tf_bf16) <= 2 y``), asserted as the acceptance
+  line states it (BOUND = 2);
+* our token is transformers bf16's argmax wherever its top-1/top-2 margin exceeds twice the
+  deviation.
+
+Measured over the 15 tiny families (2026-11-29): ``y`` from 2.7e-3 (LLaVA) to 1.9e-2 (Gemma 4);
+``d(ours, fp32) / y`` from 0.13 to 0.43, ``d(ours, tf_bf16) / y`` from 0.93 to 1.21 (the table of
+docs/benchmarks/ai200_numerics.md). Before the rotary tables and the fp32 frequencies of the
+reference, the bound was a 3e-2 of the range set after the fact. The default tier runs Qwen2.5-VL
+(M-RoPE, token merge) and mllama (cross-attention); ``-m slow`` every family. Then
+``run --precision device`` on a compiled ai200 artifact: the sessions it opens are the bf16
+emulation (its first step's logits within CHUNKING_TOLERANCE of the export's bf16 run, the
+compiled buckets chunking the prompt differently) and not the fp32 run.
 """
 
 from __future__ import annotations
@@ -35,7 +45,10 @@ from tests.compile_fixtures import write_spec
 from tests.test_ai200_families import bf16_checkpoint
 
 FAMILIES = [family.name for family in all_families()]
-RELATIVE_TOLERANCE = 3e-2
+BOUND = 2.0  # d(ours, transformers bf16) <= BOUND * d(transformers bf16, transformers fp32)
+# Two bf16 emulations chunking the prompt differently: each within 1.5e-2 of fp32 on these
+# checkpoints (y above), so within twice that of each other.
+CHUNKING_TOLERANCE = 3e-2
 DEFAULT_TIER = ("qwen2_5_vl", "mllama")
 NEW_TOKENS = 9
 BF16 = {"vision": Bf16Values(), "lang": Bf16Values()}
@@ -71,6 +84,11 @@ def _bf16_run(export, inputs, plans=BF16):
     return generator.generate(helpers.as_numpy(inputs), max_new_tokens=NEW_TOKENS, keep_logits=True)
 
 
+def _relative(rows, references) -> float:
+    """The worst step's max |difference| over the reference row's range."""
+    return max(float(np.abs(a - b).max() / (b.max() - b.min())) for a, b in zip(rows, references))
+
+
 @pytest.mark.parametrize("family", helpers.tiered(FAMILIES, keep=DEFAULT_TIER))
 def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export):
     checkpoint, export = bf16_export(family)
@@ -78,11 +96,17 @@ def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export
     inputs = _prompt(processor)
     result = _bf16_run(export, inputs)
     reference = reference_teacher_forced(model, inputs, result.tokens, "bfloat16")
-    assert len(reference) == len(result.tokens) == len(result.logits)
+    fp32 = reference_teacher_forced(model, inputs, result.tokens)
+    assert len(reference) == len(fp32) == len(result.tokens) == len(result.logits)
+    assert all(np.isfinite(ours).all() for ours in result.logits)
+    yardstick = _relative(reference, fp32)
+    assert yardstick > 0, "transformers bf16 must differ from fp32 (else the model did not run in bf16)"
+    ours_fp32, ours_bf16 = _relative(result.logits, fp32), _relative(result.logits, reference)
+    figures = f"y={yardstick:.2e} d(ours, fp32)={ours_fp32:.2e} d(ours, tf bf16)={ours_bf16:.2e}"
+    assert ours_fp32 <= yardstick, figures
+    assert ours_bf16 <= BOUND * yardstick, figures
     for step, (ours, ref) in enumerate(zip(result.logits, reference)):
-        assert np.isfinite(ours).all(), step
         deviation = float(np.abs(ours - ref).max())
-        assert deviation <= RELATIVE_TOLERANCE * float(ref.max() - ref.min()), (step, deviation)
         top = np.sort(ref)[-2:]
         if top[1] - top[0] > 2 * deviation:
             assert result.tokens[step] == int(ref.argmax()), step
@@ -117,5 +141,5 @@ def test_run_precision_device_on_an_ai200_artifact_is_the_bf16_emulation(bf16_ex
     )
     first = ours.logits[0]
     scale = float(first.max() - first.min())
-    assert float(np.abs(first - emulated.logits[0]).max()) <= RELATIVE_TOLERANCE * scale
+    assert float(np.abs(first - emulated.logits[0]).max()) <= CHUNKING_TOLERANCE * scale
     assert float(np.abs(first - plain.logits[0]).max()) > 1e-5 * scale, "device must not be the fp32 run"
