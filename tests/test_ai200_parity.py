@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import TensorProto
 
 from qeff_vision.cli import main
 from qeff_vision.exporter import export_model
 from qeff_vision.families import all_families
-from qeff_vision.numerics.device import Bf16Values
+from qeff_vision.numerics.device import Bf16Values, round_to
 from qeff_vision.reference import reference_teacher_forced
 from qeff_vision.runtime.artifacts import device_plan, generator_for_artifacts, load_artifacts
 from qeff_vision.runtime.generate import generator_for_export
@@ -99,6 +100,8 @@ def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export
     fp32 = reference_teacher_forced(model, inputs, result.tokens)
     assert len(reference) == len(fp32) == len(result.tokens) == len(result.logits)
     assert all(np.isfinite(ours).all() for ours in result.logits)
+    # The device's logits are bf16 values (a session that lost the bf16 plan emulates fp16).
+    assert all(np.array_equal(ours, round_to(ours, TensorProto.BFLOAT16)) for ours in result.logits)
     yardstick = _relative(reference, fp32)
     assert yardstick > 0, "transformers bf16 must differ from fp32 (else the model did not run in bf16)"
     ours_fp32, ours_bf16 = _relative(result.logits, fp32), _relative(result.logits, reference)
@@ -110,6 +113,24 @@ def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export
         top = np.sort(ref)[-2:]
         if top[1] - top[0] > 2 * deviation:
             assert result.tokens[step] == int(ref.argmax()), step
+
+
+def test_device_session_keeps_the_bf16_grid(bf16_export, monkeypatch):
+    """The session's rewrite rounds to bf16 for a Bf16Values plan, to fp16 for a plain one."""
+    from qeff_vision.numerics import device
+
+    _, export = bf16_export("qwen2_5_vl")
+    grids = []
+    rewrite = device.device_graph
+
+    def recorded(model, fp32_values=(), *args, **kwargs):
+        grids.append(device.grid_of(fp32_values))
+        return rewrite(model, fp32_values, *args, **kwargs)
+
+    monkeypatch.setattr(device, "device_graph", recorded)
+    device.device_session(export / "lang" / "model.onnx", Bf16Values())
+    device.device_session(export / "lang" / "model.onnx", [])
+    assert grids == [TensorProto.BFLOAT16, TensorProto.FLOAT16]
 
 
 def test_run_precision_device_on_an_ai200_artifact_is_the_bf16_emulation(bf16_export, tmp_path, capsys):
