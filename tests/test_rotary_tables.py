@@ -5,11 +5,12 @@ original module's fp32 outputs to bf16 rounding (2**-8 of cos/sin's unit range: 
 value below 1 moves it by at most 2**-9) at random positions: 1-D positions, and [3, batch, seq]
 M-RoPE positions where the module takes them (Qwen2.5-VL's sectioned rows, Qwen3-VL's interleaved
 sections), for each ``layer_type`` a module takes (Gemma 3 / 4: sliding and full attention
-frequencies). Llama 4's text rotary returns complex frequencies (its family code computes its
-angles itself): the stand-in keeps the original's attributes and takes no table. Then the
-exported graphs: a bf16 export of Qwen2.5-VL reads its rotary from tables (no ``Cos``/``Sin`` in
-the language graph, export.json names the module), and an fp32 / fp16 export is unchanged
-(``Cos``/``Sin`` present, no ``rotary_tables`` entry).
+frequencies). Llama 4's text rotary returns complex frequencies and its family code computes the
+angles itself: the stand-in keeps the original's attributes, its forward takes no table, and
+``angle_cos_sin`` reads a table of position x inv_freq. Then the exported graphs: a bf16 export of
+Qwen2.5-VL (and, slow, Llama 4) reads its rotary from tables (no ``Cos``/``Sin`` in the language
+graph, export.json names the module), and an fp16-weight export is unchanged (``Cos``/``Sin``
+present, no ``rotary_tables`` entry).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import onnx
 import pytest
 import torch
 
-from qeff_vision.export.rotary_tables import TableRotary, use_rotary_tables
+from qeff_vision.export.rotary_tables import TableRotary, angle_cos_sin, use_rotary_tables
 from qeff_vision.exporter import export_model, load_adapter
 from qeff_vision.families import all_families, describe_checkpoint, family_for
 from tests import helpers
@@ -71,16 +72,32 @@ def test_tables_reproduce_every_rotary_module(family, tiny_checkpoint):
                     assert float((want - have).abs().max()) <= 2**-8, (name, shape, extra)
 
 
+def test_family_computed_angles_read_the_table(tiny_checkpoint):
+    """Llama 4's family code computes position x inv_freq itself: ``angle_cos_sin`` gives the table."""
+    text_model = _text_model(tiny_checkpoint("llama4"))
+    original = text_model.inner.rotary_emb
+    (table,) = use_rotary_tables(text_model).values()
+    ids = torch.randint(0, table.positions, (2, 7), generator=torch.Generator().manual_seed(0))
+    for want, have in zip(angle_cos_sin(original, ids), angle_cos_sin(table, ids)):
+        assert want.shape == have.shape
+        assert float((want - have).abs().max()) <= 2**-8
+    assert table.used
+
+
 def _cos_sin_nodes(export) -> int:
     graph = onnx.load(str(export / "lang" / "model.onnx"), load_external_data=False).graph
     return sum(1 for node in graph.node if node.op_type in ("Cos", "Sin"))
 
 
-def test_bf16_export_reads_tables_and_fp32_export_is_unchanged(tiny_checkpoint, tmp_path):
-    checkpoint = bf16_checkpoint(tiny_checkpoint("qwen2_5_vl"), tmp_path / "checkpoint")
+@pytest.mark.parametrize(
+    ("family", "modules"),
+    [("qwen2_5_vl", ["rotary_emb"]), pytest.param("llama4", ["inner.rotary_emb"], marks=pytest.mark.slow)],
+)
+def test_bf16_export_reads_tables_and_fp32_export_is_unchanged(family, modules, tiny_checkpoint, tmp_path):
+    checkpoint = bf16_checkpoint(tiny_checkpoint(family), tmp_path / "checkpoint")
     bf16 = export_model(checkpoint, tmp_path / "bf16", progress=None, weight_dtype="bfloat16").out_dir
     fp16 = export_model(checkpoint, tmp_path / "fp16", progress=None, weight_dtype="float16").out_dir
-    assert json.loads((bf16 / "export.json").read_text())["rotary_tables"] == ["rotary_emb"]
+    assert json.loads((bf16 / "export.json").read_text())["rotary_tables"] == modules
     assert _cos_sin_nodes(bf16) == 0
     assert "rotary_tables" not in json.loads((fp16 / "export.json").read_text())
     assert _cos_sin_nodes(fp16) > 0

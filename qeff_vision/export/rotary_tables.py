@@ -147,6 +147,7 @@ class TableRotary(nn.Module):
         self.original = original
         self.positions = positions
         self.layouts: dict[tuple, RotaryLayout | None] = {}
+        self.angle_table: torch.Tensor | None = None  # [N, D] bf16: cos | sin of position x inv_freq
 
     def __getattr__(self, name: str):
         """The original module's attributes (``inv_freq``, ``attention_scaling``, ``config``)."""
@@ -155,10 +156,28 @@ class TableRotary(nn.Module):
         except AttributeError:
             return getattr(self._modules["original"], name)
 
+    def angle_cos_sin(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cos and sin of ``position_ids x inv_freq`` times ``attention_scaling``, from a table.
+
+        For families that compute the angles themselves from the module's ``inv_freq`` (see
+        :func:`angle_cos_sin`): [..., D/2] each.
+        """
+        if self.angle_table is None:
+            with _not_traced(), torch.no_grad():
+                ramp = torch.arange(self.positions, dtype=torch.float32)[:, None]
+                angles = ramp * self.original.inv_freq.float()
+                scale = getattr(self.original, "attention_scaling", 1.0)
+                table = torch.cat([torch.cos(angles) * scale, torch.sin(angles) * scale], dim=-1)
+                self.angle_table = table.to(TABLE_DTYPE)
+        table = self.angle_table.to(torch.float32)[position_ids]
+        half = table.shape[-1] // 2
+        return table[..., :half], table[..., half:]
+
     @property
     def used(self) -> bool:
         """Whether a traced call read the tables (False: never called, or no decomposition)."""
-        return any(layout is not None for layout in self.layouts.values())
+        tables = any(layout is not None for layout in self.layouts.values())
+        return tables or self.angle_table is not None
 
     def forward(self, x, position_ids, *extra):
         """The original module's (cos, sin), read from the table at ``position_ids``."""
@@ -171,6 +190,19 @@ class TableRotary(nn.Module):
         if layout is None:  # the layout does not decompose: computed as transformers does
             return self.original(x, position_ids, *extra)
         return layout.gather(position_ids, x.dtype)
+
+
+def angle_cos_sin(rotary: nn.Module, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos and sin of ``position_ids x rotary.inv_freq`` (times ``attention_scaling``), [..., D/2].
+
+    For family code that computes the rotary angles itself: from the tables when ``rotary`` is a
+    :class:`TableRotary` (a bf16 export), else computed as transformers computes them.
+    """
+    if isinstance(rotary, TableRotary):
+        return rotary.angle_cos_sin(position_ids)
+    angles = position_ids[..., None].float() * rotary.inv_freq.float()
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
 def table_rows(module: nn.Module) -> int:
