@@ -193,11 +193,11 @@ def test_real_width_published_quantized_checkpoint_matches_transformers(family, 
 # ai200 (issue 49): bf16 emulation against transformers in bf16, teacher-forced, with the bound of
 # tests/test_ai200_parity.py: transformers' own bf16 deviation from its fp32 (teacher-forced on
 # the same tokens) is the yardstick y, and ours is within AI200_BOUND * y of transformers bf16
-# (triangle inequality: ours no further from fp32 than transformers' bf16 gives 2 y). Rotary
+# (triangle inequality: ours within 2 y of fp32, rounding after every node, gives 3 y). Rotary
 # cos/sin come from bf16 position tables (qeff_vision/export/rotary_tables.py): before them the
 # angles position x inv_freq were rounded to bf16 and moved Qwen2.5-VL's retained keys by
 # 0.11-0.56 of their range (docs/decisions/044-ai200-bfloat16.md).
-AI200_BOUND = 2.0
+AI200_BOUND = 3.0
 
 
 @pytest.mark.parametrize("family", _family_params())
