@@ -58,10 +58,11 @@ class RotaryLayout:
     """One rotary module's outputs as gathers from a position table (for one argument set).
 
     Attributes:
-        table: [N, 2K] bfloat16: the K distinct cos columns, then the K distinct sin columns.
-        index: [F] int64: output element f is column ``index[f]`` of the rows stacked per axis
-            ([axes * 2K], axis-major).
+        table: [N, W] bfloat16: the distinct cos columns, then the distinct sin columns.
+        index: [F] int64: output element f is column ``index[f]`` of the rows gathered per axis
+            and concatenated ([axes * W], axis-major).
         shapes: Each output's shape with batch 1 and sequence N ((*lead, 1, N, *rest)).
+        axes: None for [batch, seq] position ids, else the rows of [axes, batch, seq] ones.
     """
 
     def __init__(self, table: torch.Tensor, index: torch.Tensor, shapes: list[torch.Size], axes: int | None):
