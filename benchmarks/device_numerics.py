@@ -17,7 +17,8 @@ each emulation and is compared with transformers' fp32 generate:
 * + mxfp6 E2M3 / E3M2: matmul weights as OCP MXFP6 (the element the compiler uses is not public).
 * + mxint8 KV: the KV cache stored as OCP MXINT8.
 * bf16 (ai200): device precision as an ``aic_hw_version: ai200`` program computes, every float value
-  (weights included) rounded to bf16, nearest even, no node kept fp32 (issue 49).
+  (weights included) rounded to bf16, nearest even, no node kept fp32, on the bf16-weight export
+  (rotary cos/sin from bf16 position tables; issue 49).
 * transformers bf16: transformers itself with the checkpoint and inputs cast to bf16 (what a bf16
   GPU deployment computes), for scale.
 
@@ -178,9 +179,13 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
             "-" if differ is None else str(differ),
         )
 
+    # An ai200 program is exported with bf16 weights, its rotary cos/sin read from bf16 tables.
+    bf16_export = root / name / "export-bf16"
+    export_model(checkpoint, bf16_export, progress=None, force=True, weight_dtype="bfloat16")
     rows = []
     for label, plan, mx, plan_cell in emulations:
-        generator = generator_for_export(export, shape, fp32_values=plan, mx=mx)
+        source = bf16_export if label == "bf16 (ai200)" else export
+        generator = generator_for_export(source, shape, fp32_values=plan, mx=mx)
         try:
             result = generator.generate(inputs, max_new_tokens=tokens, keep_logits=True)
         except DeviceOverflow:
@@ -193,14 +198,12 @@ def measure(name: str, root: Path, tokens: int) -> list[tuple[str, ...]]:
 
 
 def _bf16_generate(model, inputs, tokens: int):
-    """transformers' greedy generate with the model and its float inputs in bf16."""
-    import copy
-
+    """transformers' greedy generate in bf16 (rotary frequencies fp32, as from_pretrained keeps them)."""
     import torch
 
-    from qeff_vision.reference import reference_generate
+    from qeff_vision.reference import model_in_dtype, reference_generate
 
-    half = copy.deepcopy(model).to(torch.bfloat16)
+    half = model_in_dtype(model, torch.bfloat16)
     cast = {
         n: torch.as_tensor(v).to(torch.bfloat16) if torch.as_tensor(v).is_floating_point() else v
         for n, v in inputs.items()

@@ -38,6 +38,7 @@ from qeff_vision.export.kv_ops import DOMAIN, DOMAIN_VERSION, attach_functions
 from qeff_vision.export.opset_upgrade import upgrade_opset
 from qeff_vision.export.pooled import PooledDecoder, checked_task
 from qeff_vision.export.rms_norm import attach_rms_norm, use_custom_rms_norm
+from qeff_vision.export.rotary_tables import use_rotary_tables
 from qeff_vision.export.sampler import SamplerDecoder
 from qeff_vision.export.subfunctions import (
     exporting_functions,
@@ -47,7 +48,13 @@ from qeff_vision.export.subfunctions import (
     layer_classes,
     restore_output_names,
 )
-from qeff_vision.export.weight_forms import QUANTIZED_OPSET, WeightForm, WrittenWeights, program_forms
+from qeff_vision.export.weight_forms import (
+    BFLOAT16,
+    QUANTIZED_OPSET,
+    WeightForm,
+    WrittenWeights,
+    program_forms,
+)
 from qeff_vision.export.weights import (
     DTYPES,
     WeightPlan,
@@ -408,6 +415,8 @@ def export_model(
         say("patch: symbolic vision tower, retained-state KV decoder")
         encoder = adapter.patch_bucket_encoder(model) if patch_buckets else adapter.vision_encoder(model)
         parts = adapter.decoder_parts(model)
+        # bf16 compute (ai200): rotary cos/sin gathered from tables, no angle rounded on the device.
+        rotaries = use_rotary_tables(parts.text_model) if forms["lang"].dtype == BFLOAT16 else {}
         io = family.language_table(description, comp_ctx_lengths, continuous_batching, retain_full_kv)
         if is_pooling(task):  # one call per whole prompt, no cache (export/pooled.py)
             io = pooled_io(io, task)
@@ -464,7 +473,10 @@ def export_model(
                 functions,
             )
         image_token_id = parts.image_token_id
-        del encoder, decoder, parts, example
+        tables = [name for name, rotary in rotaries.items() if rotary.used]
+        if tables:
+            say(f"language: rotary cos/sin read from bf16 position tables ({', '.join(tables)})")
+        del encoder, decoder, parts, example, rotaries
         timings["trace_language"] = time.perf_counter() - start
 
         programs = {}
@@ -503,6 +515,7 @@ def export_model(
             "sampler": sampler.to_dict() if sampler is not None else None,
             "attention_blocking": attention_blocking.to_dict(),
             "subfunctions": subfunctions,
+            **({"rotary_tables": tables} if tables else {}),
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

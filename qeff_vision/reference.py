@@ -146,6 +146,27 @@ class TokenComparison:
         )
 
 
+def model_in_dtype(model, dtype):
+    """A copy of ``model`` in ``dtype`` as ``from_pretrained(dtype=...)`` loads it.
+
+    ``model.to(torch.bfloat16)`` would round every float buffer, the rotary frequencies included
+    (Qwen2.5-VL's 0.8058 becomes 0.8047: 0.55 rad off at position 500), and drop the imaginary
+    part of complex ones (Llama 4's vision ``freqs_ci``). transformers' own bf16 loading computes
+    those at init and keeps them fp32 / complex64: so does this copy (``*inv_freq`` and complex
+    buffers keep their values).
+    """
+    import copy
+
+    converted = copy.deepcopy(model).to(dtype)
+    originals = dict(model.named_buffers())
+    for name in [name for name, _ in converted.named_buffers()]:
+        original = originals.get(name)
+        if original is not None and (name.endswith("inv_freq") or original.is_complex()):
+            owner, _, attribute = name.rpartition(".")
+            converted.get_submodule(owner)._buffers[attribute] = original.detach().clone()
+    return converted
+
+
 def reference_teacher_forced(
     model, processed: Mapping[str, Any], tokens: Sequence[int], dtype: str | None = None
 ) -> list[np.ndarray]:
@@ -163,15 +184,13 @@ def reference_teacher_forced(
         dtype: ``bfloat16`` runs the model and its float inputs in bf16 (a copy; ``model`` is
             unchanged), as a bf16 deployment computes; ``None`` keeps the model's dtype.
     """
-    import copy
-
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
     inputs = {name: torch.as_tensor(value) for name, value in processed.items()}
     if dtype is not None:
         torch_dtype = getattr(torch, dtype)
-        model = copy.deepcopy(model).to(torch_dtype)
+        model = model_in_dtype(model, torch_dtype)
         inputs = {n: v.to(torch_dtype) if v.is_floating_point() else v for n, v in inputs.items()}
 
     class Forced(LogitsProcessor):

@@ -215,14 +215,17 @@ def run_ai200(family: str, work: Path, new_tokens: int, stored: bool = False) ->
     transformers runs the bf16 checkpoint with its float inputs in bf16 (greedy); our device
     precision (the bf16 emulation) is teacher-forced on its tokens, so each step compares.
     """
-    import copy
-
     import torch
 
     from qeff_vision import api
     from qeff_vision.fsutil import release_memory
     from qeff_vision.real_width import build_real_width_checkpoint, smallest_pinned_config
-    from qeff_vision.reference import load_reference_model, reference_generate
+    from qeff_vision.reference import (
+        load_reference_model,
+        model_in_dtype,
+        reference_generate,
+        reference_teacher_forced,
+    )
 
     seconds = {}
     start = time.perf_counter()
@@ -253,7 +256,8 @@ def run_ai200(family: str, work: Path, new_tokens: int, stored: bool = False) ->
     }
     # The prompt as our runtime processes it (one fp32 run gives the processed inputs).
     _, processed = _ask(work / "out", "fp32", 1)
-    model = copy.deepcopy(load_reference_model(checkpoint)).to(torch.bfloat16)
+    fp32_model = load_reference_model(checkpoint)
+    model = model_in_dtype(fp32_model, torch.bfloat16)
     inputs = {
         name: torch.as_tensor(value).to(torch.bfloat16)
         if torch.as_tensor(value).is_floating_point()
@@ -264,6 +268,13 @@ def run_ai200(family: str, work: Path, new_tokens: int, stored: bool = False) ->
     reference = reference_generate(model, inputs, new_tokens, eos_token_ids=())
     seconds["transformers"] = time.perf_counter() - start
     del model
+    release_memory()
+    # The yardstick: transformers fp32 forced to transformers bf16's tokens (same history).
+    start = time.perf_counter()
+    fp32_forced = reference_teacher_forced(fp32_model, processed, reference[0])
+    seconds["transformers_fp32"] = time.perf_counter() - start
+    yardstick = [float(np.abs(a - b).max() / (b.max() - b.min())) for a, b in zip(reference[1], fp32_forced)]
+    del fp32_model
     release_memory()
     seconds["run_device"], (device, _) = _timed(
         lambda: _ask(work / "out", "device", new_tokens, reference[0])
@@ -278,6 +289,10 @@ def run_ai200(family: str, work: Path, new_tokens: int, stored: bool = False) ->
         "plan": plan,
         "verification": checked,
         "device": compare(device, reference),
+        "yardstick": yardstick,
+        "device_vs_fp32": [
+            float(np.abs(a - b).max() / (b.max() - b.min())) for a, b in zip(device.logits, fp32_forced)
+        ],
         "seconds": seconds,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }

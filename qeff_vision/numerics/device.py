@@ -334,6 +334,12 @@ class MxEmulation:
         return " + ".join(parts)
 
 
+def _expanded(model: onnx.ModelProto, fp32_values: Collection[str]) -> Collection[str]:
+    """The plan on the flat graph, still a :class:`Bf16Values` when it was one (the grid it selects)."""
+    expanded = expanded_plan(model, fp32_values)
+    return Bf16Values(sorted(expanded)) if isinstance(fp32_values, Bf16Values) else expanded
+
+
 def device_session(
     onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmulation | None = None, threads: int = 0
 ):
@@ -348,7 +354,7 @@ def device_session(
         graph, weights = device_model(onnx_path, fp32_values, mx)
         return session_for(graph, onnx_path.parent, threads, weights(None))
     model = load_flat_graph(onnx_path)  # layer functions inlined (numerics/layer_functions.py)
-    fp32_values = expanded_plan(model, fp32_values)
+    fp32_values = _expanded(model, fp32_values)
     names = fp16_only_weights(model, fp32_values)
     graph = _with_mx_state(device_graph(model, fp32_values, names), mx)
     weights = fp16_rounded_weights(model, onnx_path.parent, names, grid_of(fp32_values))
@@ -444,7 +450,7 @@ def device_model(onnx_path: Path, fp32_values: Collection[str] = (), mx: MxEmula
     from qeff_vision.numerics import mx as formats
 
     model = load_flat_graph(onnx_path)  # layer functions inlined (numerics/layer_functions.py)
-    fp32_values = expanded_plan(model, fp32_values)
+    fp32_values = _expanded(model, fp32_values)
     mx = mx or MxEmulation()
     graph = _with_mx_state(device_graph(model, fp32_values), mx)
     if not mx.matmul_weights:

@@ -34,6 +34,7 @@ from qeff_vision.export.attention import grouped_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.export.experts import expert_slices, routed_sum, slice_weights
 from qeff_vision.export.rms_norm import CustomRMSNormFunction
+from qeff_vision.export.rotary_tables import angle_cos_sin
 from qeff_vision.families.base import ModelDescription
 from qeff_vision.families.llama4.host import ASPECT_RATIOS
 
@@ -102,9 +103,7 @@ class TextModel(nn.Module):
         """Run every decoder layer on ``inputs_embeds``; ``attention_mask`` is ``{layer_type: mask}``."""
         inner, config = self.inner, self.config
         rotary = inner.rotary_emb
-        angles = position_ids[..., None].float() * rotary.inv_freq.float()
-        cos = (torch.cos(angles) * rotary.attention_scaling).unsqueeze(2)  # [batch, seq, 1, D/2]
-        sin = (torch.sin(angles) * rotary.attention_scaling).unsqueeze(2)
+        cos, sin = (part.unsqueeze(2) for part in angle_cos_sin(rotary, position_ids))  # [b, s, 1, D/2]
         floor = torch.floor((position_ids.float() + 1.0) / config.floor_scale)
         temperature = (torch.log1p(floor) * config.attn_scale + 1.0)[..., None, None]  # [batch, seq, 1, 1]
         hidden = inputs_embeds
