@@ -154,7 +154,7 @@ class Glm4v(Family):
         if max(image.height, image.width) / min(image.height, image.width) > MAX_ASPECT_RATIO:
             problems.append(f"aspect ratio of {image.height}x{image.width} exceeds {MAX_ASPECT_RATIO}")
         if image.video or image.frames != 1:
-            problems.append(f"{self.title} is served for images only: {self.features.video.reason}")
+            problems.append(f"{self.title} is served for images only: {self.features.video.note}")
         return problems
 
     def vision_attention(self, model: ModelDescription, values, policy) -> VisionAttention:
