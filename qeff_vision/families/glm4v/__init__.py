@@ -32,6 +32,7 @@ from qeff_vision.families.base import (
     Features,
     ImageSize,
     ModelDescription,
+    SingleProgramGate,
     count_symbol,
     no,
     tower_value,
@@ -101,6 +102,10 @@ class Glm4v(Family):
         ),
         video_pruning=NO_VIDEO_PRUNING,
         disaggregated=DISAGGREGATED_PROGRAMS,
+        single_program=yes(
+            "one lang program: the patch-sequence tower composed in, gated on the patch count; one "
+            "encode call per run of same-resolution images in the first chunk"
+        ),
         deepstack=NO_DEEPSTACK,
         continuous_batching=QEFFICIENT_CONTINUOUS_BATCHING,
         comp_ctx_lengths=QEFFICIENT_CCL,
@@ -111,6 +116,9 @@ class Glm4v(Family):
         symbols.PIXEL_VALUES: {0: GRID_HEIGHT, 1: GRID_WIDTH},
         IMAGE_GRID_THW: {0: symbols.BATCH_SIZE, 1: TIME, 2: GRID_H, 3: GRID_W},
     }
+    # deployment single: the patch axis gates the encoder (an image has >= 4 patches, the keep
+    # placeholder 1); a call's images are concatenated on it.
+    layout = (SingleProgramGate(encode_axis=0),)
 
     def read_vision(self, reader: ConfigReader, model: ModelDescription) -> GlmVision:
         """The tower's geometry over :data:`VISION_DEFAULTS`; the image processor's pixel bounds."""
