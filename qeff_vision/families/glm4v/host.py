@@ -23,7 +23,9 @@ class Host(BaseHost):
     refused_inputs = {"pixel_values_videos": "video"}
 
     def _grids(self, processed: Mapping[str, Any]) -> list[tuple[int, int, int]]:
-        grids = np.asarray(processed.get("image_grid_thw", np.zeros((0, 3))), dtype=np.int64).reshape(-1, 3)
+        if "image_grid_thw" not in processed:  # a text-only prompt (processor output, not config)
+            return []
+        grids = np.asarray(processed["image_grid_thw"], dtype=np.int64).reshape(-1, 3)
         return [tuple(int(x) for x in grid) for grid in grids.tolist()]
 
     def vision_inputs(self, processed: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
