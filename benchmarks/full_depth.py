@@ -214,7 +214,7 @@ from pathlib import Path
 import qeff_vision.numerics.device as device
 import qeff_vision.numerics.plan as plan
 device.float_outputs = plan.float_outputs = lambda *args, **kwargs: []
-from qeff_vision.compile.precision import calibrate
+from qeff_vision.compile.calibrate_only import calibrate
 calibrate(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
 result = work()
 """

@@ -147,7 +147,7 @@ def test_every_call_of_a_program_in_one_pass_records_the_ranges_of_calls_run_one
 def test_decode_steps_are_teacher_forced_by_the_prompt_text(exported):
     """A calibration prompt continues with its own text's first tokens, never reading the logits."""
     from qeff_vision.checkpoint import Checkpoint
-    from qeff_vision.compile.calibration import DECODE_STEPS, Continuation, continuation_ids
+    from qeff_vision.compile.calibration import DECODE_STEPS, ForcedTokens, continuation_ids
     from qeff_vision.export_record import read_export
 
     manifest = read_export(exported("qwen2_5_vl"))
@@ -156,6 +156,6 @@ def test_decode_steps_are_teacher_forced_by_the_prompt_text(exported):
     ids = continuation_ids(processor, text, [7, 8, 9])
     assert ids == processor.tokenizer(text, add_special_tokens=False)["input_ids"][:DECODE_STEPS]
     assert continuation_ids(processor, "", [7, 8, 9]) == [9]  # no words: the prompt's last token
-    forced = Continuation([5, 6])
+    forced = ForcedTokens([5, 6])
     assert [forced.next_token(object()) for _ in range(3)] == [5, 6, 6]
-    assert Continuation.reads_logits is False
+    assert ForcedTokens.reads_logits is False
