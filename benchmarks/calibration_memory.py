@@ -106,7 +106,7 @@ result = {"weight_bytes": sum(p.stat().st_size for p in Path(export).rglob("*.on
 CALIBRATE = """
 import time
 from pathlib import Path
-from qeff_vision.compile.precision import calibrate
+from qeff_vision.compile.calibrate_only import calibrate
 start = time.perf_counter()
 plans = calibrate(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
 result = {

@@ -21,10 +21,11 @@ peak RSS is its row's. Rows:
   and the log has no calibration stage;
 * ``compile (none)``: ``node_precision: none`` for reference (the prompts still run to check
   that nothing overflows);
-* ``plain fp32 run``: the same calls as the calibration (the same prompts, images and generated
-  inputs through the same slices and passes) with nothing recorded: what the inputs cost to run
-  at all. A whole-graph session is not used: the 1080p vision specialization does not fit in
-  memory until its attention is computed in blocks.
+* ``plain fp32 run``: the calibration's own calls with nothing recorded (the same prompts, images,
+  teacher-forced decode steps and generated inputs, one slice-major pass per program: each
+  slice's session built once, every call run through it): what the inputs cost to run at all on
+  this host. A whole-graph session is not used: at full depth the language graph's fp32 weights
+  alone are 12.3 GB.
 
 Targets (issue 48): calibration <= 1.5x the plain run; export + compile <= 5x export; every
 stage's peak RSS <= 6 GB. Needs ~25 GB of disk under ``--work`` (deleted at the end unless
@@ -214,7 +215,7 @@ from pathlib import Path
 import qeff_vision.numerics.device as device
 import qeff_vision.numerics.plan as plan
 device.float_outputs = plan.float_outputs = lambda *args, **kwargs: []
-from qeff_vision.compile.precision import calibrate
+from qeff_vision.compile.calibrate_only import calibrate
 calibrate(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
 result = work()
 """

@@ -84,45 +84,78 @@ def test_one_pass_over_the_slices_records_the_ranges_of_one_pass_per_input(
 BUCKET = 32
 
 
-def _prompt_ranges(export, monkeypatch, deferred: bool, parts: int = 8):
-    """The calibration prompts' ranges, language calls deferred or run one by one, and the tape."""
+def _prompt_ranges(export, monkeypatch, one_pass: bool, parts: int = 8, generated=None):
+    """The calibration prompts' ranges, all calls of a program in one pass or each call on its own.
+
+    Also the two recording programs (vision, language). ``generated``: graph path -> generated
+    inputs that join the prompts' calls of that program.
+    """
     from qeff_vision.compile import calibration
 
     init = calibration.RecordingProgram.__init__
-    tapes = []
+    programs = []
 
-    def sliced(self, path, specs=None, deferred_calls=False, **_):
+    def sliced(self, path, specs=None, slice_bytes=None, deferred=False):
         weights = sum(data.stat().st_size for data in path.parent.glob("*.data"))
-        init(self, path, specs, slice_bytes=max(1, weights // parts), deferred=deferred and deferred_calls)
-        tapes.append(self.tape)
+        init(self, path, specs, slice_bytes=max(1, weights // parts), deferred=deferred)
+        programs.append(self)
 
-    monkeypatch.setattr(
-        calibration.RecordingProgram,
-        "__init__",
-        lambda self, path, specs=None, slice_bytes=None, deferred=False: sliced(self, path, specs, deferred),
-    )
+    monkeypatch.setattr(calibration.RecordingProgram, "__init__", sliced)
     bucket = {
         symbols.BATCH_SIZE: 1,
         symbols.SEQ_LEN: BUCKET,
         symbols.VISION_SIZE: BUCKET,
         symbols.CTX_LEN: 512,
     }
-    ranges = calibration.prompt_ranges(export, None, [bucket, {**bucket, symbols.SEQ_LEN: 1}], [(100, 150)])
-    monkeypatch.setattr(calibration.RecordingProgram, "__init__", init)
-    return ranges, [tape for tape in tapes if tape is not None]
+    language = [bucket, {**bucket, symbols.SEQ_LEN: 1}]
+    extra = {}
+    for onnx_path, feeds in (generated or {}).items():  # by graph: the export's two programs
+        extra[onnx_path.parent.name] = feeds
+    try:
+        ranges = calibration.prompt_ranges(
+            export, None, language, [(100, 150)], generated=extra, one_pass=one_pass
+        )
+    finally:
+        monkeypatch.setattr(calibration.RecordingProgram, "__init__", init)
+    return ranges, programs
 
 
 @pytest.mark.parametrize("family", tiered(FAMILIES))
-def test_deferred_prompt_calls_record_the_ranges_of_calls_run_one_by_one(family, exported, monkeypatch):
-    """A prompt's prefill chunks in one pass (each chunk's cache handed on inside the slice that
-    writes it), decode steps one pass each: the ranges and plans of the calls run one by one."""
+def test_every_call_of_a_program_in_one_pass_records_the_ranges_of_calls_run_one_by_one(
+    family, tiny_checkpoint, exported, monkeypatch, tmp_path
+):
+    """Slice-major calibration (decision 047): every image's vision call, every prompt's prefill
+    chunks and teacher-forced decode steps and the generated inputs, one pass per program: the
+    ranges and plans of the same calls run one by one (one pass each)."""
     export = exported(family)
-    eager, _ = _prompt_ranges(export, monkeypatch, deferred=False)
-    deferred, tapes = _prompt_ranges(export, monkeypatch, deferred=True)
+    generated = _program_feeds(family, tiny_checkpoint, exported, tmp_path)
+    assert {path.parent.name for path in generated} == {"vision", "lang"}, family
+    eager, _ = _prompt_ranges(export, monkeypatch, one_pass=False, generated=generated)
+    one, programs = _prompt_ranges(export, monkeypatch, one_pass=True, generated=generated)
     for program in ("vision", "lang"):
-        assert deferred[program] == pytest.approx(eager[program], rel=1e-6, abs=0), program
+        assert one[program] == pytest.approx(eager[program], rel=1e-6, abs=0), program
         model = load_graph(export / program / "model.onnx")
-        assert auto_plan(model, deferred[program]) == auto_plan(model, eager[program]), program
-    (tape,) = tapes
-    # One pass per evaluation: each prompt's prefill chunks share a pass (each decode step its own).
-    assert tape.recorder.passes == tape.evaluations < tape.calls, (tape.recorder.passes, tape.calls)
+        assert auto_plan(model, one[program]) == auto_plan(model, eager[program]), program
+    vision, language = programs[-2:]
+    # Each program's calls share one pass over its slices: each weight read once.
+    assert language.recorder.passes == 1, language.recorder.passes
+    assert language.recorder.calls_run >= 8, language.recorder.calls_run  # chunks, 3 steps, 2 runs
+    assert vision.recorder.passes == 1, vision.recorder.passes
+    assert len(language.recorder.slices) >= 2
+
+
+def test_decode_steps_are_teacher_forced_by_the_prompt_text(exported):
+    """A calibration prompt continues with its own text's first tokens, never reading the logits."""
+    from qeff_vision.checkpoint import Checkpoint
+    from qeff_vision.compile.calibration import DECODE_STEPS, ForcedTokens, continuation_ids
+    from qeff_vision.export_record import read_export
+
+    manifest = read_export(exported("qwen2_5_vl"))
+    processor = Checkpoint.open(manifest["model"], manifest["family"]).processor
+    text = "Describe this image in detail."
+    ids = continuation_ids(processor, text, [7, 8, 9])
+    assert ids == processor.tokenizer(text, add_special_tokens=False)["input_ids"][:DECODE_STEPS]
+    assert continuation_ids(processor, "", [7, 8, 9]) == [9]  # no words: the prompt's last token
+    forced = ForcedTokens([5, 6])
+    assert [forced.next_token(object()) for _ in range(3)] == [5, 6, 6]
+    assert ForcedTokens.reads_logits is False

@@ -48,6 +48,10 @@ def test_another_spec_needing_the_same_program_reuses_its_plan(
     }
     assert plans  # the rotary angle chains at least
 
+    # The same spec into the same OUT again: the plan recorded there, no calibration stage.
+    again = _compile(spec, tmp_path / "out-a", export, compiler, capsys)
+    assert STAGE not in again, again
+
     other = _variant(spec, tmp_path, "cores", language={"num_cores": 8})
     second = _compile(other, tmp_path / "out-b", export, compiler, capsys)
     assert STAGE not in second, second

@@ -178,3 +178,54 @@ def test_slice_weights_do_not_grow_with_depth(tmp_path):
         largest[depth] = max(sizes)
         assert len(recorder.slices) >= depth and not recorder.keep_sessions
     assert largest[8] == largest[4] <= 2 * 64 * 64 * 4 + 64 * 4
+
+
+def test_a_slice_of_weights_alone_runs_once_for_every_call(tmp_path, monkeypatch):
+    """A tied head's Transpose of a weight reads nothing from the calls: one run per pass, not a copy
+    per call (at full depth each copy was 1.24 GB), and the calls' results and peaks unchanged."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    embedding = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "embedding")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["embedding"], ["head"], perm=[1, 0]),
+            helper.make_node("Relu", ["x"], ["h"]),
+            helper.make_node("MatMul", ["h", "head"], ["logits"]),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 32])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 64])],
+        [embedding],
+    )
+    path = tmp_path / "tied" / "model.onnx"
+    path.parent.mkdir()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=1024)
+    model = load_graph(path)
+    types = value_types(model)
+    feeds = [{"x": rng.standard_normal((n, 32)).astype(np.float32)} for n in (1, 3, 5)]
+
+    def recorder():
+        return SlicedRecorder(
+            model, path.parent, float_outputs(model, types), types, ["logits"], slice_bytes=1
+        )
+
+    one_by_one = recorder()
+    expected = [one_by_one.run(feed)["logits"] for feed in feeds]
+    runs = []
+    original = SlicedRecorder._run_slice
+
+    def counted(self, part, values, sessions, index=0):
+        runs.append((part.start, index))
+        return original(self, part, values, sessions, index)
+
+    monkeypatch.setattr(SlicedRecorder, "_run_slice", counted)
+    one_pass = recorder()
+    results = one_pass.run_many(feeds)
+    constant = [part.start for part in one_pass.slices if not part.inputs]
+    assert constant, [(p.start, p.stop, p.inputs) for p in one_pass.slices]
+    assert [index for start, index in runs if start in constant] == [0] * len(constant)
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(got["logits"], want)
+    assert one_pass.ranges == one_by_one.ranges

@@ -12,10 +12,21 @@ image rows and positions are then those a user's request produces; the
 generated inputs of :func:`qeff_vision.compile.precision.calibration_feeds` (zero token ids, which
 are padding with a zero embedding in some families) complement them with every specialization's
 shape.
+
+The work is slice-major (decision 047): every call of a program (each prompt's prefill chunks and
+decode steps, every image, every generated input) runs in one pass over the graph's slices, each
+slice's session built once and each weight read once. The decode steps are teacher-forced: each
+prompt continues with the first :data:`DECODE_STEPS` tokens of its own text (not the tokens the
+fp32 logits would choose), so no call waits for an earlier call's logits and a prompt's whole call
+sequence is known before anything runs. The images are encoded in a first collecting round (each
+run stops where it first reads an image's rows; the language calls it queued are dropped), all in
+one vision pass; the prompts then run against those outputs with every language call queued for
+one language pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
+from qeff_vision.compile.recording_program import RecordingProgram
 from qeff_vision.contract.tasks import GENERATE, is_pooling
-from qeff_vision.runtime.session import CompiledProgram, int_specializations
 
 DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
 DECODE_STEPS = 3
@@ -42,72 +53,6 @@ def single_sequence(values: Mapping[str, int]) -> dict[str, int]:
     return {**single, symbols.BATCH_SIZE: 1, symbols.FULL_BATCH_SIZE: 1}
 
 
-class RecordingProgram(CompiledProgram):
-    """An fp32 program that records the largest magnitude of every float node output it computes.
-
-    It runs the graph slice by slice (:class:`~qeff_vision.numerics.recording.SlicedRecorder`):
-    no session holds the whole graph's weights, and each value is reduced to its peak as it is
-    produced, so memory does not grow with depth.
-    """
-
-    def __init__(
-        self,
-        onnx_path: str | Path,
-        specializations=None,
-        slice_bytes: int | None = None,
-        deferred: bool = False,
-    ):
-        from onnx.helper import tensor_dtype_to_np_dtype
-
-        from qeff_vision.numerics.device import float_outputs, value_types
-        from qeff_vision.numerics.layer_functions import load_flat_graph
-        from qeff_vision.numerics.recording import DEFAULT_SLICE_BYTES, SlicedRecorder
-
-        super().__init__()
-        self.path = Path(onnx_path)
-        model = load_flat_graph(self.path)  # every call of a layer function recorded on its own
-        graph = model.graph
-        self.input_dims = {value.name: _dims(value) for value in graph.input}
-        self.input_dtypes = {
-            value.name: tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type) for value in graph.input
-        }
-        self.output_names = [value.name for value in graph.output]
-        self.output_dims = {value.name: _dims(value) for value in graph.output}
-        self.specializations = int_specializations(specializations)
-        types = value_types(model)
-        self.recorder = SlicedRecorder(
-            model,
-            self.path.parent,
-            float_outputs(model, types),
-            types,
-            self.output_names,
-            slice_bytes=slice_bytes or DEFAULT_SLICE_BYTES,
-        )
-        self.tape = None
-        if deferred:
-            from qeff_vision.numerics.deferred import Tape
-
-            self.tape = Tape(self.recorder)
-
-    @property
-    def ranges(self) -> dict[str, float]:
-        """Node output -> largest magnitude recorded so far."""
-        return self.recorder.ranges
-
-    def _execute(self, feeds, bound):
-        if self.tape is not None:  # outputs computed when first read, many calls in one pass
-            return self.tape.add(feeds, self.output_names)
-        return self.recorder.run(feeds)
-
-
-def _dims(value) -> list:
-    """A graph value's dims as a session reports them: ints, symbol names, None when unknown."""
-    dims = []
-    for dim in value.type.tensor_type.shape.dim:
-        dims.append(dim.dim_value if dim.HasField("dim_value") else (dim.dim_param or None))
-    return dims
-
-
 def prompt_ranges(
     export_dir: Path,
     vision_specializations: Sequence[Mapping[str, int]],
@@ -119,6 +64,8 @@ def prompt_ranges(
     say: Callable[[str], None] | None = None,
     processor_options: Mapping[str, int] | None = None,
     on_slice: Callable[[int, int], None] | None = None,
+    generated: Mapping[str, Sequence[Mapping[str, np.ndarray]]] | None = None,
+    one_pass: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -133,9 +80,14 @@ def prompt_ranges(
         processor_options: The spec's image-processor options (``vision.image_processor``), set on
             the checkpoint's image processor so the prompts' images match the compiled shapes.
         on_slice: Called after each slice of each pass over a graph (progress).
+        generated: Per program (``vision``, ``lang``), more inputs recorded in the same pass (the
+            generated input of each specialization, :func:`~qeff_vision.compile.precision.calibration_feeds`).
+        one_pass: Every call of a program in one pass over its slices (False: each call on its
+            own, one pass per call, as the reference for the tests).
     """
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
+    from qeff_vision.numerics.deferred import TapeFrozen
     from qeff_vision.progress import bar as progress_bar
     from qeff_vision.runtime.conversation import Conversation
     from qeff_vision.runtime.generate import make_generator
@@ -158,39 +110,107 @@ def prompt_ranges(
             on_slice,
         )
     checkpoint = Checkpoint.open(manifest["model"], manifest["family"])
-    vision = RecordingProgram(export_dir / manifest["programs"]["vision"]["path"], vision_specializations)
+    vision = RecordingProgram(
+        export_dir / manifest["programs"]["vision"]["path"], vision_specializations, deferred=one_pass
+    )
     language_specializations = [single_sequence(values) for values in language_specializations]
     language = RecordingProgram(
-        export_dir / manifest["programs"]["lang"]["path"], language_specializations, deferred=True
+        export_dir / manifest["programs"]["lang"]["path"], language_specializations, deferred=one_pass
     )
     vision.recorder.on_slice = language.recorder.on_slice = on_slice
     shape = LanguageShape.from_specializations(language_specializations)
-    # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
-    generator = make_generator(checkpoint, vision, language, shape, eos_token_ids=())
-    checks = _defer_chunk_checks(generator)
     processor = checkpoint.processor
     for name, value in (processor_options or {}).items():
         setattr(processor.image_processor, name, value)
     pictures = _pictures(images, resolutions)
     fitting = _Fitting(shape.ctx_len)
-    total = len(prompts or [DEFAULT_PROMPT]) * (len(pictures) + 1)
-    runs = progress_bar("calibration runs", total=total, unit="run")  # on a terminal, unless -q
-    for text in prompts or [DEFAULT_PROMPT]:
-        for picture in [*pictures, None]:  # each image with the prompt, then the prompt alone
-            # Every prompt token's activations are recorded: no prefix kept from the last run.
-            chat = Conversation(generator, processor, keep_prefix=False)
-            shown = [] if picture is None else [picture]
-            fitted = fitting.fit(chat, shown, text)
-            if fitted is not None:
-                chat.ask(shown, fitted[0], max_new_tokens=fitted[1])
-            runs.update()
-    if language.tape is not None:
-        language.tape.run()
+    texts = prompts or [DEFAULT_PROMPT]
+    runs = [(text, picture) for text in texts for picture in [*pictures, None]]  # the prompt alone last
+
+    def generator():
+        # No end-of-sequence ids: every calibration prompt runs its DECODE_STEPS, whatever it generates.
+        made = make_generator(checkpoint, vision, language, shape, eos_token_ids=())
+        return made, _defer_chunk_checks(made)
+
+    # Each run's fitted prompt (a Conversation's processor does the fitting; no program runs).
+    collector, _ = generator()
+    fitted = []
+    for text, picture in runs:
+        shown = [] if picture is None else [picture]
+        fitted.append(fitting.fit(Conversation(collector, processor, keep_prefix=False), shown, text))
+    generated = generated or {}
+    if one_pass:
+        # Round 1: every image's vision call queued (the language program refuses to run), then
+        # one vision pass with the generated vision inputs.
+        vision.remember, vision.tape.frozen, language.tape.frozen = True, True, True
+        for (text, picture), fit in zip(runs, fitted):
+            if picture is not None and fit is not None:
+                with contextlib.suppress(TapeFrozen):  # ends the run at its first encoded image
+                    _ask(collector, processor, picture, text, fit)
+        vision.tape.frozen = language.tape.frozen = False
+        language.tape.discard()  # the language calls before each image run again in round 2
+    for feeds in generated.get("vision", ()):
+        vision.queue(feeds)
+    vision.settle()
+    # Round 2: the prompts, every language call queued (tokens teacher-forced), one language pass.
+    runner, checks = generator()
+    bar = progress_bar("calibration runs", total=len(runs), unit="run")  # on a terminal, unless -q
+    for (text, picture), fit in zip(runs, fitted):
+        if fit is not None:
+            _ask(runner, processor, picture, text, fit)
+        bar.update()
+    for feeds in generated.get("lang", ()):
+        language.queue(feeds)
+    language.settle()
     checks.run()
-    runs.close()
+    bar.close()
     if fitting.note() and say is not None:
         say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+def _ask(generator, processor, picture, text: str, fitted: tuple[str, int]) -> None:
+    """One calibration run: ``fitted`` (prompt, decode steps) with ``picture``, tokens teacher-forced."""
+    from qeff_vision.runtime.conversation import Conversation
+
+    words, steps = fitted
+    generator.token_sampler = lambda _params, prompt_ids: ForcedTokens(
+        continuation_ids(processor, text, prompt_ids)
+    )
+    # Every prompt token's activations are recorded: no prefix kept from the last run.
+    chat = Conversation(generator, processor, keep_prefix=False)
+    chat.ask([] if picture is None else [picture], words, max_new_tokens=steps)
+
+
+def continuation_ids(processor, text: str, prompt_ids) -> list[int]:
+    """The tokens a calibration prompt is continued with: the first of its own text's tokens.
+
+    Text tokens the model reads in the prompt, so the decode steps see ordinary embedding rows;
+    the prompt's last token when the text has none.
+    """
+    tokenizer = getattr(processor, "tokenizer", processor)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])[:DECODE_STEPS] if text else []
+    return [int(i) for i in ids] or [int(np.asarray(prompt_ids).reshape(-1)[-1])]
+
+
+class ForcedTokens:
+    """A request's token choice in calibration: a fixed continuation, the logits never read.
+
+    Teacher forcing: the decode steps' inputs do not depend on the fp32 logits, so every call of
+    a prompt is known before any runs and they all share one pass over the weights.
+    """
+
+    reads_logits = False
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = list(tokens)
+        self.count = 0
+
+    def next_token(self, _logits=None) -> int:
+        """The next token of the continuation (its last one repeated past its end)."""
+        token = self.tokens[min(self.count, len(self.tokens) - 1)]
+        self.count += 1
+        return token
 
 
 def _pictures(images: Sequence[Path], resolutions: Sequence[tuple[int, int]]) -> list:

@@ -27,7 +27,7 @@ def pooling_ranges(
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the prompts."""
     from qeff_vision.checkpoint import Checkpoint
-    from qeff_vision.compile.calibration import RecordingProgram
+    from qeff_vision.compile.recording_program import RecordingProgram
     from qeff_vision.errors import UserError
     from qeff_vision.export_record import read_export
     from qeff_vision.runtime.pooling import Pooler

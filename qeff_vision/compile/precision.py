@@ -119,13 +119,15 @@ def resolve_plan(
     prompt_ranges: Mapping[str, float] | None = None,
     image_sizes: Sequence[tuple[int, int] | None] | None = None,
     on_slice=None,
+    generated_included: bool = False,
 ) -> PrecisionPlan:
     """Write (or remove) ``directory/node_precision.yaml`` for this program and describe the plan.
 
     A dry run (or a run before export) computes nothing: an ``auto`` plan keeps the file a previous
     compile wrote, if any. A user's plan is checked against the graph when it is exported.
     ``prompt_ranges`` (from :func:`qeff_vision.compile.calibration.prompt_ranges`) join the ranges
-    of the generated per-specialization inputs (``image_sizes``: each one's image, if any).
+    of the generated per-specialization inputs (``image_sizes``: each one's image, if any), unless
+    ``generated_included``: those inputs were recorded in the prompts' pass already.
     """
     target = directory / PLAN_FILE
     if options.aic_hw_version == AI200:
@@ -140,7 +142,8 @@ def resolve_plan(
     if options.node_precision == NODE_PRECISION_AUTO:
         if dry_run or not exported:
             return PrecisionPlan(NODE_PRECISION_AUTO, target if target.is_file() else None, None)
-        return _auto(onnx_path, specializations, target, prompt_ranges or {}, image_sizes, on_slice)
+        generated = None if generated_included else (specializations, image_sizes)
+        return _auto(onnx_path, target, prompt_ranges or {}, generated, on_slice)
     source = Path(options.node_precision)
     source = source if source.is_absolute() else spec_dir / source
     names = read_plan(source)
@@ -163,16 +166,18 @@ def _checked(plan: PrecisionPlan, onnx_path: Path, ranges: Mapping[str, float] |
 
 def _auto(
     onnx_path: Path,
-    specializations,
     target: Path,
     prompt_ranges: Mapping[str, float],
-    image_sizes=None,
+    generated=None,
     on_slice=None,
 ) -> PrecisionPlan:
+    """The ``auto`` plan; ``generated`` (specializations, image sizes): their inputs' pass to run."""
     model = load_flat_graph(onnx_path)  # every call of a layer function calibrated on its own
-    # Every specialization's generated input in one pass over the graph's slices.
-    feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
-    ranges = value_ranges(model, onnx_path.parent, feeds, on_slice)
+    ranges: dict[str, float] = {}
+    if generated is not None:  # every specialization's generated input in one pass over the slices
+        specializations, image_sizes = generated
+        feeds = calibration_feeds(onnx_path, specializations, image_sizes=image_sizes)
+        ranges = value_ranges(model, onnx_path.parent, feeds, on_slice)
     for name, peak in prompt_ranges.items():
         ranges[name] = max(ranges.get(name, 0.0), peak)
     # A layer function's value is kept for every call when one call needs it (one compiled body).
@@ -206,6 +211,7 @@ def resolve_plans(
     keys = _calibration_keys(calibrated, spec, spec_dir, say)
     reused = {p.program: _reuse(p, keys[p.program]) for p in calibrated}
     prompts: dict[str, dict[str, float]] = {}
+    included: set[str] = set()
     stage = None
     if any(found is None for found in reused.values()):
         from qeff_vision.progress import SliceCounter, StageProgress
@@ -214,20 +220,21 @@ def resolve_plans(
         stage = StageProgress("calibration", 0, unit="slices", say=say)
         counter = SliceCounter(stage)
         try:
-            prompts = _prompt_ranges(plans, spec, export_dir, export_manifest, say, counter)
+            auto = {name for name, found in reused.items() if found is None and _is_auto(plans[name])}
+            prompts, included = _prompt_ranges(plans, spec, export_dir, export_manifest, say, counter, auto)
         except BaseException:
             stage.close()
             raise
     try:
-        notes = _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage)
+        notes = _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage, included)
     finally:
         if stage is not None:
             stage.close()
     return notes
 
 
-def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage) -> list[str]:
-    """Resolve each program's plan not reused (its generated inputs' pass); lines for the user."""
+def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, stage, included) -> list[str]:
+    """Resolve each program's plan not reused (its generated inputs' pass unless ``included``)."""
     from qeff_vision.progress import SliceCounter
 
     counter = SliceCounter(stage) if stage is not None else None
@@ -246,6 +253,7 @@ def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, s
                 prompt_ranges=prompts.get(plan.program),
                 image_sizes=plan.image_sizes(),
                 on_slice=counter,
+                generated_included=plan.program in included,
             )
             if plan.program in keys:
                 _remember(plan.directory, keys[plan.program], precision)
@@ -274,20 +282,35 @@ def _resolved_notes(plans, reused, keys, spec_dir, exported, dry_run, prompts, s
     return notes
 
 
+def _is_auto(plan) -> bool:
+    """Whether ``plan``'s program gets an ``auto`` plan computed here (its generated inputs run)."""
+    options = plan.options
+    return (
+        options.aic_hw_version != AI200
+        and options.convert_to_fp16
+        and options.node_precision == NODE_PRECISION_AUTO
+    )
+
+
 def _prompt_ranges(
-    plans, spec, export_dir: Path, export_manifest, say, on_slice=None
-) -> dict[str, dict[str, float]]:
-    """Calibration prompts through the runtime (needs the checkpoint's processor; else none)."""
+    plans, spec, export_dir: Path, export_manifest, say, on_slice=None, auto=frozenset()
+) -> tuple[dict[str, dict[str, float]], set[str]]:
+    """Calibration prompts through the runtime (needs the checkpoint's processor; else none).
+
+    The generated inputs of the programs in ``auto`` join the prompts' pass over their graph
+    where that graph is the one the prompts run (not a renamed copy, not shared by two programs);
+    also returned: the programs whose generated inputs were recorded so.
+    """
     from qeff_vision.compile.calibration import prompt_ranges
     from qeff_vision.errors import UserError
 
     model = export_manifest.get("model")
     if not model or not (Path(model) / "config.json").is_file():
-        return {}
+        return {}, set()
     if "vision" not in plans:
         # deployment single: one composed program; its plan comes from the generated inputs of
         # every specialization (encode ones run the tower), not from prompts through two programs.
-        return {}
+        return {}, set()
     calibration = spec.compile.calibration
     spec_dir = Path(spec.source).resolve().parent
     images = [spec_dir / image for image in calibration.images] if calibration else []
@@ -297,6 +320,14 @@ def _prompt_ranges(
     # A disaggregated deployment's two language programs are one graph: calibrate it once with
     # both programs' specializations, and give each the ranges.
     languages = [plan for name, plan in plans.items() if name != "vision"]
+    generated, included = {}, set()
+    graphs = {key: export_dir / entry["path"] for key, entry in export_manifest["programs"].items()}
+    for key, plan in [("vision", plans["vision"]), *(("lang", p) for p in languages if len(languages) == 1)]:
+        if plan.program in auto and Path(plan.onnx).resolve() == graphs.get(key, Path()).resolve():
+            generated[key] = list(
+                calibration_feeds(plan.onnx, plan.symbol_values(), image_sizes=plan.image_sizes())
+            )
+            included.add(plan.program)
     ranges = prompt_ranges(
         export_dir,
         plans["vision"].symbol_values(),
@@ -307,6 +338,7 @@ def _prompt_ranges(
         say=say,
         processor_options=dict(spec.vision.image_processor),
         on_slice=on_slice,
+        generated=generated,
     )
     language = ranges["lang"]
     prefix = spec.deployment.kv_cache_prefix
@@ -314,7 +346,7 @@ def _prompt_ranges(
         from qeff_vision.contract.slot_names import with_kv_prefix_name
 
         language = {with_kv_prefix_name(name, prefix): value for name, value in language.items()}
-    return {"vision": ranges["vision"], **{plan.program: language for plan in languages}}
+    return {"vision": ranges["vision"], **{plan.program: language for plan in languages}}, included
 
 
 # What a calibration found, next to the plan: reused while its inputs are unchanged, so a cached
@@ -404,20 +436,3 @@ def _reuse(plan, key: str) -> PrecisionPlan | None:
     return PrecisionPlan(
         record["mode"], target if names else None, names, record.get("non_matmul_outputs"), source, overflow
     )
-
-
-def calibrate(spec_path: Path, export_dir: Path, out_dir: Path, say=None) -> dict[str, PrecisionPlan]:
-    """The precision plan of every program of a spec over an export, as ``compile`` resolves it.
-
-    Only the calibration runs (prompts through the runtime, the generated input of every
-    specialization); nothing is compiled or verified. The plans and their records are written
-    under ``out_dir/<program>/`` as ``compile`` writes them (benchmarks/calibration_memory.py).
-    """
-    from qeff_vision.compile.inputs import given_export, plan_inputs
-    from qeff_vision.spec import build_specializations, load_spec
-
-    spec = load_spec(spec_path)
-    export = given_export(spec, Path(export_dir))
-    plans = plan_inputs(build_specializations(spec, layout="flat"), spec, Path(out_dir), export)
-    resolve_plans(plans, spec, export.directory, export.manifest, dry_run=False, say=say or (lambda _: None))
-    return {name: plan.precision for name, plan in plans.items()}

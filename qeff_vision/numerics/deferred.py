@@ -27,6 +27,14 @@ import numpy as np
 from qeff_vision import symbols
 from qeff_vision.numerics.recording import Ref, SlicedRecorder
 
+# Input arrays up to this size are copied when a call is queued: a host may refill its small
+# buffers (token ids, positions) in place for the next call before the queued one runs.
+COPIED_BYTES = 1 << 20
+
+
+class TapeFrozen(RuntimeError):
+    """A frozen tape was asked for a value: the caller only collects calls (nothing runs)."""
+
 
 class Tape:
     """Calls of one sliced graph waiting to run, and the outputs computed so far that are still used.
@@ -42,12 +50,19 @@ class Tape:
         self._pending: list[tuple[int, dict[str, Any]]] = []
         self._results: dict[tuple[int, str], np.ndarray] = {}
         self._live: dict[tuple[int, str], int] = {}  # (call, output) -> Pending objects alive
+        #: While True, reading a value not computed yet raises :class:`TapeFrozen` instead of
+        #: running the pending calls (calls are being collected for one later pass).
+        self.frozen = False
 
     def add(self, feeds: Mapping[str, Any], output_names: list[str]) -> dict[str, Pending]:
         """Queue one call; its outputs as :class:`Pending` values."""
         number = self.calls
         self.calls += 1
-        self._pending.append((number, dict(feeds)))
+        queued = {
+            name: value.copy() if isinstance(value, np.ndarray) and value.nbytes <= COPIED_BYTES else value
+            for name, value in feeds.items()
+        }
+        self._pending.append((number, queued))
         outputs = {}
         for name in output_names:
             retained = name.endswith(symbols.RETAINED_SUFFIX)
@@ -60,6 +75,8 @@ class Tape:
     def value(self, call: int, name: str) -> np.ndarray:
         """An output's array (running the pending calls if it is not computed yet)."""
         if (call, name) not in self._results:
+            if self.frozen:
+                raise TapeFrozen(f"call {call}'s {name} is not computed (the tape is collecting calls)")
             self.run()
         return self._results[(call, name)]
 
@@ -84,8 +101,14 @@ class Tape:
                 if (number, name) in self._live:
                     self._results[(number, name)] = array
 
+    def discard(self) -> None:
+        """Drop the pending calls (they never run; their outputs cannot be read)."""
+        self._pending = []
+
     def _as_feed(self, value: Any, local: Mapping[int, int]) -> Any:
         """A queued feed for the pass: a reference to a call of the pass, or an array."""
+        if isinstance(value, Lazy) or (isinstance(value, Pending) and value.tape is not self):
+            return value.array()  # computed from another tape's output (vision rows)
         if not isinstance(value, Pending):
             return value
         if value.call in local:

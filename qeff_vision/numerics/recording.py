@@ -208,19 +208,30 @@ class SlicedRecorder:
             found: list[str] = []
             referenced = _referenced(values)
             sessions: dict[tuple, object] = {}
+            # A slice that reads nothing from the calls (a weight's Transpose: the tied language
+            # head, 1.24 GB at full depth) computes the same values for every call: it runs once
+            # and every call holds the same arrays, not a copy each.
+            constant = not part.inputs
+            shared: dict[str, np.ndarray] | None = None
             for index in range(active):
                 call = values[index]
                 inputs = _resolved(call, part, self.graph, values)
-                # A slice nobody reads from (integer arithmetic only its own nodes use) has no
-                # outputs: onnxruntime cannot build a session for it, and there is nothing to run.
-                outputs = (
-                    self._run_slice(part, inputs, sessions, index) if part.outputs or part.recorded else {}
-                )
-                found = self._record(part, outputs)
-                if found:
-                    break
-                for name in part.exposed:
-                    self.ranges[name] = max(self.ranges.get(name, 0.0), masked_peak(outputs[name]))
+                if shared is not None:
+                    outputs = shared
+                else:
+                    # A slice nobody reads from (integer arithmetic only its own nodes use) has no
+                    # outputs: onnxruntime cannot build a session for it, and there is nothing to run.
+                    outputs = (
+                        self._run_slice(part, inputs, sessions, index)
+                        if part.outputs or part.recorded
+                        else {}
+                    )
+                    found = self._record(part, outputs)
+                    if found:
+                        break
+                    for name in part.exposed:
+                        self.ranges[name] = max(self.ranges.get(name, 0.0), masked_peak(outputs[name]))
+                    shared = outputs if constant else None
                 # The slice's inputs stay until every call ran it (a cut found later reruns it).
                 kept = [
                     name

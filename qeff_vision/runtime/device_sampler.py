@@ -191,6 +191,12 @@ def last_rows(outputs: Mapping[str, np.ndarray], logits_name: str | None) -> np.
 
 
 def pick(sampler, row: np.ndarray) -> int:
-    """The token of one row of :func:`last_rows`: the device's own, or ``sampler``'s choice from logits."""
+    """The token of one row of :func:`last_rows`: the device's own, or ``sampler``'s choice from logits.
+
+    A sampler whose ``reads_logits`` is False (a fixed continuation) is not given the row: a
+    deferred program's logits are then never computed on the host's demand.
+    """
+    if not getattr(sampler, "reads_logits", True):
+        return sampler.next_token(row)
     row = np.asarray(row)
     return int(row) if row.ndim == 0 else sampler.next_token(row)

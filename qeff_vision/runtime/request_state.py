@@ -142,7 +142,8 @@ class RequestState:
         self.decode_extra: Mapping[Role, np.ndarray] = (
             self.history.decode_feeds if self.history is not None else runner.decode_extra(self.processed)
         )
-        self.sampler = TokenSampler(request.sampling, self.input_ids)
+        # A runner may choose tokens its own way (calibration feeds a fixed continuation).
+        self.sampler = getattr(runner, "token_sampler", TokenSampler)(request.sampling, self.input_ids)
         #: Its parameters and seeded generator as the on-device sampler's inputs (None without one).
         sampler = runner.device_sampler
         self.draws: RequestDraws | None = sampler.draws(request.sampling) if sampler is not None else None
