@@ -63,6 +63,7 @@ def _vision_feeds(family: str, checkpoint: Path, height: int, width: int) -> dic
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.families import get_family
     from qeff_vision.families.base import ImageSize, ModelDescription
+    from qeff_vision.inputs.prompt import as_arrays
 
     opened = Checkpoint.open(checkpoint)
     model = ModelDescription(json.loads((checkpoint / "config.json").read_text()))
@@ -70,9 +71,10 @@ def _vision_feeds(family: str, checkpoint: Path, height: int, width: int) -> dic
     if family_obj.validate_image(model, ImageSize(height, width)):
         return None  # the family does not take this size
     pixels = (np.random.RandomState(0).rand(height, width, 3) * 255).astype("uint8")
-    processed = opened.processor.image_processor(images=[Image.fromarray(pixels)], return_tensors="np")
+    # As the host runs the processor: torch tensors, bfloat16 widened (Llama 4 normalizes in bf16).
+    processed = opened.processor.image_processor(images=[Image.fromarray(pixels)], return_tensors="pt")
     arrays = {}
-    for name, value in dict(processed).items():
+    for name, value in as_arrays(dict(processed)).items():
         value = np.asarray(value)
         arrays[name] = value.astype(np.float32) if value.dtype.kind == "f" else value
     return family_obj.host(model).vision_inputs(arrays)[0]
