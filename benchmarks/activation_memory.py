@@ -43,6 +43,8 @@ def _checkpoint(family: str, work: Path, smoke: bool) -> Path:
     from qeff_vision.real_width import build_real_width_checkpoint
 
     out = work / f"{family}-checkpoint"
+    if (out / "config.json").is_file():  # built by an earlier run (--checkpoints); written atomically
+        return out
     if smoke:
         return api.tiny(family, out)
     return build_real_width_checkpoint(family, out)
@@ -135,16 +137,22 @@ def _language_extras(family: str, checkpoint: Path, ctx_len: int) -> dict[str, i
     }
 
 
-def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -> list[dict]:
-    """Rows of one family: its images (vision program) and the language prefill, off and on."""
+def measure(
+    family: str,
+    work: Path,
+    smoke: bool,
+    rss: bool,
+    rss_limit: float,
+    forms: tuple[str, ...] = ("off", "on"),
+    checkpoints: Path | None = None,
+) -> list[dict]:
+    """Rows of one family: its images (vision program) and the language prefill, ``forms`` of each."""
     from qeff_vision.compile.activation_memory import graph_activation_memory
     from qeff_vision.export.blocked_attention import UNBLOCKED, AttentionBlocking
 
-    checkpoint = _checkpoint(family, work, smoke)
-    graphs = {
-        "off": _export(checkpoint, work / f"{family}-off", UNBLOCKED),
-        "on": _export(checkpoint, work / f"{family}-on", AttentionBlocking()),
-    }
+    checkpoint = _checkpoint(family, checkpoints or work, smoke)
+    policies = {"off": UNBLOCKED, "on": AttentionBlocking()}
+    graphs = {form: _export(checkpoint, work / f"{family}-{form}", policies[form]) for form in forms}
     rows = []
     for height, width in SMOKE_IMAGES if smoke else IMAGES:
         feeds = _vision_feeds(family, checkpoint, height, width)
@@ -218,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         "--merge",
         type=Path,
         nargs="+",
-        help="print one table from the --json rows of earlier runs (each family off and on in one run)",
+        help="print one table from the --json rows of earlier runs (rows of one family, program and "
+        "shape from runs of different --forms become one row)",
+    )
+    parser.add_argument("--forms", default="off,on", help="which exports to measure: off, on or both")
+    parser.add_argument(
+        "--checkpoints", type=Path, help="build the real-width checkpoints here and reuse them if present"
     )
     add_docs_arguments(parser)
     args = parser.parse_args(argv)
@@ -229,8 +242,17 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Measure what ``args`` asks for and print the table."""
     if args.merge:
-        print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        merged: dict[tuple, dict] = {}
+        for path in args.merge:
+            for row in json.loads(path.read_text()):
+                key = (row["family"], row["program"], row["shape"])
+                merged.setdefault(key, {}).update(row)
+        print(table(list(merged.values())))
         return 0
+    forms = tuple(form for form in args.forms.split(",") if form)
+    if not forms or set(forms) - {"off", "on"}:
+        print(f"activation_memory.py: --forms takes off, on or off,on, not {args.forms!r}", file=sys.stderr)
+        return 2
     if args.smoke:
         families = ["qwen2_5_vl", "mistral3"]
     elif args.families:
@@ -247,7 +269,9 @@ def _run(args: argparse.Namespace) -> int:
         for family in families:
             work = Path(scratch) / family
             work.mkdir()
-            rows += measure(family, work, args.smoke, args.rss or args.smoke, args.rss_limit)
+            rows += measure(
+                family, work, args.smoke, args.rss or args.smoke, args.rss_limit, forms, args.checkpoints
+            )
             print(f"done: {family}", file=sys.stderr, flush=True)
     print(table(rows))
     if args.json:
