@@ -196,7 +196,9 @@ def table(rows: list[dict]) -> str:
     lines = [header, "|" + "---|" * 10]
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['family']} | {row['program']} | {row['shape']} | {row['note']} ||||||")
+            # as wide as the header (a ragged row is not a Markdown table row)
+            cells = [row["family"], row["program"], row["shape"], row["note"], *["-"] * 6]
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = [
             row["family"],
