@@ -43,6 +43,8 @@ def _checkpoint(family: str, work: Path, smoke: bool) -> Path:
     from qeff_vision.real_width import build_real_width_checkpoint
 
     out = work / f"{family}-checkpoint"
+    if (out / "config.json").is_file():  # built by an earlier run (--checkpoints); written atomically
+        return out
     if smoke:
         return api.tiny(family, out)
     return build_real_width_checkpoint(family, out)
@@ -63,6 +65,7 @@ def _vision_feeds(family: str, checkpoint: Path, height: int, width: int) -> dic
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.families import get_family
     from qeff_vision.families.base import ImageSize, ModelDescription
+    from qeff_vision.inputs.prompt import as_arrays
 
     opened = Checkpoint.open(checkpoint)
     model = ModelDescription(json.loads((checkpoint / "config.json").read_text()))
@@ -70,9 +73,10 @@ def _vision_feeds(family: str, checkpoint: Path, height: int, width: int) -> dic
     if family_obj.validate_image(model, ImageSize(height, width)):
         return None  # the family does not take this size
     pixels = (np.random.RandomState(0).rand(height, width, 3) * 255).astype("uint8")
-    processed = opened.processor.image_processor(images=[Image.fromarray(pixels)], return_tensors="np")
+    # As the host runs the processor: torch tensors, bfloat16 widened (Llama 4 normalizes in bf16).
+    processed = opened.processor.image_processor(images=[Image.fromarray(pixels)], return_tensors="pt")
     arrays = {}
-    for name, value in dict(processed).items():
+    for name, value in as_arrays(dict(processed)).items():
         value = np.asarray(value)
         arrays[name] = value.astype(np.float32) if value.dtype.kind == "f" else value
     return family_obj.host(model).vision_inputs(arrays)[0]
@@ -133,16 +137,22 @@ def _language_extras(family: str, checkpoint: Path, ctx_len: int) -> dict[str, i
     }
 
 
-def measure(family: str, work: Path, smoke: bool, rss: bool, rss_limit: float) -> list[dict]:
-    """Rows of one family: its images (vision program) and the language prefill, off and on."""
+def measure(
+    family: str,
+    work: Path,
+    smoke: bool,
+    rss: bool,
+    rss_limit: float,
+    forms: tuple[str, ...] = ("off", "on"),
+    checkpoints: Path | None = None,
+) -> list[dict]:
+    """Rows of one family: its images (vision program) and the language prefill, ``forms`` of each."""
     from qeff_vision.compile.activation_memory import graph_activation_memory
     from qeff_vision.export.blocked_attention import UNBLOCKED, AttentionBlocking
 
-    checkpoint = _checkpoint(family, work, smoke)
-    graphs = {
-        "off": _export(checkpoint, work / f"{family}-off", UNBLOCKED),
-        "on": _export(checkpoint, work / f"{family}-on", AttentionBlocking()),
-    }
+    checkpoint = _checkpoint(family, checkpoints or work, smoke)
+    policies = {"off": UNBLOCKED, "on": AttentionBlocking()}
+    graphs = {form: _export(checkpoint, work / f"{family}-{form}", policies[form]) for form in forms}
     rows = []
     for height, width in SMOKE_IMAGES if smoke else IMAGES:
         feeds = _vision_feeds(family, checkpoint, height, width)
@@ -186,7 +196,9 @@ def table(rows: list[dict]) -> str:
     lines = [header, "|" + "---|" * 10]
     for row in rows:
         if "note" in row:
-            lines.append(f"| {row['family']} | {row['program']} | {row['shape']} | {row['note']} ||||||")
+            # as wide as the header (a ragged row is not a Markdown table row)
+            cells = [row["family"], row["program"], row["shape"], row["note"], *["-"] * 6]
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = [
             row["family"],
@@ -216,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         "--merge",
         type=Path,
         nargs="+",
-        help="print one table from the --json rows of earlier runs (each family off and on in one run)",
+        help="print one table from the --json rows of earlier runs (rows of one family, program and "
+        "shape from runs of different --forms become one row)",
+    )
+    parser.add_argument("--forms", default="off,on", help="which exports to measure: off, on or both")
+    parser.add_argument(
+        "--checkpoints", type=Path, help="build the real-width checkpoints here and reuse them if present"
     )
     add_docs_arguments(parser)
     args = parser.parse_args(argv)
@@ -227,8 +244,17 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """Measure what ``args`` asks for and print the table."""
     if args.merge:
-        print(table([row for path in args.merge for row in json.loads(path.read_text())]))
+        merged: dict[tuple, dict] = {}
+        for path in args.merge:
+            for row in json.loads(path.read_text()):
+                key = (row["family"], row["program"], row["shape"])
+                merged.setdefault(key, {}).update(row)
+        print(table(list(merged.values())))
         return 0
+    forms = tuple(form for form in args.forms.split(",") if form)
+    if not forms or set(forms) - {"off", "on"}:
+        print(f"activation_memory.py: --forms takes off, on or off,on, not {args.forms!r}", file=sys.stderr)
+        return 2
     if args.smoke:
         families = ["qwen2_5_vl", "mistral3"]
     elif args.families:
@@ -245,7 +271,9 @@ def _run(args: argparse.Namespace) -> int:
         for family in families:
             work = Path(scratch) / family
             work.mkdir()
-            rows += measure(family, work, args.smoke, args.rss or args.smoke, args.rss_limit)
+            rows += measure(
+                family, work, args.smoke, args.rss or args.smoke, args.rss_limit, forms, args.checkpoints
+            )
             print(f"done: {family}", file=sys.stderr, flush=True)
     print(table(rows))
     if args.json:

@@ -2,7 +2,8 @@
 
 Usage:
     python benchmarks/subfunctions.py                      # Qwen2.5-VL-3B widths, 2 and 8 text layers
-    python benchmarks/subfunctions.py --layers 2,8,36      # up to full depth (36 layers)
+    python benchmarks/subfunctions.py --layers 2,8,36      # up to 36 text layers (2 vision layers)
+    python benchmarks/subfunctions.py --full-depth --lock /work/heavy.lock   # the whole checkpoint
     python benchmarks/subfunctions.py --smoke              # the tiny checkpoint (seconds)
 
 Each depth is a random checkpoint of the pinned Qwen2.5-VL-3B-Instruct config
@@ -14,8 +15,14 @@ one copy), and the language graph measured: export seconds (all, and the languag
 graph proto bytes without the weights (initializers dropped: what the compiler parses besides
 them), nodes of the main graph and of the layer function bodies, functions and calls. The last
 column is the largest logit difference of the two forms on one prefill chunk (onnxruntime, fp32),
-up to ``--parity-layers`` layers. A full-depth run needs ~12 GB of disk under ``--work`` and
-~9 GB of memory (run it under ``flock /work/heavy.lock`` on a shared machine).
+up to ``--parity-layers`` layers.
+
+``--full-depth`` measures the checkpoint as published instead: every layer (36 text, 32 vision),
+the 151,936-token vocabulary, bfloat16 (7.5 GB; built as ``benchmarks/full_depth.py`` builds it).
+It needs ~15 GB of disk under ``--work`` (the checkpoint and one export at a time) and ~9 GB of
+memory while the checkpoint is drawn; ``--lock FILE`` runs each step (build, each export) under
+``flock FILE`` so that a shared machine's heavy runs do not overlap and no hold is longer than
+one step.
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "specs" / "configs" / "Qwen2.5-VL-3B-Instruct"
 
 
+LOCK: Path | None = None  # --lock: every step runs under ``flock LOCK``
+
+
 def _child(code: str, *args: str) -> dict:
     """Run ``code`` in a fresh interpreter; it prints one JSON line (we add its peak RSS)."""
     wrapped = (
@@ -43,7 +53,10 @@ def _child(code: str, *args: str) -> dict:
         + "\nresult['peak_rss'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024\n"
         "print(json.dumps(result))\n"
     )
-    done = subprocess.run([sys.executable, "-c", wrapped, *args], capture_output=True, text=True)
+    command = [sys.executable, "-c", wrapped, *args]
+    if LOCK is not None:
+        command = ["flock", str(LOCK), *command]
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"step failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -54,6 +67,16 @@ from qeff_vision import api
 from qeff_vision.real_width import build_real_width_checkpoint
 if sys.argv[2] == "tiny":
     api.tiny("qwen2_5_vl", sys.argv[1], force=True)
+elif sys.argv[2] == "full":
+    from pathlib import Path
+    pinned = json.loads((Path(sys.argv[3]) / "config.json").read_text())
+    text, vision = pinned.get("text_config", pinned), pinned["vision_config"]
+    build_real_width_checkpoint(
+        "qwen2_5_vl", sys.argv[1], config=sys.argv[3], text_layers=text["num_hidden_layers"],
+        vision_layers=vision.get("depth") or vision["num_hidden_layers"],
+        vocab_size=text.get("vocab_size") or pinned["vocab_size"],
+        dtype=pinned.get("torch_dtype") or text.get("torch_dtype") or "bfloat16",
+    )
 else:
     build_real_width_checkpoint(
         "qwen2_5_vl", sys.argv[1], config=sys.argv[3], text_layers=int(sys.argv[2]), vision_layers=2,
@@ -119,9 +142,12 @@ result = {"max_diff": float(np.abs(outputs[0] - outputs[1]).max())}
 
 
 def measure(layers: str, work: Path, parity: bool, weight_dtype: str) -> list[dict]:
-    """Both forms of one depth (``tiny`` or a number of text layers): one row each."""
+    """Both forms of one depth (``tiny``, ``full`` or a number of text layers): one row each."""
     checkpoint = work / f"checkpoint-{layers}"
     _child(BUILD, str(checkpoint), layers, str(CONFIG))
+    if layers == "full":  # the label the table shows
+        pinned = json.loads((CONFIG / "config.json").read_text())
+        layers = f"{pinned.get('text_config', pinned)['num_hidden_layers']} (full)"
     rows, exports = [], []
     for functions in (False, True):
         out = work / f"export-{layers}-{int(functions)}"
@@ -175,15 +201,28 @@ def main() -> None:
         "--work", type=Path, default=None, help="Scratch directory (a temporary one by default)."
     )
     parser.add_argument("--smoke", action="store_true", help="The tiny checkpoint only (a quick check).")
+    parser.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="The whole checkpoint (every layer, the real vocabulary, bfloat16) instead of --layers.",
+    )
+    parser.add_argument("--lock", type=Path, help="Run each step under `flock LOCK` (a shared machine).")
     add_docs_arguments(parser)
     args = parser.parse_args()
-    depths = ["tiny"] if args.smoke else [layers.strip() for layers in args.layers.split(",")]
+    global LOCK
+    LOCK = args.lock
+    if args.smoke:
+        depths = ["tiny"]
+    elif args.full_depth:
+        depths = ["full"]
+    else:
+        depths = [layers.strip() for layers in args.layers.split(",")]
     with recording(args, "subfunctions", None):
         work = Path(tempfile.mkdtemp(prefix="subfunctions-", dir=args.work))
         try:
             rows = []
             for layers in depths:
-                parity = layers == "tiny" or int(layers) <= args.parity_layers
+                parity = layers == "tiny" or (layers != "full" and int(layers) <= args.parity_layers)
                 rows += measure(layers, work, parity, "float32" if layers == "tiny" else "float16")
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -40,11 +40,10 @@ FAMILIES = [family.name for family in all_families()]
 # Calibration inputs are generated for the token-merge IO (tests/test_device_precision_families.py).
 MERGE = [family.name for family in all_families() if family.decoder_kind == TOKEN_MERGE]
 NEW_TOKENS = 6
-# Gemma 4 runs under -m slow only: torch's function extraction (the one family whose layers of one
-# signature differ in a constant, exported as a function attribute) crashed the process with a
-# segmentation fault in 3 of about 8 pytest runs here (never in standalone runs); a crash takes the
-# whole default tier down. See docs/decisions/046-decoder-layers-as-functions.md.
-TIER = tuple(family for family in helpers.DEFAULT_TIER_FAMILIES if family != "gemma4")
+# Every default-tier family, Gemma 4 included: its function export used to crash in torch's
+# function extraction (an invalid std::sort comparator over too many scope groups); the exporter now
+# records scopes for the layers only (qeff_vision/export/subfunctions.py, _scopes_of_functions).
+TIER = helpers.DEFAULT_TIER_FAMILIES
 WHOLE_IMAGE_CHUNKS = {"molmo2": (32,)}  # its 22-token test image in one chunk
 DEVICE_TOLERANCE = 1e-4  # of the logit range: both forms run the same nodes in the same order
 
@@ -226,7 +225,7 @@ def _plan_entries(model: onnx.ModelProto, plan, ranges, scopes: dict[str, int]) 
     )
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("gemma4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma4"])
 def test_a_plan_on_the_function_form_is_the_inline_forms(family, function_export, tiny_checkpoint, tmp_path):
     """Values inside layer functions are calibrated: the same per-layer plan as the inline graph's.
 

@@ -63,25 +63,61 @@ def layer_classes(module: nn.Module, lists: Sequence[str] = LAYER_LISTS) -> set[
 def exporting_functions(module: nn.Module) -> Iterator[None]:
     """Patch the TorchScript exporter for ``export_modules_as_functions`` (see the module docstring).
 
-    The exporter registers attribute-tracking hooks on every submodule of ``module`` and never
-    removes them; they are removed here, so later calls of the module run as before.
+    Scopes are recorded for ``module`` itself and the instances of the exported classes only
+    (:func:`_scopes_of_functions`), and no attribute-tracking hook is registered.
     """
     from torch.onnx._internal.torchscript_exporter import utils as exporter_utils
 
-    modules = list(module.modules())
-    before = [(set(m._forward_hooks), set(m._forward_pre_hooks)) for m in modules]
-    attributes, cse = exporter_utils._get_module_attributes, torch._C._jit_pass_cse
-    exporter_utils._get_module_attributes = lambda module: {}
+    setup, cse = exporter_utils._setup_trace_module_map, torch._C._jit_pass_cse
+    exporter_utils._setup_trace_module_map = _scopes_of_functions
     torch._C._jit_pass_cse = lambda graph: False
     try:
         yield
     finally:
-        exporter_utils._get_module_attributes, torch._C._jit_pass_cse = attributes, cse
-        for m, (hooks, pre_hooks) in zip(modules, before):
-            for key in set(m._forward_hooks) - hooks:
-                del m._forward_hooks[key]
-            for key in set(m._forward_pre_hooks) - pre_hooks:
-                del m._forward_pre_hooks[key]
+        exporter_utils._setup_trace_module_map, torch._C._jit_pass_cse = setup, cse
+
+
+def _scopes_of_functions(model: nn.Module, export_modules_as_functions) -> set[str]:
+    """The exporter's ``_setup_trace_module_map``, with scopes for the root, the layers and their holders.
+
+    The exporter gives every submodule a scope, and its function extraction
+    (``torch/csrc/jit/passes/onnx/function_extraction.cpp``, ``SortScopesByMaxDepth``) orders the
+    groups of identical scopes with ``std::sort`` under the comparator ``depth(a) >= depth(b)``,
+    which is not a strict weak order: with more than 16 groups at equal depths the sort runs past
+    the end of its array (undefined behaviour; the order of the groups comes from a hash map keyed
+    by pointers, so it changes from run to run). Gemma 4's heterogeneous stack has enough distinct
+    submodule scopes to cross 16: its function export died with a segmentation fault in that pass
+    in about one run of four here. With scopes only for the root (every node needs one), the
+    layers and the modules that hold them, the groups are the layer signatures plus a few single
+    modules, far below 16; every node inside a layer belongs to the layer's scope directly, which
+    is all the extraction reads. No attribute is tracked either (the tracking hook fails on
+    transformers' modules, and no function attribute is needed). Nodes outside the layers lose
+    their submodule prefix (``/model/language_model/Gather``, not ``.../embed_tokens/Gather``);
+    a call keeps the inline layer's name.
+
+    Args:
+        model: The module being exported.
+        export_modules_as_functions: The set of module classes given to ``torch.onnx.export``.
+
+    Returns:
+        The qualified type names of those classes (what the exporter's version returns).
+    """
+    classes = tuple(export_modules_as_functions)
+    named = list(model.named_modules())
+    layers = [name for name, child in named if isinstance(child, classes)]
+    # The layers' ancestors keep their scopes too, so a call is named as the inline layer's nodes
+    # are (``/model/language_model/layers.3/...``).
+    ancestors = {name.rsplit(".", depth)[0] for name in layers for depth in range(name.count(".") + 1)}
+    scopes = {}
+    for name, child in named:
+        if child is model or name in ancestors:
+            atoms = name.split(".")  # the exporter's scope name: from the last non-numeric atom on
+            first = next((i for i in reversed(range(len(atoms))) if not atoms[i].isnumeric()), 0)
+            scopes[child] = torch._C._jit_onnx_create_full_scope_name(
+                torch.typename(type(child)), ".".join(atoms[first:])
+            )
+    torch.jit._trace._trace_module_map = scopes
+    return {torch.typename(cls) for cls in classes}
 
 
 def internal_name(name: str) -> str:
