@@ -26,6 +26,7 @@ from qeff_vision.export.adapter import ExportAdapter
 from qeff_vision.export.blocked_attention import query_blocked_attention
 from qeff_vision.export.decoder import DecoderParts
 from qeff_vision.families.glm4v import IMAGE_GRID_THW
+from qeff_vision.families.qwen3_vl.export import block_major_grid
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -44,20 +45,8 @@ class VisionEncoder(nn.Module):
         self.out_hidden = config.out_hidden_size
 
     def _grid_indices(self, image_grid_thw: torch.Tensor):
-        """Per-patch (image, row, column, grid_h, grid_w) in the processor's block-major patch order."""
-        batch, time = image_grid_thw.shape[0], image_grid_thw.shape[1]
-        grid_h, grid_w = image_grid_thw.shape[2], image_grid_thw.shape[3]
-        merge = self.merge
-        per_image = grid_h * grid_w
-        patch = torch.arange(batch * time * per_image)
-        image = patch // per_image
-        local = patch % per_image
-        token, inner = local // (merge * merge), local % (merge * merge)
-        merged_w = grid_w // merge
-        row = (token // merged_w) * merge + inner // merge
-        col = (token % merged_w) * merge + inner % merge
-        ones = torch.ones_like(patch)
-        return image, row, col, ones * grid_h, ones * grid_w
+        """Per-patch (image, row, column, grid_h, grid_w): the Qwen2-VL block-major patch order."""
+        return block_major_grid(image_grid_thw, self.merge)
 
     def _position_table(self, row, col, heights, widths) -> torch.Tensor:
         """``Glm4vVisionEmbeddings``: the square table sampled bicubically at each patch centre."""

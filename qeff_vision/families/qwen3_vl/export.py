@@ -52,6 +52,27 @@ def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[
     return taps, weights
 
 
+def block_major_grid(image_grid_thw: torch.Tensor, merge: int):
+    """Per-patch (frame segment, row, column, grid_h, grid_w) in the processor's block-major patch order.
+
+    The Qwen2-VL image processor (and GLM-4.1V's, which reuses its layout) emits patches in
+    ``merge x merge`` blocks, row-major over blocks; the grid sizes are the symbolic shape of
+    ``image_grid_thw`` so the export follows the specialization.
+    """
+    batch, time = image_grid_thw.shape[0], image_grid_thw.shape[1]
+    grid_h, grid_w = image_grid_thw.shape[2], image_grid_thw.shape[3]
+    patches_per_frame = grid_h * grid_w
+    patch = torch.arange(batch * time * patches_per_frame)
+    frame = patch // patches_per_frame
+    local = patch % patches_per_frame
+    token, inner = local // (merge * merge), local % (merge * merge)
+    merged_w = grid_w // merge
+    row = (token // merged_w) * merge + inner // merge
+    col = (token % merged_w) * merge + inner % merge
+    ones = torch.ones_like(patch)
+    return frame, row, col, ones * grid_h, ones * grid_w
+
+
 class VisionEncoder(nn.Module):
     """pixel_values [N, C*T*P*P], image_grid_thw [B, t, gh, gw] -> vision_embeds (, deepstack_features)."""
 
@@ -66,20 +87,8 @@ class VisionEncoder(nn.Module):
         self.out_hidden = config.out_hidden_size
 
     def _grid_indices(self, image_grid_thw: torch.Tensor):
-        """Per-patch (frame segment, row, column) in the processor's block-major patch order."""
-        batch, time = image_grid_thw.shape[0], image_grid_thw.shape[1]
-        grid_h, grid_w = image_grid_thw.shape[2], image_grid_thw.shape[3]
-        merge = self.merge
-        patches_per_frame = grid_h * grid_w
-        patch = torch.arange(batch * time * patches_per_frame)
-        frame = patch // patches_per_frame
-        local = patch % patches_per_frame
-        token, inner = local // (merge * merge), local % (merge * merge)
-        merged_w = grid_w // merge
-        row = (token // merged_w) * merge + inner // merge
-        col = (token % merged_w) * merge + inner % merge
-        ones = torch.ones_like(patch)
-        return frame, row, col, ones * grid_h, ones * grid_w
+        """Per-patch (frame segment, row, column, grid_h, grid_w): :func:`block_major_grid`."""
+        return block_major_grid(image_grid_thw, self.merge)
 
     def _position_table(self, row, col, heights, widths) -> torch.Tensor:
         """The learned square position table resampled to each patch's (row, column)."""
