@@ -1,9 +1,5 @@
 """GLM-4.1V's own token math and positions against transformers' processor and ``get_rope_index``.
 
-The family is not registered at import yet (no pinned config, see its package docstring): this
-file runs when :mod:`tests.test_glm4v_registered` registers it in a subprocess, and is skipped in
-a session without it.
-
 The registry suites (parity, chunking, batching, deployments) cover the programs; these check the
 host arithmetic the family writes itself on sizes the suites do not use: images smaller than one
 28-pixel token side, past the processor's pixel budget, extreme aspect ratios, and two images of
@@ -17,12 +13,9 @@ import pytest
 import torch
 
 from qeff_vision.errors import UserError
-from qeff_vision.families import all_families, get_family
+from qeff_vision.families import get_family
 from qeff_vision.families.base import ImageSize, describe_checkpoint
 from tests import helpers
-
-if "glm4v" not in {family.name for family in all_families()}:
-    pytest.skip("run by tests/test_glm4v_registered.py with the family registered", allow_module_level=True)
 
 FAMILY = get_family("glm4v")
 SIZES = [(20, 30), (100, 150), (224, 224), (300, 120), (27, 600), (700, 640), (33, 34)]

@@ -13,16 +13,9 @@ Ref: transformers v5 models/glm4v (``Glm4vForConditionalGeneration``).
   (s, s + row, s + column) and resumes text at s + max(h, w), Qwen2-VL's rule; the text model
   takes [4, batch, seq] positions (row 0 the text slot).
 
-NOT REGISTERED at import (issue 51 part 4): the package is complete and, registered, passes the
-parity suite (``tests/test_glm4v_family.py`` registers it in a subprocess and runs
-``tests/test_family_parity.py``, its own host tests and ``tests/test_static_shapes.py`` for it), but
-GLM-4.1V-9B-Thinking's published ``config.json`` is not pinned under ``specs/configs`` (not found
-verbatim in the stored sources), so the family has no spec, and the registry suites that read
-every family's spec or pinned config fail for it (``test_chunk_rules``, ``test_cb_single_request``,
-``test_qefficient_names``, ``test_state_declared_once``, ``test_vllm_handoff``,
-``test_real_width_builder``; ``spec/activation_estimate.blocked_towers`` raises at collection of
-``test_blocked_attention``). Once the config is pinned with a spec under ``specs/glm4v/``, replace
-:func:`register_glm4v` by the usual ``register(...)`` line.
+Registered at import like every family; its spec(s) under ``specs/glm4v/`` read the pinned config
+``specs/configs/GLM-4.1V-9B-Thinking/`` (DERIVED from transformers' ``Glm4vConfig`` defaults, which
+are documented as this checkpoint's, see specs/configs/README.md).
 """
 
 from __future__ import annotations
@@ -225,6 +218,4 @@ def _export_adapter():
     return Adapter
 
 
-def register_glm4v() -> type[Glm4v]:
-    """Add GLM-4.1V to the family registry (see the module note: not done at import yet)."""
-    return register(Glm4v, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)
+register(Glm4v, host=_host, adapter=_export_adapter, tiny=write_tiny_checkpoint)
