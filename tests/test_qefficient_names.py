@@ -41,7 +41,12 @@ QEFFICIENT_VISION = {
     "kimi_k25": {"pixel_values": {0: "num_patches"}, "h_shape": {0: "h"}, "w_shape": {0: "w"}},
     "mistral3": {"pixel_values": {0: B, 2: "image_size", 3: "image_size"}},
     **{name: QWEN_VISION for name in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")},
+    # QEfficient has no GLM-4.1V; its GLM-OCR (QEfficient/transformers/models/glm_ocr, the same
+    # patch tower and 4-row M-RoPE positions) is the nearest table.
+    "glm4v": {"pixel_values": {0: "grid_height", 1: "grid_width"}, "image_grid_thw": {0: B}},
 }
+#: Families whose position_ids are [rows, batch_size, seq_len] in QEfficient's tables (M-RoPE).
+M_ROPE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v")
 #: Family -> {our vision input: why it differs from QEfficient's on purpose}.
 DELIBERATE = {
     "mistral3": {"pixel_values": "image_height / image_width: any aspect ratio (QEfficient: image_size)"},
@@ -49,6 +54,11 @@ DELIBERATE = {
         "image_sizes": "[batch_size, 2] as the processor returns it and the plugin sends it; QEfficient "
         "names its axes image_size_height / image_size_width, and its trace reads the values as "
         "constants of the 1109x1610 example, where ours reads them in the graph",
+    },
+    "glm4v": {
+        "image_grid_thw": "[batch_size, time, grid_h, grid_w]: the grid rides on the shape, "
+        "QEfficient's Qwen-VL layout, so one graph serves every resolution; QEfficient's GLM-OCR "
+        "reads the grid with .item() at trace time and compiles the example's resolution only",
     },
 }
 LANGUAGE_ROWS = ("input_ids", "position_ids", "vision_embeds", "batch_index")
@@ -59,7 +69,7 @@ RANK_2_VISION_ROWS = ("mistral3", "llama4")
 
 def _qefficient_language(name: str) -> dict[str, dict[int, str]]:
     """QEfficient's language axes of the rows every token-merge family shares (continuous batching)."""
-    positions = {1: B, 2: S} if name.startswith("qwen") else {0: B, 1: S}
+    positions = {1: B, 2: S} if name in M_ROPE else {0: B, 1: S}
     vision = {0: "vision_batch_size", 1: "vision_size"}
     if name == "internvl":
         vision = {1: "vision_size"}  # axis 0 fixed at 1; ours binds vision_batch_size 1

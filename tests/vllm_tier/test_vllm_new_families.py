@@ -1,8 +1,10 @@
-"""Kimi-K2.5 and Molmo2 through the real vLLM 0.23.0 + vllm-qaic: why neither is served (issue 41).
+"""Kimi-K2.5, Molmo2 and GLM-4.1V through the real vLLM 0.23.0 + vllm-qaic: why none is served.
 
 vLLM 0.23 registers ``KimiK25ForConditionalGeneration`` and ``Molmo2ForConditionalGeneration``,
 both written against the published checkpoints' remote-code configs and processors; the plugin
-snapshot has no code for either. Each case compiles the tiny checkpoint's one-image artifact as
+snapshot has no code for either (issue 41). It has none for GLM-4.1V either (issue 51): vLLM 0.23
+registers ``Glm4vForConditionalGeneration``, but the plugin's M-RoPE positions come from a
+registry of Qwen-VL model types only. Each case compiles the tiny checkpoint's one-image artifact as
 test_vllm_serving.py does and serves it; the engine stops before any request reaches the device,
 and the test asserts the exact reason, so the day vLLM (or its transformers) changes, this turns
 red. Kimi-K2.5 is tried twice: with transformers' architecture name our config carries, and with the
@@ -25,6 +27,8 @@ CASES = {
     "kimi_k25": prepare.Case("kimi_k25", 8, (100, 150)),
     # Every Molmo2 image token attends to every other one: the bucket holds the whole image.
     "molmo2": prepare.Case("molmo2", 64, (60, 60), whole_images=True),
+    # 4 x 5 merged 28-pixel cells: 20 image tokens over several 8-token chunks.
+    "glm4v": prepare.Case("glm4v", 8, (100, 150)),
 }
 PUBLISHED_KIMI = "KimiK25ForConditionalGeneration"
 # (family, architecture written into the artifact's config or None) -> (reason, the log's sign).
