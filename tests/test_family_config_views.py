@@ -21,6 +21,7 @@ FAMILIES_DIR = ROOT / "qeff_vision" / "families"
 REQUIRED = {
     "gemma3": "vision_config.image_size",
     "gemma4": "text_config.hidden_size",
+    "glm4v": "image_token_id",
     "internvl": "image_token_id",
     "kimi_k25": "text_config.kv_lora_rank",
     "llama4": "vision_config.image_size",
