@@ -51,6 +51,14 @@ NOT_SERVED = {
         "before the plugin loads anything; the plugin has no Molmo2 code either",
         "has model type `molmo2` but Transformers does not recognize this architecture",
     ),
+    ("glm4v", None): (
+        "vLLM 0.23 registers Glm4vForConditionalGeneration and the engine starts, but at the first "
+        "request (the pooling instance's encode) vLLM's model runner asks the plugin for the "
+        "prompt's M-RoPE positions, and the plugin takes them from a registry of Qwen-VL model "
+        "types only (QaicMultiModal._MROPE_CLASS_REGISTRY): a ValueError before any call reaches "
+        "the device",
+        "Unsupported model type for MRoPE: 'glm4v'",
+    ),
 }
 
 
