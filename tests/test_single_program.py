@@ -1,7 +1,7 @@
 """``deployment: single``: one program holding the encoder, each image encoded once, vs transformers.
 
 Per enabled family of the token-merge kind (llava, gemma3, internvl, llava_next, llama4, mistral3,
-qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, gemma4), on the session's tiny export:
+qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, qwen3_5_moe, gemma4, glm4v), on the session's tiny export:
 the composed graph (``compile/single_program.py``) against the dual pair (the encode branch's
 retained rows equal the vision program's, logits equal the language program's on those rows; the
 keep branch returns the buffer unchanged); chunked runs of two images token-identical to
@@ -43,7 +43,7 @@ from tests.compile_fixtures import REPO
 from tests.family_runtime import CTX_LEN, NEW_TOKENS, FamilyRuntime
 
 QWEN = ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
-FAMILIES = ["llava", "gemma3", "internvl", "llava_next", "llama4", "mistral3", *QWEN, "gemma4"]
+FAMILIES = ["llava", "gemma3", "internvl", "llava_next", "llama4", "mistral3", *QWEN, "gemma4", "glm4v"]
 # 8- and 16-token chunks cut an image (Gemma 3's bidirectional images never are).
 SEQ_LENS = {
     "llava": (8,),
@@ -52,15 +52,15 @@ SEQ_LENS = {
     "llava_next": (16,),
     "llama4": (16,),
     "mistral3": (8,),
-    **dict.fromkeys([*QWEN, "gemma4"], (16,)),
+    **dict.fromkeys([*QWEN, "gemma4", "glm4v"], (16,)),
 }
 MAX_IMAGES = 2
 # One encode call takes images of one size: LLaVA-NeXT's images share the tile and feature grids,
 # Mistral 3's the pixel grid (their shapes are graph symbols). Two images of different sizes are
 # then two encode calls in the first chunk, each writing its rows from its image_idx. So are the
 # patch sequences': Qwen-VL's grid graph reads one grid from image_grid_thw's shape, Gemma 4's
-# [n, max_patches, patch_dim] batch shares one patch count.
-ONE_SIZE_PER_CALL = {"llava_next", "mistral3", *QWEN, "gemma4"}
+# [n, max_patches, patch_dim] batch shares one patch count. GLM-4.1V's grid rides as Qwen-VL's.
+ONE_SIZE_PER_CALL = {"llava_next", "mistral3", *QWEN, "gemma4", "glm4v"}
 
 
 def _pair(runtime: FamilyRuntime, one_call: bool = False) -> tuple[tuple[int, int], tuple[int, int]]:
