@@ -224,9 +224,9 @@ class Generator(ImageEncoding, PrefixKeeping):
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
         feeds, may_alias = self.supply_states(feeds, past)
-        if in_place and may_alias and past:
-            return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
-        return self._run(feeds, past)
+        retained = self.io.retained_outputs()
+        feeds = self._with_kv_slot(feeds)
+        return self.backend.call(self.language, feeds, past, retained, in_place and may_alias)
 
     def call_ccl(self, feeds: Mapping[str, np.ndarray]) -> int | None:
         """The compute-context length the call with ``feeds`` attends (None without CCL specializations)."""
@@ -252,15 +252,6 @@ class Generator(ImageEncoding, PrefixKeeping):
         cross-attention kind writes a request's cross states into its slot of the cache.)
         """
         return feeds, True
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One language call; ``past``'s entries are replaced by the returned caches.
-
-        A device keeps retained inputs resident: what ``past`` sent is dropped from it (sent once).
-        """
-        outputs = self.language.run({**self._with_kv_slot(feeds), **past})
-        self.backend.keep_returned(past, outputs, self.io.retained_outputs())
-        return outputs
 
     def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``feeds`` plus ``batch_index`` 0 when a continuous-batching program is given no slot.
@@ -384,8 +375,8 @@ class Generator(ImageEncoding, PrefixKeeping):
         if positions is None:
             positions = self.host.prompt_positions(processed)
         text = np.asarray(positions if self.position_rows is None else positions[0]).reshape(-1)[start:]
-        past = np.flatnonzero(text >= self.shape.prefill_limit)
-        return int(past[0]) if len(past) else None
+        beyond = np.flatnonzero(text >= self.shape.prefill_limit)
+        return int(beyond[0]) if len(beyond) else None
 
     @property
     def engine(self) -> BatchedEngine:
