@@ -252,10 +252,37 @@ def test_ccl_generation_matches_the_run_without_ccl(family, ccl_exported, export
     assert max(np.abs(a - b).max() for a, b in zip(result.logits, without.logits)) <= 1e-4
     # Prefill: the first chunk fits 64 slots, later ones need 224; decode switches 128 -> 256.
     prefill_calls = len(result.chunks)
-    assert with_ccl.ccl_history[:prefill_calls] == [64] + [224] * (prefill_calls - 1)
-    decode = with_ccl.ccl_history[prefill_calls:]
+    assert result.ccl_history[:prefill_calls] == [64] + [224] * (prefill_calls - 1)
+    decode = result.ccl_history[prefill_calls:]
     assert decode[0] == 128 and decode[-1] == 256 and decode == sorted(decode)
-    assert plain.ccl_history == []
+    assert without.ccl_history == []
+
+
+def test_ccl_history_is_each_request_own(ccl_exported, hf_model):
+    """Issue 51: the CCL of each call is the request's, not the runner's (no per-call data on it).
+
+    Two lone requests through one generator, then two requests sharing one engine run: each
+    result lists exactly its own calls (prefill chunks, then one per decode step), an earlier
+    result is not touched by a later request, and the generator keeps no history at all.
+    """
+    from qeff_vision.runtime.engine import BatchedEngine
+    from qeff_vision.runtime.request_state import EngineRequest
+
+    generator = _generator(ccl_exported("qwen2_5_vl"), ccl=True)
+    _, processor = hf_model("qwen2_5_vl")
+    processed = helpers.as_numpy(_prompt(processor, "qwen2_5_vl"))
+    first = generator.generate(processed, max_new_tokens=NEW_TOKENS)
+    kept = list(first.ccl_history)
+    second = generator.generate(processed, max_new_tokens=3)
+    assert first.ccl_history == kept and first.ccl_history is not second.ccl_history
+    for result in (first, second):
+        assert len(result.ccl_history) == len(result.chunks) + len(result.tokens) - 1
+    assert second.ccl_history == kept[: len(second.ccl_history)]  # the same prompt, its own calls
+    assert not hasattr(generator, "ccl_history")
+    engine = BatchedEngine(generator, full_batch_size=2)
+    report = engine.run([EngineRequest(processed, NEW_TOKENS, 0), EngineRequest(processed, 3, 1)])
+    long, short = (request.result for request in report.requests)
+    assert long.ccl_history == kept and short.ccl_history == second.ccl_history
 
 
 TAIL_NEW_TOKENS = 8
@@ -298,7 +325,7 @@ def test_a_prompt_past_the_last_prefill_ccl_is_served_through_decode_shaped_call
     tail = [record for record in result.chunks if record.seq_len == 1]
     assert len(tail) == last - PREFILL_CCLS[-1] + 1 and all(record.rows == 0 for record in tail)
     prefill_calls = len(result.chunks) - len(tail)
-    history = generator.ccl_history
+    history = result.ccl_history
     assert max(history[:prefill_calls]) == PREFILL_CCLS[-1]
     assert history[prefill_calls : len(result.chunks)] == [512] * len(tail)  # the decode CCL above 480
 

@@ -234,14 +234,13 @@ def test_five_staggered_requests_with_compute_context_lengths(name, layout):
     decode_ccls = (96, 112, 128, 512)
     shape = LanguageShape(buckets, max(SEQ_LENS), 512, (64, 128, 512), decode_ccls)
     generator = Generator(runtime.checkpoint, runtime.vision, runtime.language, shape)
-    with generator.recording_ccl():  # the engine records CCLs only when asked
-        requests, report = run_five(runtime, generator)
+    requests, report = run_five(runtime, generator)
     assert report.batched and report.full_batch_size == SLOTS and max(report.decode_batches) >= 2
     check_against_transformers(runtime, requests, report)
     fifth = report.requests[4]
     assert any(r.slot == fifth.slot and r.finished_step < fifth.admitted_step for r in report.requests[:4])
     # Calls used prefill CCLs (64, 128, 512) and decode-only ones (96, 112): the decode CCL grew.
-    used = set(generator.ccl_history)
+    used = {ccl for request in report.requests for ccl in request.result.ccl_history}
     assert used <= {64, 96, 112, 128, 512} and len(used & {96, 112}) >= 1, used
 
 
@@ -571,3 +570,28 @@ def load_reference(runtime: FamilyRuntime, processed) -> np.ndarray:
     from qeff_vision.exporter import load_adapter
 
     return load_adapter(get_family(FAMILY)).hf_image_features(runtime.model, processed)[0].numpy()
+
+
+def test_declared_data_gives_the_last_full_layer_and_per_layer_shapes():
+    """No override reads them: ``last_layer_type`` forces the last layer full, the states carry shapes.
+
+    The pinned E2B config with its last layer listed as sliding reads as transformers'
+    ``Gemma4TextConfig`` does (last layer full); every own-cache state has its layer's KV heads and
+    head dim, so the full layers' wider head needs no symbol of the family's own.
+    """
+    config_path = Path(__file__).resolve().parents[1] / "specs" / "configs" / "gemma-4-E2B-it" / "config.json"
+    pinned = describe_checkpoint(config_path.parent, config_path)
+    text = dict(pinned.config["text_config"])
+    text["layer_types"] = [*text["layer_types"][:-1], "sliding_attention"]
+    edited = ModelDescription({**pinned.config, "text_config": text}, pinned.processor)
+    family = get_family(FAMILY)
+    for model in (pinned, edited):
+        types = family.layer_types(model)
+        assert types[-1] == "full_attention" and types == list(family.config(model).layer_types)
+        view, states = family.config(model), family.layer_caches(model)
+        for layer, state in enumerate(states):
+            if state.reads is None:
+                assert (state.kv_heads, state.head_dim) == (view.kv_heads[layer], view.head_dims[layer])
+        widths = {state.head_dim for state in states if state.reads is None}
+        assert len(widths) == 2, widths  # sliding and full layers differ (head_dim 256, global 512)
+        assert family.language_symbols(model) == {}

@@ -5,7 +5,9 @@ Read from the source (AST), so a new subclass, branch or table anywhere in qeff_
 - no class in qeff_vision/runtime overrides the language call ``step`` (one class defines it);
 - no code outside the backend objects branches on which backend it has: no comparison of a
   ``backend`` value or a backend name, and a program's ``retains_state`` is read only by
-  :func:`qeff_vision.runtime.backends.backend_of`;
+  :func:`qeff_vision.runtime.backends.backend_of`; nor does it tell them apart by duck typing
+  on the retained state ``past`` (a device empties it): no ``past.get``, no ``len(past)``, no
+  truthiness test of ``past``;
 - what a deployment mode is lives in one table (:data:`qeff_vision.contract.deployment_programs.MODES`):
   nothing else compares a mode or program name or keys a mapping by one.
 """
@@ -84,6 +86,64 @@ def test_no_backend_branch_outside_the_backend_objects():
             elif isinstance(node, ast.Constant) and node.value == "retains_state":
                 branches.append(_where(path, node))  # getattr(program, "retains_state")
     assert branches == []
+
+
+#: Names of the retained-state mapping a call sends (``past``; the slots' ``self.past``).
+STATE_NAMES = {"past"}
+
+
+def _is_state(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id in STATE_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr in STATE_NAMES
+    )
+
+
+def _duck_typed_backend_checks(tree: ast.AST) -> list[ast.AST]:
+    """Nodes that ask the retained state whether the host holds it (what only the backend knows)."""
+    found = []
+    for node in ast.walk(tree):
+        tests: list[ast.AST] = []
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            tests.append(node.test)
+        elif isinstance(node, ast.BoolOp):
+            tests.extend(node.values)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            tests.append(node.operand)
+        elif isinstance(node, ast.comprehension):
+            tests.extend(node.ifs)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "get" and _is_state(func.value):
+                found.append(node)  # past.get(name): absent only when the device holds it
+            elif isinstance(func, ast.Name) and func.id == "len" and any(map(_is_state, node.args)):
+                found.append(node)
+        found.extend(test for test in tests if _is_state(test))
+    return found
+
+
+def test_no_duck_typed_backend_check_outside_the_backend_objects():
+    checks = [
+        _where(path, node)
+        for path, tree in _sources()
+        if path not in BACKEND_OBJECTS
+        for node in _duck_typed_backend_checks(tree)
+    ]
+    assert checks == []
+
+
+def test_the_duck_typed_check_is_caught():
+    """The patterns the grep looks for are found (the cross-attention runner's former check among them)."""
+    former = """
+held = past.get(name)
+if held is None:
+    pass
+if in_place and may_alias and past:
+    pass
+n = len(self.past)
+ok = not past
+"""
+    assert len(_duck_typed_backend_checks(ast.parse(former))) == 4
+    assert _duck_typed_backend_checks(ast.parse("past[name] = value\nfor key in past: pass")) == []
 
 
 def test_every_backend_has_its_objects():

@@ -59,6 +59,8 @@ class FamilyConfig:
             required.
         image_token_default: Default of the image placeholder id when the config omits it (None:
             the id is required).
+        last_layer_type: The attention type the model's config class forces on the last decoder
+            layer whatever ``layer_types`` lists (Gemma 4: ``full_attention``); None: as listed.
     """
 
     name: str
@@ -71,6 +73,7 @@ class FamilyConfig:
     text_defaults: Mapping[str, Any] = {}
     text_defaults_source: str = ""
     image_token_default: int | None = None
+    last_layer_type: str | None = None
 
     def config_view(self, model: ModelDescription) -> ConfigView:
         """The typed view of ``model``'s configs: text and vision geometry, the defaults used."""
@@ -108,6 +111,7 @@ class FamilyConfig:
                 self.text_defaults,
                 self.text_defaults_source,
                 self.default_layer_types,
+                self.last_layer_type,
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise UserError(f"{model.source}: unusable {self.title} config value ({exc})") from None

@@ -151,6 +151,7 @@ def read_text_geometry(
     defaults: Mapping[str, Any] | None = None,
     source: str = "",
     layer_types: Callable[[Section, int], Sequence[str]] | None = None,
+    last_layer_type: str | None = None,
 ) -> TextGeometry:
     """Read the text geometry from the merged text config ``text``.
 
@@ -163,6 +164,8 @@ def read_text_geometry(
         source: Whose defaults those are, for the notes.
         layer_types: The family's rule for layer types when the config lists none (all full
             attention otherwise).
+        last_layer_type: The type the model's config class forces on the last layer, listed or
+            not (None: the types are read as they are).
     """
     section = reader.section(text, path)
     defaults = defaults or {}
@@ -189,6 +192,8 @@ def read_text_geometry(
         types = tuple(layer_types(section, layers))
     else:
         types = (FULL_ATTENTION,) * layers
+    if last_layer_type is not None and types:
+        types = (*types[:-1], last_layer_type)
     window = (
         derived("sliding_window", 0) if "sliding_window" in defaults else section.optional("sliding_window")
     )

@@ -11,7 +11,9 @@ modes and the artifact loader ask the backend object and never test which backen
 question                  onnxruntime session                    device runtime (``qaicrt``)
 ========================  =====================================  ==============================
 host-held state           made (zero caches, decode rows)        none
+a call                    ``past`` sent, may be updated in place ``past`` sent once, then emptied
 after a call              the returned state replaces ``past``   ``past`` emptied (resident)
+state a call supplies     written into the host's ``past``       sent as an input (one slot only)
 several host slots        yes                                    one resident cache: refused
 a kept turn still held    always                                 only if nothing ran since
 KV moved between programs the host copies it                     the serving stack's: refused
@@ -58,6 +60,44 @@ class HostSession:
         """``past``'s entries replaced by the call's returned state (``retained``: input -> output)."""
         for name in list(past):
             past[name] = outputs[retained[name]]
+
+    def call(
+        self,
+        program: Any,
+        feeds: Mapping[str, np.ndarray],
+        past: State,
+        retained: Mapping[str, str],
+        in_place: bool,
+    ) -> dict[str, np.ndarray]:
+        """One call of ``program`` over the host's ``past``, which then holds the returned state.
+
+        ``in_place``: ``past``'s own arrays may take the new state (a cache nobody else holds,
+        :meth:`~qeff_vision.runtime.session.CompiledProgram.run_retained`); otherwise its entries
+        are replaced by new arrays.
+        """
+        if in_place and past:
+            return program.run_retained(feeds, past, retained)
+        outputs = program.run({**feeds, **past})
+        self.keep_returned(past, outputs, retained)
+        return outputs
+
+    def supply_state(
+        self,
+        feeds: State,
+        past: State,
+        name: str,
+        value: np.ndarray,
+        place: Callable[[np.ndarray], np.ndarray],
+        slots: int,
+        what: str,
+    ) -> None:
+        """State a call supplies beside the cache (``value`` of ``name``) goes into the host's copy.
+
+        ``place(held)`` returns the new array from the held one (the decoder kind writes
+        ``value`` into the request's slot); ``feeds``, ``slots`` and ``what`` are the device's
+        concern.
+        """
+        past[name] = place(past[name])
 
     def check_slots(self, full_batch_size: int) -> None:
         """Any number of host caches, one per slot."""
@@ -115,6 +155,42 @@ class DeviceRuntime:
     ) -> None:
         """``past`` emptied: what it sent is resident on the device from now on (sent once)."""
         past.clear()
+
+    def call(
+        self,
+        program: Any,
+        feeds: Mapping[str, np.ndarray],
+        past: State,
+        retained: Mapping[str, str],
+        in_place: bool,
+    ) -> dict[str, np.ndarray]:
+        """One call of ``program``; what ``past`` holds is sent once and is resident from then on."""
+        outputs = program.run({**feeds, **past})
+        self.keep_returned(past, outputs, retained)
+        return outputs
+
+    def supply_state(
+        self,
+        feeds: State,
+        past: State,
+        name: str,
+        value: np.ndarray,
+        place: Callable[[np.ndarray], np.ndarray],
+        slots: int,
+        what: str,
+    ) -> None:
+        """State a call supplies (``value`` of ``name``) is sent as an input (the buffer is one slot).
+
+        Raises:
+            UserError: The program has several slots (``slots``): writing one slot of a resident
+                buffer is not supported; ``what`` names the state.
+        """
+        if slots > 1:
+            raise UserError(
+                f"a device-resident continuous-batching program cannot take one request's {what} "
+                "into its slot yet; serve it on onnxruntime"
+            )
+        feeds[name] = value
 
     def check_slots(self, full_batch_size: int) -> None:
         """One resident cache: a program without ``batch_index`` serves one request at a time.

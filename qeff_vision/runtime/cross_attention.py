@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -258,28 +259,31 @@ class CrossAttentionGenerator(Generator):
         feeds = dict(feeds)
         supplied = {name: feeds.pop(name) for name in self.cross_names if name in feeds}
         slot_name = self.io.name(Role.KV_SLOT) if self.io.has(Role.KV_SLOT) else None
+        # A device-resident buffer is the one slot unless the program has several.
+        slots = self._slots() if slot_name is not None and self.language.specializations else 1
         for name, states in supplied.items():
-            held = past.get(name)
-            if held is None:  # resident on the device: send them, if the buffer is this one slot
-                if slot_name is not None and self.language.specializations and self._slots() > 1:
-                    raise UserError(
-                        "a device-resident continuous-batching program cannot take one request's "
-                        "cross-attention states into its slot yet; serve it on onnxruntime"
-                    )
-                feeds[name] = states
-                continue
-            if slot_name not in feeds:  # a single-sequence cache: the request's states replace it
-                past[name] = states
-                continue
-            if states.shape[2] != held.shape[2]:
-                raise UserError(
-                    f"{states.shape[2] // self._rows_per_image()} images in the request; the "
-                    f"programs were compiled for at most {held.shape[2] // self._rows_per_image()}"
-                )
-            held = held.copy()
-            held[feeds[slot_name].reshape(-1)] = states
-            past[name] = held
+            place = partial(self._placed, states, None if slot_name is None else feeds.get(slot_name))
+            self.backend.supply_state(feeds, past, name, states, place, slots, "cross-attention states")
         return feeds, False
+
+    def _placed(self, states: np.ndarray, slot: np.ndarray | None, held: np.ndarray) -> np.ndarray:
+        """The host cache's ``held`` cross states with the request's ``states`` in its ``slot``.
+
+        Without a slot (a single-sequence cache) the request's states replace it.
+
+        Raises:
+            UserError: More images than the buffers' image slots.
+        """
+        if slot is None:
+            return states
+        if states.shape[2] != held.shape[2]:
+            raise UserError(
+                f"{states.shape[2] // self._rows_per_image()} images in the request; the "
+                f"programs were compiled for at most {held.shape[2] // self._rows_per_image()}"
+            )
+        held = held.copy()
+        held[slot.reshape(-1)] = states
+        return held
 
     def _slots(self) -> int:
         return max(int(s.get(symbols.FULL_BATCH_SIZE, 1)) for s in self.language.specializations)

@@ -324,6 +324,7 @@ class BatchedEngine:
             protocol=state.plan.protocol.value,
             images_encoded=state.images_encoded,
             vision_input=self.generator.vision_input,
+            ccl_history=state.ccl_history,
         )
         return RequestResult(
             number=state.number,
@@ -349,6 +350,7 @@ class BatchedEngine:
                 # A replayed token's output is discarded: it takes no draw of the request's.
                 draws = used_draws(state.draws, used=False)
                 self.slots.decode({slot: (token, position, history.decode_feeds, draws)})
+                state.called(self.generator.ccl_at(True, [position]))
         # Images are prepared now and encoded when a chunk first needs them.
         state.chunks = self.generator.request_chunks(state)
 
@@ -377,11 +379,14 @@ class BatchedEngine:
             positions = call.feeds[generator.io.name(Role.POSITIONS)]
             rows, _ = self.slots.decode({state.slot: (token, positions, state.decode_extra, draws)})
             row = rows[state.slot]
+            state.called(generator.ccl_at(True, [positions]))
         else:
             for feeds in call.before:
                 self.slots.prefill(state.slot, feeds)
+                state.called(generator.call_ccl(feeds))
             # The on-device sampler's inputs (if any) are this request's: a chunk is one row.
             outputs = self.slots.prefill(state.slot, generator.with_sampler_inputs(call.feeds, [draws]))
+            state.called(generator.call_ccl(call.feeds))
             generator.check_chunk_outputs(chunk, outputs)
             row = last_rows(outputs, generator.logits_name)[0]  # logits, or the device's token
         state.records.append(
@@ -417,6 +422,13 @@ class BatchedEngine:
             for state in running
         }
         logits, sent = self.slots.decode(tokens)
+        # One call serves every row of a batched cache (its length covers them all), else one
+        # call per slot.
+        together = [row[1] for row in tokens.values()]
+        for state in running:
+            state.called(
+                self.generator.ccl_at(True, together if self.slots.batched else [tokens[state.slot][1]])
+            )
         report.decode_batches.append(len(running))
         report.vision_bytes += sent
         finished = []
@@ -454,6 +466,7 @@ class BatchedEngine:
             images_encoded=state.images_encoded,
             vision_input=generator.vision_input,
             continuation=continuation,
+            ccl_history=state.ccl_history,
         )
         return RequestResult(
             number=state.number,

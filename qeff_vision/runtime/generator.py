@@ -11,7 +11,6 @@ conversation's turn prefills only what follows the prefix the language program a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -127,10 +126,8 @@ class Generator(ImageEncoding, PrefixKeeping):
         self.logits_name = None if self.device_sampler else self.io.name(Role.LOGITS, output=True)
         #: Caches a kept prefix cannot roll back (window rings, recurrent states).
         self._unpositioned = unpositioned_caches(self.io)
-        #: The compute-context length of each language call in the last :meth:`recording_ccl` block
-        #: (each generate() is one); empty without CCL specializations.
-        self.ccl_history: list[int] = []
-        self._recording_ccl = False
+        # One zero array per compute-context length (a bound input stays bound); which length each
+        # call used is its request's (RequestState.ccl_history), never kept here.
         self._ccl_feeds: dict[int, np.ndarray] = {}
         #: Patch-bucket mode: the vision specializations (symbol values), smallest bucket first;
         #: the encoder packs images into them. None: one program per resolution.
@@ -219,22 +216,32 @@ class Generator(ImageEncoding, PrefixKeeping):
         Returns:
             The program's outputs by name (logits, ``image_idx_output``, the retained caches).
         """
-        positions = feeds[self.io.name(Role.POSITIONS)]
-        text_positions = positions if self.position_rows is None else positions[0]
-        decode = feeds[self.io.name(Role.TOKEN_IDS)].shape[1] == 1
-        ccl = self.shape.comp_ctx_length(decode, int(text_positions.max()))
+        ccl = self.call_ccl(feeds)
         if ccl is not None:
             # Attention reads the first `ccl` slots: every position written so far (QEfficient feeds
             # a zero vector of that length; only its shape matters).
             if ccl not in self._ccl_feeds:  # one array per length, so a bound input stays bound
                 self._ccl_feeds[ccl] = np.zeros(ccl, np.int64)
             feeds = {**feeds, self.io.name(Role.COMP_CTX_LENGTHS): self._ccl_feeds[ccl]}
-            if self._recording_ccl:
-                self.ccl_history.append(ccl)
         feeds, may_alias = self.supply_states(feeds, past)
-        if in_place and may_alias and past:
-            return self.language.run_retained(self._with_kv_slot(feeds), past, self.io.retained_outputs())
-        return self._run(feeds, past)
+        retained = self.io.retained_outputs()
+        feeds = self._with_kv_slot(feeds)
+        return self.backend.call(self.language, feeds, past, retained, in_place and may_alias)
+
+    def call_ccl(self, feeds: Mapping[str, np.ndarray]) -> int | None:
+        """The compute-context length the call with ``feeds`` attends (None without CCL specializations)."""
+        decode = feeds[self.io.name(Role.TOKEN_IDS)].shape[1] == 1
+        return self.ccl_at(decode, [feeds[self.io.name(Role.POSITIONS)]])
+
+    def ccl_at(self, decode: bool, positions: Sequence[np.ndarray]) -> int | None:
+        """The compute-context length of a prefill or ``decode`` call whose rows have ``positions``.
+
+        One rule for :meth:`step` and the engine, which books each call's length to the requests
+        it served (:attr:`RequestState.ccl_history
+        <qeff_vision.runtime.request_state.RequestState.ccl_history>`).
+        """
+        text = (rows if self.position_rows is None else rows[0] for rows in positions)
+        return self.shape.comp_ctx_length(decode, max(int(np.max(rows)) for rows in text))
 
     def supply_states(
         self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]
@@ -245,15 +252,6 @@ class Generator(ImageEncoding, PrefixKeeping):
         cross-attention kind writes a request's cross states into its slot of the cache.)
         """
         return feeds, True
-
-    def _run(self, feeds: dict[str, np.ndarray], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One language call; ``past``'s entries are replaced by the returned caches.
-
-        A device keeps retained inputs resident: what ``past`` sent is dropped from it (sent once).
-        """
-        outputs = self.language.run({**self._with_kv_slot(feeds), **past})
-        self.backend.keep_returned(past, outputs, self.io.retained_outputs())
-        return outputs
 
     def _with_kv_slot(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``feeds`` plus ``batch_index`` 0 when a continuous-batching program is given no slot.
@@ -377,8 +375,8 @@ class Generator(ImageEncoding, PrefixKeeping):
         if positions is None:
             positions = self.host.prompt_positions(processed)
         text = np.asarray(positions if self.position_rows is None else positions[0]).reshape(-1)[start:]
-        past = np.flatnonzero(text >= self.shape.prefill_limit)
-        return int(past[0]) if len(past) else None
+        beyond = np.flatnonzero(text >= self.shape.prefill_limit)
+        return int(beyond[0]) if len(beyond) else None
 
     @property
     def engine(self) -> BatchedEngine:
@@ -420,30 +418,16 @@ class Generator(ImageEncoding, PrefixKeeping):
                 compiled buckets (:class:`PlanError`), or a shape was not compiled
                 (:class:`ShapeMismatch`).
         """
-        with self.recording_ccl():
-            return self.engine.generate(
-                processed,
-                max_new_tokens,
-                protocol,
-                on_token,
-                keep_logits,
-                sampling,
-                history=history,
-                keep_prefix=keep_prefix,
-            )
-
-    @contextlib.contextmanager
-    def recording_ccl(self) -> Iterator[list[int]]:
-        """Record each language call's compute-context length in :attr:`ccl_history` (emptied first).
-
-        Only inside such a block (:meth:`generate` opens one): a served stream keeps nothing per call.
-        """
-        self.ccl_history = []
-        self._recording_ccl = True
-        try:
-            yield self.ccl_history
-        finally:
-            self._recording_ccl = False
+        return self.engine.generate(
+            processed,
+            max_new_tokens,
+            protocol,
+            on_token,
+            keep_logits,
+            sampling,
+            history=history,
+            keep_prefix=keep_prefix,
+        )
 
     def initial_cache(self, request: RequestState) -> dict[str, np.ndarray]:
         """The cache a lone request starts from: its history's, else fresh with a kept prefix's caches."""

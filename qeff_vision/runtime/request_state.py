@@ -161,6 +161,9 @@ class RequestState:
         self.logits: list[np.ndarray] = []
         self.records: list[ChunkRecord] = []
         self.decode_batches: list[int] = []
+        #: The compute-context length of every language call that served this request, in order
+        #: (empty without CCL specializations): the request's, never the runner's.
+        self.ccl_history: list[int] = []
         self._decode_base: np.ndarray | None = None
         self._affine = False
 
@@ -173,6 +176,11 @@ class RequestState:
             # that does not is asked every step.
             self._affine = np.array_equal(host.decode_positions(self.positions, 1), self._decode_base + 1)
         return self._decode_base + step if self._affine else host.decode_positions(self.positions, step)
+
+    def called(self, ccl: int | None) -> None:
+        """A language call served this request at compute-context length ``ccl`` (None: no CCLs)."""
+        if ccl is not None:
+            self.ccl_history.append(ccl)
 
     def emit(self, logits: np.ndarray, keep_logits: bool, eos: set[int]) -> bool:
         """Choose and record the next token from its logits row; True when the request is complete.

@@ -68,6 +68,8 @@ class GenerationResult:
             with how many others) or that the embedding cache did.
         vision_input: What the chunks' ``vision_bytes`` count: ``vision_embeds`` rows (dual), the
             cross-attention K/V (the cross-attention kind) or the pixel inputs (single program).
+        ccl_history: The compute-context length of each language call that served the request,
+            in order (prefill chunks, then decode steps; empty without CCL specializations).
     """
 
     prompt_tokens: int
@@ -87,6 +89,7 @@ class GenerationResult:
     continuation: Continuation | None = None
     served: list[str] = field(default_factory=list)
     vision_input: str = "vision_embeds"
+    ccl_history: list[int] = field(default_factory=list)
 
     @property
     def decode_tokens_per_second(self) -> float:

@@ -88,6 +88,12 @@ class SequenceRunner(Protocol):
     def decode_extra(self, processed: Mapping[str, Any]) -> dict[Role, np.ndarray]:
         """Inputs by role every decode step of this request adds, one row."""
 
+    def call_ccl(self, feeds: Mapping[str, np.ndarray]) -> int | None:
+        """The compute-context length of the call with ``feeds`` (None without CCLs)."""
+
+    def ccl_at(self, decode: bool, positions: Sequence[np.ndarray]) -> int | None:
+        """The compute-context length of a call whose rows have ``positions``."""
+
     def check_chunk_outputs(self, chunk: Chunk, outputs: Mapping[str, np.ndarray]) -> None:
         """Raise when a prefill chunk's outputs contradict the plan."""
 

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 from qeff_vision import symbols
 from qeff_vision.contract.attention_blocking import VisionAttention
-from qeff_vision.contract.language_io import Fixed
 from qeff_vision.contract.states import FullAttention, LayerState, SharedKV, SlidingRing
 from qeff_vision.errors import UserError
 from qeff_vision.families import register
@@ -46,7 +45,6 @@ from qeff_vision.families.base import (
     ImageSize,
     ModelDescription,
     SingleProgramGate,
-    TextDims,
     count_symbol,
     no,
     tower_value,
@@ -68,9 +66,6 @@ from qeff_vision.families.gemma4.tiny import write_tiny_checkpoint  # torch-free
 #: so vllm-qaic, which sends the processor's padded list, and QEfficient tooling see the same binding.
 MAX_PATCHES = "max_patches"
 IMAGE_POSITION_IDS = "image_position_ids"
-#: Model dimensions of the full layers' caches.
-GLOBAL_KV_HEADS = Fixed("num_global_kv_heads")
-GLOBAL_HEAD_DIM = Fixed("global_head_dim")
 #: The processor's image budgets (ref: image_processing_gemma4.py, ``_SUPPORTED_SOFT_TOKENS``).
 SOFT_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 
@@ -123,6 +118,7 @@ class Gemma4(Family):
     text_defaults = TEXT_DEFAULTS
     text_defaults_source = TEXT_DEFAULTS_SOURCE
     image_token_default = IMAGE_TOKEN_DEFAULT
+    last_layer_type = FULL_ATTENTION  # Gemma4TextConfig forces the last layer to full attention
 
     # ---- config view (every raw read in gemma4/config.py) ----
 
@@ -140,49 +136,25 @@ class Gemma4(Family):
         """The family's typed view of ``model``'s config (read once)."""
         return self.vision(model)
 
-    def text_dims(self, model: ModelDescription) -> TextDims:
-        """Dimensions of the sliding layers (the full layers' own are in :meth:`layer_caches`)."""
-        view = self.config(model)
-        sliding = view.sliding_layer()
-        return TextDims(
-            hidden_size=view.hidden_size,
-            num_layers=view.num_layers,
-            num_attention_heads=view.num_heads,
-            num_kv_heads=view.kv_heads[sliding],
-            head_dim=view.head_dims[sliding],
-            vocab_size=view.vocab_size,
-            max_position_embeddings=view.max_position_embeddings,
-        )
-
-    def layer_types(self, model: ModelDescription) -> list[str]:
-        """``layer_types``, or every sixth layer full; the last is always full."""
-        return list(self.config(model).layer_types)
-
     def layer_caches(self, model: ModelDescription) -> list[LayerState]:
         """Sliding layers keep a ``sliding_window`` ring, full layers a ``ctx_len`` cache of their own.
 
-        A ring is ``num_kv_heads`` x ``head_dim``; a full layer's cache has its own heads and width
-        (``num_global_key_value_heads`` x ``global_head_dim``). A shared layer (the last
+        Each state carries its layer's KV heads and head dim (the view's ``kv_heads`` /
+        ``head_dims``): a full layer's are ``num_global_key_value_heads`` x ``global_head_dim``,
+        a ring's the config's ``num_key_value_heads`` x ``head_dim``. A shared layer (the last
         ``num_kv_shared_layers``) reads its producer's cache: no rows.
         """
         view = self.config(model)
         states: list[LayerState] = []
         for layer, layer_type in enumerate(view.layer_types):
+            shape = (view.kv_heads[layer], view.head_dims[layer])
             if view.reads(layer) is not None:
                 states.append(SharedKV(view.reads(layer)))
             elif layer_type == FULL_ATTENTION:
-                states.append(FullAttention(symbols.CTX_LEN, GLOBAL_KV_HEADS, GLOBAL_HEAD_DIM))
+                states.append(FullAttention(symbols.CTX_LEN, *shape))
             else:
-                states.append(SlidingRing(span=view.sliding_window))
+                states.append(SlidingRing(symbols.SLIDING_WINDOW, *shape, span=view.sliding_window))
         return states
-
-    def language_symbols(self, model: ModelDescription) -> dict[str, int]:
-        """The full layers' KV heads and head dim (model dimensions of their cache rows)."""
-        view = self.config(model)
-        if FULL_ATTENTION not in view.layer_types:
-            return {}
-        full = view.full_layer()
-        return {GLOBAL_KV_HEADS: view.kv_heads[full], GLOBAL_HEAD_DIM: view.head_dims[full]}
 
     def splits_images(self, model: ModelDescription) -> bool:
         """Causal image attention (E2B/E4B) splits; ``use_bidirectional_attention`` keeps images whole."""

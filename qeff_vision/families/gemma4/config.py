@@ -78,14 +78,6 @@ class Gemma4Config:
             raise UserError(f"shared layer {layer} ({kind}) has no earlier {kind} layer to read")
         return producers[-1]
 
-    def full_layer(self) -> int:
-        """The first full-attention layer (its cache shape is every full layer's)."""
-        return self.layer_types.index(FULL_ATTENTION)
-
-    def sliding_layer(self) -> int:
-        """The first sliding layer (its cache shape is the table's ``num_kv_heads`` x ``head_dim``)."""
-        return self.layer_types.index(SLIDING_ATTENTION) if SLIDING_ATTENTION in self.layer_types else 0
-
 
 def _layer_shapes(text: Section, types: Sequence[str], geometry: TextGeometry) -> list[tuple[int, int]]:
     """(KV heads, head dim) of every layer, from the saved or the published spelling.
@@ -132,8 +124,7 @@ def _read(
     text, vision = top.sub("text_config"), top.sub("vision_config")
     image = reader.section(processor, "preprocessor_config")
     layers = geometry.num_layers
-    types = list(geometry.layer_types)
-    types[-1] = FULL_ATTENTION  # transformers forces the last layer to full attention
+    types = list(geometry.layer_types)  # the last forced full (Gemma4.last_layer_type)
     bidirectional = text.optional("use_bidirectional_attention", str)
     if bidirectional == "all":
         raise UserError(
