@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from qeff_vision.fsutil import release_memory
 from qeff_vision.numerics.device import session_for
@@ -88,6 +89,21 @@ def _resolved(call: Mapping[str, object], part, graph, values) -> dict[str, np.n
     return inputs
 
 
+def _constant_peaks(model: onnx.ModelProto, recorded: Sequence[str]) -> dict[str, float]:
+    """Peaks of the recorded outputs of ``Constant`` nodes, from their values (as a run records them)."""
+    wanted, peaks = set(recorded), {}
+    for node in model.graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or node.output[0] not in wanted:
+            continue
+        attribute = node.attribute[0] if len(node.attribute) == 1 else None
+        if attribute is None or attribute.name not in ("value", "value_float", "value_floats"):
+            continue
+        value = helper.get_attribute_value(attribute)
+        array = numpy_helper.to_array(value) if attribute.name == "value" else np.asarray(value)
+        peaks[node.output[0]] = masked_peak(np.asarray(array))
+    return peaks
+
+
 class SliceRunError(RuntimeError):
     """onnxruntime failed on call ``index`` of a :meth:`SlicedRecorder.run_many` pass."""
 
@@ -136,7 +152,11 @@ class SlicedRecorder:
         threads: int = 0,
         initializers: Callable[[Sequence[str]], Mapping[str, np.ndarray]] | None = None,
     ):
-        self.graph = SlicedGraph(model, recorded, types, wanted, slice_bytes)
+        # A Constant's peak is known from the graph: recording it in a slice would only cost a cut
+        # (a sentinel constant, the mask's fill value, is reduced on the host: 2 cuts per layer).
+        self.constant_peaks = _constant_peaks(model, recorded)
+        computed = [name for name in recorded if name not in self.constant_peaks]
+        self.graph = SlicedGraph(model, computed, types, wanted, slice_bytes)
         self.model_dir = Path(model_dir)
         self.threads = threads
         self.initializers = initializers
@@ -190,6 +210,9 @@ class SlicedRecorder:
             SliceRunError: onnxruntime failed on one call (its index and the error).
         """
         on_slice = on_slice or self.on_slice
+        if feeds:
+            for name, peak in self.constant_peaks.items():
+                self.ranges[name] = max(self.ranges[name], peak)
         keep_sets = [set(self.graph.wanted)] * len(feeds) if keep is None else [set(k) for k in keep]
         originals = []
         for feed in feeds:  # a reference to an input passed through is that input
