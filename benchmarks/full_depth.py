@@ -450,7 +450,9 @@ def _run(args: argparse.Namespace) -> int:
     images = [(56, 84), (112, 112)] if args.smoke else _resolutions(args.images)
     ctx_len = 512 if args.smoke else args.ctx_len
     seq_len = 32 if args.smoke else args.seq_len
-    work = args.resume or Path(tempfile.mkdtemp(prefix="full-depth-", dir=args.work))
+    # A smoke run is small: the temporary directory, not a --work meant for the full-depth run.
+    scratch = None if args.smoke else args.work
+    work = args.resume or Path(tempfile.mkdtemp(prefix="full-depth-", dir=scratch))
     stages = [stage for stage in args.stages.split(",") if stage]
     unknown = [stage for stage in stages if stage not in STAGES]
     if unknown:
