@@ -137,7 +137,7 @@ def _child(code: str, *args: str, cache: Path | None = None, live: Path | None =
 
 BUILD = """
 from pathlib import Path
-family, out, config, smoke = sys.argv[1:5]
+family, out, config, smoke, text_layers, vision_layers = sys.argv[1:7]
 if smoke == "1":
     from qeff_vision import api
     api.tiny(family, out)
@@ -147,8 +147,8 @@ else:
     pinned = json.loads((Path(config) / "config.json").read_text())
     text, vision = pinned.get("text_config", pinned), pinned["vision_config"]
     build_real_width_checkpoint(
-        family, out, config=config, text_layers=text["num_hidden_layers"],
-        vision_layers=vision.get("depth") or vision["num_hidden_layers"],
+        family, out, config=config, text_layers=int(text_layers) or text["num_hidden_layers"],
+        vision_layers=int(vision_layers) or vision.get("depth") or vision["num_hidden_layers"],
         vocab_size=text.get("vocab_size") or pinned["vocab_size"],
         dtype=pinned.get("torch_dtype") or text.get("torch_dtype") or "bfloat16",
     )
@@ -252,8 +252,13 @@ def write_spec(path: Path, checkpoint: Path, images, ctx_len: int, seq_len: int,
 STAGES = ("build", "export", "specialize", "compile", "recompile", "reference", "plain")
 
 
-def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=STAGES) -> list[dict]:
+def measure(
+    work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=STAGES, layers=(0, 0)
+) -> list[dict]:
     """Every row, in order, each stage in its own subprocess under ``work``.
+
+    ``layers`` (text, vision) cut the checkpoint's depth (0: the pinned config's); widths and the
+    vocabulary stay real, so each layer costs what it costs at full depth.
 
     Results are saved in ``work/rows.json`` as stages finish: a later call with the same ``work``
     runs only the ``stages`` not measured yet (a long run split into several, one at a time).
@@ -300,7 +305,14 @@ def measure(work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=
         "build": lambda: [
             entry(
                 "build",
-                _child(BUILD, FAMILY, str(checkpoint), str(CONFIG), "1" if smoke else "0"),
+                _child(
+                    BUILD,
+                    FAMILY,
+                    str(checkpoint),
+                    str(CONFIG),
+                    "1" if smoke else "0",
+                    *(str(n) for n in layers),
+                ),
                 checkpoint,
             )
         ],
@@ -415,6 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiny", action="store_true", help="the tiny checkpoint with the given shapes (call counts)"
     )
+    parser.add_argument(
+        "--text-layers", type=int, default=0, help="decoder layers (default: all 36; widths stay real)"
+    )
+    parser.add_argument(
+        "--vision-layers", type=int, default=0, help="vision layers (default: all 32; widths stay real)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint and artifacts")
     parser.add_argument(
         "--resume", type=Path, help="a work directory of an earlier --keep run: measure only what it lacks"
@@ -432,18 +450,26 @@ def _run(args: argparse.Namespace) -> int:
     images = [(56, 84), (112, 112)] if args.smoke else _resolutions(args.images)
     ctx_len = 512 if args.smoke else args.ctx_len
     seq_len = 32 if args.smoke else args.seq_len
-    work = args.resume or Path(tempfile.mkdtemp(prefix="full-depth-", dir=args.work))
+    # A smoke run is small: the temporary directory, not a --work meant for the full-depth run.
+    scratch = None if args.smoke else args.work
+    work = args.resume or Path(tempfile.mkdtemp(prefix="full-depth-", dir=scratch))
     stages = [stage for stage in args.stages.split(",") if stage]
     unknown = [stage for stage in stages if stage not in STAGES]
     if unknown:
         print(f"full_depth.py: unknown stage {unknown[0]!r} (one of {', '.join(STAGES)})", file=sys.stderr)
         return 2
     try:
-        rows = measure(work, images, ctx_len, seq_len, args.smoke or args.tiny, stages)
+        layers = (args.text_layers, args.vision_layers)
+        rows = measure(work, images, ctx_len, seq_len, args.smoke or args.tiny, stages, layers)
     finally:
         if not (args.keep or args.resume):
             shutil.rmtree(work, ignore_errors=True)
     label = "tiny qwen2_5_vl" if args.smoke or args.tiny else f"Qwen2.5-VL-3B full depth, {CONFIG.name}"
+    if not (args.smoke or args.tiny) and (args.text_layers or args.vision_layers):
+        label = (
+            f"Qwen2.5-VL-3B at real widths, {args.text_layers or 'all'} text / "
+            f"{args.vision_layers or 'all'} vision layers, {CONFIG.name}"
+        )
     print(f"{label}: images {', '.join(f'{h}x{w}' for h, w in images)}, ctx_len {ctx_len}, prefill {seq_len}")
     print(table(rows))
     if args.json:

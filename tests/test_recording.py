@@ -150,8 +150,17 @@ def _layers(depth: int, width: int = 64):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_slice_weights_do_not_grow_with_depth(tmp_path):
-    """Twice the layers, the same largest slice; masked sums reduced on the host without the sentinel."""
+@pytest.mark.parametrize("on_host", [False, True], ids=["in-graph", "host"])
+def test_slice_weights_do_not_grow_with_depth(tmp_path, monkeypatch, on_host):
+    """Twice the layers, the same largest slice; masked sums reduced without the sentinel.
+
+    In the graph (no cut: one slice per two weights), or, for values of LARGE_VALUE bytes and more
+    (every value here when it is 1 byte), on the host with a cut after each.
+    """
+    from qeff_vision.numerics import recording
+
+    if on_host:
+        monkeypatch.setattr(recording, "LARGE_VALUE", 1)
     feed = {"x": np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)}
     largest = {}
     for depth in (4, 8):
@@ -171,12 +180,16 @@ def test_slice_weights_do_not_grow_with_depth(tmp_path):
         ranges = record_ranges(recorder, [feed, feed])
         assert ranges == exposed_ranges(path, [feed])
         assert all(ranges[f"masked{layer}"] < MASK_SENTINEL for layer in range(depth))
-        assert sorted(recorder.graph.exposed) == sorted(f"masked{layer}" for layer in range(depth))
+        reduced = recorder.graph.exposed if on_host else recorder.graph.masked
+        assert sorted(reduced) == sorted(f"masked{layer}" for layer in range(depth))
+        assert not (recorder.graph.masked if on_host else recorder.graph.exposed)
         sizes = [
             sum(recorder.graph.weight_bytes[name] for name in part.initializers) for part in recorder.slices
         ]
         largest[depth] = max(sizes)
-        assert len(recorder.slices) >= depth and not recorder.keep_sessions
+        assert len(recorder.slices) >= (depth if on_host else depth // 2) and not recorder.keep_sessions
+        if not on_host:  # the weights' cuts only
+            assert [part.start for part in recorder.slices] == recorder.graph._weight_cuts(2 * 64 * 64 * 4)
     assert largest[8] == largest[4] <= 2 * 64 * 64 * 4 + 64 * 4
 
 

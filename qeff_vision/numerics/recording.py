@@ -19,11 +19,14 @@ Vision with 5 of 40 text layers: killed at 24 GiB). Here peak memory does not gr
   keeps every value of the graph alive until then: 20 probed 100 MB values, 2.2 GB against 0.38). Its peak is
   ``max(max, -min, 0)`` unless that reaches :data:`~qeff_vision.numerics.plan.MASK_SENTINEL` or the
   sum is NaN: such a value (an attention mask, scores with the mask added) needs the magnitudes
-  below the sentinel, so its slice is cut right after its producer and the value, now a slice
-  output, is reduced on the host in fixed-size chunks; the next slice ends after its last reader
-  (a slice holds its inputs until it ends). So does every slice input of :data:`LARGE_VALUE` bytes
-  or more, found on the first call that feeds it. The cut is found on the call that first
-  sees the sentinel (that slice runs again) and kept for later calls.
+  below the sentinel. It gets them in the graph from then on (``ReduceMax`` of ``Where(|x| <
+  sentinel, |x|, 0)``, no cut: decision 047); one whose float32 copy reaches :data:`LARGE_VALUE`
+  bytes instead ends its slice right after its producer and, now a slice output, is reduced on
+  the host in fixed-size chunks; the next slice ends after its last reader (a slice holds its
+  inputs until it ends). So does every slice input of :data:`LARGE_VALUE` bytes or more, found on
+  the first call that feeds it. Either change is found on the call that first sees the sentinel
+  (that slice runs again) and kept for later calls. A recorded ``Constant``'s peak is taken from
+  its value, without a run.
 
 The peaks are exactly those of the whole graph with every value exposed (tests/test_recording.py).
 """
@@ -36,10 +39,22 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from qeff_vision.fsutil import release_memory
 from qeff_vision.numerics.device import session_for
-from qeff_vision.numerics.slicing import _MAX, _MIN, _SUM, LARGE_VALUE, GraphSlice, Ref, SlicedGraph
+from qeff_vision.numerics.slicing import (
+    _MAX,
+    _MIN,
+    _PEAK,
+    _SIZE,
+    _SUM,
+    LARGE_VALUE,
+    MASK_SENTINEL,
+    GraphSlice,
+    Ref,
+    SlicedGraph,
+)
 
 __all__ = [
     "LARGE_VALUE",
@@ -53,8 +68,6 @@ __all__ = [
 
 # Initializer bytes per slice: a real-width decoder layer is a few slices, a tiny graph one.
 DEFAULT_SLICE_BYTES = 512 * 2**20
-# Magnitudes from here on are attention-mask sentinels (float32's minimum), not activations.
-MASK_SENTINEL = 1e30
 # Elements per host-side chunk when reducing a masked value (bounded temporaries).
 HOST_CHUNK = 1 << 22
 
@@ -86,6 +99,21 @@ def _resolved(call: Mapping[str, object], part, graph, values) -> dict[str, np.n
             value = produced
         inputs[name] = value
     return inputs
+
+
+def _constant_peaks(model: onnx.ModelProto, recorded: Sequence[str]) -> dict[str, float]:
+    """Peaks of the recorded outputs of ``Constant`` nodes, from their values (as a run records them)."""
+    wanted, peaks = set(recorded), {}
+    for node in model.graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or node.output[0] not in wanted:
+            continue
+        attribute = node.attribute[0] if len(node.attribute) == 1 else None
+        if attribute is None or attribute.name not in ("value", "value_float", "value_floats"):
+            continue
+        value = helper.get_attribute_value(attribute)
+        array = numpy_helper.to_array(value) if attribute.name == "value" else np.asarray(value)
+        peaks[node.output[0]] = masked_peak(np.asarray(array))
+    return peaks
 
 
 class SliceRunError(RuntimeError):
@@ -136,7 +164,11 @@ class SlicedRecorder:
         threads: int = 0,
         initializers: Callable[[Sequence[str]], Mapping[str, np.ndarray]] | None = None,
     ):
-        self.graph = SlicedGraph(model, recorded, types, wanted, slice_bytes)
+        # A Constant's peak is known from the graph: recording it in a slice would only cost a cut
+        # (a sentinel constant, the mask's fill value, is reduced on the host: 2 cuts per layer).
+        self.constant_peaks = _constant_peaks(model, recorded)
+        computed = [name for name in recorded if name not in self.constant_peaks]
+        self.graph = SlicedGraph(model, computed, types, wanted, slice_bytes)
         self.model_dir = Path(model_dir)
         self.threads = threads
         self.initializers = initializers
@@ -190,6 +222,9 @@ class SlicedRecorder:
             SliceRunError: onnxruntime failed on one call (its index and the error).
         """
         on_slice = on_slice or self.on_slice
+        if feeds:
+            for name, peak in self.constant_peaks.items():
+                self.ranges[name] = max(self.ranges[name], peak)
         keep_sets = [set(self.graph.wanted)] * len(feeds) if keep is None else [set(k) for k in keep]
         originals = []
         for feed in feeds:  # a reference to an input passed through is that input
@@ -245,8 +280,8 @@ class SlicedRecorder:
             sessions.clear()
             if not self.keep_sessions:
                 release_memory(collect=False)  # the slice's weights and arena go now
-            if found:  # mask-carrying values: cut after each and run the slice again for every call
-                self.graph.cut_after(found)
+            if found:  # mask-carrying values: reduced below the sentinel, the slice run again
+                self.graph.reduce_masked(found)
                 bounds = {(part.start, part.stop) for part in self.graph.slices}
                 self._sessions = {key: s for key, s in self._sessions.items() if key[:2] in bounds}
                 continue
@@ -299,7 +334,13 @@ class SlicedRecorder:
     ) -> dict[str, np.ndarray]:
         """``part`` on one call's values; ``sessions`` holds this pass's sessions of the slice."""
         inputs = {name: values[name] for name in part.inputs}
-        key = (part.start, part.stop, tuple(part.exposed), *(a.dtype.str for a in inputs.values()))
+        key = (
+            part.start,
+            part.stop,
+            tuple(part.exposed),
+            tuple(part.masked),
+            *(a.dtype.str for a in inputs.values()),
+        )
         session = self._sessions.get(key) or sessions.get(key)
         if session is None:
             model = self.graph.slice_model(part, inputs)
@@ -330,6 +371,10 @@ class SlicedRecorder:
             if not top < MASK_SENTINEL or np.isnan(outputs[name + _SUM]):
                 found.append(name)
             peaks[name] = max(top, 0.0)
+        for name in part.masked:  # float32 copies from LARGE_VALUE bytes on go to the host
+            if int(outputs[name + _SIZE]) * 4 >= LARGE_VALUE:
+                found.append(name)
+            peaks[name] = max(float(outputs[name + _PEAK]), 0.0) if int(outputs[name + _SIZE]) else 0.0
         if not found:
             for name, peak in peaks.items():
                 self.ranges[name] = max(self.ranges[name], peak)

@@ -23,6 +23,10 @@ from qeff_vision.graph_file import tensor_bytes
 # Inputs from here on make their slice end after their last reader (attention-sized values).
 LARGE_VALUE = 64 * 2**20
 _MAX, _MIN, _SUM = "__rec_max", "__rec_min", "__rec_sum"
+# A mask-carrying value's peak below the sentinel, and its element count, reduced in the graph.
+_PEAK, _SIZE = "__rec_peak", "__rec_size"
+# Magnitudes from here on are attention-mask sentinels (float32's minimum), not activations.
+MASK_SENTINEL = 1e30
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class GraphSlice:
     constants: list[str]  # outputs of Constant nodes of earlier slices this one reads (copied in)
     recorded: list[str]
     exposed: list[str]  # recorded values reduced on the host (they hold mask sentinels)
+    masked: list[str] = ()  # recorded values holding mask sentinels, reduced in the graph below them
 
 
 class SlicedGraph:
@@ -91,6 +96,7 @@ class SlicedGraph:
         self.types = dict(types)
         self.wanted = list(wanted)
         self.exposed: set[str] = set()
+        self.masked: set[str] = set()
         self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
         self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
         self.cuts = self._weight_cuts(slice_bytes)
@@ -130,6 +136,21 @@ class SlicedGraph:
             self._cut_after_last_reader(name)
         self.cuts = sorted({cut for cut in self._allowed(self.cuts) if cut < len(self.nodes)})
         self.slices = self._slices()
+
+    def reduce_masked(self, names: Iterable[str]) -> None:
+        """Reduce ``names`` (they hold mask sentinels or NaN) below the sentinel from now on.
+
+        A value first gets its masked peak in the graph (no cut: the slice's session stays whole);
+        one already reduced so whose float32 copy reaches :data:`LARGE_VALUE` bytes goes to the host
+        (:meth:`cut_after`), since the graph's reduction holds two temporaries as large as the value.
+        """
+        large = [name for name in names if name in self.masked]
+        self.masked.update(name for name in names if name not in self.masked)
+        self.masked.difference_update(large)
+        if large:
+            self.cut_after(large)
+        else:
+            self.slices = self._slices()
 
     def chained_prefix(self, calls: Sequence[Mapping[str, object]]) -> int:
         """How many leading ``calls`` run slice-major together; protects their hand-overs from cuts.
@@ -239,8 +260,13 @@ class SlicedGraph:
                     ],
                     initializers=sorted(name for name in reads if name in self.initializers),
                     constants=sorted(name for name in outside if name in self.constants),
-                    recorded=[name for name in produced if name in recorded and name not in self.exposed],
+                    recorded=[
+                        name
+                        for name in produced
+                        if name in recorded and name not in self.exposed and name not in self.masked
+                    ],
                     exposed=[name for name in produced if name in self.exposed],
+                    masked=[name for name in produced if name in self.masked and name not in self.exposed],
                 )
             )
         self.last_reader = last_reader
@@ -263,7 +289,7 @@ class SlicedGraph:
         Its nodes, the initializers they read, and three reductions per recorded value.
         """
         outputs = [onnx.ValueInfoProto(name=name) for name in part.outputs]
-        recorded = set(part.recorded)
+        recorded, masked = set(part.recorded), set(part.masked)
         # Each value's reductions come right after its producer and the session runs nodes in graph
         # order: the value is freed after its last reader (by default onnxruntime may run every
         # reduction at the slice's end and keep every value alive until then).
@@ -278,6 +304,10 @@ class SlicedGraph:
                 for op, suffix in (("ReduceMax", _MAX), ("ReduceMin", _MIN), ("ReduceSum", _SUM)):
                     nodes.append(helper.make_node(op, [source], [name + suffix], keepdims=0))
                     outputs.append(helper.make_tensor_value_info(name + suffix, TensorProto.FLOAT, []))
+            for name in (o for o in node.output if o in masked):
+                made, produced = _masked_peak(name, self.types.get(name))
+                nodes += made
+                outputs += produced
         graph = helper.make_graph(
             nodes,
             f"slice_{part.start}",
@@ -297,6 +327,34 @@ class SlicedGraph:
         )
         sliced.functions.extend(self.model.functions)
         return sliced
+
+
+def _masked_peak(name: str, element_type: int | None) -> tuple[list, list]:
+    """Nodes giving ``name``'s largest magnitude below :data:`MASK_SENTINEL` (NaN left out), and its size.
+
+    max(Where(|x| < sentinel, |x|, 0)) is the host's ``masked_peak`` in float32: NaN compares
+    false, so it and the sentinels count as 0, as do the magnitudes the host leaves out.
+    """
+    source, nodes = name, []
+    if element_type != TensorProto.FLOAT:
+        source = f"{name}__rec_float"
+        nodes.append(helper.make_node("Cast", [name], [source], to=TensorProto.FLOAT))
+    magnitude, below = f"{name}__rec_abs", f"{name}__rec_below"
+    bound, zero, kept = f"{name}__rec_bound", f"{name}__rec_zero", f"{name}__rec_kept"
+    nodes += [
+        helper.make_node("Constant", [], [bound], value_float=MASK_SENTINEL),
+        helper.make_node("Constant", [], [zero], value_float=0.0),
+        helper.make_node("Abs", [source], [magnitude]),
+        helper.make_node("Less", [magnitude, bound], [below]),
+        helper.make_node("Where", [below, magnitude, zero], [kept]),
+        helper.make_node("ReduceMax", [kept], [name + _PEAK], keepdims=0),
+        helper.make_node("Size", [name], [name + _SIZE]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info(name + _PEAK, TensorProto.FLOAT, []),
+        helper.make_tensor_value_info(name + _SIZE, TensorProto.INT64, []),
+    ]
+    return nodes, outputs
 
 
 def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
