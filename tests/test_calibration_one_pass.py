@@ -159,3 +159,43 @@ def test_decode_steps_are_teacher_forced_by_the_prompt_text(exported):
     forced = ForcedTokens([5, 6])
     assert [forced.next_token(object()) for _ in range(3)] == [5, 6, 6]
     assert ForcedTokens.reads_logits is False
+
+
+def test_a_generated_input_runs_only_for_shapes_no_prompt_ran(
+    tiny_checkpoint, exported, monkeypatch, tmp_path
+):
+    """A generated input gives a specialization no prompt reaches its ranges; one whose input shapes
+    a prompt's call already ran is not run again (its 0.1-std noise records lower peaks than the
+    processed image, and at 1080x1920 the repeat would cost a full-depth tower's pass)."""
+    import numpy as np
+
+    from qeff_vision.compile.recording_program import call_shapes
+
+    family = "qwen2_5_vl"
+    export = exported(family)
+    _, programs = _prompt_ranges(export, monkeypatch, one_pass=True)
+    vision = programs[-2]
+    prompt_calls = vision.recorder.calls_run
+    ran = sorted(vision.shapes_run)
+    assert ran, "the prompt encoded no image"
+    rng = np.random.default_rng(3)
+    dtypes = vision.input_dtypes
+    duplicate = {
+        name: (rng.standard_normal(shape) * 0.1).astype(dtypes[name])
+        if np.issubdtype(dtypes[name], np.floating)
+        else np.zeros(shape, dtypes[name])
+        for name, shape in ran[0]
+    }
+    generated = _program_feeds(family, tiny_checkpoint, exported, tmp_path)
+    vision_path = next(path for path in generated if path.parent.name == "vision")
+    new = [feeds for feeds in generated[vision_path] if call_shapes(feeds) not in vision.shapes_run]
+    assert new, "every generated vision input repeats the prompt's shapes: nothing to compare"
+    _, programs = _prompt_ranges(
+        export, monkeypatch, one_pass=True, generated={vision_path: [duplicate, *new]}
+    )
+    vision = programs[-2]
+    distinct = {call_shapes(feeds) for feeds in new}
+    # One call per shape not run before: the duplicate is skipped, and so is a second generated
+    # input of a shape the first one ran.
+    assert vision.recorder.calls_run == prompt_calls + len(distinct), (prompt_calls, len(new), len(distinct))
+    assert vision.recorder.passes == 1

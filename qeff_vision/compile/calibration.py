@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from qeff_vision import symbols
-from qeff_vision.compile.recording_program import RecordingProgram
+from qeff_vision.compile.recording_program import RecordingProgram, call_shapes
 from qeff_vision.contract.tasks import GENERATE, is_pooling
 
 DEFAULT_PROMPT = "Describe this image in detail, then tell a short story about it."
@@ -149,8 +149,8 @@ def prompt_ranges(
                     _ask(collector, processor, picture, text, fit)
         vision.tape.frozen = language.tape.frozen = False
         language.tape.discard()  # the language calls before each image run again in round 2
-    for feeds in generated.get("vision", ()):
-        vision.queue(feeds)
+    if one_pass:  # in the images' pass; one by one, after the prompts have run their images
+        _queue_uncovered(vision, generated.get("vision", ()))
     vision.settle()
     # Round 2: the prompts, every language call queued (tokens teacher-forced), one language pass.
     runner, checks = generator()
@@ -159,14 +159,29 @@ def prompt_ranges(
         if fit is not None:
             _ask(runner, processor, picture, text, fit)
         bar.update()
-    for feeds in generated.get("lang", ()):
-        language.queue(feeds)
+    if not one_pass:
+        _queue_uncovered(vision, generated.get("vision", ()))
+    _queue_uncovered(language, generated.get("lang", ()))
     language.settle()
     checks.run()
     bar.close()
     if fitting.note() and say is not None:
         say(fitting.note())
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+def _queue_uncovered(program, generated) -> None:
+    """Queue each generated input whose shapes no prompt call ran.
+
+    A generated input (:func:`~qeff_vision.compile.onnxruntime_backend.generated_input`: floats of
+    standard deviation 0.1, zero token ids) is there to give a specialization no prompt reaches its
+    ranges; where a prompt's call already ran the same shapes, its processed image and real tokens
+    record larger peaks than the noise would, and the duplicate call would only repeat the
+    arithmetic (at 1080x1920 a full-depth Qwen2.5-VL tower is ~16 TFLOP a call).
+    """
+    for feeds in generated:
+        if call_shapes(feeds) not in program.shapes_run:
+            program.queue(feeds)
 
 
 def _ask(generator, processor, picture, text: str, fitted: tuple[str, int]) -> None:

@@ -65,6 +65,8 @@ class RecordingProgram(CompiledProgram):
         #: collecting round are served from here afterwards).
         self.memo: dict[str, dict[str, Any]] = {}
         self.remember = False  # queued calls' outputs go to the memo (the collecting round)
+        #: The input shapes of every call made so far (a specialization, with its bucket sizes).
+        self.shapes_run: set[tuple] = set()
 
     @property
     def ranges(self) -> dict[str, float]:
@@ -72,6 +74,7 @@ class RecordingProgram(CompiledProgram):
         return self.recorder.ranges
 
     def _execute(self, feeds, bound):
+        self.shapes_run.add(call_shapes(feeds))
         key = _feeds_key(feeds) if self.memo or self.remember else None
         if key is not None and key in self.memo:
             return dict(self.memo[key])
@@ -84,6 +87,7 @@ class RecordingProgram(CompiledProgram):
 
     def queue(self, feeds: Mapping[str, np.ndarray]) -> None:
         """Add a call whose outputs nobody reads (a generated input): its peaks only."""
+        self.shapes_run.add(call_shapes(feeds))
         if self.tape is not None:
             self.tape.add(feeds, [])
         else:
@@ -95,6 +99,11 @@ class RecordingProgram(CompiledProgram):
             self.tape.run()
         self.memo = {key: {n: np.asarray(v) for n, v in out.items()} for key, out in self.memo.items()}
         self.remember = False
+
+
+def call_shapes(feeds: Mapping[str, Any]) -> tuple:
+    """A call's input names and shapes: which specialization (and bucket) it runs."""
+    return tuple(sorted((name, tuple(np.shape(value))) for name, value in feeds.items()))
 
 
 def _feeds_key(feeds: Mapping[str, Any]) -> str:
