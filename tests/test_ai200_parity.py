@@ -33,11 +33,11 @@ way): the near-tie is in the router's input, the bf16 residual stream. The bound
 of the range, set after seeing results, when the session had lost the bf16 grid and emulated fp16
 (numerics/device.py ``_expanded``).
 
-The default tier runs Qwen2.5-VL (M-RoPE, token merge) and mllama (cross-attention); ``-m slow``
-every family. Then
-``run --precision device`` on a compiled ai200 artifact: the sessions it opens are the bf16
-emulation (its first step's logits within CHUNKING_TOLERANCE of the export's bf16 run, the
-compiled buckets chunking the prompt differently) and not the fp32 run.
+The default tier runs Qwen2.5-VL (M-RoPE, token merge), mllama (cross-attention) and Llama 4 (its
+routing tie); ``-m slow`` every family. Then ``run --precision device`` on a compiled ai200
+artifact: the sessions it opens are the bf16 emulation (its first step's logits within
+CHUNKING_TOLERANCE of the export's bf16 run, the compiled buckets chunking the prompt
+differently) and not the fp32 run.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ MAX_TIES_TRIED = 4
 # Two bf16 emulations chunking the prompt differently: each within 1.5e-2 of fp32 on these
 # checkpoints (y above), so within twice that of each other.
 CHUNKING_TOLERANCE = 3e-2
-DEFAULT_TIER = ("qwen2_5_vl", "mllama")
+DEFAULT_TIER = ("qwen2_5_vl", "mllama", "llama4")
 NEW_TOKENS = 9
 BF16 = {"vision": Bf16Values(), "lang": Bf16Values()}
 
