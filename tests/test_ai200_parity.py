@@ -16,21 +16,28 @@ transformers runs the same checkpoint teacher-forced on our tokens twice: in fp3
   bf16 (``d(ours, tf_bf16) <= d(ours, fp32) + d(fp32, tf_bf16)``), asserted as the acceptance line
   states it;
 * our token is transformers bf16's argmax wherever its top-1/top-2 margin exceeds twice the
-  deviation.
+  deviation;
+* an expert choice decided by rounding may go either way (tests/routing_ties.py): where a step
+  is past the bound, the references are rerun with one routing tie of that step taken the other
+  way (the fp32 margin between the last chosen expert and the runner-up smaller than transformers'
+  own bf16 run moves it), and every step must then be within the same bound.
 
 Measured over the 15 tiny families (2026-11-29, docs/benchmarks/ai200_numerics.md): ``y`` from
 2.7e-3 (LLaVA) to 1.9e-2 (Gemma 4); ``d(ours, fp32) / y`` up to 1.34 (Gemma 3) and
-``d(ours, tf_bf16) / y`` from 0.62 to 1.63, except Llama 4: 5.6e-2 at one decode step, 6.7 y, an
-expected failure. It is a discrete flip, not a drift: keeping any one of the MatMul, Mul, Sigmoid
-or RMSNorm outputs in fp32 removes it (the steps before stay at 0.5-1.2e-2), as a near-tie would
-(likely its top-1 expert choice; keeping only the router logits fp32 does not, the tie is
-upstream). The bound used to be 3e-2 of the range, set after seeing results, when the
-session had lost the bf16 grid and emulated fp16 (numerics/device.py ``_expanded``).
-The default tier runs Qwen2.5-VL
-(M-RoPE, token merge) and mllama (cross-attention); ``-m slow`` every family. Then
-``run --precision device`` on a compiled ai200 artifact: the sessions it opens are the bf16
-emulation (its first step's logits within CHUNKING_TOLERANCE of the export's bf16 run, the
-compiled buckets chunking the prompt differently) and not the fp32 run.
+``d(ours, tf_bf16) / y`` from 0.62 to 1.63. Llama 4's last decode step was at 6.4 y: its last
+MoE layer's top-1 router logits were expert 2 at -0.16477 and expert 3 at -0.17059 in fp32 (a
+5.8e-3 margin), a difference transformers' own bf16 run moves by 2.5e-2; ours took expert 3.
+With expert 3 in the references, every step is within 1.36 y of fp32 and 1.21 y of transformers
+bf16. Computing the router (logits, top-k, sigmoid) in fp32 does not change it (6.35 y either
+way): the near-tie is in the router's input, the bf16 residual stream. The bound used to be 3e-2
+of the range, set after seeing results, when the session had lost the bf16 grid and emulated fp16
+(numerics/device.py ``_expanded``).
+
+The default tier runs Qwen2.5-VL (M-RoPE, token merge), mllama (cross-attention) and Llama 4 (its
+routing tie); ``-m slow`` every family. Then ``run --precision device`` on a compiled ai200
+artifact: the sessions it opens are the bf16 emulation (its first step's logits within
+CHUNKING_TOLERANCE of the export's bf16 run, the compiled buckets chunking the prompt
+differently) and not the fp32 run.
 """
 
 from __future__ import annotations
@@ -50,19 +57,21 @@ from qeff_vision.runtime.language_shape import LanguageShape
 from qeff_vision.runtime.planner import PrefillBucket
 from tests import helpers
 from tests.compile_fixtures import write_spec
+from tests.routing_ties import routing_ties, swapped_references
 from tests.test_ai200_families import bf16_checkpoint
 
 FAMILIES = [family.name for family in all_families()]
 K = 2.0  # d(ours, fp32) <= K * y, y = d(transformers bf16, transformers fp32)
 BOUND = K + 1  # d(ours, transformers bf16) <= BOUND * y (triangle inequality)
-OPEN = {
-    "llama4": "one decode step 5.6e-2 of range from fp32 (6.7 y): a discrete near-tie flip (keeping any "
-    "of MatMul, Mul, Sigmoid or RMSNorm outputs fp32 removes it; likely its top-1 expert choice)"
-}
+# Known failures (strict, so a fix shows). None is left: Llama 4's decode step at 6.4 y was an
+# expert choice decided by rounding (see the module docstring), now compared as such.
+OPEN: dict[str, str] = {}
+# Routing ties of the first step past the bound tried, closest first (each costs two reference runs).
+MAX_TIES_TRIED = 4
 # Two bf16 emulations chunking the prompt differently: each within 1.5e-2 of fp32 on these
 # checkpoints (y above), so within twice that of each other.
 CHUNKING_TOLERANCE = 3e-2
-DEFAULT_TIER = ("qwen2_5_vl", "mllama")
+DEFAULT_TIER = ("qwen2_5_vl", "mllama", "llama4")
 NEW_TOKENS = 9
 BF16 = {"vision": Bf16Values(), "lang": Bf16Values()}
 
@@ -129,6 +138,12 @@ def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export
     assert yardstick > 0, "transformers bf16 must differ from fp32 (else the model did not run in bf16)"
     ours_fp32, ours_bf16 = _relative(result.logits, fp32), _relative(result.logits, reference)
     figures = f"y={yardstick:.2e} d(ours, fp32)={ours_fp32:.2e} d(ours, tf bf16)={ours_bf16:.2e}"
+    if ours_fp32 > K * yardstick or ours_bf16 > BOUND * yardstick:
+        # A step past the bound: an expert choice decided by rounding (tests/routing_ties.py) may
+        # have gone the other way; the references then take it the other way too, bound unchanged.
+        tie, fp32, reference = _routing_tie(model, inputs, result, yardstick, fp32, reference)
+        ours_fp32, ours_bf16 = _relative(result.logits, fp32), _relative(result.logits, reference)
+        figures += f"; {tie} taken the other way: {ours_fp32:.2e}, {ours_bf16:.2e}"
     assert ours_fp32 <= K * yardstick, figures
     assert ours_bf16 <= BOUND * yardstick, figures
     for step, (ours, ref) in enumerate(zip(result.logits, reference)):
@@ -136,6 +151,26 @@ def test_ai200_device_precision_matches_transformers_in_bf16(family, bf16_export
         top = np.sort(ref)[-2:]
         if top[1] - top[0] > 2 * deviation:
             assert result.tokens[step] == int(ref.argmax()), step
+
+
+def _routing_tie(model, inputs, result, yardstick, fp32, reference):
+    """The routing tie of the first step past the bound that, taken the other way, brings every step
+    within it: ``(tie, fp32 rows, bf16 rows)`` of the swapped references, or ``(None, ...)`` of the
+    plain ones when no tie does (the caller's bound then fails)."""
+    failing = next(
+        step
+        for step, (ours, exact, rounded) in enumerate(zip(result.logits, fp32, reference))
+        if _relative([ours], [exact]) > K * yardstick or _relative([ours], [rounded]) > BOUND * yardstick
+    )
+    ties = [tie for tie in routing_ties(model, inputs, result.tokens) if tie.step == failing]
+    for tie in ties[:MAX_TIES_TRIED]:
+        swapped_fp32, swapped_bf16 = swapped_references(model, inputs, result.tokens, tie)
+        if (
+            _relative(result.logits, swapped_fp32) <= K * yardstick
+            and _relative(result.logits, swapped_bf16) <= BOUND * yardstick
+        ):
+            return tie, swapped_fp32, swapped_bf16
+    return None, fp32, reference
 
 
 def test_device_session_keeps_the_bf16_grid(bf16_export, monkeypatch):
