@@ -177,7 +177,7 @@ def _queue_uncovered(program, generated) -> None:
     standard deviation 0.1, zero token ids) is there to give a specialization no prompt reaches its
     ranges; where a prompt's call already ran the same shapes, its processed image and real tokens
     record larger peaks than the noise would, and the duplicate call would only repeat the
-    arithmetic (at 1080x1920 a full-depth Qwen2.5-VL tower is ~16 TFLOP a call).
+    arithmetic (at 1080x1920 a full-depth 0.67 B-parameter tower is ~16 TFLOP a call).
     """
     for feeds in generated:
         if call_shapes(feeds) not in program.shapes_run:
