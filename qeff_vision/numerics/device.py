@@ -47,6 +47,7 @@ from qeff_vision.graph_file import (
     weight_values,
     with_weights_given,
 )
+from qeff_vision.numerics.arena import use_shared_arena
 from qeff_vision.numerics.layer_functions import expanded_plan, load_flat_graph
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16)
@@ -243,6 +244,7 @@ def session_for(
     initializers: Mapping[str, np.ndarray] | None = None,
     in_graph_order: bool = False,
     arena: bool | None = None,
+    shared_arena: bool = False,
 ):
     """An onnxruntime CPU session on an in-memory graph whose external data lives in ``model_dir``.
 
@@ -255,6 +257,8 @@ def session_for(
     default a graph keeps the arena while its weights fit :data:`ARENA_WEIGHT_BYTES`: a larger one
     makes weight-sized values (read expert slices, casts of weights), which the arena keeps at its
     grown size (Kimi-K2.5 at real widths, fp32 run: 8.34 GB with the arena, 6.06 GB without).
+    ``shared_arena`` takes the process's shared arena instead (:mod:`~qeff_vision.numerics.arena`;
+    run such a session with its shrinking run options).
     """
     import onnxruntime as ort
 
@@ -264,6 +268,8 @@ def session_for(
     if in_graph_order:
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     options.enable_cpu_mem_arena = arena
+    if shared_arena:
+        use_shared_arena(options)
     options.intra_op_num_threads = threads
     options.log_severity_level = 3
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_dir))

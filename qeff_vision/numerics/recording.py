@@ -42,8 +42,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from qeff_vision.fsutil import release_memory
+from qeff_vision.numerics.arena import shrinking_run_options
 from qeff_vision.numerics.device import session_for
 from qeff_vision.numerics.slicing import (
+    _CLEAN,
     _MAX,
     _MIN,
     _PEAK,
@@ -181,6 +183,7 @@ class SlicedRecorder:
         self.calls_run = 0  # calls run so far (over all passes)
         self.passes = 0  # passes over the slices (run_many calls, a further pass counted apart)
         self.sessions_built = 0  # onnxruntime sessions built so far (a cost the benchmark reports)
+        self._run_options = shrinking_run_options()
 
     @property
     def slices(self) -> list[GraphSlice]:
@@ -232,6 +235,9 @@ class SlicedRecorder:
         values = [dict(feed) for feed in originals]
         self.call_seconds = [0.0] * len(values)
         active = self.graph.chained_prefix(values)
+        # Per call, the node index up to which it has run: after a slice changes (new cuts, values
+        # reduced below the sentinel) only the calls that have not run its nodes run it.
+        reached = [0] * active
         number = 0
         while number < len(self.graph.slices):
             part = self.graph.slices[number]
@@ -241,6 +247,8 @@ class SlicedRecorder:
             if self.graph.release_early(part, sizes):
                 continue
             found: list[str] = []
+            large: list[str] = []
+            clean: list[str] = []
             referenced = _referenced(values)
             sessions: dict[tuple, object] = {}
             # A slice that reads nothing from the calls (a weight's Transpose: the tied language
@@ -249,6 +257,8 @@ class SlicedRecorder:
             constant = not part.inputs
             shared: dict[str, np.ndarray] | None = None
             for index in range(active):
+                if reached[index] >= part.stop:
+                    continue
                 call = values[index]
                 inputs = _resolved(call, part, self.graph, values)
                 if shared is not None:
@@ -261,7 +271,7 @@ class SlicedRecorder:
                         if part.outputs or part.recorded
                         else {}
                     )
-                    found = self._record(part, outputs)
+                    found, large, clean = self._record(part, outputs)
                     if found:
                         break
                     for name in part.exposed:
@@ -276,12 +286,18 @@ class SlicedRecorder:
                     or self.graph.last_reader.get(name, -1) > number
                 ]
                 call.update({name: outputs[name] for name in kept})
+                reached[index] = part.stop
                 del outputs, inputs
+                if large or clean:  # recorded; the calls after this one reduce them otherwise
+                    break
             sessions.clear()
             if not self.keep_sessions:
                 release_memory(collect=False)  # the slice's weights and arena go now
-            if found:  # mask-carrying values: reduced below the sentinel, the slice run again
-                self.graph.reduce_masked(found)
+            if found or large or clean:  # reduced below the sentinel (found: this call runs again)
+                if clean:
+                    self.graph.unmask(clean)
+                if found or large:
+                    self.graph.reduce_masked(found or large)
                 bounds = {(part.start, part.stop) for part in self.graph.slices}
                 self._sessions = {key: s for key, s in self._sessions.items() if key[:2] in bounds}
                 continue
@@ -344,41 +360,50 @@ class SlicedRecorder:
         session = self._sessions.get(key) or sessions.get(key)
         if session is None:
             model = self.graph.slice_model(part, inputs)
-            # No arena: a kept session would hold its peak activations between calls.
+            # No arena of its own: a kept session would hold its peak activations between calls.
+            # The shared one gives them back after each run (numerics/arena.py).
             replaced = self.initializers(part.initializers) if self.initializers else None
             session = session_for(
-                model, self.model_dir, self.threads, replaced, in_graph_order=True, arena=False
+                model, self.model_dir, self.threads, replaced, in_graph_order=True, shared_arena=True
             )
             self.sessions_built += 1
             (self._sessions if self.keep_sessions else sessions)[key] = session
         names = [o.name for o in session.get_outputs()]
         start = time.perf_counter()
         try:
-            results = dict(zip(names, session.run(names, inputs)))
+            results = dict(zip(names, session.run(names, inputs, self._run_options)))
         except Exception as exc:  # onnxruntime raises its own exception types
             raise SliceRunError(index, exc) from exc
         self.call_seconds[index] += time.perf_counter() - start
         return results
 
-    def _record(self, part: GraphSlice, outputs: Mapping[str, np.ndarray]) -> list[str]:
-        """Raise the ranges of ``part``'s reduced values; those holding a sentinel or NaN, if any.
+    def _record(
+        self, part: GraphSlice, outputs: Mapping[str, np.ndarray]
+    ) -> tuple[list[str], list[str], list[str]]:
+        """Raise the ranges of ``part``'s reduced values; (found, large, clean).
 
-        Nothing is recorded when one is found: the slice runs again after the cuts.
+        ``found``: values holding a sentinel or NaN that were not reduced below it; nothing is
+        recorded then, and the slice runs again for this call. ``large`` and ``clean``: values
+        reduced below the sentinel in the graph whose float32 copy reaches :data:`LARGE_VALUE`
+        bytes (the graph's reduction holds two temporaries as large as the value), holding
+        sentinels (later calls reduce them on the host) or not (later calls reduce them as plain
+        values). Their peaks are right and recorded.
         """
-        peaks, found = {}, []
+        peaks, found, large, clean = {}, [], [], []
         for name in part.recorded:
             top = max(float(outputs[name + _MAX]), -float(outputs[name + _MIN]))
             if not top < MASK_SENTINEL or np.isnan(outputs[name + _SUM]):
                 found.append(name)
             peaks[name] = max(top, 0.0)
-        for name in part.masked:  # float32 copies from LARGE_VALUE bytes on go to the host
+        for name in part.masked:
             if int(outputs[name + _SIZE]) * 4 >= LARGE_VALUE:
-                found.append(name)
+                (clean if int(outputs[name + _CLEAN]) else large).append(name)
             peaks[name] = max(float(outputs[name + _PEAK]), 0.0) if int(outputs[name + _SIZE]) else 0.0
-        if not found:
-            for name, peak in peaks.items():
-                self.ranges[name] = max(self.ranges[name], peak)
-        return found
+        if found:
+            return found, [], []
+        for name, peak in peaks.items():
+            self.ranges[name] = max(self.ranges[name], peak)
+        return [], large, clean
 
 
 def record_ranges(

@@ -19,12 +19,15 @@ import onnx
 from onnx import TensorProto, helper
 
 from qeff_vision.graph_file import tensor_bytes
+from qeff_vision.numerics.mask_flow import mask_carriers
 
 # Inputs from here on make their slice end after their last reader (attention-sized values).
 LARGE_VALUE = 64 * 2**20
 _MAX, _MIN, _SUM = "__rec_max", "__rec_min", "__rec_sum"
 # A mask-carrying value's peak below the sentinel, and its element count, reduced in the graph.
 _PEAK, _SIZE = "__rec_peak", "__rec_size"
+# 1 when every element of such a value is below the sentinel (no sentinel, no NaN in this call).
+_CLEAN = "__rec_clean"
 # Magnitudes from here on are attention-mask sentinels (float32's minimum), not activations.
 MASK_SENTINEL = 1e30
 
@@ -83,7 +86,6 @@ class SlicedGraph:
         self.model = model
         graph = model.graph
         self.nodes = list(graph.node)
-        self.reads = [_reads(node) for node in self.nodes]
         self.initializers = {tensor.name: tensor for tensor in graph.initializer}
         # A constant read by a later slice is copied into it rather than fed: onnxruntime's shape
         # inference reads a Reshape target or a Scan's sizes from it, as in the whole graph.
@@ -96,7 +98,10 @@ class SlicedGraph:
         self.types = dict(types)
         self.wanted = list(wanted)
         self.exposed: set[str] = set()
-        self.masked: set[str] = set()
+        self.reads = [_reads(node) for node in self.nodes]
+        # Values that may hold a mask's sentinel are reduced below it from the start: found at run
+        # time instead, each would cost its slice a second run (numerics/mask_flow.py).
+        self.masked: set[str] = mask_carriers(model, self.reads, MASK_SENTINEL) & set(self.recorded)
         self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
         self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
         self.cuts = self._weight_cuts(slice_bytes)
@@ -151,6 +156,15 @@ class SlicedGraph:
             self.cut_after(large)
         else:
             self.slices = self._slices()
+
+    def unmask(self, names: Iterable[str]) -> None:
+        """Reduce ``names`` with the three plain reductions again (a call showed them without sentinels).
+
+        For a predicted mask carrier (:mod:`~qeff_vision.numerics.mask_flow`) too large for the
+        graph's masked reduction: a sentinel a later call shows is found then, as for any value.
+        """
+        self.masked.difference_update(names)
+        self.slices = self._slices()
 
     def chained_prefix(self, calls: Sequence[Mapping[str, object]]) -> int:
         """How many leading ``calls`` run slice-major together; protects their hand-overs from cuts.
@@ -330,7 +344,9 @@ class SlicedGraph:
 
 
 def _masked_peak(name: str, element_type: int | None) -> tuple[list, list]:
-    """Nodes giving ``name``'s largest magnitude below :data:`MASK_SENTINEL` (NaN left out), and its size.
+    """Nodes giving ``name``'s largest magnitude below :data:`MASK_SENTINEL`, its size, and whether all are.
+
+    NaN is left out of the peak and makes the value not all below the sentinel.
 
     max(Where(|x| < sentinel, |x|, 0)) is the host's ``masked_peak`` in float32: NaN compares
     false, so it and the sentinels count as 0, as do the magnitudes the host leaves out.
@@ -349,10 +365,13 @@ def _masked_peak(name: str, element_type: int | None) -> tuple[list, list]:
         helper.make_node("Where", [below, magnitude, zero], [kept]),
         helper.make_node("ReduceMax", [kept], [name + _PEAK], keepdims=0),
         helper.make_node("Size", [name], [name + _SIZE]),
+        helper.make_node("Cast", [below], [f"{name}__rec_below8"], to=TensorProto.UINT8),
+        helper.make_node("ReduceMin", [f"{name}__rec_below8"], [name + _CLEAN], keepdims=0),
     ]
     outputs = [
         helper.make_tensor_value_info(name + _PEAK, TensorProto.FLOAT, []),
         helper.make_tensor_value_info(name + _SIZE, TensorProto.INT64, []),
+        helper.make_tensor_value_info(name + _CLEAN, TensorProto.UINT8, []),
     ]
     return nodes, outputs
 
