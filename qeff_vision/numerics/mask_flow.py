@@ -25,7 +25,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 # Ops whose float output is bounded whatever their input holds: a sentinel does not pass them.
-BOUNDED_OPS = frozenset({"Softmax", "Sigmoid", "Tanh", "Cos", "Sin", "Erf", "HardSigmoid", "Softsign"})
+# ``Exp`` too, as a blocked attention uses it (exp(score - running max)): a masked score's
+# exponential is 0. A positive sentinel's would be infinite; a run finds that one.
+BOUNDED_OPS = frozenset({"Softmax", "Sigmoid", "Tanh", "Cos", "Sin", "Erf", "HardSigmoid", "Softsign", "Exp"})
 # Inline initializers larger than this are weights, not mask fills: not read.
 _SMALL_ELEMENTS = 1 << 16
 

@@ -44,6 +44,7 @@ from onnx import helper, numpy_helper
 from qeff_vision.fsutil import release_memory
 from qeff_vision.numerics.arena import shrinking_run_options
 from qeff_vision.numerics.device import session_for
+from qeff_vision.numerics.same_values import same_magnitudes
 from qeff_vision.numerics.slicing import (
     _CLEAN,
     _MAX,
@@ -169,7 +170,9 @@ class SlicedRecorder:
         # A Constant's peak is known from the graph: recording it in a slice would only cost a cut
         # (a sentinel constant, the mask's fill value, is reduced on the host: 2 cuts per layer).
         self.constant_peaks = _constant_peaks(model, recorded)
-        computed = [name for name in recorded if name not in self.constant_peaks]
+        # A reshaped or transposed value's peak is its input's: copied, not reduced again.
+        self.same = same_magnitudes(model, recorded, types)
+        computed = [name for name in recorded if name not in self.constant_peaks and name not in self.same]
         self.graph = SlicedGraph(model, computed, types, wanted, slice_bytes)
         self.model_dir = Path(model_dir)
         self.threads = threads
@@ -316,6 +319,8 @@ class SlicedRecorder:
             if on_slice is not None:
                 on_slice(number, len(self.graph.slices))
         self.graph.protected = []
+        for name, source in self.same.items():
+            self.ranges[name] = max(self.ranges[name], self.ranges[source])
         self.passes += 1
         self.calls_run += active
         done = [{name: values[i][name] for name in keep_sets[i]} for i in range(active)]
