@@ -242,3 +242,46 @@ def test_a_slice_of_weights_alone_runs_once_for_every_call(tmp_path, monkeypatch
     for got, want in zip(results, expected):
         np.testing.assert_array_equal(got["logits"], want)
     assert one_pass.ranges == one_by_one.ranges
+
+
+def test_a_rearranged_value_takes_its_inputs_peak_without_a_reduction(tmp_path):
+    """Reshape, Transpose, Neg and a same-type Cast hold their input's magnitudes: not reduced in a
+    slice, their peaks copied, equal to the definition's (sentinels left out as for their input)."""
+    rng = np.random.default_rng(3)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 12)).astype(np.float32), "w")
+    lowest = np.zeros((1, 12), np.float32)
+    lowest[0, 3] = np.finfo(np.float32).min
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Constant", [], ["mask"], value=numpy_helper.from_array(lowest)),
+        helper.make_node("Add", ["h", "mask"], ["scores"]),
+        helper.make_node("Cast", ["scores"], ["same"], to=TensorProto.FLOAT),
+        helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([-1, 3, 4]))),
+        helper.make_node("Reshape", ["same", "shape"], ["heads"]),
+        helper.make_node("Transpose", ["heads"], ["swapped"], perm=[1, 0, 2]),
+        helper.make_node("Neg", ["h"], ["negated"]),
+        helper.make_node("Softmax", ["swapped"], ["p"], axis=-1),
+        helper.make_node("Relu", ["negated"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "rearranged",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])],
+        [
+            helper.make_tensor_value_info("p", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+        ],
+        [weight],
+    )
+    path = tmp_path / "rearranged" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    model = load_graph(path)
+    types = value_types(model)
+    recorder = SlicedRecorder(model, path.parent, float_outputs(model, types), types, ["p", "y"])
+    assert recorder.same == {"same": "scores", "heads": "scores", "swapped": "scores", "negated": "h"}
+    assert not set(recorder.same) & {name for part in recorder.slices for name in part.recorded + part.masked}
+    feeds = [{"x": rng.standard_normal((rows, 8)).astype(np.float32)} for rows in (2, 5)]
+    ranges = record_ranges(recorder, feeds)
+    assert ranges == exposed_ranges(path, feeds)
+    assert ranges["swapped"] == ranges["scores"] < MASK_SENTINEL and ranges["negated"] == ranges["h"] > 0
