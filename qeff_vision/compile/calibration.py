@@ -66,6 +66,7 @@ def prompt_ranges(
     on_slice: Callable[[int, int], None] | None = None,
     generated: Mapping[str, Sequence[Mapping[str, np.ndarray]]] | None = None,
     one_pass: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Per program (``vision``, ``lang``): node output -> largest magnitude over the calibration prompts.
 
@@ -84,6 +85,8 @@ def prompt_ranges(
             generated input of each specialization, :func:`~qeff_vision.compile.precision.calibration_feeds`).
         one_pass: Every call of a program in one pass over its slices (False: each call on its
             own, one pass per call, as the reference for the tests).
+        max_prompt_tokens: Longest prompt the language program runs (None: no bound); a longer
+            image prompt's image is still encoded (see :func:`within_budget`).
     """
     from qeff_vision.checkpoint import Checkpoint
     from qeff_vision.export_record import read_export
@@ -138,6 +141,7 @@ def prompt_ranges(
     for text, picture in runs:
         shown = [] if picture is None else [picture]
         fitted.append(fitting.fit(Conversation(collector, processor, keep_prefix=False), shown, text))
+    budget = within_budget(runs, fitted, max_prompt_tokens)
     generated = generated or {}
     if one_pass:
         # Round 1: every image's vision call queued (the language program refuses to run), then
@@ -155,8 +159,8 @@ def prompt_ranges(
     # Round 2: the prompts, every language call queued (tokens teacher-forced), one language pass.
     runner, checks = generator()
     bar = progress_bar("calibration runs", total=len(runs), unit="run")  # on a terminal, unless -q
-    for (text, picture), fit in zip(runs, fitted):
-        if fit is not None:
+    for (text, picture), fit, runs_language in zip(runs, fitted, budget):
+        if fit is not None and runs_language:
             _ask(runner, processor, picture, text, fit)
         bar.update()
     if not one_pass:
@@ -167,7 +171,34 @@ def prompt_ranges(
     bar.close()
     if fitting.note() and say is not None:
         say(fitting.note())
+    left = sum(1 for fit, runs_language in zip(fitted, budget) if fit is not None and not runs_language)
+    if left and say is not None:
+        longest = max(fit[2] for fit, ok in zip(fitted, budget) if fit is not None and not ok)
+        say(
+            f"note: {left} calibration prompt(s) longer than {max_prompt_tokens} tokens left out of the "
+            f"language program (up to {longest} tokens; their images were encoded): "
+            "compile.calibration.max_prompt_tokens"
+        )
     return {"vision": vision.ranges, "lang": language.ranges}
+
+
+def within_budget(runs, fitted, max_prompt_tokens: int | None) -> list[bool]:
+    """Per run, whether its prompt goes through the language program.
+
+    Every prompt of at most ``max_prompt_tokens`` tokens does; of the longer ones, only the
+    shortest image prompt, and only when no image prompt is within the bound, so that image rows
+    always reach the language program. The prompts left out still have their images encoded: each
+    vision specialization keeps its real image. A 1080x1920 image is 2,700 Qwen2.5-VL tokens, 22
+    prefill chunks of 128 that repeat the specializations the shorter prompts already run (at full
+    depth, ~0.8 TFLOP each).
+    """
+    if max_prompt_tokens is None:
+        return [True] * len(runs)
+    chosen = [fit is not None and fit[2] <= max_prompt_tokens for fit in fitted]
+    images = [i for i, ((_, picture), fit) in enumerate(zip(runs, fitted)) if picture is not None and fit]
+    if images and not any(chosen[i] for i in images):
+        chosen[min(images, key=lambda i: fitted[i][2])] = True
+    return chosen
 
 
 def _queue_uncovered(program, generated) -> None:
@@ -184,11 +215,11 @@ def _queue_uncovered(program, generated) -> None:
             program.queue(feeds)
 
 
-def _ask(generator, processor, picture, text: str, fitted: tuple[str, int]) -> None:
-    """One calibration run: ``fitted`` (prompt, decode steps) with ``picture``, tokens teacher-forced."""
+def _ask(generator, processor, picture, text: str, fitted: tuple[str, int, int]) -> None:
+    """One calibration run: ``fitted`` (prompt, decode steps, length) with ``picture``, teacher-forced."""
     from qeff_vision.runtime.conversation import Conversation
 
-    words, steps = fitted
+    words, steps, _ = fitted
     generator.token_sampler = lambda _params, prompt_ids: ForcedTokens(
         continuation_ids(processor, text, prompt_ids)
     )
@@ -284,8 +315,10 @@ class _Fitting:
         self.shortened = 0
         self.skipped: list[int] = []  # prompt lengths (tokens, without words) that did not fit
 
-    def fit(self, chat: Any, images: Sequence[Any], text: str) -> tuple[str, int] | None:
-        """(the longest leading words of ``text`` that fit, decode steps), or None when nothing fits.
+    def fit(self, chat: Any, images: Sequence[Any], text: str) -> tuple[str, int, int] | None:
+        """(the longest leading words of ``text`` that fit, decode steps, prompt tokens), or None.
+
+        None when nothing fits.
 
         A prompt of L tokens fits when L + 1 <= ctx_len (one generated token at least); it then
         runs ``min(DECODE_STEPS, ctx_len - L)`` new tokens.
@@ -308,7 +341,8 @@ class _Fitting:
                 low, high = (middle, high) if length(middle) < self.ctx_len else (low, middle - 1)
             kept = low
             self.shortened += 1
-        return " ".join(words[:kept]), min(DECODE_STEPS, self.ctx_len - length(kept))
+        tokens = length(kept)
+        return " ".join(words[:kept]), min(DECODE_STEPS, self.ctx_len - tokens), tokens
 
     def note(self) -> str:
         """One line on what was shortened or skipped ('' when every prompt ran whole)."""

@@ -34,7 +34,12 @@ from qeff_vision.numerics.plan import (
     value_ranges,
     write_plan,
 )
-from qeff_vision.spec.compile_options import NODE_PRECISION_AUTO, NODE_PRECISION_NONE, ProgramOptions
+from qeff_vision.spec.compile_options import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    NODE_PRECISION_AUTO,
+    NODE_PRECISION_NONE,
+    ProgramOptions,
+)
 from qeff_vision.spec.hardware import AI200
 
 # The plan mode of a program the device computes in bfloat16 (ai200).
@@ -335,6 +340,7 @@ def _prompt_ranges(
         [(image.height, image.width) for image in spec.vision.images if not image.video],  # stills only
         images=images,
         prompts=list(calibration.prompts) if calibration else [],
+        max_prompt_tokens=calibration.max_prompt_tokens if calibration else DEFAULT_MAX_PROMPT_TOKENS,
         say=say,
         processor_options=dict(spec.vision.image_processor),
         on_slice=on_slice,
@@ -373,6 +379,7 @@ def _calibration_keys(plans, spec, spec_dir: Path, say=None) -> dict[str, str]:
         "resolutions": [[image.height, image.width] for image in spec.vision.images if not image.video],
         "images": [hasher.file(image) if image.is_file() else str(image) for image in images],
         "prompts": list(calibration.prompts) if calibration else [],
+        "max_prompt_tokens": calibration.max_prompt_tokens if calibration else DEFAULT_MAX_PROMPT_TOKENS,
         "onnx": {p.program: hasher.onnx(p.onnx) for p in plans},
     }
     keys = {}

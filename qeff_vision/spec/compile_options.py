@@ -154,6 +154,10 @@ class CompCtxLengths:
         return CompCtxLengths(*compiler_ccl_lists(self.prefill, self.decode, ctx_len))
 
 
+# Longest calibration prompt the language program runs (Calibration.max_prompt_tokens).
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Inputs of the calibration runs that find an ``auto`` precision plan (``compile.calibration``).
@@ -162,24 +166,35 @@ class Calibration:
         images: Image paths (relative to the spec) replacing the synthetic images at the spec's
             resolutions.
         prompts: Prompts replacing the default one.
+        max_prompt_tokens: Longest prompt (tokens, image placeholders included) the language
+            program runs in calibration; a longer image prompt's image still goes through the
+            vision program. When every image prompt is longer, the shortest one runs whole, so
+            image rows always reach the language program. ``null``: every prompt runs whole.
+            Default 1024: at 1080x1920 a Qwen2.5-VL prompt is 2,700 tokens, 22 prefill chunks
+            that repeat what the first ones record (issue 48).
     """
 
     images: tuple[str, ...] = ()
     prompts: tuple[str, ...] = ()
+    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS
 
 
 CALIBRATION_KEY = "calibration"
+_CALIBRATION_KEYS = ("images", "prompts", "max_prompt_tokens")
 
 
 def parse_calibration(value: Any, path: str) -> tuple[Calibration | None, list[str]]:
-    """Read ``calibration: {images: [paths], prompts: [texts]}`` (both optional, non-empty strings)."""
+    """Read ``calibration: {images: [paths], prompts: [texts], max_prompt_tokens: N}`` (all optional)."""
     if not isinstance(value, Mapping):
         return None, [f"{path}: must be a mapping with images and/or prompts lists"]
     problems = [
-        f"{path}.{key}: unknown key; allowed: images, prompts"
+        f"{path}.{key}: unknown key; allowed: {', '.join(_CALIBRATION_KEYS)}"
         for key in value
-        if key not in ("images", "prompts")
+        if key not in _CALIBRATION_KEYS
     ]
+    budget = value.get("max_prompt_tokens", DEFAULT_MAX_PROMPT_TOKENS)
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        problems.append(f"{path}.max_prompt_tokens: must be a positive integer or null, got {budget!r}")
     lists = {}
     for key in ("images", "prompts"):
         items = value.get(key, [])
@@ -189,7 +204,7 @@ def parse_calibration(value: Any, path: str) -> tuple[Calibration | None, list[s
         lists[key] = tuple(items)
     if problems:
         return None, problems
-    return Calibration(lists["images"], lists["prompts"]), []
+    return Calibration(lists["images"], lists["prompts"], budget), []
 
 
 @dataclass(frozen=True)
