@@ -234,7 +234,10 @@ def disk_bytes(path: Path) -> int:
     return total
 
 
-def write_spec(path: Path, checkpoint: Path, images, ctx_len: int, seq_len: int, precision: str) -> Path:
+def write_spec(
+    path: Path, checkpoint: Path, images, ctx_len: int, seq_len: int, precision: str, budget="default"
+) -> Path:
+    """The benchmark's spec; ``budget``: ``compile.calibration.max_prompt_tokens`` unless "default"."""
     import yaml
 
     spec = {
@@ -245,6 +248,8 @@ def write_spec(path: Path, checkpoint: Path, images, ctx_len: int, seq_len: int,
         "vision": {"images": [{"height": h, "width": w} for h, w in images]},
         "compile": {"node_precision": precision},
     }
+    if budget != "default":
+        spec["compile"]["calibration"] = {"max_prompt_tokens": budget}
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
@@ -253,12 +258,20 @@ STAGES = ("build", "export", "specialize", "compile", "recompile", "reference", 
 
 
 def measure(
-    work: Path, images, ctx_len: int, seq_len: int, smoke: bool, stages=STAGES, layers=(0, 0)
+    work: Path,
+    images,
+    ctx_len: int,
+    seq_len: int,
+    smoke: bool,
+    stages=STAGES,
+    layers=(0, 0),
+    budget="default",
 ) -> list[dict]:
     """Every row, in order, each stage in its own subprocess under ``work``.
 
     ``layers`` (text, vision) cut the checkpoint's depth (0: the pinned config's); widths and the
-    vocabulary stay real, so each layer costs what it costs at full depth.
+    vocabulary stay real, so each layer costs what it costs at full depth. ``budget``: the
+    calibration's ``max_prompt_tokens`` (None: every prompt whole; "default": the spec default).
 
     Results are saved in ``work/rows.json`` as stages finish: a later call with the same ``work``
     runs only the ``stages`` not measured yet (a long run split into several, one at a time).
@@ -267,8 +280,8 @@ def measure(
     done: dict[str, list[dict]] = json.loads(saved.read_text()) if saved.is_file() else {}
     checkpoint, export = work / "checkpoint", work / "export"
     compiler = stand_in_compiler(work / "sdk")
-    auto = write_spec(work / "auto.yaml", checkpoint, images, ctx_len, seq_len, "auto")
-    none = write_spec(work / "none.yaml", checkpoint, images, ctx_len, seq_len, "none")
+    auto = write_spec(work / "auto.yaml", checkpoint, images, ctx_len, seq_len, "auto", budget)
+    none = write_spec(work / "none.yaml", checkpoint, images, ctx_len, seq_len, "none", budget)
     store = work / "plan-store"
 
     def entry(stage: str, result: dict, disk: Path | None = None, seconds: float | None = None) -> dict:
@@ -439,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--stages", default=",".join(STAGES), help=f"which of {','.join(STAGES)} to run")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--max-prompt-tokens",
+        default="default",
+        help="compile.calibration.max_prompt_tokens of the spec (N, or none: every prompt whole)",
+    )
     add_docs_arguments(parser)
     args = parser.parse_args(argv)
     with recording(args, "full_depth", argv):
@@ -460,7 +478,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         layers = (args.text_layers, args.vision_layers)
-        rows = measure(work, images, ctx_len, seq_len, args.smoke or args.tiny, stages, layers)
+        budget = args.max_prompt_tokens
+        budget = None if budget == "none" else (budget if budget == "default" else int(budget))
+        rows = measure(work, images, ctx_len, seq_len, args.smoke or args.tiny, stages, layers, budget)
     finally:
         if not (args.keep or args.resume):
             shutil.rmtree(work, ignore_errors=True)
@@ -470,6 +490,8 @@ def _run(args: argparse.Namespace) -> int:
             f"Qwen2.5-VL-3B at real widths, {args.text_layers or 'all'} text / "
             f"{args.vision_layers or 'all'} vision layers, {CONFIG.name}"
         )
+    if args.max_prompt_tokens != "default":
+        label += f", calibration max_prompt_tokens {args.max_prompt_tokens}"
     print(f"{label}: images {', '.join(f'{h}x{w}' for h, w in images)}, ctx_len {ctx_len}, prefill {seq_len}")
     print(table(rows))
     if args.json:
