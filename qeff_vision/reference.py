@@ -146,7 +146,7 @@ class TokenComparison:
         )
 
 
-def model_in_dtype(model, dtype):
+def model_in_dtype(model, dtype, copy: bool = True):
     """A copy of ``model`` in ``dtype`` as ``from_pretrained(dtype=...)`` loads it.
 
     ``model.to(torch.bfloat16)`` would round every float buffer, the rotary frequencies included
@@ -154,16 +154,23 @@ def model_in_dtype(model, dtype):
     part of complex ones (Llama 4's vision ``freqs_ci``). transformers' own bf16 loading computes
     those at init and keeps them fp32 / complex64: so does this copy (``*inv_freq`` and complex
     buffers keep their values).
-    """
-    import copy
 
-    converted = copy.deepcopy(model).to(dtype)
-    originals = dict(model.named_buffers())
+    ``copy=False`` converts ``model`` itself instead (and returns it): no second model is held,
+    only one tensor at a time in both dtypes (a real-width reference, issue 49: the copy held
+    the fp32 model twice while it was made, and beside the bf16 one after).
+    """
+    import copy as copying
+
+    kept = {
+        name: buffer.detach().clone()
+        for name, buffer in model.named_buffers()
+        if name.endswith("inv_freq") or buffer.is_complex()
+    }
+    converted = (copying.deepcopy(model) if copy else model).to(dtype)
     for name in [name for name, _ in converted.named_buffers()]:
-        original = originals.get(name)
-        if original is not None and (name.endswith("inv_freq") or original.is_complex()):
+        if name in kept:
             owner, _, attribute = name.rpartition(".")
-            converted.get_submodule(owner)._buffers[attribute] = original.detach().clone()
+            converted.get_submodule(owner)._buffers[attribute] = kept[name]
     return converted
 
 

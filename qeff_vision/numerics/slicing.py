@@ -30,6 +30,17 @@ _PEAK, _SIZE = "__rec_peak", "__rec_size"
 _CLEAN = "__rec_clean"
 # Magnitudes from here on are attention-mask sentinels (float32's minimum), not activations.
 MASK_SENTINEL = 1e30
+# Element types onnxruntime's Python API cannot return or take as numpy arrays ("No corresponding
+# Numpy type for Tensor Type. bfloat16"): a value of one never crosses a cut (SlicedGraph._allowed).
+NO_NUMPY_TYPES = frozenset(
+    {
+        TensorProto.BFLOAT16,
+        TensorProto.FLOAT8E4M3FN,
+        TensorProto.FLOAT8E4M3FNUZ,
+        TensorProto.FLOAT8E5M2,
+        TensorProto.FLOAT8E5M2FNUZ,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +115,13 @@ class SlicedGraph:
         self.masked: set[str] = mask_carriers(model, self.reads, MASK_SENTINEL) & set(self.recorded)
         self.producer = {name: index for index, node in enumerate(self.nodes) for name in node.output if name}
         self.weight_bytes = {name: tensor_bytes(tensor) for name, tensor in self.initializers.items()}
-        self.cuts = self._weight_cuts(slice_bytes)
+        self.readers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
+        for index, reads in enumerate(self.reads):
+            for name in reads:
+                self.readers.setdefault(name, []).append(index)
+        self.held_until = self._held_until()
         self.protected: list[tuple[int, int]] = []  # node ranges no cut may split (chained calls)
+        self.cuts = sorted({0, *self._allowed(self._weight_cuts(slice_bytes))})
         inputs = {value.name for value in graph.input}
         # Outputs that are an input passed through (mllama's cross-attention states): a later call
         # reading one reads the earlier call's input, not something it computes.
@@ -114,10 +130,6 @@ class SlicedGraph:
             for node in self.nodes
             if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.input[0] in inputs
         }
-        self.readers: dict[str, list[int]] = {}  # value -> indices of the nodes reading it
-        for index, reads in enumerate(self.reads):
-            for name in reads:
-                self.readers.setdefault(name, []).append(index)
         self.slices = self._slices()
 
     def _weight_cuts(self, slice_bytes: int) -> list[int]:
@@ -216,9 +228,33 @@ class SlicedGraph:
             index[start:stop] = [number] * (stop - start)
         return index
 
+    def _held_until(self) -> list[int]:
+        """Per node index ``c``: where a cut at ``c`` moves so no :data:`NO_NUMPY_TYPES` value crosses it.
+
+        Such a value (the bf16 half of the device emulation's rounding pair, ``x -> bf16 -> x``)
+        cannot be a slice's output or input, so a cut between its producer and its last reader
+        moves past that reader (index ``c`` itself when nothing spans it).
+        """
+        held = list(range(len(self.nodes) + 1))
+        for name, index in self.producer.items():
+            if self.types.get(name) in NO_NUMPY_TYPES and self.readers.get(name):
+                last = max(self.readers[name])
+                for cut in range(index + 1, last + 1):
+                    held[cut] = max(held[cut], last + 1)
+        return held
+
     def _allowed(self, cuts: Iterable[int]) -> list[int]:
-        """``cuts`` without those that would fall inside a protected hand-over (see chained_prefix)."""
-        return [c for c in cuts if not any(first < c <= last for first, last in self.protected)]
+        """``cuts`` moved past every value numpy cannot hold, less those past the last node.
+
+        A cut inside a protected hand-over (see chained_prefix) is left out too.
+        """
+        allowed = []
+        for cut in cuts:
+            while cut < len(self.held_until) and self.held_until[cut] > cut:
+                cut = self.held_until[cut]
+            if cut < len(self.nodes) and not any(first < cut <= last for first, last in self.protected):
+                allowed.append(cut)
+        return allowed
 
     def release_early(self, part: GraphSlice, sizes: Mapping[str, int]) -> bool:
         """Cut ``part`` after the last reader of each large input; True when the slices changed.
