@@ -474,6 +474,7 @@ def export_model(
             )
         image_token_id = parts.image_token_id
         tables = [name for name, rotary in rotaries.items() if rotary.used]
+        table_positions = min((rotaries[name].positions for name in tables), default=None)
         if tables:
             say(f"language: rotary cos/sin read from bf16 position tables ({', '.join(tables)})")
         del encoder, decoder, parts, example, rotaries
@@ -516,6 +517,7 @@ def export_model(
             "attention_blocking": attention_blocking.to_dict(),
             "subfunctions": subfunctions,
             **({"rotary_tables": tables} if tables else {}),
+            **({"rotary_table_positions": table_positions} if tables else {}),
             "image_token_id": image_token_id,
             "num_layers": dims.num_layers,
             "programs": programs,

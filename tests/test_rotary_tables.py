@@ -101,3 +101,23 @@ def test_bf16_export_reads_tables_and_fp32_export_is_unchanged(family, modules, 
     assert _cos_sin_nodes(bf16) == 0
     assert "rotary_tables" not in json.loads((fp16 / "export.json").read_text())
     assert _cos_sin_nodes(fp16) > 0
+
+
+def test_a_table_holds_at_most_max_table_rows_and_a_longer_ctx_len_is_refused(tmp_path):
+    """Llama 4 Scout declares 10,485,760 positions: a 2.7 GB bf16 table, past protobuf's 2 GiB."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from qeff_vision.compile.inputs import _check_table_positions
+    from qeff_vision.errors import UserError
+    from qeff_vision.export.rotary_tables import MAX_TABLE_ROWS, table_rows
+
+    scout = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=10_485_760))
+    assert table_rows(scout) == MAX_TABLE_ROWS == 131_072
+    assert table_rows(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))) == 4096
+    manifest = {"rotary_table_positions": MAX_TABLE_ROWS}
+    _check_table_positions(SimpleNamespace(ctx_len=MAX_TABLE_ROWS), manifest, tmp_path)
+    _check_table_positions(SimpleNamespace(ctx_len=10**7), {}, tmp_path)  # no tables: no bound
+    with pytest.raises(UserError, match="tables of 131072 positions .* fewer than ctx_len 131073"):
+        _check_table_positions(SimpleNamespace(ctx_len=MAX_TABLE_ROWS + 1), manifest, tmp_path)

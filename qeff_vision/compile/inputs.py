@@ -177,6 +177,7 @@ def given_export(spec: Any, export_dir: Path, hub: HubCheckpoint | None = None) 
     former = _former_symbol(spec, manifest)
     if former:
         raise UserError(f"{export_dir}: exported with {former}; export it again (`qeff-vision export`)")
+    _check_table_positions(spec, manifest, export_dir)
     ccl = spec.compile.comp_ctx_lengths is not None
     if bool(manifest.get("comp_ctx_lengths")) != ccl:
         wanted = "with" if ccl else "without"
@@ -286,6 +287,7 @@ def locate_export(
     if recorded is not None and hub is not None and recorded["commit"] != hub.commit:
         stale = True  # another commit: other weights, maybe the same config
     if manifest is not None and not stale:
+        _check_table_positions(spec, manifest, directory)
         return Export(directory, manifest)
     if dry_run:
         say(f"dry run: {directory} is {'stale' if stale else 'not exported yet'}; nothing is exported")
@@ -314,7 +316,22 @@ def locate_export(
         blocking_of(spec),
         spec,
     )
+    _check_table_positions(spec, manifest, directory)
     return Export(directory, manifest, hub)
+
+
+def _check_table_positions(spec: Any, manifest: Mapping[str, Any], directory: Path) -> None:
+    """A bf16 language program's rotary tables cover ``ctx_len`` positions; else a UserError.
+
+    The tables hold at most :data:`~qeff_vision.export.rotary_tables.MAX_TABLE_ROWS` positions
+    (Llama 4 Scout declares 10,485,760).
+    """
+    positions = manifest.get("rotary_table_positions")
+    if positions is not None and spec.ctx_len > positions:
+        raise UserError(
+            f"{directory}: the language program reads rotary cos/sin from tables of {positions} "
+            f"positions (bf16, ai200), fewer than ctx_len {spec.ctx_len}"
+        )
 
 
 def write_inputs(generated: Any, spec: Any, out_dir: Path, export: Export) -> dict[str, ProgramPlan]:

@@ -206,11 +206,18 @@ def angle_cos_sin(rotary: nn.Module, position_ids: torch.Tensor) -> tuple[torch.
     return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
+#: Most positions a table holds. Llama 4 Scout declares 10,485,760 positions: its table would be
+#: 2.7 GB of bf16, a graph constant beyond protobuf's 2 GiB (the TorchScript exporter fails), and
+#: 5.4 GB of fp32 while it is measured. 131,072 positions are 33.5 MB at 128 columns; the export
+#: records the bound and a spec whose ``ctx_len`` passes it is refused (compile/inputs.py).
+MAX_TABLE_ROWS = 1 << 17
+
+
 def table_rows(module: nn.Module) -> int:
-    """Positions a table holds: the model's ``max_position_embeddings`` (as QEfficient's tables)."""
+    """Positions a table holds: ``max_position_embeddings`` (as QEfficient's), capped at MAX_TABLE_ROWS."""
     config = getattr(module, "config", None)
     rows = getattr(module, "original_max_seq_len", None) or getattr(config, "max_position_embeddings", None)
-    return int(rows or 4096)
+    return min(int(rows or 4096), MAX_TABLE_ROWS)
 
 
 def use_rotary_tables(text_model: nn.Module) -> dict[str, TableRotary]:
