@@ -14,12 +14,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from qeff_vision.graph_file import load_graph
-from qeff_vision.numerics.device import float_outputs, value_types
 from qeff_vision.numerics.mask_flow import mask_carriers
 from qeff_vision.numerics.recording import MASK_SENTINEL, SlicedRecorder, record_ranges
 from qeff_vision.numerics.slicing import _reads
-from tests.test_recording import exposed_ranges
+from tests.test_recording import exposed_ranges, saved_recorder
 
 WIDTH = 64
 LOWEST = float(np.finfo(np.float32).min)
@@ -72,19 +70,7 @@ def _graph(depth: int, mask: str) -> onnx.ModelProto:
 
 def _recorder(tmp_path, depth: int, mask: str):
     path = tmp_path / mask / "model.onnx"
-    path.parent.mkdir()
-    onnx.save_model(_graph(depth, mask), str(path), save_as_external_data=True, size_threshold=1024)
-    model = load_graph(path)
-    types = value_types(model)
-    recorder = SlicedRecorder(
-        model,
-        path.parent,
-        float_outputs(model, types),
-        types,
-        [f"p{depth - 1}"],
-        slice_bytes=2 * WIDTH * WIDTH * 4,
-    )
-    return recorder, path
+    return saved_recorder(_graph(depth, mask), path, [f"p{depth - 1}"], 2 * WIDTH * WIDTH * 4), path
 
 
 def _runs(monkeypatch) -> Counter:

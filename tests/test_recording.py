@@ -150,6 +150,16 @@ def _layers(depth: int, width: int = 64):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def saved_recorder(model: onnx.ModelProto, path, wanted, slice_bytes: int) -> SlicedRecorder:
+    """A recorder of every float output of ``model``, saved at ``path`` with its weights outside."""
+    path.parent.mkdir()
+    onnx.save_model(model, str(path), save_as_external_data=True, size_threshold=1024)
+    model = load_graph(path)
+    types = value_types(model)
+    recorded = float_outputs(model, types)
+    return SlicedRecorder(model, path.parent, recorded, types, wanted, slice_bytes=slice_bytes)
+
+
 @pytest.mark.parametrize("on_host", [False, True], ids=["in-graph", "host"])
 def test_slice_weights_do_not_grow_with_depth(tmp_path, monkeypatch, on_host):
     """Twice the layers, the same largest slice; masked sums reduced without the sentinel.
@@ -165,18 +175,7 @@ def test_slice_weights_do_not_grow_with_depth(tmp_path, monkeypatch, on_host):
     largest = {}
     for depth in (4, 8):
         path = tmp_path / f"d{depth}" / "model.onnx"
-        path.parent.mkdir()
-        onnx.save_model(_layers(depth), str(path), save_as_external_data=True, size_threshold=1024)
-        model = load_graph(path)
-        types = value_types(model)
-        recorder = SlicedRecorder(
-            model,
-            path.parent,
-            float_outputs(model, types),
-            types,
-            [f"p{depth - 1}"],
-            slice_bytes=2 * 64 * 64 * 4,
-        )
+        recorder = saved_recorder(_layers(depth), path, [f"p{depth - 1}"], 2 * 64 * 64 * 4)
         ranges = record_ranges(recorder, [feed, feed])
         assert ranges == exposed_ranges(path, [feed])
         assert all(ranges[f"masked{layer}"] < MASK_SENTINEL for layer in range(depth))

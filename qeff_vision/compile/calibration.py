@@ -171,12 +171,11 @@ def prompt_ranges(
     bar.close()
     if fitting.note() and say is not None:
         say(fitting.note())
-    left = sum(1 for fit, runs_language in zip(fitted, budget) if fit is not None and not runs_language)
+    left = [fit[2] for fit, runs_language in zip(fitted, budget) if fit is not None and not runs_language]
     if left and say is not None:
-        longest = max(fit[2] for fit, ok in zip(fitted, budget) if fit is not None and not ok)
         say(
-            f"note: {left} calibration prompt(s) longer than {max_prompt_tokens} tokens left out of the "
-            f"language program (up to {longest} tokens; their images were encoded): "
+            f"note: {len(left)} calibration prompt(s) longer than {max_prompt_tokens} tokens left out of the "
+            f"language program (up to {max(left)} tokens; their images were encoded): "
             "compile.calibration.max_prompt_tokens"
         )
     return {"vision": vision.ranges, "lang": language.ranges}
@@ -188,7 +187,7 @@ def within_budget(runs, fitted, max_prompt_tokens: int | None) -> list[bool]:
     Every prompt of at most ``max_prompt_tokens`` tokens does; of the longer ones, only the
     shortest image prompt, and only when no image prompt is within the bound, so that image rows
     always reach the language program. The prompts left out still have their images encoded: each
-    vision specialization keeps its real image. A 1080x1920 image is 2,700 Qwen2.5-VL tokens, 22
+    vision specialization keeps its real image. A 1080x1920 image can be 2,700 tokens, 22
     prefill chunks of 128 that repeat the specializations the shorter prompts already run (at full
     depth, ~0.8 TFLOP each).
     """

@@ -324,7 +324,7 @@ def _check_table_positions(spec: Any, manifest: Mapping[str, Any], directory: Pa
     """A bf16 language program's rotary tables cover ``ctx_len`` positions; else a UserError.
 
     The tables hold at most :data:`~qeff_vision.export.rotary_tables.MAX_TABLE_ROWS` positions
-    (Llama 4 Scout declares 10,485,760).
+    (a model may declare ten million).
     """
     positions = manifest.get("rotary_table_positions")
     if positions is not None and spec.ctx_len > positions:

@@ -206,7 +206,7 @@ def angle_cos_sin(rotary: nn.Module, position_ids: torch.Tensor) -> tuple[torch.
     return torch.cos(angles) * scale, torch.sin(angles) * scale
 
 
-#: Most positions a table holds. Llama 4 Scout declares 10,485,760 positions: its table would be
+#: Most positions a table holds. A model declaring 10,485,760 positions would need
 #: 2.7 GB of bf16, a graph constant beyond protobuf's 2 GiB (the TorchScript exporter fails), and
 #: 5.4 GB of fp32 while it is measured. 131,072 positions are 33.5 MB at 128 columns; the export
 #: records the bound and a spec whose ``ctx_len`` passes it is refused (compile/inputs.py).

@@ -4,8 +4,8 @@ A sliced run (:mod:`qeff_vision.numerics.recording`) builds a session per slice 
 after the slice. Without an arena every value a node makes is a fresh allocation; from glibc's
 mmap threshold on (the attention-sized values of a 1080p image: 148 MB for one block's scores)
 that is a fresh mapping whose pages fault in one by one, and under a hypervisor a page fault is
-dear. At real widths (Qwen2.5-VL-3B, 8 of its 32 vision layers, a 1080p image) that cost 26 of
-116 CPU seconds of a plain run in the kernel, and ``Where`` over one block's masked scores took
+dear. At real widths (a 0.67 B-parameter tower cut to 8 of 32 layers, a 1080p image) that cost
+26 of 116 CPU seconds of a plain run in the kernel, and ``Where`` over one block's masked scores took
 0.6 s where the same kernel on reused memory takes 60 ms.
 
 onnxruntime's own per-session arena grows by powers of two and keeps its peak until the session

@@ -5,7 +5,7 @@ exactly its data input's elements, a ``Cast`` to the type the value already has 
 (the exporter's ``.float()`` on a float tensor), a ``Neg`` the same magnitudes: each one's largest
 magnitude below the mask sentinel is its input's, and whether it holds a sentinel or NaN too. The
 recorder (:mod:`qeff_vision.numerics.recording`) reduces the input and copies the peak. At real
-widths (Qwen2.5-VL's vision tower, a 1080p image) these were a third of the recorded values, and a
+widths (a 0.67 B-parameter vision tower, a 1080p image) these were a third of the recorded values, and a
 reduction read on a ``Transpose`` also keeps onnxruntime from fusing it into its ``MatMul``.
 """
 
@@ -19,8 +19,9 @@ import onnx
 REARRANGING = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Neg"})
 
 
-def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
-    if node.op_type != "Cast" or not node.input:
+def is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
+    """``node`` is a ``Cast`` to the type its input already has (a copy of the same values)."""
+    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.input:
         return False
     target = next((attribute.i for attribute in node.attribute if attribute.name == "to"), None)
     return target is not None and types.get(node.input[0]) == target
@@ -41,6 +42,6 @@ def same_magnitudes(
         name, data = node.output[0], node.input[0]
         if name not in wanted or data not in wanted:
             continue
-        if node.op_type in REARRANGING or _is_same_type_cast(node, types):
+        if node.op_type in REARRANGING or is_same_type_cast(node, types):
             source[name] = source.get(data, data)
     return source

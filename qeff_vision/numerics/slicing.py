@@ -20,6 +20,7 @@ from onnx import TensorProto, helper
 
 from qeff_vision.graph_file import tensor_bytes
 from qeff_vision.numerics.mask_flow import mask_carriers
+from qeff_vision.numerics.same_values import is_same_type_cast
 
 # Inputs from here on make their slice end after their last reader (attention-sized values).
 LARGE_VALUE = 64 * 2**20
@@ -329,7 +330,7 @@ class SlicedGraph:
         removes it from a plain run, but not while a reduction reads its output. ``Identity``
         aliases the buffer: the same values without a second attention-sized tensor.
         """
-        if not _is_same_type_cast(node, self.types):
+        if not is_same_type_cast(node, self.types):
             return node
         return helper.make_node("Identity", list(node.input), list(node.output), name=node.name)
 
@@ -410,10 +411,3 @@ def _masked_peak(name: str, element_type: int | None) -> tuple[list, list]:
         helper.make_tensor_value_info(name + _CLEAN, TensorProto.UINT8, []),
     ]
     return nodes, outputs
-
-
-def _is_same_type_cast(node: onnx.NodeProto, types: Mapping[str, int]) -> bool:
-    if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or not node.input:
-        return False
-    target = next((attribute.i for attribute in node.attribute if attribute.name == "to"), None)
-    return target is not None and types.get(node.input[0]) == target

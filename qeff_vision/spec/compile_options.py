@@ -170,7 +170,7 @@ class Calibration:
             program runs in calibration; a longer image prompt's image still goes through the
             vision program. When every image prompt is longer, the shortest one runs whole, so
             image rows always reach the language program. ``null``: every prompt runs whole.
-            Default 1024: at 1080x1920 a Qwen2.5-VL prompt is 2,700 tokens, 22 prefill chunks
+            Default 1024: at 1080x1920 a prompt can be 2,700 tokens, 22 prefill chunks
             that repeat what the first ones record (issue 48).
     """
 
